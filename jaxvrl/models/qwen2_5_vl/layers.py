@@ -1,0 +1,99 @@
+"""Building blocks shared by the vision tower and the text decoder.
+
+Einsum letters: B batch, T query positions, S key positions, N query heads, K key/value heads,
+G query heads per key/value head (N = K*G), H head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_ACTS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+
+def activation(name: str):
+    if name not in _ACTS:
+        raise ValueError(f"unsupported activation {name!r} (supported: {sorted(_ACTS)})")
+    return _ACTS[name]
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, cast back, then scaled (HF's order of operations)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+        y = (xf * jax.lax.rsqrt(var + self.eps)).astype(dtype)
+        return self.weight[...].astype(dtype) * y
+
+
+def linear(din: int, dout: int, *, bias: bool, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, dim, hidden, act, *, bias, dtype, param_dtype, rngs):
+        kw = dict(bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = linear(dim, hidden, **kw)
+        self.up_proj = linear(dim, hidden, **kw)
+        self.down_proj = linear(hidden, dim, **kw)
+        self.act = activation(act)
+
+    def __call__(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [..., T, heads, H]; cos/sin: [..., T, H] broadcast over heads."""
+    return x * cos[..., None, :] + rotate_half(x) * sin[..., None, :]
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax in float32 over the last axis; fully masked rows give zeros, not NaN."""
+    logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(mask, probs, 0.0)
+
+
+def pool_masses(probs: jax.Array, pools: dict) -> tuple[jax.Array, jax.Array]:
+    """Heads-averaged attention mass on the vision and text pools, renormalised over prompt keys.
+
+    probs: float32[B, heads..., T, S] attention probabilities (any number of head axes).
+    pools: {"vision", "text", "prompt"}: bool[B, S] key masks; "prompt" excludes the sink key.
+    Returns (A_V, A_X): float32[B, T]. Rows whose prompt mass is 0 give 0.
+    """
+    head_axes = tuple(range(1, probs.ndim - 2))
+    p = jnp.mean(probs, axis=head_axes)  # [B, T, S]
+    f32 = jnp.float32
+    tot = jnp.einsum("BTS,BS->BT", p, pools["prompt"].astype(f32))
+    a_v = jnp.einsum("BTS,BS->BT", p, pools["vision"].astype(f32))
+    a_x = jnp.einsum("BTS,BS->BT", p, pools["text"].astype(f32))
+    safe = jnp.where(tot > 0, tot, 1.0)
+    return jnp.where(tot > 0, a_v / safe, 0.0), jnp.where(tot > 0, a_x / safe, 0.0)

@@ -1,0 +1,150 @@
+"""Qwen2.5-VL for conditional generation, in Flax NNX.
+
+Two entry points:
+- `model(input_ids, attention_mask, pixel_values, image_grid_thw, ...)`: the HF-like call on
+  numpy/jax arrays; grids are read on the host.
+- `model.forward(input_ids, attention_mask, position_ids, images=..., videos=..., cache=...)`:
+  traceable under `jax.jit`; every grid-dependent index comes precomputed (`VisionInputs`,
+  `get_rope_index`), so shapes are static.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from jaxvrl.models.qwen2_5_vl.layers import linear
+from jaxvrl.models.qwen2_5_vl.positions import get_rope_index
+from jaxvrl.models.qwen2_5_vl.text import KVCache, TextDecoder
+from jaxvrl.models.qwen2_5_vl.vision import VisionInputs, VisionTower, vision_inputs
+
+
+@struct.dataclass
+class ModelOutput:
+    """logits: float32[B, T, V] (None if not asked); hidden: [B, T, D] final-norm states;
+    cache: the updated KVCache or None; vision_mass / text_mass: float32[L, B, T] or None."""
+
+    logits: jax.Array | None
+    hidden: jax.Array
+    cache: KVCache | None = None
+    vision_mass: jax.Array | None = None
+    text_mass: jax.Array | None = None
+
+
+class Qwen2_5_VL(nnx.Module):
+    def __init__(
+        self,
+        cfg: Qwen2_5_VLConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.config = cfg
+        self.dtype = dtype
+        self.visual = VisionTower(cfg.vision, **kw)
+        self.model = TextDecoder(cfg.text, **kw)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False, **kw)
+
+    # ------------------------------------------------------------------ traceable core
+    def embed(self, input_ids, images: VisionInputs | None, videos: VisionInputs | None):
+        """Token embeddings with image/video pad tokens replaced by the tower's outputs, in
+        order (the k-th pad token of the batch takes the k-th merged patch)."""
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids)
+        for inputs, token in ((images, cfg.image_token_id), (videos, cfg.video_token_id)):
+            if inputs is None:
+                continue
+            feats = self.visual(inputs).astype(x.dtype)
+            is_pad = input_ids == token
+            rank = jnp.cumsum(is_pad.reshape(-1)).reshape(is_pad.shape) - 1
+            rank = jnp.clip(rank, 0, feats.shape[0] - 1)
+            x = jnp.where(is_pad[..., None], feats[rank], x)
+        return x
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32[..., V] from final hidden states."""
+        if self.config.tie_word_embeddings:
+            out = self.model.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        *,
+        images: VisionInputs | None = None,
+        videos: VisionInputs | None = None,
+        cache: KVCache | None = None,
+        pools: dict | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """input_ids int[B, T]; attention_mask int[B, T]; position_ids int[3, B, T].
+
+        pools: optional {"vision", "text", "prompt"} bool[B, S] key masks (S = T, or the cache
+        length with a cache) to return per-layer attention masses (see `attention_pools`).
+        """
+        x = self.embed(input_ids, images, videos)
+        hidden, new_cache, stats = self.model(x, position_ids, attention_mask, cache, pools)
+        return ModelOutput(
+            logits=self.logits(hidden) if return_logits else None,
+            hidden=hidden,
+            cache=new_cache,
+            vision_mass=None if stats is None else stats[0],
+            text_mass=None if stats is None else stats[1],
+        )
+
+    # ------------------------------------------------------------------ HF-like call
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        second_per_grid_ts=None,
+        *,
+        position_ids=None,
+        pools: dict | None = None,
+    ) -> ModelOutput:
+        """Forward on host arrays (numpy or concrete jax). Left- or right-padded batches."""
+        input_ids = np.asarray(input_ids)
+        if attention_mask is None:
+            attention_mask = np.ones_like(input_ids)
+        attention_mask = np.asarray(attention_mask)
+        if position_ids is None:
+            position_ids, _ = get_rope_index(
+                input_ids,
+                attention_mask,
+                self.config,
+                image_grid_thw,
+                video_grid_thw,
+                second_per_grid_ts,
+            )
+        images = videos = None
+        if pixel_values is not None:
+            images = vision_inputs(pixel_values, image_grid_thw, self.config.vision)
+        if pixel_values_videos is not None:
+            videos = vision_inputs(pixel_values_videos, video_grid_thw, self.config.vision)
+        return self.forward(
+            jnp.asarray(input_ids),
+            jnp.asarray(attention_mask),
+            jnp.asarray(position_ids),
+            images=_to_device(images),
+            videos=_to_device(videos),
+            pools=None if pools is None else {k: jnp.asarray(v) for k, v in pools.items()},
+        )
+
+
+def _to_device(vi: VisionInputs | None) -> VisionInputs | None:
+    return None if vi is None else jax.tree.map(jnp.asarray, vi)

@@ -1,0 +1,167 @@
+"""Qwen2.5-VL text decoder: GQA with q/k/v bias, 3-D M-RoPE, RMSNorm, gated MLP, KV cache.
+
+The decoder can also return attention statistics: for every layer and query position, the
+heads-averaged attention mass on a vision pool and a text pool of keys (SPEC section 1). They
+are reduced inside each layer, so no [L, heads, T, S] tensor outlives its layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxvrl.models.qwen2_5_vl.config import TextConfig
+from jaxvrl.models.qwen2_5_vl.layers import (
+    GatedMLP,
+    RMSNorm,
+    apply_rope,
+    linear,
+    masked_softmax,
+    pool_masses,
+)
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys/values [B, S, K, H], the valid-key mask and the next write position.
+
+    Rows share one write position: prompts are left-padded to a common length, so every row
+    writes its t-th new token at the same slot.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    key_mask: jax.Array  # bool[B, S]
+    index: jax.Array  # int32[]
+
+    @classmethod
+    def init(cls, cfg: TextConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
+        shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        return cls(
+            k=zeros,
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)),
+            key_mask=jnp.zeros((batch, length), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+
+def mrope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
+    """cos, sin: [B, T, head_dim] from position_ids int[3, B, T] (temporal, height, width).
+
+    Frequency i takes its position from axis `section(i)`, the sections given by mrope_section.
+    """
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    freqs = position_ids.astype(jnp.float32)[..., None] * inv_freq  # [3, B, T, hd/2]
+    axis = jnp.repeat(jnp.arange(3), jnp.asarray(cfg.mrope_section), total_repeat_length=hd // 2)
+    freqs = jnp.take_along_axis(freqs, axis[None, None, None, :], axis=0)[0]  # [B, T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = linear(d, cfg.num_attention_heads * hd, bias=True, **kw)
+        self.k_proj = linear(d, cfg.num_key_value_heads * hd, bias=True, **kw)
+        self.v_proj = linear(d, cfg.num_key_value_heads * hd, bias=True, **kw)
+        self.o_proj = linear(cfg.num_attention_heads * hd, d, bias=False, **kw)
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+        )
+
+    def __call__(self, x, cos, sin, mask, kv=None, pools=None):
+        """x: [B, T, D]; mask: bool[B, T, S]; kv: None or (k_cache, v_cache, index) to write the
+        new keys at `index` and attend over the whole cache. Returns (out, (k, v), stats)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k_cache, v_cache, index = kv
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, index, 0, 0))
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, index, 0, 0))
+        g = self.n_heads // self.n_kv
+        qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
+        logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * self.head_dim**-0.5
+        probs = masked_softmax(logits, mask[:, None, None])
+        stats = pool_masses(probs, pools) if pools is not None else None
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(x.dtype), v.astype(x.dtype))
+        return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype
+        )
+        self.self_attn = Attention(cfg, **kw)
+        self.mlp = GatedMLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, **kw
+        )
+
+    def __call__(self, x, cos, sin, mask, kv=None, pools=None):
+        h, new_kv, stats = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, pools)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv, stats
+
+
+class TextDecoder(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.dtype = dtype
+
+    def __call__(self, x, position_ids, attention_mask, cache: KVCache | None = None, pools=None):
+        """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T].
+
+        Without a cache, queries attend causally over the T given tokens. With a cache, the T
+        tokens are written at `cache.index` and attend over every valid cached key up to their
+        own slot. Returns (hidden [B, T, D], new cache or None, stats or None) where stats is
+        (A_V, A_X), each float32[L, B, T].
+        """
+        b, t, _ = x.shape
+        cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
+        valid = attention_mask.astype(bool)
+        if cache is None:
+            key_mask = valid
+            q_pos, k_pos = jnp.arange(t), jnp.arange(t)
+        else:
+            key_mask = jax.lax.dynamic_update_slice(cache.key_mask, valid, (0, cache.index))
+            q_pos = cache.index + jnp.arange(t)
+            k_pos = jnp.arange(cache.key_mask.shape[1])
+        mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
+        ks, vs, a_v, a_x = [], [], [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+            x, (k, v), stats = layer(x, cos, sin, mask, kv, pools)
+            ks.append(k)
+            vs.append(v)
+            if stats is not None:
+                a_v.append(stats[0])
+                a_x.append(stats[1])
+        x = self.norm(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(tuple(ks), tuple(vs), key_mask, cache.index + t)
+        stats = (jnp.stack(a_v), jnp.stack(a_x)) if pools is not None else None
+        return x, new_cache, stats

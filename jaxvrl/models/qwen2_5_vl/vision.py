@@ -1,0 +1,209 @@
+"""Qwen2.5-VL vision tower: patch embed, 2-D rotary, window/full attention blocks, 2x2 merger.
+
+All images (or all videos) of a batch are packed into one sequence of patches, as the HF
+processor emits them. Everything that depends on the grids (window permutation, rotary
+positions, attention segments) is computed on the host by `vision_inputs` in numpy, so the
+device program only sees arrays of static shape: a batch padded to `num_patches` compiles once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jaxvrl.models.qwen2_5_vl.config import VisionConfig
+from jaxvrl.models.qwen2_5_vl.layers import GatedMLP, RMSNorm, apply_rope, linear, masked_softmax
+
+
+@struct.dataclass
+class VisionInputs:
+    """Packed patches of several images/videos plus their host-computed layout.
+
+    pixel_values:    float[N, C*T*P*P], patches in processor order (N may include padding).
+    rot_pos:         int32[N, 2] (row, col) rotary position of each patch, window order.
+    window_index:    int32[U] original merge unit at each window-order slot (U = N / merge unit).
+    reverse_index:   int32[U] inverse permutation of window_index.
+    full_segments:   int32[N] attention segment (one per image frame) in window order.
+    window_segments: int32[N] attention segment (one per window) in window order.
+    """
+
+    pixel_values: jax.Array
+    rot_pos: jax.Array
+    window_index: jax.Array
+    reverse_index: jax.Array
+    full_segments: jax.Array
+    window_segments: jax.Array
+
+
+def _rot_pos(grid_thw: np.ndarray, merge: int) -> np.ndarray:
+    """(row, col) of every patch, block-major over merge x merge blocks (HF order)."""
+    out = []
+    for t, h, w in grid_thw:
+        hpos, wpos = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        hpos = hpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        wpos = wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        out.append(np.tile(np.stack([hpos, wpos], -1), (t, 1)))
+    return np.concatenate(out, 0) if out else np.zeros((0, 2), np.int64)
+
+
+def _window_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Window permutation of merge units and the window id of each unit, in window order.
+
+    Windows are `window_size` pixels square; grids that do not divide the window get partial
+    windows at the bottom/right edges (HF pads the index grid with -100 and drops those slots).
+    """
+    merge = cfg.spatial_merge_size
+    ws = cfg.window_size // merge // cfg.patch_size
+    index, window_ids, offset, next_window = [], [], 0, 0
+    for t, h, w in grid_thw:
+        gh, gw = h // merge, w // merge
+        idx = np.arange(t * gh * gw).reshape(t, gh, gw)
+        ph, pw = (-gh) % ws, (-gw) % ws
+        # HF pads by ws - g % ws, which adds an all-padding window when g divides ws; empty
+        # windows have no tokens, so padding by (-g) % ws gives the same layout.
+        padded = np.pad(idx, ((0, 0), (0, ph), (0, pw)), constant_values=-1)
+        nh, nw = (gh + ph) // ws, (gw + pw) // ws
+        padded = padded.reshape(t, nh, ws, nw, ws).transpose(0, 1, 3, 2, 4).reshape(t, nh * nw, -1)
+        wid = np.broadcast_to(np.arange(t * nh * nw).reshape(t, nh * nw, 1), padded.shape)
+        keep = padded >= 0
+        index.append(padded[keep] + offset)
+        window_ids.append(wid[keep] + next_window)
+        offset += t * gh * gw
+        next_window += t * nh * nw
+    if not index:
+        return np.zeros((0,), np.int64), np.zeros((0,), np.int64)
+    return np.concatenate(index), np.concatenate(window_ids)
+
+
+def vision_inputs(
+    pixel_values, grid_thw, cfg: VisionConfig, num_patches: int | None = None
+) -> VisionInputs:
+    """Host-side layout of packed patches. Pads to `num_patches` rows (a multiple of the merge
+    unit) so that batches with different grids share one compiled program."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    pv = np.asarray(pixel_values)
+    unit, merge = cfg.merge_unit, cfg.spatial_merge_size
+    n_valid = int(np.sum(np.prod(grid, axis=-1))) if len(grid) else 0
+    if pv.ndim != 2 or pv.shape[1] != cfg.patch_dim:
+        raise ValueError(f"pixel_values must be [num_patches, {cfg.patch_dim}], got {pv.shape}")
+    if np.any(grid[:, 1:] % merge):
+        raise ValueError(f"grid_thw h and w must be multiples of {merge}, got {grid.tolist()}")
+    if pv.shape[0] < n_valid:
+        raise ValueError(f"pixel_values has {pv.shape[0]} rows but grid_thw needs {n_valid}")
+    n = pv.shape[0] if num_patches is None else num_patches
+    if n < n_valid or n % unit:
+        raise ValueError(
+            f"num_patches={n} must be >= {n_valid} and a multiple of the merge unit {unit}"
+        )
+    pv = np.concatenate([pv[:n_valid], np.zeros((n - n_valid, pv.shape[1]), pv.dtype)])
+
+    win_index, win_ids = _window_layout(grid, cfg)
+    n_units, n_valid_units = n // unit, n_valid // unit
+    window_index = np.concatenate([win_index, np.arange(n_valid_units, n_units)])
+    reverse_index = np.argsort(window_index)
+    # One full-attention segment per (image, frame); padding gets its own segment.
+    frame = np.repeat(
+        np.arange(int(np.sum(grid[:, 0])) if len(grid) else 0),
+        np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]) if len(grid) else [],
+    )
+    frame_units = np.concatenate([frame[::unit], np.full(n_units - n_valid_units, -1)])
+    # win_ids is already in window order; frame ids are in processor order.
+    window_units = np.concatenate([win_ids, np.full(n_units - n_valid_units, -1)])
+    rot = np.concatenate([_rot_pos(grid, merge), np.zeros((n - n_valid, 2), np.int64)])
+    rot = rot.reshape(n_units, unit, 2)[window_index].reshape(n, 2)
+    return VisionInputs(
+        pixel_values=pv,
+        rot_pos=rot.astype(np.int32),
+        window_index=window_index.astype(np.int32),
+        reverse_index=reverse_index.astype(np.int32),
+        full_segments=np.repeat(frame_units[window_index], unit).astype(np.int32),
+        window_segments=np.repeat(window_units, unit).astype(np.int32),
+    )
+
+
+class VisionAttention(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
+        d = cfg.hidden_size
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.qkv = linear(d, 3 * d, bias=True, **kw)
+        self.proj = linear(d, d, bias=True, **kw)
+        self.num_heads = cfg.num_heads
+
+    def __call__(self, x, cos, sin, segments):
+        """x: [N, D]; cos/sin: float32[N, H]; segments: int32[N] (attend within a segment)."""
+        n, d = x.shape
+        qkv = self.qkv(x).reshape(n, 3, self.num_heads, d // self.num_heads)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        q = apply_rope(q.astype(jnp.float32), cos, sin).astype(x.dtype)
+        k = apply_rope(k.astype(jnp.float32), cos, sin).astype(x.dtype)
+        scale = (d // self.num_heads) ** -0.5
+        logits = jnp.einsum("TNH,SNH->NTS", q, k) * scale
+        mask = segments[:, None] == segments[None, :]
+        probs = masked_softmax(logits, mask[None]).astype(x.dtype)
+        out = jnp.einsum("NTS,SNH->TNH", probs, v).reshape(n, d)
+        return self.proj(out)
+
+
+class VisionBlock(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.attn = VisionAttention(cfg, **kw)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True, **kw)
+
+    def __call__(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nnx.Module):
+    """RMSNorm, then each 2x2 block of patches concatenated and projected by a GELU MLP."""
+
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
+        kw = dict(bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.ln_q = RMSNorm(cfg.hidden_size, 1e-6, param_dtype=param_dtype)
+        self.hidden = cfg.hidden_size * cfg.merge_unit
+        self.fc1 = linear(self.hidden, self.hidden, **kw)
+        self.fc2 = linear(self.hidden, cfg.out_hidden_size, **kw)
+
+    def __call__(self, x):
+        x = self.ln_q(x).reshape(-1, self.hidden)
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
+
+
+class VisionTower(nnx.Module):
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.cfg = cfg
+        self.patch_embed = linear(cfg.patch_dim, cfg.hidden_size, bias=False, **kw)
+        self.blocks = nnx.List([VisionBlock(cfg, **kw) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg, **kw)
+        self.dtype = dtype
+
+    def rotary(self, rot_pos):
+        """cos, sin: float32[N, head_dim] from (row, col) positions (axial 2-D rope)."""
+        hd = self.cfg.head_dim
+        inv_freq = 1.0 / (
+            self.cfg.rope_theta ** (jnp.arange(0, hd // 2, 2, dtype=jnp.float32) / (hd // 2))
+        )
+        freqs = rot_pos.astype(jnp.float32)[..., None] * inv_freq  # [N, 2, hd/4]
+        freqs = freqs.reshape(rot_pos.shape[0], -1)  # [N, hd/2]: rows then cols
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(emb), jnp.sin(emb)
+
+    def __call__(self, vi: VisionInputs) -> jax.Array:
+        """Merged patch embeddings [N / merge unit, out_hidden], in processor order."""
+        cfg = self.cfg
+        x = self.patch_embed(jnp.asarray(vi.pixel_values).astype(self.dtype))
+        n = x.shape[0]
+        x = x.reshape(n // cfg.merge_unit, cfg.merge_unit, -1)[vi.window_index].reshape(n, -1)
+        cos, sin = self.rotary(jnp.asarray(vi.rot_pos))
+        full = set(cfg.fullatt_block_indexes)
+        for i, blk in enumerate(self.blocks):
+            segments = vi.full_segments if i in full else vi.window_segments
+            x = blk(x, cos, sin, jnp.asarray(segments))
+        return self.merger(x)[vi.reverse_index]

@@ -1,0 +1,176 @@
+"""Float32 parity of the Flax Qwen2.5-VL against transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxvrl.models import qwen2_5_vl as q
+from tests.models import hf_tiny as T
+
+
+def hf_logits(hf, ids, mask=None, images=(), videos=(), pv=None, pvv=None, spg=None):
+    kw = dict(input_ids=torch.tensor(ids), mm_token_type_ids=torch.tensor(T.token_types(ids)))
+    if mask is not None:
+        kw["attention_mask"] = torch.tensor(mask)
+    if images:
+        kw["pixel_values"] = torch.tensor(pv)
+        kw["image_grid_thw"] = torch.tensor(np.array(images))
+    if videos:
+        kw["pixel_values_videos"] = torch.tensor(pvv)
+        kw["video_grid_thw"] = torch.tensor(np.array(videos))
+        if spg is not None:
+            kw["second_per_grid_ts"] = torch.tensor(spg)
+    with torch.no_grad():
+        return hf(**kw).logits.numpy()
+
+
+def assert_close(ours, ref, mask=None):
+    ours = np.asarray(ours)
+    assert ours.shape == ref.shape
+    if mask is not None:
+        ours, ref = ours[mask.astype(bool)], ref[mask.astype(bool)]
+    diff = np.abs(ours - ref).max()
+    scale = np.abs(ref).max()
+    assert scale > 0.5, f"reference logits too small to be a meaningful check ({scale})"
+    assert diff <= 1e-3 * scale, f"max |diff| {diff} > 1e-3 * {scale}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    hf = T.build(path)
+    return hf, q.load(path), path
+
+
+def test_text_only(tiny):
+    hf, model, _ = tiny
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 290, (2, 11))
+    assert_close(model(ids).logits, hf_logits(hf, ids))
+
+
+def test_one_image_with_window_padding(tiny):
+    hf, model, _ = tiny
+    rng = np.random.default_rng(1)
+    grid = [1, 6, 10]  # 3x5 merged units: neither side divides the 2-unit window
+    ids = np.array([T.prompt(rng, images=[grid])])
+    pv = T.patches(rng, [grid])
+    out = model(ids, pixel_values=pv, image_grid_thw=np.array([grid]))
+    assert_close(out.logits, hf_logits(hf, ids, images=[grid], pv=pv))
+
+
+def test_two_images_of_different_sizes(tiny):
+    hf, model, _ = tiny
+    rng = np.random.default_rng(2)
+    grids = [[1, 4, 8], [1, 10, 6]]
+    ids = np.array([T.prompt(rng, images=grids)])
+    pv = T.patches(rng, grids)
+    out = model(ids, pixel_values=pv, image_grid_thw=np.array(grids))
+    assert_close(out.logits, hf_logits(hf, ids, images=grids, pv=pv))
+
+
+def test_video_with_second_per_grid_ts(tiny):
+    hf, model, _ = tiny
+    rng = np.random.default_rng(3)
+    grids = [[3, 4, 6]]
+    spg = [1.7]
+    ids = np.array([T.prompt(rng, videos=grids)])
+    pvv = T.patches(rng, grids)
+    out = model(
+        ids, pixel_values_videos=pvv, video_grid_thw=np.array(grids), second_per_grid_ts=spg
+    )
+    assert_close(out.logits, hf_logits(hf, ids, videos=grids, pvv=pvv, spg=spg))
+
+
+def test_image_and_video_together(tiny):
+    hf, model, _ = tiny
+    rng = np.random.default_rng(4)
+    images, videos = [[1, 6, 4]], [[2, 4, 4]]
+    ids = np.array([T.prompt(rng, images=images, videos=videos)])
+    pv, pvv = T.patches(rng, images), T.patches(rng, videos)
+    out = model(
+        ids,
+        pixel_values=pv,
+        image_grid_thw=np.array(images),
+        pixel_values_videos=pvv,
+        video_grid_thw=np.array(videos),
+        second_per_grid_ts=[0.5],
+    )
+    ref = hf_logits(hf, ids, images=images, videos=videos, pv=pv, pvv=pvv, spg=[0.5])
+    assert_close(out.logits, ref)
+
+
+def test_left_padded_batch(tiny):
+    hf, model, _ = tiny
+    rng = np.random.default_rng(5)
+    grids = [[1, 4, 4], [1, 8, 6], [1, 2, 2]]
+    rows = [
+        T.prompt(rng, images=[grids[0]], text_len=(2, 3)),
+        T.prompt(rng, images=grids[1:], text_len=(9, 10)),
+        T.prompt(rng, text_len=(4, 5)),
+    ]
+    ids, mask = T.left_pad(rows)
+    pv = T.patches(rng, grids)
+    out = model(ids, mask, pixel_values=pv, image_grid_thw=np.array(grids))
+    ref = hf_logits(hf, ids, mask, images=grids, pv=pv)
+    assert_close(out.logits, ref, mask)
+    # Each row alone gives the same logits as inside the padded batch.
+    alone = model(np.array([rows[0]]), pixel_values=pv[:16], image_grid_thw=np.array(grids[:1]))
+    n = len(rows[0])
+    np.testing.assert_allclose(
+        np.asarray(out.logits)[0, -n:], np.asarray(alone.logits)[0], atol=2e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(tie=True),
+        dict(heads=4, kv_heads=4, mrope=(4, 2, 2), hidden=64, layers=3),
+        dict(
+            heads=8,
+            kv_heads=2,
+            hidden=128,
+            mrope=(2, 3, 3),
+            v_depth=4,
+            fullatt=(0, 3),
+            window=112,
+            v_heads=4,
+            v_hidden=64,
+        ),
+    ],
+    ids=["tied", "mha", "gqa4-window112"],
+)
+def test_other_configs(tmp_path, kw):
+    hf = T.build(tmp_path, seed=7, **kw)
+    model = q.load(tmp_path)
+    assert model.config.tie_word_embeddings == kw.get("tie", False)
+    rng = np.random.default_rng(6)
+    grids = [[1, 10, 14], [1, 4, 2]]
+    ids, mask = T.left_pad([T.prompt(rng, images=grids), T.prompt(rng, text_len=(8, 9))])
+    pv = T.patches(rng, grids)
+    out = model(ids, mask, pixel_values=pv, image_grid_thw=np.array(grids))
+    assert_close(out.logits, hf_logits(hf, ids, mask, images=grids, pv=pv), mask)
+
+
+def test_jitted_forward_matches_eager(tiny):
+    import jax
+    from flax import nnx
+
+    _, model, _ = tiny
+    rng = np.random.default_rng(8)
+    grids = [[1, 6, 10]]
+    ids, mask = T.left_pad([T.prompt(rng, images=grids), T.prompt(rng, text_len=(30, 31))])
+    pv = T.patches(rng, grids)
+    eager = model(ids, mask, pixel_values=pv, image_grid_thw=np.array(grids))
+    pos, _ = q.get_rope_index(ids, mask, model.config, np.array(grids))
+    vi = jax.tree.map(jax.numpy.asarray, q.vision_inputs(pv, grids, model.config.vision, 64))
+
+    @nnx.jit
+    def fwd(m, ids, mask, pos, vi):
+        return m.forward(ids, mask, pos, images=vi).logits
+
+    jitted = fwd(model, ids, mask, pos, vi)  # padded to 64 patches: padding must not leak
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager.logits), atol=2e-5)
