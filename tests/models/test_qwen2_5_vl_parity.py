@@ -174,3 +174,25 @@ def test_jitted_forward_matches_eager(tiny):
 
     jitted = fwd(model, ids, mask, pos, vi)  # padded to 64 patches: padding must not leak
     np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager.logits), atol=2e-5)
+
+
+def test_per_row_vision_layout_matches_packed(tiny):
+    """Rows with their own padded patch arrays give the packed batch's logits."""
+    _, model, _ = tiny
+    rng = np.random.default_rng(9)
+    grids = [[[1, 4, 4]], [[1, 2, 6], [1, 4, 2]]]
+    rows = [T.prompt(rng, images=g) for g in grids]
+    ids, mask = T.left_pad(rows)
+    pvs = [T.patches(rng, g) for g in grids]
+    packed = model(
+        ids, mask, pixel_values=np.concatenate(pvs), image_grid_thw=np.concatenate(grids)
+    )
+    pos, _ = q.get_rope_index(ids, mask, model.config, np.concatenate(grids))
+    per_row = q.stack_vision_inputs(
+        [q.vision_inputs(pv, g, model.config.vision, num_patches=32) for pv, g in zip(pvs, grids)]
+    )
+    import jax
+
+    out = model.forward(ids, mask, pos, images=jax.tree.map(jax.numpy.asarray, per_row))
+    m = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out.logits)[m], np.asarray(packed.logits)[m], atol=2e-5)

@@ -9,7 +9,7 @@ from jaxvrl.models.qwen2_5_vl.config import ConfigError, Qwen2_5_VLConfig, TextC
 from jaxvrl.models.qwen2_5_vl.model import ModelOutput, Qwen2_5_VL
 from jaxvrl.models.qwen2_5_vl.positions import attention_pools, get_rope_index
 from jaxvrl.models.qwen2_5_vl.text import KVCache
-from jaxvrl.models.qwen2_5_vl.vision import VisionInputs, vision_inputs
+from jaxvrl.models.qwen2_5_vl.vision import VisionInputs, stack_vision_inputs, vision_inputs
 from jaxvrl.models.qwen2_5_vl.weights import KEY_TABLE, load, save
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "get_rope_index",
     "load",
     "save",
+    "stack_vision_inputs",
     "vision_inputs",
 ]

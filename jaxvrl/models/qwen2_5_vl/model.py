@@ -55,17 +55,29 @@ class Qwen2_5_VL(nnx.Module):
     # ------------------------------------------------------------------ traceable core
     def embed(self, input_ids, images: VisionInputs | None, videos: VisionInputs | None):
         """Token embeddings with image/video pad tokens replaced by the tower's outputs, in
-        order (the k-th pad token of the batch takes the k-th merged patch)."""
+        order.
+
+        Packed inputs (pixel_values [N, C*T*P*P]): the k-th pad token of the batch takes the
+        k-th merged patch. Per-row inputs (pixel_values [B, N, C*T*P*P], every VisionInputs
+        field with a leading batch axis): row b's k-th pad token takes row b's k-th merged
+        patch; the tower runs per row, so attention costs B*N^2 rather than (B*N)^2 and rows
+        can be split into micro-batches.
+        """
         cfg = self.config
         x = self.model.embed_tokens(input_ids)
         for inputs, token in ((images, cfg.image_token_id), (videos, cfg.video_token_id)):
             if inputs is None:
                 continue
-            feats = self.visual(inputs).astype(x.dtype)
             is_pad = input_ids == token
-            rank = jnp.cumsum(is_pad.reshape(-1)).reshape(is_pad.shape) - 1
-            rank = jnp.clip(rank, 0, feats.shape[0] - 1)
-            x = jnp.where(is_pad[..., None], feats[rank], x)
+            if inputs.pixel_values.ndim == 3:
+                feats = jax.vmap(self.visual)(inputs).astype(x.dtype)  # [B, U, D]
+                rank = jnp.clip(jnp.cumsum(is_pad, axis=1) - 1, 0, feats.shape[1] - 1)
+                picked = jnp.take_along_axis(feats, rank[..., None], axis=1)
+            else:
+                feats = self.visual(inputs).astype(x.dtype)  # [U, D]
+                rank = jnp.cumsum(is_pad.reshape(-1)).reshape(is_pad.shape) - 1
+                picked = feats[jnp.clip(rank, 0, feats.shape[0] - 1)]
+            x = jnp.where(is_pad[..., None], picked, x)
         return x
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -37,6 +37,11 @@ class VisionInputs:
     window_segments: jax.Array
 
 
+def stack_vision_inputs(rows: list[VisionInputs]) -> VisionInputs:
+    """Per-row layout: stack rows of equal `num_patches` along a new leading batch axis."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *rows)
+
+
 def _rot_pos(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     """(row, col) of every patch, block-major over merge x merge blocks (HF order)."""
     out = []
