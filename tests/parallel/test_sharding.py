@@ -1,0 +1,70 @@
+"""Mesh and sharding rules on 8 simulated CPU devices (run in a subprocess: the device count is
+fixed when jax starts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxvrl.parallel import sharding as S
+
+
+def run_with_8_devices(code: str) -> str:
+    env_code = (
+        "import os\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
+        "os.environ['JAX_PLATFORMS'] = 'cpu'\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", env_code + textwrap.dedent(code)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_param_axes_table():
+    assert S.param_axes("model.layers.3.self_attn.q_proj.kernel", 2) == ("embed", "heads")
+    assert S.param_axes("model.layers.3.mlp.down_proj.kernel", 2) == ("mlp", "embed")
+    assert S.param_axes("visual.blocks.0.attn.proj.kernel", 2) == ("heads", "embed")
+    assert S.param_axes("model.norm.weight", 1) == ("norm",)
+    assert S.param_axes("lm_head.kernel", 2) == ("embed", "vocab")
+
+
+def test_make_mesh_errors():
+    import jax
+
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match="at most one mesh axis"):
+        S.make_mesh(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match="needs"):
+        S.make_mesh(data=n + 1, fsdp=1, tensor=1)
+
+
+def test_fsdp_params_hold_one_eighth_each(tmp_path):
+    out = run_with_8_devices(
+        f"""
+        import jax, numpy as np
+        from flax import nnx
+        from jaxvrl.models import qwen2_5_vl as q
+        from jaxvrl.parallel import sharding as S
+        from tests.models import hf_tiny as T
+        T.build({str(tmp_path)!r}, hidden=64, heads=4, kv_heads=2, v_hidden=32)
+        model = q.load({str(tmp_path)!r})
+        mesh = S.make_mesh(data=1, fsdp=8, tensor=1)
+        _, state = nnx.split(model, nnx.Param)
+        shardings = S.param_shardings(state, mesh)
+        state = jax.device_put(state, shardings)
+        n_sharded = 0
+        for path, var in nnx.to_flat_state(state):
+            arr = var.get_value()
+            shard = arr.addressable_shards[0].data
+            if arr.sharding.spec and any(s is not None for s in arr.sharding.spec):
+                assert shard.size * 8 == arr.size, (path, shard.shape, arr.shape)
+                n_sharded += 1
+        print("sharded", n_sharded)
+        """
+    )
+    assert int(out.split("sharded")[-1]) > 20
