@@ -101,8 +101,8 @@ def prompt(rng, images=(), videos=(), text_len=(3, 4), token=IMAGE):
     return ids
 
 
-def left_pad(rows, pad=0):
-    n = max(len(r) for r in rows)
+def left_pad(rows, pad=0, length=None):
+    n = max(len(r) for r in rows) if length is None else length
     ids = np.full((len(rows), n), pad, np.int64)
     mask = np.zeros((len(rows), n), np.int64)
     for i, r in enumerate(rows):

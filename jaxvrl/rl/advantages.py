@@ -1,0 +1,113 @@
+"""Advantage estimators (SPEC section 4). Group = the G consecutive rows of one prompt."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ESTIMATORS = ("grpo", "rloo", "remax", "reinforce_plus_plus", "gae")
+
+
+def whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax.Array:
+    """(x - mean) / sqrt(var + 1e-8) over masked entries, var with Bessel's correction."""
+    m = (mask > 0).astype(jnp.float32)
+    n = jnp.sum(m)
+    mean = jnp.sum(x * m) / jnp.maximum(n, 1.0)
+    var = jnp.sum(jnp.square(x - mean) * m) / jnp.maximum(n - 1.0, 1.0)
+    out = (x - mean) * jax.lax.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return jnp.where(m > 0, out, 0.0)
+
+
+def group_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    estimator: str = "grpo",
+    norm_by_std: bool = True,
+    baseline: jax.Array | None = None,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """One advantage per row, float32[B] (broadcast over tokens by the loss).
+
+    grpo: (R - mean_g) / (std_g + eps), std with Bessel's correction (groups of one get 0);
+    norm_by_std=False gives Dr.GRPO (R - mean_g). rloo: R_i - mean of the other G-1 rewards.
+    remax: R - baseline, the greedy completion's reward (per row, [B]).
+    """
+    r = rewards.astype(jnp.float32)
+    if estimator == "remax":
+        if baseline is None:
+            raise ValueError("remax needs the greedy baseline rewards")
+        return r - baseline.astype(jnp.float32)
+    g = r.reshape(-1, group_size)
+    if estimator == "grpo":
+        mean = jnp.mean(g, axis=1, keepdims=True)
+        if not norm_by_std:
+            return (g - mean).reshape(-1)
+        if group_size < 2:
+            return jnp.zeros_like(r)
+        std = jnp.std(g, axis=1, keepdims=True, ddof=1)
+        return ((g - mean) / (std + eps)).reshape(-1)
+    if estimator == "rloo":
+        if group_size < 2:
+            return jnp.zeros_like(r)
+        others = (jnp.sum(g, axis=1, keepdims=True) - g) / (group_size - 1)
+        return (g - others).reshape(-1)
+    raise ValueError(
+        f"unknown group estimator {estimator!r}; token-level ones are reinforce_plus_plus() "
+        f"and gae() (all: {ESTIMATORS})"
+    )
+
+
+def discounted_returns(token_rewards: jax.Array, mask: jax.Array, gamma: float) -> jax.Array:
+    """G_t = r_t + gamma G_{t+1} over completion tokens, float32[B, T]."""
+    m = (mask > 0).astype(jnp.float32)
+
+    def body(carry, x):
+        r, mt = x
+        ret = r + gamma * carry * mt
+        return ret * mt, ret * mt
+
+    _, out = jax.lax.scan(body, jnp.zeros(m.shape[0]), (token_rewards.T * m.T, m.T), reverse=True)
+    return out.T
+
+
+def last_token_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
+    """[B] sequence rewards placed on each row's last completion token: float32[B, T]."""
+    pos = jnp.arange(mask.shape[1])[None, :]
+    last = jnp.max(jnp.where(mask > 0, pos, -1), axis=-1)
+    return jnp.where(pos == last[:, None], rewards[:, None].astype(jnp.float32), 0.0)
+
+
+def reinforce_plus_plus(rewards: jax.Array, mask: jax.Array, gamma: float = 1.0) -> jax.Array:
+    """REINFORCE++: per-token discounted return of the sequence reward, whitened over the
+    batch's completion tokens. float32[B, T]."""
+    returns = discounted_returns(last_token_rewards(rewards, mask), mask, gamma)
+    return whiten(returns, mask)
+
+
+def gae(
+    rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float, lam: float
+) -> tuple[jax.Array, jax.Array]:
+    """Generalised advantage estimation over completion tokens.
+
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, V after the last
+    completion token is 0. Returns (whitened advantages, returns = A + V before whitening),
+    each float32[B, T].
+    """
+    m = (mask > 0).astype(jnp.float32)
+    r = rewards.astype(jnp.float32) * m
+    v = values.astype(jnp.float32) * m
+    next_v = jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1)
+
+    def body(carry, x):
+        delta, mt, mnext = x
+        adv = delta + gamma * lam * carry * mnext
+        return adv * mt, adv * mt
+
+    next_m = jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
+    delta = r + gamma * next_v - v
+    _, adv = jax.lax.scan(body, jnp.zeros(m.shape[0]), (delta.T, m.T, next_m.T), reverse=True)
+    adv = adv.T
+    returns = (adv + v) * m
+    return whiten(adv, m), returns

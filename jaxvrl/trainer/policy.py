@@ -1,0 +1,90 @@
+"""Per-token quantities of a policy on a rollout batch: log-probs, entropies, attention masses.
+
+Shapes: B rows, L = P + N tokens (left-padded prompt of P, completion of N), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxvrl.models.qwen2_5_vl import VisionInputs
+
+# CLIP normalisation used by the Qwen2-VL image processor: black = (0 - mean) / std.
+IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@struct.dataclass
+class RolloutBatch:
+    """What the train step consumes. Arrays live on device; shapes are static per bucket.
+
+    input_ids:       int32[B, L] prompt (left-padded to P) followed by the completion (N).
+    attention_mask:  int32[B, L].
+    position_ids:    int32[3, B, L] M-RoPE ids (completion continues the prompt's deltas).
+    completion_mask: float32[B, N] 1 on completion tokens up to and including EOS.
+    rewards:         float32[B] total reward per row (rows grouped by prompt, G consecutive).
+    images:          packed patches of every row's images, or None.
+    pools:           {"vision","text","prompt"} bool[B, L] key pools for attention masses.
+    has_image:       bool[B].
+    baseline:        float32[B] greedy-completion reward (remax) or zeros.
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    position_ids: jax.Array
+    completion_mask: jax.Array
+    rewards: jax.Array
+    has_image: jax.Array
+    baseline: jax.Array
+    images: VisionInputs | None = None
+    videos: VisionInputs | None = None
+    pools: dict | None = None
+
+    @property
+    def completion_length(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+def completion_logits(model, batch: RolloutBatch, *, images=None, pools=False):
+    """Forward the whole sequence; returns (logits float32[B, N, V] predicting each completion
+    token, out). Logits at position t predict token t+1, so the completion's are [P-1, L-1)."""
+    out = model.forward(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        images=batch.images if images is None else images,
+        videos=batch.videos,
+        pools=batch.pools if pools else None,
+        return_logits=False,
+    )
+    n = batch.completion_length
+    hidden = out.hidden[:, -n - 1 : -1]
+    return model.logits(hidden), out
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
+    """log pi(token) under logits / temperature: float32[B, N]."""
+    logp = jax.nn.log_softmax(logits / max(temperature, 1e-6), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def token_entropy(logits: jax.Array, temperature: float) -> jax.Array:
+    """Entropy of the full next-token distribution: float32[B, N]."""
+    logp = jax.nn.log_softmax(logits / max(temperature, 1e-6), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def blacken_patches(images: VisionInputs, rng: jax.Array, prob: float) -> VisionInputs:
+    """Perturbed image I': each patch set to black with probability `prob`, independently.
+
+    pixel_values rows are flattened (C, T, P, P) patches; black is the normalised value of
+    pixel 0 in each channel.
+    """
+    pv = images.pixel_values  # [N, D] packed or [B, N, D] per row
+    channels = len(IMAGE_MEAN)
+    black = jnp.asarray([-m / s for m, s in zip(IMAGE_MEAN, IMAGE_STD)], pv.dtype)
+    black_row = jnp.repeat(black, pv.shape[-1] // channels)
+    drop = jax.random.bernoulli(rng, prob, pv.shape[:-1])
+    return images.replace(pixel_values=jnp.where(drop[..., None], black_row, pv))

@@ -1,0 +1,175 @@
+"""The fused train step: exact GRPO update vs an independent formula, micro-batch invariance,
+non-finite skipping, one compilation per shape, TPRL/VGR paths."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.trainer.rollout import assemble
+from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
+from tests.models import hf_tiny as T
+
+G = 2
+N = 5
+POOL_IDS = dict(
+    im_start_id=T.IM_START,
+    im_end_id=T.IM_END,
+    user_header_ids=[10, 11],
+    special_ids=[T.IMAGE, T.VIDEO, T.VSTART, T.VEND, T.IM_START, T.IM_END],
+    vision_ids=[T.IMAGE, T.VIDEO],
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("step_model")
+    T.build(path, seed=11)
+    return q.load(path)
+
+
+def make_batch(model, seed=0, rewards=None):
+    """2 prompts x G completions, each row with its own image (per-row vision layout)."""
+    rng = np.random.default_rng(seed)
+    grids = [[[1, 4, 4]], [[1, 2, 6]]]
+    rows, vis = [], []
+    for g in grids:
+        p = T.prompt(rng, images=g, text_len=(3, 6))
+        pv = T.patches(rng, g)
+        for _ in range(G):
+            rows.append(p)
+            vis.append(q.vision_inputs(pv, g, model.config.vision, num_patches=16))
+    ids, mask = T.left_pad(rows, length=26)  # one prompt bucket for every seed
+    grid_all = np.concatenate([g for g in grids for _ in range(G)])
+    pos, deltas = q.get_rope_index(ids, mask, model.config, grid_all)
+    tokens = rng.integers(20, 280, (len(rows), N))
+    comp = np.ones((len(rows), N), np.float32)
+    comp[1, 3:] = 0  # an EOS at position 2 in row 1
+    comp[3, 1:] = 0
+    rewards = rng.normal(size=len(rows)) if rewards is None else rewards
+    pools = q.attention_pools(ids, mask, ids.shape[1], **POOL_IDS)
+    batch = assemble(
+        ids,
+        mask,
+        pos,
+        deltas,
+        tokens,
+        comp,
+        rewards,
+        np.ones(len(rows), bool),
+        images=q.stack_vision_inputs(vis),
+        pools=pools,
+    )
+    return jax.tree.map(jnp.asarray, batch)
+
+
+def init_state(model, tx):
+    _, params = nnx.split(model, nnx.Param)
+    params = jax.tree.map(jnp.array, params)  # a private copy: the step donates it
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def reference_grpo_loss(params, graphdef, batch, temperature):
+    """Independent GRPO/DAPO (token-mean) loss on-policy: ratio = 1 at the current params, so
+    the loss value is -sum(m A)/sum(m) and its gradient is -sum(m A grad logp)/sum(m)."""
+    model = nnx.merge(graphdef, params)
+    out = model.forward(
+        batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images
+    )
+    logits = out.logits[:, -N - 1 : -1] / temperature
+    logp = jax.nn.log_softmax(logits, -1)
+    tok = jnp.take_along_axis(logp, batch.input_ids[:, -N:, None], -1)[..., 0]
+    r = np.asarray(batch.rewards).reshape(-1, G)
+    adv = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
+    adv = jnp.asarray(adv.reshape(-1))[:, None]
+    ratio = jnp.exp(tok - jax.lax.stop_gradient(tok))
+    m = batch.completion_mask
+    return jnp.sum(-adv * ratio * m) / jnp.sum(m)
+
+
+def test_grpo_update_matches_independent_formula(model):
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.5)
+    cfg = StepConfig(group_size=G, temperature=0.7, loss_agg_mode="token-mean")
+    step = make_train_step(graphdef, tx, cfg)
+    batch = make_batch(model)
+    state = init_state(model, tx)
+    p0 = jax.tree.map(np.array, state.params)
+    grads = jax.grad(reference_grpo_loss)(jax.tree.map(jnp.asarray, p0), graphdef, batch, 0.7)
+    new_state, metrics, _ = step(state, None, batch, jax.random.key(0))
+    assert int(new_state.step) == 1 and int(new_state.skipped) == 0
+    expect = jax.tree.map(lambda p, g: p - 0.5 * g, p0, grads)
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(new_state.params), nnx.to_flat_state(jax.tree.map(jnp.asarray, expect))
+    ):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=2e-6, err_msg=str(path))
+    ref_loss = reference_grpo_loss(jax.tree.map(jnp.asarray, p0), graphdef, batch, 0.7)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)
+    assert abs(float(ref_loss)) > 1e-3  # rows of unequal length: token-mean is not zero
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_same_update(model, mode):
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(1.0)  # params then show the gradient itself (Adam would amplify float noise)
+    base = StepConfig(
+        group_size=G,
+        loss_agg_mode=mode,
+        perception_filtering=True,
+        token_weights=True,
+        trajectory_reweighting=True,
+    )
+    batch = make_batch(model, seed=1)
+    results = []
+    for m in (1, 2):
+        step = make_train_step(graphdef, tx, dataclasses.replace(base, micro_batches=m))
+        state, metrics, _ = step(init_state(model, tx), None, batch, jax.random.key(3))
+        results.append((state, metrics))
+    (s1, m1), (s2, m2) = results
+    np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5, atol=1e-7)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(s1.params), nnx.to_flat_state(s2.params)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=2e-6, err_msg=str(path))
+
+
+def test_nonfinite_loss_skips_update_and_counts(model):
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.1)
+    step = make_train_step(graphdef, tx, StepConfig(group_size=G))
+    rewards = np.array([1.0, np.nan, 0.0, 1.0])
+    batch = make_batch(model, rewards=rewards)
+    state = init_state(model, tx)
+    before = jax.tree.map(np.array, state.params)
+    state, metrics, _ = step(state, None, batch, jax.random.key(0))
+    assert int(state.skipped) == 1 and int(metrics["nonfinite"]) == 1
+    for (path, a), (_, b) in zip(nnx.to_flat_state(state.params), nnx.to_flat_state(before)):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(path))
+
+
+def test_tprl_step_compiles_once_per_shape(model):
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.adam(1e-3)
+    cfg = StepConfig(
+        group_size=G,
+        perception_filtering=True,
+        entropy_filtering=True,
+        trajectory_reweighting=True,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        top_p_perception_tokens=0.4,
+    )
+    step = make_train_step(graphdef, tx, cfg)
+    _, ref = nnx.split(model, nnx.Param)
+    state = init_state(model, tx)
+    for seed in range(3):
+        state, metrics, _ = step(state, ref, make_batch(model, seed=seed), jax.random.key(seed))
+        assert np.isfinite(float(metrics["loss"]))
+        assert 0.0 < float(metrics["perception_token_fraction"]) <= 1.0
+        assert float(metrics["kl"]) >= 0.0
+    assert step._cache_size() == 1
