@@ -121,7 +121,7 @@ def accuracy_reward(
             except Exception:  # noqa: BLE001 -- fall back to string match
                 pass
         a, b = _normalise(text), _normalise(str(ref))
-        na, nb = _as_number(a), _as_number(b)
+        na, nb = _as_number(text.strip().rstrip(".")), _as_number(str(ref).strip())
         if na is not None and nb is not None:
             out.append(float(abs(na - nb) <= 1e-6 * max(1.0, abs(nb))))
         else:
