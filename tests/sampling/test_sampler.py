@@ -1,0 +1,212 @@
+"""Sampler: greedy tokens equal HF generate; logprobs equal a teacher-forced pass; masking,
+early stop, compile count, top-k/top-p."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.sampling import SamplingConfig, filter_logits, generate, make_sampler
+from tests.models import hf_tiny as T
+
+EOS = T.IM_END
+N = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sampler_model")
+    hf = T.build(path, seed=5)
+    return hf, q.load(path)
+
+
+def hf_greedy(hf, ids, mask, **vision):
+    kw = dict(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        mm_token_type_ids=torch.tensor(T.token_types(ids)),
+    )
+    kw.update({k: torch.tensor(np.asarray(v)) for k, v in vision.items() if v is not None})
+    with torch.no_grad():
+        out = hf.generate(**kw, do_sample=False, max_new_tokens=N, eos_token_id=EOS, pad_token_id=0)
+    return out[:, ids.shape[1] :].numpy()
+
+
+def check_greedy(hf, model, ids, mask, **vision):
+    ours = generate(
+        model, ids, mask, max_new_tokens=N, temperature=0.0, eos_token_ids=EOS, **vision
+    )
+    ref = hf_greedy(
+        hf,
+        ids,
+        mask,
+        **{k: v for k, v in vision.items() if k != "second_per_grid_ts" or v is not None},
+    )
+    toks, m = np.asarray(ours.tokens), np.asarray(ours.mask)
+    for row in range(ids.shape[0]):
+        n = int(m[row].sum())
+        assert n > 0
+        np.testing.assert_array_equal(toks[row, :n], ref[row, :n], err_msg=f"row {row}")
+    return ours
+
+
+def test_greedy_text_and_left_padding(models):
+    hf, model = models
+    rng = np.random.default_rng(0)
+    ids, mask = T.left_pad([T.prompt(rng, text_len=(3, 4)), T.prompt(rng, text_len=(11, 12))])
+    check_greedy(hf, model, ids, mask)
+
+
+def test_greedy_images_and_multi_image_batch(models):
+    hf, model = models
+    rng = np.random.default_rng(1)
+    grids = [[1, 4, 6], [1, 6, 10], [1, 2, 2]]
+    ids, mask = T.left_pad([T.prompt(rng, images=grids[:1]), T.prompt(rng, images=grids[1:])])
+    pv = T.patches(rng, grids)
+    check_greedy(hf, model, ids, mask, pixel_values=pv, image_grid_thw=np.array(grids))
+
+
+def test_greedy_video(models):
+    hf, model = models
+    rng = np.random.default_rng(2)
+    grids = [[2, 4, 4]]
+    ids, mask = T.left_pad([T.prompt(rng, videos=grids)])
+    pvv = T.patches(rng, grids)
+    check_greedy(
+        hf,
+        model,
+        ids,
+        mask,
+        pixel_values_videos=pvv,
+        video_grid_thw=np.array(grids),
+        second_per_grid_ts=np.array([1.0]),
+    )
+
+
+def test_logprobs_match_teacher_forcing_and_eos_masking(models):
+    _, model = models
+    rng = np.random.default_rng(3)
+    grids = [[1, 4, 4]]
+    rows = [T.prompt(rng, images=grids), T.prompt(rng, text_len=(6, 7))]
+    ids, mask = T.left_pad(rows)
+    pv = T.patches(rng, grids[:1])
+    temp = 0.8
+    out = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=N,
+        temperature=temp,
+        eos_token_ids=(EOS, 280),
+        rng=jax.random.key(4),
+        pixel_values=pv,
+        image_grid_thw=np.array(grids),
+    )
+    toks, m, lp = (np.asarray(x) for x in (out.tokens, out.mask, out.logprobs))
+    full = np.concatenate([ids, toks], 1)
+    fmask = np.concatenate([mask, m.astype(np.int64)], 1)
+    logits = np.asarray(model(full, fmask, pixel_values=pv, image_grid_thw=np.array(grids)).logits)
+    logp = jax.nn.log_softmax(logits[:, ids.shape[1] - 1 : -1] / temp, -1)
+    ref = np.take_along_axis(np.asarray(logp), toks[..., None], -1)[..., 0]
+    np.testing.assert_allclose(lp[m > 0], ref[m > 0], atol=2e-4)
+    for row in range(2):
+        n = int(m[row].sum())
+        ended = np.isin(toks[row, :n], [EOS, 280])
+        assert ended[:-1].sum() == 0  # nothing sampled after the first EOS is kept
+        assert bool(out.truncated[row]) == (not ended[-1])
+        assert np.all(toks[row, n:] == 0) and np.all(lp[row, n:] == 0)
+        assert not np.isin(toks[row], [T.IMAGE, T.VIDEO, T.VSTART, T.VEND]).any()
+
+
+def test_one_compilation_per_shape_and_early_stop(models):
+    _, model = models
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    cfg = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_token_ids=tuple(range(300)))
+    fn = make_sampler(graphdef, cfg)
+    rng = np.random.default_rng(5)
+    for seed in range(3):
+        ids = rng.integers(20, 280, (2, 9))
+        mask = np.ones_like(ids)
+        pos, deltas = q.get_rope_index(ids, mask, model.config)
+        out = fn(params, ids, mask, pos, deltas, jax.random.key(seed))
+        # every token is an EOS: each row ends after one token and the loop stops
+        np.testing.assert_array_equal(np.asarray(out.mask).sum(1), [1, 1])
+    assert fn._cache_size() == 1
+
+
+def test_filter_logits_top_k_top_p():
+    logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
+    k2 = np.asarray(filter_logits(logits, 2, 1.0))
+    assert np.all(k2[0, 2:] < -1e29) and np.all(k2[0, :2] > -10)
+    p = np.asarray(filter_logits(logits, 0, 0.7))  # 0.5 + 0.25 reaches 0.7
+    assert np.all(p[0, :2] > -10) and np.all(p[0, 2:] < -1e29)
+    p1 = np.asarray(filter_logits(logits, 0, 0.4))
+    assert (p1[0] > -10).sum() == 1
+
+
+def test_top_k_one_is_greedy(models):
+    _, model = models
+    rng = np.random.default_rng(6)
+    ids, mask = T.left_pad([T.prompt(rng, text_len=(5, 6))])
+    g = generate(model, ids, mask, max_new_tokens=6, temperature=0.0, eos_token_ids=EOS)
+    s = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=6,
+        temperature=1.0,
+        top_k=1,
+        eos_token_ids=EOS,
+        rng=jax.random.key(1),
+    )
+    np.testing.assert_array_equal(np.asarray(g.tokens), np.asarray(s.tokens))
+
+
+def test_decode_attention_statistics(models):
+    _, model = models
+    rng = np.random.default_rng(7)
+    grids = [[1, 4, 4]]
+    ids, mask = T.left_pad([T.prompt(rng, images=grids)])
+    pv = T.patches(rng, grids)
+    pools = q.attention_pools(
+        ids,
+        mask,
+        ids.shape[1],
+        im_start_id=T.IM_START,
+        im_end_id=T.IM_END,
+        user_header_ids=[10, 11],
+        special_ids=[T.IMAGE, T.VSTART, T.VEND, T.IM_START, T.IM_END],
+        vision_ids=[T.IMAGE],
+    )
+    out = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=4,
+        temperature=0.0,
+        eos_token_ids=(),
+        pixel_values=pv,
+        image_grid_thw=np.array(grids),
+        pools=pools,
+    )
+    full = np.concatenate([ids, np.asarray(out.tokens)], 1)
+    full_pools = {k: np.pad(v, ((0, 0), (0, 4))) for k, v in pools.items()}
+    ref = model(
+        full, np.ones_like(full), pixel_values=pv, image_grid_thw=np.array(grids), pools=full_pools
+    )
+    p = ids.shape[1]
+    # decode step i feeds token i, whose query predicts token i+1: positions p .. p+2
+    np.testing.assert_allclose(
+        np.asarray(out.vision_mass)[:, :, :3],
+        np.asarray(ref.vision_mass)[:, :, p : p + 3],
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        np.asarray(out.text_mass)[:, :, :3], np.asarray(ref.text_mass)[:, :, p : p + 3], atol=1e-5
+    )
