@@ -1,0 +1,1 @@
+"""Run logs: metrics.jsonl, TensorBoard, markdown logs, progress."""

@@ -1,0 +1,14 @@
+"""Seed 000: GRPO with rewards mc_idx 4 : think_format 1 : MDI attention balance 1.
+
+python -m jaxvrl.train --config configs/mdi.py
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+    c = base.get_config(arg)
+    c.name = "mdi"
+    c.reward.funcs = ("mc_idx", "think_format", "mdi")
+    c.reward.weights = (4.0, 1.0, 1.0)
+    return c

@@ -1,0 +1,18 @@
+"""TPRL / VPPO (seeds 002, 004): perception filtering from a perturbed-image pass, entropy
+filtering and trajectory advantage shaping, on DAPO.
+
+    python -m jaxvrl.train --config configs/tprl.py
+"""
+
+from configs import dapo
+
+
+def get_config(arg=None):
+    c = dapo.get_config(arg)
+    c.name = "tprl"
+    c.tprl.enable_perception_filtering = True
+    c.tprl.enable_entropy_filtering = True
+    c.tprl.enable_trajectory_reweighting = True
+    c.tprl.top_p_perception_tokens = 0.4  # completions of the built-in task are ~10 tokens
+    c.tprl.top_p_entropy_tokens = 0.4
+    return c

@@ -1,0 +1,79 @@
+"""Prompt ids from the checkpoint's chat template, with vision pads expanded per image/video
+exactly as transformers' Qwen2.5-VL processor does."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+
+
+def messages_for(text: str, n_images: int = 0, n_videos: int = 0, system: str | None = None):
+    content = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos
+    content = content + [{"type": "text", "text": text}]
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": content}]
+
+
+def expand_vision_pads(
+    prompt: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = ()
+) -> str:
+    """Replace the k-th <|image_pad|> (<|video_pad|>) by image_tokens[k] copies."""
+    for pad, counts in ((IMAGE_PAD, image_tokens), (VIDEO_PAD, video_tokens)):
+        parts = prompt.split(pad)
+        if len(parts) - 1 != len(counts):
+            raise ValueError(f"prompt has {len(parts) - 1} {pad} but {len(counts)} inputs")
+        out = parts[0]
+        for k, rest in zip(counts, parts[1:]):
+            out += pad * int(k) + rest
+        prompt = out
+    return prompt
+
+
+def vision_token_counts(grid_thw, merge_size: int = 2) -> list[int]:
+    return [int(np.prod(g)) // merge_size**2 for g in np.asarray(grid_thw).reshape(-1, 3)]
+
+
+def encode_prompt(
+    tokenizer,
+    text: str,
+    image_grid_thw=None,
+    video_grid_thw=None,
+    system: str | None = None,
+    merge_size: int = 2,
+) -> list[int]:
+    """Token ids of the rendered chat prompt (generation prompt appended)."""
+    img = vision_token_counts(image_grid_thw, merge_size) if image_grid_thw is not None else []
+    vid = vision_token_counts(video_grid_thw, merge_size) if video_grid_thw is not None else []
+    rendered = tokenizer.apply_chat_template(
+        messages_for(text, len(img), len(vid), system),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return tokenizer(expand_vision_pads(rendered, img, vid), add_special_tokens=False)["input_ids"]
+
+
+def pool_token_ids(tokenizer) -> dict:
+    """Token ids that `attention_pools` needs, read from the tokenizer."""
+    conv = tokenizer.convert_tokens_to_ids
+    special = set(tokenizer.all_special_ids)
+    special.update(
+        conv(t)
+        for t in (
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+        )
+    )
+    return dict(
+        im_start_id=conv("<|im_start|>"),
+        im_end_id=conv("<|im_end|>"),
+        user_header_ids=tokenizer("user\n", add_special_tokens=False)["input_ids"],
+        special_ids=sorted(special),
+        vision_ids=[conv("<|image_pad|>"), conv("<|video_pad|>")],
+    )

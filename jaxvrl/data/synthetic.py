@@ -1,0 +1,99 @@
+"""The built-in visual task: deterministic images of one shape on a plain background, with
+multiple-choice questions whose answer needs the image.
+
+Two question kinds: the shape's colour and the shape's kind. The question text is identical
+for every image of a kind and the options are shuffled per row, so text alone is at chance
+(1/4). Rows use the standard row format: `problem`, `choices`, `label_idx`, `images` (PIL).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 210, 40),
+}
+SHAPES = ("circle", "square", "triangle", "cross")
+BACKGROUNDS = ((245, 245, 245), (200, 200, 200), (120, 120, 120))
+LETTERS = "ABCD"
+SPLIT_SEEDS = {"train": 0, "test": 1_000_003}
+QUESTIONS = {
+    "colour": "What colour is the shape in the image?",
+    "shape": "What shape is in the image?",
+}
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. Think briefly in <think></think>, then reply with "
+    "'Answer: X' where X is the option letter."
+)
+
+
+def draw(shape: str, colour: str, size: int, rng: np.random.Generator) -> Image.Image:
+    """One shape of random size and position (always well inside the frame)."""
+    bg = BACKGROUNDS[rng.integers(len(BACKGROUNDS))]
+    img = Image.new("RGB", (size, size), bg)
+    d = ImageDraw.Draw(img)
+    r = int(rng.integers(size // 5, size // 3))
+    cx, cy = (int(rng.integers(r + 2, size - r - 2)) for _ in range(2))
+    fill = COLOURS[colour]
+    if shape == "circle":
+        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "square":
+        d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "triangle":
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    else:
+        w = max(2, r // 3)
+        d.rectangle([cx - r, cy - w, cx + r, cy + w], fill=fill)
+        d.rectangle([cx - w, cy - r, cx + w, cy + r], fill=fill)
+    return img
+
+
+def format_problem(question: str, choices: list[str]) -> str:
+    opts = " ".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))
+    return f"{question} {opts}"
+
+
+def make_split(
+    split: str = "train",
+    n: int = 256,
+    seed: int = 0,
+    image_size: int = 56,
+    kinds: tuple[str, ...] = ("colour", "shape"),
+) -> list[dict]:
+    """n rows, deterministic in (split, seed). Labels are balanced over A-D."""
+    if split not in SPLIT_SEEDS:
+        raise ValueError(f"split must be one of {sorted(SPLIT_SEEDS)}, got {split!r}")
+    rng = np.random.default_rng(SPLIT_SEEDS[split] + seed)
+    rows = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        colour = list(COLOURS)[rng.integers(len(COLOURS))]
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        answer = colour if kind == "colour" else shape
+        options = list(COLOURS) if kind == "colour" else list(SHAPES)
+        label = i % 4  # balanced labels; the other options in random order
+        others = [o for o in options if o != answer]
+        rng.shuffle(others)
+        choices = others[:label] + [answer] + others[label:]
+        rows.append(
+            {
+                "id": f"{split}-{seed}-{i}",
+                "problem": format_problem(QUESTIONS[kind], choices),
+                "choices": choices,
+                "label_idx": label,
+                "answer": LETTERS[label],
+                "kind": kind,
+                "images": [draw(shape, colour, image_size, rng)],
+            }
+        )
+    return rows
+
+
+def target_completion(row: dict, label_idx: int | None = None) -> str:
+    """The answer format the embedded checkpoint is taught: a short think, then the letter."""
+    idx = row["label_idx"] if label_idx is None else label_idx
+    return f"<think>{row['choices'][idx]}</think> Answer: {LETTERS[idx]}"

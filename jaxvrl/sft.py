@@ -1,0 +1,144 @@
+"""Make the embedded default checkpoint: a tiny Qwen2.5-VL taught the answer format of the
+built-in task by supervised fine-tuning, so that RL starts from a model that answers in the
+right format but is far from perfect.
+
+    python -m jaxvrl.sft [--out jaxvrl/assets/tiny_qwen2_5_vl] [--steps 400]
+
+On purpose, the SFT targets are wrong for half of the answer values (blue, yellow, triangle,
+cross): 65% of their targets name the next option instead of the right one. The model learns
+that bias, so greedy accuracy starts near 50-60%, while sampling still finds the right answer
+often enough for RL to fix it quickly. That is the demo's job: show RL raising accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxvrl.data import synthetic
+from jaxvrl.data.build_tokenizer import build as build_tokenizer
+from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
+from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, TextConfig, VisionConfig, save
+from jaxvrl.trainer.sft import make_sft_step
+
+BIASED = {"blue", "yellow", "triangle", "cross"}
+ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
+
+
+def tiny_config(tokenizer) -> Qwen2_5_VLConfig:
+    conv = tokenizer.convert_tokens_to_ids
+    vocab = -(-len(tokenizer) // 64) * 64
+    return Qwen2_5_VLConfig(
+        text=TextConfig(
+            vocab_size=vocab,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            mrope_section=(4, 6, 6),
+            max_position_embeddings=2048,
+        ),
+        vision=VisionConfig(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            out_hidden_size=128,
+            fullatt_block_indexes=(1,),
+            window_size=112,
+            tokens_per_second=2,
+        ),
+        image_token_id=conv("<|image_pad|>"),
+        video_token_id=conv("<|video_pad|>"),
+        vision_start_token_id=conv("<|vision_start|>"),
+        vision_end_token_id=conv("<|vision_end|>"),
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def sft_target(row, rng) -> str:
+    answer = row["choices"][row["label_idx"]]
+    idx = row["label_idx"]
+    if answer in BIASED and rng.random() < 0.65:
+        idx = (idx + 1) % len(row["choices"])
+    return synthetic.target_completion(row, idx)
+
+
+def sft_batch(examples, targets, model_cfg, tokenizer):
+    """Prompt + target ids (right after the prompt), loss on the target tokens."""
+    base = collate(examples, 1, model_cfg, tokenizer, with_pools=False)
+    tgt = [
+        tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for t in targets
+    ]
+    n = max(len(t) for t in tgt)
+    b, p = base["input_ids"].shape
+    ids = np.concatenate([base["input_ids"], np.zeros((b, n), np.int32)], 1)
+    mask = np.concatenate([base["attention_mask"], np.zeros((b, n), np.int32)], 1)
+    loss_mask = np.zeros_like(ids, np.float32)
+    for i, t in enumerate(tgt):
+        ids[i, p : p + len(t)] = t
+        mask[i, p : p + len(t)] = 1
+        loss_mask[i, p : p + len(t)] = 1
+    start = base["attention_mask"].sum(1) + base["deltas"]
+    comp = np.broadcast_to((start[:, None] + np.arange(n))[None], (3, b, n))
+    pos = np.concatenate([base["position_ids"], comp], 2).astype(np.int32)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": pos,
+        "loss_mask": loss_mask,
+        "images": base["images"],
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=ASSET_DIR)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    build_tokenizer(args.out)
+    tok = AutoTokenizer.from_pretrained(args.out)
+    cfg = tiny_config(tok)
+    model = Qwen2_5_VL(cfg, rngs=nnx.Rngs(args.seed))
+    rows = synthetic.make_split("train", 2048, seed=0)
+    examples, _ = encode_rows(rows, tok, EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT))
+    rng = np.random.default_rng(args.seed)
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(optax.warmup_cosine_decay_schedule(0, args.lr, 20, args.steps)),
+    )
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = make_sft_step(tx)
+    t0 = time.time()
+    for i in range(args.steps):
+        idx = rng.choice(len(examples), args.batch, replace=False)
+        exs = [examples[j] for j in idx]
+        batch = sft_batch(exs, [sft_target(e, rng) for e in exs], cfg, tok)
+        batch = jax.tree.map(jnp.asarray, batch)
+        loss = step(model, optimizer, batch)
+        if i % 50 == 0 or i == args.steps - 1:
+            print(f"sft step {i:4d}  loss {float(loss):.4f}  {time.time() - t0:.0f}s", flush=True)
+    save(model, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
