@@ -1,7 +1,7 @@
 """Rows -> encoded examples -> padded batches of G repeated rows, with a resumable iterator.
 
 Row format (SPEC section 8): `problem` (or `prompt`), `images` (paths relative to `image_dir`,
-raw bytes, {"bytes": ...} dicts or PIL images), optional `choices` + `label_idx`, `answer` /
+raw bytes, {"bytes": ...} dicts (base64 text in JSON) or PIL images), optional `choices` + `label_idx`, `answer` /
 `solution`. Bad rows are skipped, counted by reason and logged once each, never a crash.
 
 Static shapes: prompts are left-padded to a multiple of `prompt_bucket` tokens and each row's
@@ -11,6 +11,7 @@ patches to a power of two (at least 16), so a run compiles at most
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import io
@@ -91,6 +92,8 @@ def load_image(ref, image_dir: str | None) -> Image.Image:
         return ref
     if isinstance(ref, dict):
         ref = ref.get("bytes") or ref.get("path")
+        if isinstance(ref, str) and not os.path.exists(ref):  # base64 in JSON
+            ref = base64.b64decode(ref, validate=True)
     if isinstance(ref, bytes | bytearray):
         img = Image.open(io.BytesIO(ref))
     else:

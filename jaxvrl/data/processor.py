@@ -48,6 +48,9 @@ def to_rgb(image) -> Image.Image:
         image = Image.fromarray(image)
     if image.mode == "RGB":
         return image
+    # transformers' rule: composite only when the mode has an alpha band or a transparency key
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
     rgba = image.convert("RGBA")
     background = Image.new("RGBA", rgba.size, (255, 255, 255))
     return Image.alpha_composite(background, rgba).convert("RGB")

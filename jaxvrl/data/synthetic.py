@@ -75,7 +75,7 @@ def make_split(
         shape = SHAPES[rng.integers(len(SHAPES))]
         answer = colour if kind == "colour" else shape
         options = list(COLOURS) if kind == "colour" else list(SHAPES)
-        label = i % 4  # balanced labels; the other options in random order
+        label = (i // len(kinds)) % 4  # balanced per kind; other options in random order
         others = [o for o in options if o != answer]
         rng.shuffle(others)
         choices = others[:label] + [answer] + others[label:]
