@@ -394,6 +394,8 @@ def run(c) -> dict:
     flag.restore()
     ckpt.close()
     writer.close()
+    metrics["compiles/train_step"] = train_step._cache_size()
+    metrics["compiles/sampler"] = sampler._cache_size()
     return metrics
 
 

@@ -1,9 +1,9 @@
 """The built-in visual task: deterministic images of one shape on a plain background, with
 multiple-choice questions whose answer needs the image.
 
-Two question kinds: the shape's colour and the shape's kind. The question text is identical
-for every image of a kind and the options are shuffled per row, so text alone is at chance
-(1/4). Rows use the standard row format: `problem`, `choices`, `label_idx`, `images` (PIL).
+Two question kinds: the shape's colour and the shape's kind. The question text (options in a
+fixed order) is identical for every image of a kind and the answers are balanced, so text
+alone is at chance (1/4). Rows use the standard row format: `problem`, `choices`, `label_idx`, `images` (PIL).
 """
 
 from __future__ import annotations
@@ -71,14 +71,12 @@ def make_split(
     rows = []
     for i in range(n):
         kind = kinds[i % len(kinds)]
-        colour = list(COLOURS)[rng.integers(len(COLOURS))]
-        shape = SHAPES[rng.integers(len(SHAPES))]
-        answer = colour if kind == "colour" else shape
-        options = list(COLOURS) if kind == "colour" else list(SHAPES)
-        label = (i // len(kinds)) % 4  # balanced per kind; other options in random order
-        others = [o for o in options if o != answer]
-        rng.shuffle(others)
-        choices = others[:label] + [answer] + others[label:]
+        # Options are listed in a fixed order per kind, and the asked attribute cycles through
+        # its 4 values, so labels are balanced and the question text never reveals the answer.
+        choices = list(COLOURS) if kind == "colour" else list(SHAPES)
+        label = (i // len(kinds)) % 4
+        colour = choices[label] if kind == "colour" else list(COLOURS)[rng.integers(4)]
+        shape = choices[label] if kind == "shape" else SHAPES[rng.integers(4)]
         rows.append(
             {
                 "id": f"{split}-{seed}-{i}",

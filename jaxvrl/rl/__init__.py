@@ -1,9 +1,12 @@
-"""RL math of SPEC sections 2-7 as pure functions (rewards and filters on the host)."""
+"""RL math of SPEC sections 2-7 as pure functions: jnp on [B, T] arrays with an explicit
+completion mask (jit-able, no host sync), rewards and rollout filters on the host."""
 
+from jaxvrl.rl import rewards
 from jaxvrl.rl.advantages import (
     discounted_returns,
     gae,
     group_advantages,
+    last_token_rewards,
     reinforce_plus_plus,
     whiten,
 )
@@ -16,6 +19,7 @@ from jaxvrl.rl.attention import (
     vgr_token_weights,
 )
 from jaxvrl.rl.filters import (
+    DynamicSampler,
     ReplayBuffer,
     dynamic_sampling_keep,
     expand_groups,
@@ -27,8 +31,12 @@ from jaxvrl.rl.filters import (
 from jaxvrl.rl.losses import (
     AdaptiveKLController,
     FixedKLController,
+    adaptive_kl_coef,
+    agg_denominator,
     agg_loss,
+    entropy_bonus,
     entropy_penalty,
+    kl_in_reward,
     kl_penalty,
     policy_loss,
     value_loss,
@@ -36,25 +44,33 @@ from jaxvrl.rl.losses import (
 from jaxvrl.rl.masks import (
     entropy_token_mask,
     token_entropy,
+    top_k_count,
     top_p_token_mask,
+    union_token_mask,
     visual_dependency,
 )
 from jaxvrl.rl.shaping import trajectory_scaling
 
 __all__ = [
     "AdaptiveKLController",
+    "DynamicSampler",
     "FixedKLController",
     "ReplayBuffer",
+    "adaptive_kl_coef",
+    "agg_denominator",
     "agg_loss",
     "attention_metrics",
     "discounted_returns",
     "dynamic_sampling_keep",
+    "entropy_bonus",
     "entropy_penalty",
     "entropy_token_mask",
     "expand_groups",
     "gae",
     "group_advantages",
+    "kl_in_reward",
     "kl_penalty",
+    "last_token_rewards",
     "layer_indices",
     "mask_truncated_completions",
     "mdi_balance_reward",
@@ -62,12 +78,15 @@ __all__ = [
     "per_token_vgr",
     "policy_loss",
     "reinforce_plus_plus",
+    "rewards",
     "sequence_mdi",
     "soft_overlong_punishment",
     "stage_reward_weights",
     "token_entropy",
+    "top_k_count",
     "top_p_token_mask",
     "trajectory_scaling",
+    "union_token_mask",
     "value_loss",
     "vgr_token_weights",
     "visual_dependency",

@@ -9,7 +9,9 @@ ESTIMATORS = ("grpo", "rloo", "remax", "reinforce_plus_plus", "gae")
 
 
 def whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax.Array:
-    """(x - mean) / sqrt(var + 1e-8) over masked entries, var with Bessel's correction."""
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries of the whole array, var with
+    Bessel's correction (n - 1, at least 1); shift_mean=False adds the mean back. float32[...],
+    0 where mask is 0."""
     m = (mask > 0).astype(jnp.float32)
     n = jnp.sum(m)
     mean = jnp.sum(x * m) / jnp.maximum(n, 1.0)
@@ -27,21 +29,37 @@ def group_advantages(
     norm_by_std: bool = True,
     baseline: jax.Array | None = None,
     eps: float = 1e-6,
+    *,
+    mask: jax.Array | None = None,
+    gamma: float = 1.0,
 ) -> jax.Array:
-    """One advantage per row, float32[B] (broadcast over tokens by the loss).
+    """Advantages from sequence rewards float32[B], rows in groups of G = group_size
+    consecutive rows (one prompt). Returns float32[B] (broadcast over t by the loss), or
+    float32[B, T] for reinforce_plus_plus.
 
-    grpo: (R - mean_g) / (std_g + eps), std with Bessel's correction (groups of one get 0);
-    norm_by_std=False gives Dr.GRPO (R - mean_g). rloo: R_i - mean of the other G-1 rewards.
-    remax: R - baseline, the greedy completion's reward (per row, [B]).
+    grpo: (R - mean_g) / (std_g + eps), std with Bessel's correction; a group of one gets 0.
+      norm_by_std=False gives Dr.GRPO: R - mean_g.
+    rloo: R_i - mean of the other G - 1 rewards (0 for G = 1).
+    remax: R - baseline, the greedy completion's reward: baseline [B] or [B / G] (per prompt).
+    reinforce_plus_plus: see reinforce_plus_plus(); needs mask [B, T], uses gamma.
     """
     r = rewards.astype(jnp.float32)
     if estimator == "remax":
         if baseline is None:
             raise ValueError("remax needs the greedy baseline rewards")
-        return r - baseline.astype(jnp.float32)
+        base = baseline.astype(jnp.float32)
+        if base.shape[0] != r.shape[0]:
+            base = jnp.repeat(base, group_size, total_repeat_length=r.shape[0])
+        return r - base
+    if estimator == "reinforce_plus_plus":
+        if mask is None:
+            raise ValueError("reinforce_plus_plus needs the completion mask [B, T]")
+        return reinforce_plus_plus(r, mask, gamma)
+    if r.shape[0] % group_size:
+        raise ValueError(f"{r.shape[0]} rows are not a whole number of groups of {group_size}")
     g = r.reshape(-1, group_size)
+    mean = jnp.mean(g, axis=1, keepdims=True)
     if estimator == "grpo":
-        mean = jnp.mean(g, axis=1, keepdims=True)
         if not norm_by_std:
             return (g - mean).reshape(-1)
         if group_size < 2:
@@ -54,13 +72,14 @@ def group_advantages(
         others = (jnp.sum(g, axis=1, keepdims=True) - g) / (group_size - 1)
         return (g - others).reshape(-1)
     raise ValueError(
-        f"unknown group estimator {estimator!r}; token-level ones are reinforce_plus_plus() "
-        f"and gae() (all: {ESTIMATORS})"
+        f"unknown group estimator {estimator!r}; gae needs a critic: use gae() "
+        f"(all estimators: {ESTIMATORS})"
     )
 
 
 def discounted_returns(token_rewards: jax.Array, mask: jax.Array, gamma: float) -> jax.Array:
-    """G_t = r_t + gamma G_{t+1} over completion tokens, float32[B, T]."""
+    """G_t = r_t + gamma G_{t+1} over completion tokens (padding resets the sum and is 0):
+    float32[B, T] from token_rewards float32[B, T]."""
     m = (mask > 0).astype(jnp.float32)
 
     def body(carry, x):

@@ -16,74 +16,97 @@ LAYER_SETS = ("all", "early", "middle", "late")
 
 
 def layer_indices(num_layers: int, layer_set: str = "all", last_k: int = 0) -> np.ndarray:
-    """Layers to average. early/middle/late are np.array_split thirds (earlier thirds get the
-    extra layer when L is not divisible by 3); last_k > 0 overrides layer_set."""
+    """Layers to average, int[...]. early/middle/late are np.array_split thirds (earlier thirds
+    get the extra layer: L = 7 -> [0, 1, 2], [3, 4], [5, 6]); a third that would be empty
+    (L < 3) is the last layer. last_k > 0 overrides layer_set (all layers if last_k >= L)."""
     if last_k and last_k > 0:
         return np.arange(max(num_layers - last_k, 0), num_layers)
     if layer_set == "all":
         return np.arange(num_layers)
     if layer_set not in LAYER_SETS:
         raise ValueError(f"layer set must be one of {LAYER_SETS}, got {layer_set!r}")
-    thirds = np.array_split(np.arange(num_layers), 3)
-    return thirds[LAYER_SETS.index(layer_set) - 1]
+    third = np.array_split(np.arange(num_layers), 3)[LAYER_SETS.index(layer_set) - 1]
+    return third if third.size else np.arange(num_layers - 1, num_layers)
 
 
 def layer_mean(masses: jax.Array, layer_set: str = "all", last_k: int = 0) -> jax.Array:
+    """Mean over the chosen layers: float32[L, B, T] -> float32[B, T]."""
     idx = layer_indices(masses.shape[0], layer_set, last_k)
-    return jnp.mean(masses[idx], axis=0)
+    return jnp.mean(masses[idx].astype(jnp.float32), axis=0)
+
+
+def _pool_sizes(n_vision, n_text):
+    nv = jnp.asarray(n_vision).astype(jnp.float32)
+    nx = jnp.asarray(n_text).astype(jnp.float32)
+    return nv, nx, (nv > 0) & (nx > 0)
 
 
 def per_token_vgr(
     vision_mass, text_mass, n_vision, n_text, layer_set="all", last_k=0, eps=1e-6
 ) -> jax.Array:
-    """VGR_t = (A_X(t)/|X|) / (A_V(t)/|V| + eps): float32[B, T]. Above 1: text dominates."""
+    """VGR_t = (A_X(t)/|X|) / (A_V(t)/|V| + eps): float32[B, T]. Above 1: text dominates.
+
+    vision_mass, text_mass: float32[L, B, T]; n_vision, n_text: [B] pool sizes. Rows with an
+    empty vision or text pool get the neutral VGR = 1 (hence token weight 1)."""
+    nv, nx, ok = _pool_sizes(n_vision, n_text)
     a_v = layer_mean(vision_mass, layer_set, last_k)
     a_x = layer_mean(text_mass, layer_set, last_k)
-    nv = jnp.maximum(n_vision.astype(jnp.float32), 1.0)[:, None]
-    nx = jnp.maximum(n_text.astype(jnp.float32), 1.0)[:, None]
-    return (a_x / nx) / (a_v / nv + eps)
+    vgr = (a_x / jnp.maximum(nx, 1.0)[:, None]) / (a_v / jnp.maximum(nv, 1.0)[:, None] + eps)
+    return jnp.where(ok[:, None], vgr, 1.0)
+
+
+def _completion_means(vision_mass, text_mass, mask, layer_set, last_k):
+    """Mean over completion tokens of the layer-averaged masses: (a_v [B], a_x [B])."""
+    m = (mask > 0).astype(jnp.float32)
+    cnt = jnp.maximum(jnp.sum(m, -1), 1.0)
+    a_v = jnp.sum(layer_mean(vision_mass, layer_set, last_k) * m, -1) / cnt
+    a_x = jnp.sum(layer_mean(text_mass, layer_set, last_k) * m, -1) / cnt
+    return a_v, a_x
 
 
 def sequence_mdi(
     vision_mass, text_mass, n_vision, n_text, mask, layer_set="all", last_k=0, eps=1e-6
 ) -> jax.Array:
     """MDI = (mean_t A_X/|X|) / (mean_t A_V/|V| + eps) over completion tokens: float32[B].
-    NaN for rows without vision tokens, text tokens or completion tokens (no statistics)."""
-    m = (mask > 0).astype(jnp.float32)
-    cnt = jnp.maximum(jnp.sum(m, -1), 1.0)
-    a_v = jnp.sum(layer_mean(vision_mass, layer_set, last_k) * m, -1) / cnt
-    a_x = jnp.sum(layer_mean(text_mass, layer_set, last_k) * m, -1) / cnt
-    nv = n_vision.astype(jnp.float32)
-    nx = n_text.astype(jnp.float32)
+
+    NaN for rows without vision tokens, text tokens or completion tokens: no statistic, which
+    mdi_balance_reward turns into the neutral reward 0."""
+    nv, nx, ok = _pool_sizes(n_vision, n_text)
+    a_v, a_x = _completion_means(vision_mass, text_mass, mask, layer_set, last_k)
     mdi = (a_x / jnp.maximum(nx, 1.0)) / (a_v / jnp.maximum(nv, 1.0) + eps)
-    ok = (nv > 0) & (nx > 0) & (jnp.sum(m, -1) > 0)
+    ok = ok & (jnp.sum(mask > 0, -1) > 0)
     return jnp.where(ok, mdi, jnp.nan)
 
 
-def attention_metrics(vision_mass, text_mass, n_vision, n_text, mask, *, last_k=0, eps=1e-6):
-    """Per-token VGR, sequence MDI (all / early / middle / late / last-k) and the attention
-    efficiency index AEI = attention share / token share of each modality.
+def attention_metrics(
+    vision_mass, text_mass, n_vision, n_text, mask, *, layer_set="all", last_k=0, eps=1e-6
+) -> dict:
+    """Attention diagnostics of seeds 000/001/003 from the model's pool masses.
 
-    Returns a dict of float32 arrays: vgr [B, T], mdi [B], mdi_early/mdi_middle/mdi_late [B],
-    aei_vision [B], aei_text [B], attn_vision [B], attn_text [B] (mean masses).
+    vision_mass, text_mass: float32[L, B, T] (A_V, A_X per layer and query position); n_vision,
+    n_text: [B] pool sizes |V|, |X|; mask: [B, T] completion mask. `layer_set` / `last_k`
+    (last_k > 0 wins) choose the layers of vgr, mdi and the AEIs; mdi_early / mdi_middle /
+    mdi_late always use the thirds of layer_indices. AEI of a modality = its share of the
+    two pools' attention / its share of the two pools' tokens (1 = attention in proportion to
+    token count). eps = 1e-6 keeps a vision-blind row finite.
+
+    Returns float32 arrays: vgr [B, T] (1 for rows lacking a pool); mdi, mdi_early, mdi_middle,
+    mdi_late, aei_vision, aei_text [B] (NaN for rows without image, text or completion
+    tokens: no statistic); attn_vision, attn_text [B] (mean layer-averaged masses).
     """
-    out = {
-        "vgr": per_token_vgr(vision_mass, text_mass, n_vision, n_text, "all", last_k, eps),
-        "mdi": sequence_mdi(vision_mass, text_mass, n_vision, n_text, mask, "all", last_k, eps),
-    }
+    out = {"vgr": per_token_vgr(vision_mass, text_mass, n_vision, n_text, layer_set, last_k, eps)}
+    args = (vision_mass, text_mass, n_vision, n_text, mask)
+    out["mdi"] = sequence_mdi(*args, layer_set, last_k, eps)
     for name in ("early", "middle", "late"):
-        out[f"mdi_{name}"] = sequence_mdi(
-            vision_mass, text_mass, n_vision, n_text, mask, name, 0, eps
-        )
-    m = (mask > 0).astype(jnp.float32)
-    cnt = jnp.maximum(jnp.sum(m, -1), 1.0)
-    a_v = jnp.sum(layer_mean(vision_mass, "all", last_k) * m, -1) / cnt
-    a_x = jnp.sum(layer_mean(text_mass, "all", last_k) * m, -1) / cnt
-    nv, nx = n_vision.astype(jnp.float32), n_text.astype(jnp.float32)
-    attn_share_v = a_v / jnp.maximum(a_v + a_x, eps)
-    tok_share_v = nv / jnp.maximum(nv + nx, 1.0)
-    out["aei_vision"] = attn_share_v / jnp.maximum(tok_share_v, eps)
-    out["aei_text"] = (1.0 - attn_share_v) / jnp.maximum(1.0 - tok_share_v, eps)
+        out[f"mdi_{name}"] = sequence_mdi(*args, name, 0, eps)
+    nv, nx, ok = _pool_sizes(n_vision, n_text)
+    ok = ok & (jnp.sum(mask > 0, -1) > 0)
+    a_v, a_x = _completion_means(vision_mass, text_mass, mask, layer_set, last_k)
+    attn_v = a_v / jnp.maximum(a_v + a_x, eps)
+    tok_v = nv / jnp.maximum(nv + nx, 1.0)
+    nan = jnp.float32(jnp.nan)
+    out["aei_vision"] = jnp.where(ok, attn_v / jnp.maximum(tok_v, eps), nan)
+    out["aei_text"] = jnp.where(ok, (1.0 - attn_v) / jnp.maximum(1.0 - tok_v, eps), nan)
     out["attn_vision"], out["attn_text"] = a_v, a_x
     return out
 
@@ -112,9 +135,13 @@ def vgr_token_weights(
     has_image: jax.Array | None = None,
     eps: float = 1e-6,
 ) -> jax.Array:
-    """w_t = 1 / (VGR_t + eps), divided by its mean over the row's completion tokens, clipped
-    to `clip`, optionally Gaussian-smoothed along t. Rows without images get w = 1. Returns
-    float32[B, T], 0 on padding (the loss uses m * w)."""
+    """VGR token weights (seeds 001/003): w_t = 1 / (VGR_t + eps), divided by its mean over the
+    row's completion tokens, clipped to `clip`, then (smooth_sigma > 0, static) smoothed along
+    t by a Gaussian of radius ceil(3 sigma) renormalised over the completion tokens it covers.
+
+    vgr, mask: [B, T]; has_image: bool[B] or None. Rows without images get w = 1; a
+    non-finite weight (NaN VGR) counts as 1. Returns float32[B, T], 0 on padding (the loss
+    uses m * w in numerator and denominator). No gradient."""
     m = (mask > 0).astype(jnp.float32)
     w = 1.0 / (vgr.astype(jnp.float32) + eps)
     w = jnp.where(jnp.isfinite(w), w, 1.0)
@@ -129,7 +156,10 @@ def vgr_token_weights(
 
 def mdi_balance_reward(mdi: jax.Array, ratio: float = 2.0) -> jax.Array:
     """balance = clip(1 - |ln MDI| / ln R, 0, 1); reward = 2 balance - 1. Rows without
-    statistics (NaN, non-positive MDI) get 0, the neutral value."""
+    statistics (NaN, inf, non-positive MDI) get 0, the neutral value. mdi: float32[B]; the
+    tolerance ratio R > 1 (`mdi_balance_ratio`, seed 000) is static. Returns float32[B]."""
+    if not ratio > 1.0:
+        raise ValueError(f"mdi_balance_ratio must be > 1, got {ratio}")
     mdi = jnp.asarray(mdi, jnp.float32)
     ok = jnp.isfinite(mdi) & (mdi > 0)
     safe = jnp.where(ok, mdi, 1.0)

@@ -17,63 +17,113 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LETTERS = "ABCDEFGHIJ"
-_FULL_WIDTH = str.maketrans({chr(0xFF21 + i): LETTERS[i] for i in range(10)})
-_L = r"([A-J])"
-# Ordered by how explicit the marker is; the first pattern with a match wins, last match in it.
+# Full-width Ａ-Ｊ / ａ-ｊ and brackets / colon / period count as their ASCII forms.
+_FULL_WIDTH = str.maketrans(
+    {
+        **{chr(0xFF21 + i): LETTERS[i] for i in range(10)},
+        **{chr(0xFF41 + i): LETTERS[i].lower() for i in range(10)},
+        "（": "(",
+        "）": ")",
+        "：": ":",
+        "．": ".",
+    }
+)
+# An option letter: a capital A-J not touching other Latin letters, or a lower-case a-j only
+# when nothing word-like follows ("answer is a." but not "answer is a cat").
+_OPT = r"(?<![A-Za-z])(?:([A-J])(?![A-Za-z])|([a-j])(?=\s*(?:$|[).,;:!?，。、*\]]|</)))"
+_OPEN = r"\s*[*_\"'`]*\s*[(\[]?\s*"
+# Ordered by how explicit the marker is; the first pattern with a match wins, and within it
+# the last match (a model that corrects itself ends with its final choice).
 _ANSWER_PATTERNS = [
-    re.compile(r"<answer>\s*\(?" + _L + r"\)?[^<]*</answer>", re.I),
-    re.compile(r"answer\s*(?:is|:)\s*\(?" + _L + r"\b\)?", re.I),
-    re.compile(r"答案\s*(?:是|为)?\s*[:：]?\s*[(（]?" + _L + r"(?![A-Za-z])"),
-    re.compile(r"选项\s*[:：]?\s*[(（]?" + _L + r"(?![A-Za-z])"),
-    re.compile(r"\(" + _L + r"\)"),
+    re.compile(r"<answer>" + _OPEN + _OPT),
+    re.compile(r"\\boxed\{" + _OPEN + _OPT),
+    re.compile(r"(?<![A-Za-z])(?i:answer)\s*(?:(?i:is)\s*:?|:)" + _OPEN + _OPT),
+    re.compile(r"答案\s*(?:是|为|為|选|選)?\s*:?" + _OPEN + _OPT),
+    re.compile(r"选项\s*(?:是|为)?\s*:?" + _OPEN + _OPT),
+    re.compile(r"\(\s*([A-J])\s*\)()"),
 ]
-_STANDALONE = re.compile(r"(?<![A-Za-z])" + _L + r"(?![A-Za-z])")
+_STANDALONE = re.compile(r"(?<![A-Za-z])([A-J])(?![A-Za-z])")
+# "I think", "I'm": the pronoun. "A cat ..." at a sentence start: the article.
+_PRONOUN_I = re.compile(r"I(?=\s+[a-z]|'[a-z])")
+_SENTENCE_START = re.compile(r"(?:^|[.!?。！？]\s+|\n\s*)$")
 
 
-def extract_choice(text: str) -> str | None:
-    """Option letter A-J from a completion, or None.
-
-    Looks after the last `</think>` when there is one; tries explicit markers ("Answer: X",
-    "answer is X", "答案: X", "选项: X", "(X)", "<answer>X</answer>"), then the last standalone
-    capital letter A-J. Full-width Ａ-Ｊ count as A-J. Lower-case letters count only after an
-    explicit marker (a bare "a" is an article, not an option).
-    """
-    text = text.translate(_FULL_WIDTH)
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
+def _explicit_choice(text: str) -> str | None:
     for pattern in _ANSWER_PATTERNS:
         found = pattern.findall(text)
         if found:
-            return found[-1].upper()
-    found = _STANDALONE.findall(text)
-    return found[-1] if found else None
+            upper, lower = found[-1]
+            return (upper or lower).upper()
+    return None
+
+
+def _standalone_choice(text: str) -> str | None:
+    for match in reversed(list(_STANDALONE.finditer(text))):
+        letter, at = match.group(1), match.start()
+        if letter == "I" and _PRONOUN_I.match(text, at):
+            continue
+        if (
+            letter == "A"
+            and re.match(r"A\s+[a-z]", text[at:])
+            and _SENTENCE_START.search(text[:at])
+        ):
+            continue
+        return letter
+    return None
+
+
+def extract_choice(text: str) -> str | None:
+    """Option letter A-J of a completion, or None (seed 000's mc_idx answer parsing).
+
+    Full-width forms count as ASCII. Searches the text after the last `</think>` first and the
+    whole text only when that finds nothing. Explicit markers first, in this order:
+    `<answer>X`, `\\boxed{X}`, "Answer: X" / "answer is X" (any case, optional ** / quotes /
+    brackets), "答案: X" / "答案：X" / "答案是X", "选项: X", "(X)"; then the last standalone
+    capital A-J, skipping the pronoun "I" ("I think") and the article "A" starting a sentence
+    ("A cat sat"). Lower-case a-j count only after an explicit marker and when no word follows
+    ("answer: b." yes, "the answer is a dog" no): a bare "a" is an article, not an option.
+    """
+    text = text.translate(_FULL_WIDTH)
+    parts = [text.rsplit("</think>", 1)[1], text] if "</think>" in text else [text]
+    for part in parts:
+        found = _explicit_choice(part) or _standalone_choice(part)
+        if found:
+            return found
+    return None
 
 
 def _label_letter(label) -> str | None:
+    """0-based index (int or digit string) or letter ("B", "b", "Ｂ", "B. dog") -> "A".."J"."""
     if label is None or (isinstance(label, float) and math.isnan(label)):
         return None
     if isinstance(label, str):
-        label = label.strip().translate(_FULL_WIDTH).upper()
+        label = label.strip().translate(_FULL_WIDTH)
         if label.isdigit():
             return LETTERS[int(label)] if int(label) < len(LETTERS) else None
-        return label[:1] if label[:1] in LETTERS else None
+        found = re.match(r"([A-Ja-j])(?![A-Za-z])", label)
+        return found.group(1).upper() if found else None
     idx = int(label)
     return LETTERS[idx] if 0 <= idx < len(LETTERS) else None
 
 
 def mc_idx_reward(completions: Sequence[str], label_idx: Sequence, **_) -> list[float]:
-    """1.0 when the extracted option letter equals the label (0-based index or letter)."""
-    return [
-        float(extract_choice(c) is not None and extract_choice(c) == _label_letter(lbl))
-        for c, lbl in zip(completions, label_idx)
-    ]
+    """Seed 000 (weight 4.0): 1.0 when extract_choice() equals the label (0-based index or
+    letter), else 0.0; a missing label gives 0.0."""
+    if len(label_idx) != len(completions):
+        raise ValueError(f"{len(completions)} completions but {len(label_idx)} labels")
+    out = []
+    for c, lbl in zip(completions, label_idx):
+        choice, want = extract_choice(c), _label_letter(lbl)
+        out.append(float(choice is not None and choice == want))
+    return out
 
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>(.*)$", re.S)
 
 
 def think_format_reward(completions: Sequence[str], **_) -> list[float]:
-    """1.0 for exactly one <think>...</think> block followed by a non-empty answer."""
+    """Seed 000 (weight 1.0): 1.0 when the completion is exactly one <think>...</think> block
+    (only whitespace before it) followed by a non-empty answer, else 0.0."""
     out = []
     for c in completions:
         ok = c.count("<think>") == 1 and c.count("</think>") == 1
@@ -82,18 +132,70 @@ def think_format_reward(completions: Sequence[str], **_) -> list[float]:
     return out
 
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
+_ANSWER_LINE = re.compile(r"(?i:answer)\s*(?:(?i:is)\s*:?|:)|答案\s*(?:是|为)?\s*:?")
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return text[i + 1 :]
+
+
+def answer_span(text: str) -> str:
+    """The answer part of a completion or reference: after the last </think>, the last
+    <answer>...</answer>, else the last \\boxed{...}, else what follows the last "Answer:" /
+    "answer is" / "答案:" on its line, else the whole text."""
+    text = text.translate(_FULL_WIDTH).rsplit("</think>", 1)[-1]
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        return tags[-1]
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    marks = list(_ANSWER_LINE.finditer(text))
+    if marks:
+        return text[marks[-1].end() :].split("\n", 1)[0]
+    return text
+
+
 def _normalise(s: str) -> str:
+    """Lower case, no LaTeX text wrappers / $ / trailing punctuation, single spaces."""
     s = s.strip().lower()
-    s = re.sub(r"<answer>|</answer>|\\boxed\{|\}|\$", " ", s)
-    s = re.sub(r"[\s\.,;:!?\"'`]+", " ", s)
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"[$*`]", "", s)
+    s = re.sub(r"[\s\.,;:!?\"']+", " ", s)
     return s.strip()
 
 
-def _as_number(s: str):
+def _as_number(s: str) -> float | None:
+    """A plain number (1,234.5 / -3 / 50% / 1/4), else None."""
+    s = s.strip().replace(",", "").replace("$", "").rstrip(".").strip()
+    pct = s.endswith("%")
+    s = s.rstrip("%").strip()
     try:
-        return float(s.replace(",", ""))
-    except ValueError:
+        if re.fullmatch(r"-?\d+\s*/\s*\d+", s):
+            num, den = s.split("/")
+            value = float(num) / float(den)
+        else:
+            value = float(s)
+    except (ValueError, ZeroDivisionError):
         return None
+    return value / 100 if pct else value
+
+
+def _match(pred: str, ref: str) -> bool:
+    a, b = _as_number(pred), _as_number(ref)
+    if a is not None and b is not None:
+        return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    return _normalise(pred) == _normalise(ref)
 
 
 def accuracy_reward(
@@ -102,8 +204,9 @@ def accuracy_reward(
     solution: Sequence[str] | None = None,
     **_,
 ) -> list[float]:
-    """1.0 if the completion's answer matches: math_verify when installed, else normalised
-    string equality or numeric equality (rel. 1e-6) of the text after </think>."""
+    """1.0 when the completion's answer_span matches the reference's (column `answer`, else
+    `solution`): math_verify's verify when installed and it says equal; otherwise numeric
+    equality (rel. 1e-6; "50%" = 0.5, "1/4" = 0.25) or normalised string equality."""
     refs = answer if answer is not None else solution
     if refs is None:
         raise ValueError("accuracy_reward needs an `answer` or `solution` column")
@@ -113,26 +216,26 @@ def accuracy_reward(
         parse = verify = None
     out = []
     for c, ref in zip(completions, refs):
-        text = c.rsplit("</think>", 1)[-1]
+        if ref is None:
+            out.append(0.0)
+            continue
+        pred, gold = answer_span(c), answer_span(str(ref))
+        ok = False
         if verify is not None:
             try:
-                out.append(float(verify(parse(str(ref)), parse(text))))
-                continue
-            except Exception:  # noqa: BLE001 -- fall back to string match
-                pass
-        a, b = _normalise(text), _normalise(str(ref))
-        na, nb = _as_number(text.strip().rstrip(".")), _as_number(str(ref).strip())
-        if na is not None and nb is not None:
-            out.append(float(abs(na - nb) <= 1e-6 * max(1.0, abs(nb))))
-        else:
-            out.append(float(a == b))
+                ok = bool(verify(parse(str(ref)), parse(c.rsplit("</think>", 1)[-1])))
+            except Exception:  # noqa: BLE001 -- math_verify failing means: compare as text
+                ok = False
+        out.append(float(ok or _match(pred, gold)))
     return out
 
 
 def mdi_reward(
     completions: Sequence[str], mdi: Sequence | None = None, mdi_balance_ratio=2.0, **_
 ) -> list[float]:
-    """Seed 000: 2 * clip(1 - |ln MDI| / ln R, 0, 1) - 1 per row; 0 without statistics."""
+    """Seed 000 (weight 1.0): 2 * clip(1 - |ln MDI| / ln R, 0, 1) - 1 per row, R =
+    mdi_balance_ratio; 0 (neutral) for rows without statistics (None, NaN, MDI <= 0) and for
+    every row when the column is absent (e.g. a sampler without attention statistics)."""
     if mdi is None:
         return [0.0] * len(completions)
     out = []
