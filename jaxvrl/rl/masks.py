@@ -49,8 +49,8 @@ def _descending_rank(scores: jax.Array, valid: jax.Array) -> jax.Array:
     position ascending); 0 = best. A NaN score counts as -inf (still above padding)."""
     b, t = scores.shape
     key = -scores.astype(jnp.float32)
-    # lax.sort uses a total order on floats (-0.0 < 0.0, NaN last), so make equal scores
-    # bit-identical to keep ties in position order.
+    # Equal scores made bit-identical (-0.0 vs 0.0, NaN vs -inf), so that ties are broken
+    # by position alone whatever float order the backend's sort uses.
     key = jnp.where(key == 0, 0.0, key)
     key = jnp.where(jnp.isnan(key), jnp.inf, key)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
