@@ -1,0 +1,291 @@
+"""Rollout sampler benchmark: jaxvrl.sampling.generate vs transformers `generate`.
+
+Builds one random-init Qwen2.5-VL in transformers, saves it, loads the same weights into
+jaxvrl, and samples greedily on the same batch of image prompts with both, timing the whole
+call (prefill with the vision tower + decode), after a warm-up (compilation) run. Both run the
+full length: HF with min_new_tokens = max_new_tokens, jaxvrl with no EOS ids.
+
+    python bench/sampler.py                      # small + medium, 64 and 256 new tokens
+    python bench/sampler.py --quick              # small only, short (a couple of minutes on 2 cores)
+    python bench/sampler.py --configs small --new-tokens 64,256
+    python bench/sampler.py --device cuda --dtype bfloat16   # GPU (JAX default backend + torch cuda)
+
+Decode step time is taken from the difference of the two lengths' runs, so prefill cancels:
+step = (t(N2) - t(N1)) / (N2 - N1). The bandwidth bound of a decode step is the bytes of the
+weights read per step (decoder layers, final norm and LM head; the embedding table only as the
+LM head when tied) divided by the measured copy bandwidth (bytes read + written per second, a
+large numpy copy on the CPU, a jitted device copy on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+IMAGE, VIDEO, VSTART, VEND, IM_START, IM_END = 151655, 151656, 151652, 151653, 151644, 151645
+VOCAB = 151936
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tie: bool
+    v_depth: int
+    v_hidden: int
+    v_heads: int
+
+
+SIZES = {
+    # hidden 256, 4 layers, vision depth 4, Qwen's vocabulary
+    "small": Size(256, 4, 4, 2, 1024, VOCAB, True, 4, 128, 2),
+    # Qwen2.5-0.5B's text decoder (tied embeddings) with a small vision tower
+    "medium": Size(896, 24, 14, 2, 4864, VOCAB, True, 4, 256, 4),
+}
+
+
+def hf_config(s: Size):
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=s.vocab,
+            hidden_size=s.hidden,
+            intermediate_size=s.intermediate,
+            num_hidden_layers=s.layers,
+            num_attention_heads=s.heads,
+            num_key_value_heads=s.kv_heads,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [x * (s.hidden // s.heads) // 128 for x in (16, 24, 24)],
+            },
+            max_position_embeddings=4096,
+            eos_token_id=IM_END,
+            tie_word_embeddings=s.tie,
+        ),
+        vision_config=dict(
+            depth=s.v_depth,
+            hidden_size=s.v_hidden,
+            intermediate_size=4 * s.v_hidden,
+            num_heads=s.v_heads,
+            out_hidden_size=s.hidden,
+            fullatt_block_indexes=[s.v_depth - 1],
+            window_size=112,
+        ),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+        tie_word_embeddings=s.tie,
+    )
+
+
+def image_prompts(batch: int, grid=(1, 16, 16), seed=0):
+    """Left-padded chat-like prompts, one image each, text of varying length."""
+    rng = np.random.default_rng(seed)
+    n_img = int(np.prod(grid)) // 4
+    rows = []
+    for _ in range(batch):
+        text = list(rng.integers(1000, 100000, rng.integers(8, 24)))
+        rows.append(
+            [IM_START, 872, 198, VSTART] + [IMAGE] * n_img + [VEND] + text
+            + [IM_END, 198, IM_START, 77091, 198]
+        )  # fmt: skip
+    p = max(map(len, rows))
+    ids = np.zeros((batch, p), np.int64)
+    mask = np.zeros((batch, p), np.int64)
+    for i, r in enumerate(rows):
+        ids[i, p - len(r) :] = r
+        mask[i, p - len(r) :] = 1
+    pv = rng.standard_normal((batch * int(np.prod(grid)), 1176)).astype(np.float32)
+    return ids, mask, pv, np.array([grid] * batch)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a large copy (best of 5)."""
+    if device == "cpu":
+        src = np.ones(256 * 2**20 // 4, np.float32) * 1.5
+        dst = np.empty_like(src)
+        best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+        return 2 * src.nbytes / best
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((1024 * 2**20 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
+    return 2 * x.nbytes / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of parameters read per decode step: decoder layers, final norm, LM head."""
+    import jax
+    from flax import nnx
+
+    n = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.model.layers)))
+    n += model.model.norm.weight[...].nbytes
+    if model.config.tie_word_embeddings:
+        n += model.model.embed_tokens.embedding[...].nbytes
+    else:
+        n += sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.lm_head)))
+    return n
+
+
+def run_hf(hf, inputs, n, device, threads=1):
+    import torch
+
+    ids, mask, pv, grid = inputs
+    tt = np.where(ids == IMAGE, 1, 0)
+    kw = dict(
+        input_ids=torch.tensor(ids, device=device),
+        attention_mask=torch.tensor(mask, device=device),
+        mm_token_type_ids=torch.tensor(tt, device=device),
+        pixel_values=torch.tensor(pv, device=device, dtype=hf.dtype),
+        image_grid_thw=torch.tensor(grid, device=device),
+    )
+    gen = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=IM_END)
+    gen.update(pad_token_id=0, suppress_tokens=[IMAGE, VIDEO, VSTART, VEND])
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    with torch.inference_mode():
+        hf.generate(**kw, **dict(gen, max_new_tokens=2, min_new_tokens=2))  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = hf.generate(**kw, **gen)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    return out[:, ids.shape[1] :].cpu().numpy(), dt
+
+
+def run_jax(model, inputs, n):
+    import jax
+
+    from jaxvrl.sampling import generate
+
+    ids, mask, pv, grid = inputs
+    kw = dict(
+        max_new_tokens=n,
+        temperature=0.0,
+        eos_token_ids=(),
+        pixel_values=pv,
+        image_grid_thw=grid,
+    )
+    t = time.perf_counter()
+    jax.block_until_ready(generate(model, ids, mask, **kw).tokens)
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    out = generate(model, ids, mask, **kw)
+    toks = np.asarray(jax.block_until_ready(out.tokens))
+    return toks, time.perf_counter() - t, compile_s
+
+
+def bench_size(name: str, size: Size, args) -> list[str]:
+    import jax.numpy as jnp
+    import torch
+
+    from jaxvrl.models import qwen2_5_vl as q
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    hf = Qwen2_5_VLForConditionalGeneration(hf_config(size)).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        model = q.load(tmp, dtype=getattr(jnp, args.dtype))
+    hf = hf.to(device=args.device, dtype=getattr(torch, args.dtype))
+    n_params = sum(p.numel() for p in hf.parameters())
+    inputs = image_prompts(args.batch)
+    b, p = inputs[0].shape
+    lines = [
+        f"## {name}: {n_params / 1e6:.1f}M params, {size}, batch {b}, prompt {p} "
+        f"(one 224x224 image per row), {args.dtype}, greedy"
+    ]
+    lines.append("| new tokens | HF s | HF tok/s | jaxvrl s | jaxvrl tok/s | ratio | "
+                 "jaxvrl compile s | same tokens |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|")
+    jax_times = {}
+    for n in args.new_tokens:
+        # HF at the machine's thread count and at 1 thread; the faster one is compared
+        runs = {th: run_hf(hf, inputs, n, args.device, th) for th in args.hf_threads}
+        best = min(runs, key=lambda th: runs[th][1])
+        ref, t_hf = runs[best]
+        toks, t_jx, t_c = run_jax(model, inputs, n)
+        jax_times[n] = t_jx
+        same = float(np.mean(np.cumprod(toks == ref, axis=1)))  # common greedy prefix
+        lines.append(
+            f"| {n} | {t_hf:.2f} ({best} thr) | {b * n / t_hf:.0f} | {t_jx:.2f} | {b * n / t_jx:.0f} | "
+            f"{t_hf / t_jx:.1f}x | {t_c:.1f} | {same:.0%} |"
+        )
+        print(lines[-1], flush=True)
+    if len(jax_times) >= 2 and (name == "medium" or args.bound_all):
+        n1, n2 = min(jax_times), max(jax_times)
+        step = (jax_times[n2] - jax_times[n1]) / (n2 - n1)
+        wbytes = decode_weight_bytes(model)
+        bw = copy_bandwidth("cpu" if args.device == "cpu" else "gpu")
+        bound = wbytes / bw
+        lines.append(
+            f"\nbandwidth bound: {wbytes / 1e6:.0f} MB of weights per decode step, copy "
+            f"bandwidth {bw / 1e9:.1f} GB/s -> {bound * 1e3:.1f} ms/step; jaxvrl decode "
+            f"{step * 1e3:.1f} ms/step = {bound / step:.0%} of the bound"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small config, batch 8, 16/48 tokens")
+    ap.add_argument("--configs", default="small,medium")
+    ap.add_argument("--new-tokens", default="64,256")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--hf-threads", default=None, help="torch CPU threads to try (best kept)")
+    ap.add_argument("--bound-all", action="store_true", help="bandwidth bound for every config")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.configs, args.new_tokens = "small", "16,48"
+    args.new_tokens = [int(x) for x in args.new_tokens.split(",")]
+
+    import jax
+    import torch
+
+    ncpu = os.cpu_count()
+    args.hf_threads = [int(x) for x in (args.hf_threads or f"{ncpu},1").split(",")]
+    print(
+        f"# sampler bench {datetime.date.today()} | {platform.processor() or platform.machine()}"
+        f", {os.cpu_count()} cores | jax {jax.__version__} ({jax.default_backend()}) | "
+        f"torch {torch.__version__} ({args.device}, threads {args.hf_threads}, best kept) | "
+        f"load average {os.getloadavg()[0]:.1f}\n"
+        f"# python {' '.join(sys.argv)}",
+        flush=True,
+    )
+    for name in args.configs.split(","):
+        print("\n".join(bench_size(name, SIZES[name], args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
