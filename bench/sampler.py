@@ -206,9 +206,9 @@ def run_jax(model, inputs, n):
 def bench_size(name: str, size: Size, args) -> list[str]:
     import jax.numpy as jnp
     import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from jaxvrl.models import qwen2_5_vl as q
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
     hf = Qwen2_5_VLForConditionalGeneration(hf_config(size)).eval()

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxvrl.models.qwen2_5_vl import KVCache, get_rope_index, vision_inputs
-
-NEG_INF = -1e30
+from jaxvrl.models.qwen2_5_vl import KVCache, get_rope_index, stack_vision_inputs, vision_inputs
+from jaxvrl.sampling import rules
+from jaxvrl.sampling.rules import NEG_INF
 
 
 @struct.dataclass
@@ -24,12 +24,14 @@ class SampleOutput:
     """tokens int32[B, N] (pad after the end); logprobs float32[B, N] of the sampled tokens
     under logits / temperature (the full distribution, before top-k/top-p; temperature 0
     uses 1); mask float32[B, N] 1 up to and including the first EOS; truncated bool[B] (no
-    EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given."""
+    EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given; steps
+    int32[]: decode steps run (< N when every row ended early)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     mask: jax.Array
     truncated: jax.Array
+    steps: jax.Array | None = None
     vision_mass: jax.Array | None = None
     text_mass: jax.Array | None = None
 
@@ -49,33 +51,23 @@ class SamplingConfig:
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     """Top-k then nucleus (top-p) filtering; removed entries get NEG_INF. float32[B, V]."""
-    if top_k and top_k > 0:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, NEG_INF, logits)
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        cum = jnp.cumsum(probs, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        keep = (cum - probs) < top_p
-        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, NEG_INF, logits)
-    return logits
+    return rules.top_p_filter(rules.top_k_filter(logits, top_k), top_p)
 
 
-def _pick(logits, rng, cfg: SamplingConfig):
+def _pick(logits, key, cfg: SamplingConfig):
     """Sample (or argmax) one token per row; returns (tokens int32[B], logprobs float32[B])."""
-    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    allowed = logits
+    if cfg.suppress_token_ids:
+        banned = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(cfg.suppress_token_ids)].set(True)
+        allowed = jnp.where(banned, NEG_INF, logits)
+    if cfg.temperature <= 0:
+        tok = rules.first_argmax(allowed)
+    else:
+        tok = rules.categorical(key, filter_logits(allowed / cfg.temperature, cfg.top_k, cfg.top_p))
     # The log-prob is that of the model's full distribution, so that it equals what a
     # teacher-forced forward pass (the trainer's old log-prob) computes.
-    logp = jax.nn.log_softmax(logits / temp, axis=-1)
-    if cfg.suppress_token_ids:
-        logits = logits.at[:, jnp.asarray(cfg.suppress_token_ids)].set(NEG_INF)
-    if cfg.temperature <= 0:
-        tok = jnp.argmax(logits, axis=-1)
-    else:
-        tok = jax.random.categorical(rng, filter_logits(logits / temp, cfg.top_k, cfg.top_p))
-    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    return tok, rules.token_logprob(logits, tok, temp)
 
 
 def sample(
@@ -125,7 +117,6 @@ def sample(
         tokens=jnp.full((b, n), cfg.pad_token_id, jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32),
         mask=jnp.zeros((b, n), jnp.float32),
-        rng=rng,
     )
     if pools is not None:
         state["vmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
@@ -135,8 +126,7 @@ def sample(
         return (s["i"] < n) & ~jnp.all(s["done"])
 
     def body(s):
-        rng, key = jax.random.split(s["rng"])
-        tok, lp = _pick(s["logits"], key, cfg)
+        tok, lp = _pick(s["logits"], jax.random.fold_in(rng, s["i"]), cfg)
         live = ~s["done"]
         tok = jnp.where(live, tok, cfg.pad_token_id)
         i = s["i"]
@@ -161,7 +151,6 @@ def sample(
             new["vmass"] = s["vmass"].at[:, :, i].set(step.vision_mass[:, :, 0])
             new["xmass"] = s["xmass"].at[:, :, i].set(step.text_mass[:, :, 0])
         new["i"] = i + 1
-        new["rng"] = rng
         return new
 
     s = jax.lax.while_loop(cond, body, state)
@@ -170,6 +159,7 @@ def sample(
         logprobs=s["logprobs"],
         mask=s["mask"],
         truncated=~s["done"],
+        steps=s["i"],
         vision_mass=s.get("vmass"),
         text_mass=s.get("xmass"),
     )
@@ -180,6 +170,40 @@ def make_sampler(graphdef, cfg: SamplingConfig):
     """A jitted `sample` for one model structure and sampling config; it compiles once per
     (batch, prompt length, patch bucket) shape."""
     return jax.jit(functools.partial(sample, graphdef, cfg=cfg))
+
+
+def row_vision_inputs(pixel_values, grid_thw, input_ids, token_id, cfg, patch_bucket=None):
+    """Per-row VisionInputs (leading axis B) from packed HF-style inputs, or None.
+
+    Images are assigned to rows in order of their pad tokens (`token_id`) in input_ids int[B, P];
+    every row is padded to the same number of patches: the largest row's, rounded up to a
+    multiple of `patch_bucket` (default: the merge unit). Running the tower per row costs
+    B * N^2 attention rather than (B * N)^2 for the packed layout.
+    """
+    if pixel_values is None:
+        return None
+    vcfg = cfg.vision
+    grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    pv = np.asarray(pixel_values)
+    patches = np.prod(grid, axis=-1)
+    tokens = patches // vcfg.merge_unit
+    row_tokens = np.sum(np.asarray(input_ids) == token_id, axis=1)
+    row = np.searchsorted(np.cumsum(row_tokens), np.cumsum(tokens) - tokens, side="right")
+    if np.any(np.bincount(row, tokens, minlength=len(row_tokens)) != row_tokens):
+        raise ValueError(f"grid_thw {grid.tolist()} does not match the pad tokens per row")
+    row_patches = np.bincount(row, patches, minlength=len(row_tokens)).astype(np.int64)
+    bucket = patch_bucket or vcfg.merge_unit
+    if bucket % vcfg.merge_unit:
+        raise ValueError(f"patch_bucket {bucket} must be a multiple of {vcfg.merge_unit}")
+    n = max(bucket, -(-int(row_patches.max()) // bucket) * bucket)
+    start = np.cumsum(patches) - patches
+    rows = []
+    for b in range(len(row_tokens)):
+        items = np.flatnonzero(row == b)
+        sel = [pv[start[i] : start[i] + patches[i]] for i in items]
+        pvb = np.concatenate(sel) if sel else np.zeros((0, pv.shape[1]), pv.dtype)
+        rows.append(vision_inputs(pvb, grid[items].reshape(-1, 3), vcfg, num_patches=n))
+    return jax.tree.map(jnp.asarray, stack_vision_inputs(rows))
 
 
 def generate(
@@ -200,24 +224,27 @@ def generate(
     second_per_grid_ts=None,
     pad_token_id: int = 0,
     pools=None,
+    patch_bucket: int | None = None,
 ) -> SampleOutput:
-    """Sample completions for left-padded prompts (numpy or jax arrays). Greedy when
-    temperature == 0. Image/video pad and vision start/end tokens are never sampled."""
+    """Sample completions for left-padded prompts int[B, P] (numpy or jax arrays).
+
+    Greedy when temperature == 0. Image/video pad and vision start/end tokens are never
+    sampled. Vision inputs are HF-processor style (packed pixel_values [N, C*T*P*P] with
+    grid_thw [I, 3]); they are laid out per row and padded to a multiple of `patch_bucket`
+    patches per row, so calls with different images compile once per bucket.
+    """
     cfg_m = model.config
     ids = np.asarray(input_ids)
     mask = np.asarray(attention_mask)
     pos, deltas = get_rope_index(
         ids, mask, cfg_m, image_grid_thw, video_grid_thw, second_per_grid_ts
     )
-    images = videos = None
-    if pixel_values is not None:
-        images = jax.tree.map(
-            jnp.asarray, vision_inputs(pixel_values, image_grid_thw, cfg_m.vision)
-        )
-    if pixel_values_videos is not None:
-        videos = jax.tree.map(
-            jnp.asarray, vision_inputs(pixel_values_videos, video_grid_thw, cfg_m.vision)
-        )
+    images = row_vision_inputs(
+        pixel_values, image_grid_thw, ids, cfg_m.image_token_id, cfg_m, patch_bucket
+    )
+    videos = row_vision_inputs(
+        pixel_values_videos, video_grid_thw, ids, cfg_m.video_token_id, cfg_m, patch_bucket
+    )
     eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
     cfg = SamplingConfig(
         max_new_tokens=max_new_tokens,
