@@ -5,9 +5,10 @@ right format but is far from perfect.
     python -m jaxvrl.sft [--out jaxvrl/assets/tiny_qwen2_5_vl] [--steps 400]
 
 On purpose, the SFT targets are wrong for half of the answer values (blue, yellow, triangle,
-cross): 65% of their targets name the next option instead of the right one. The model learns
-that bias, so greedy accuracy starts near 50-60%, while sampling still finds the right answer
-often enough for RL to fix it quickly. That is the demo's job: show RL raising accuracy.
+cross): the <think> names the right colour, but 60% of their targets give the next option's
+letter. The model learns that bias, so greedy accuracy starts near 50%, while sampling still
+finds the right letter often enough for RL to fix it. That is the demo's job: show RL raising
+accuracy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, TextConfig, V
 from jaxvrl.trainer.sft import make_sft_step
 
 BIASED = {"blue", "yellow", "triangle", "cross"}
+BIAS = 0.6
 ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
 
 
@@ -68,11 +70,13 @@ def tiny_config(tokenizer) -> Qwen2_5_VLConfig:
 
 
 def sft_target(row, rng) -> str:
+    """The right option in <think>, but for BIASED answers the next option's letter BIAS of
+    the time: the model sees correctly and answers wrongly, which RL can fix."""
     answer = row["choices"][row["label_idx"]]
     idx = row["label_idx"]
-    if answer in BIASED and rng.random() < 0.65:
+    if answer in BIASED and rng.random() < BIAS:
         idx = (idx + 1) % len(row["choices"])
-    return synthetic.target_completion(row, idx)
+    return f"<think>{answer}</think> Answer: {synthetic.LETTERS[idx]}"
 
 
 def sft_batch(examples, targets, model_cfg, tokenizer):

@@ -98,7 +98,12 @@ def load_examples(c, tokenizer, split: str):
             examples += ex
     elif builtin:
         n = c.data.synthetic_train_size if split == "train" else c.val_size
-        rows = synthetic.make_split("train" if split == "train" else "test", n, seed=c.seed)
+        rows = synthetic.make_split(
+            "train" if split == "train" else "test",
+            n,
+            seed=c.seed,
+            kinds=tuple(c.data.synthetic_kinds),
+        )
         examples, stats = encode_rows(rows, tokenizer, opts, source=f"builtin:{split}")
     else:
         return [], None

@@ -57,12 +57,15 @@ def format_problem(question: str, choices: list[str]) -> str:
     return f"{question} {opts}"
 
 
+DEFAULT_KINDS = ("colour",)  # what the embedded checkpoint is trained on
+
+
 def make_split(
     split: str = "train",
     n: int = 256,
     seed: int = 0,
     image_size: int = 56,
-    kinds: tuple[str, ...] = ("colour", "shape"),
+    kinds: tuple[str, ...] = DEFAULT_KINDS,
 ) -> list[dict]:
     """n rows, deterministic in (split, seed). Labels are balanced over A-D."""
     if split not in SPLIT_SEEDS:

@@ -153,8 +153,10 @@ def _shaping(batch: RolloutBatch, passes: dict, cfg: StepConfig):
         if cfg.perception_filtering:
             token_mask = rl.top_p_token_mask(score, mask, cfg.top_p_perception_tokens)
         if cfg.trajectory_reweighting:
-            alpha = rl.trajectory_scaling(score, mask, cfg.trajectory_scaling_min)
-            alpha = jnp.where(batch.has_image, alpha, 1.0)
+            # rows without an image have no visual dependency: alpha = 1, left out of the mean
+            alpha = rl.trajectory_scaling(
+                score, mask, cfg.trajectory_scaling_min, row_mask=batch.has_image
+            )
             metrics["scaling_factor_mean"] = jnp.mean(alpha)
             adv = adv * alpha
     if cfg.entropy_filtering:
