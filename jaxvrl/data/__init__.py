@@ -1,0 +1,24 @@
+"""Data: Qwen2.5-VL image/video processing (numpy + PIL), chat prompts, the built-in visual task.
+
+Grain pipelines live in `jaxvrl.data.loader` (imported on demand: it pulls in grain), the older
+list-based encoder and collate in `jaxvrl.data.pipeline`.
+"""
+
+from jaxvrl.data.processor import process_images, process_video, smart_resize, to_rgb
+from jaxvrl.data.prompts import (
+    default_tokenizer_path,
+    encode_prompt,
+    messages_for,
+    special_token_ids,
+)
+
+__all__ = [
+    "default_tokenizer_path",
+    "encode_prompt",
+    "messages_for",
+    "process_images",
+    "process_video",
+    "smart_resize",
+    "special_token_ids",
+    "to_rgb",
+]

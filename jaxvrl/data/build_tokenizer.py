@@ -1,14 +1,18 @@
 """Build the small byte-level BPE tokenizer shipped for the embedded default model.
 
-    python -m jaxvrl.data.build_tokenizer [--out jaxvrl/assets/tiny_qwen2_5_vl]
+    python -m jaxvrl.data.build_tokenizer [--out jaxvrl/assets/tokenizer]
 
-It carries the Qwen2 chat special tokens and the Qwen2-VL chat template, in HF format, so
-`AutoTokenizer.from_pretrained(path)` loads it offline. Any text encodes (byte fallback).
+It carries the Qwen2 chat special tokens, <think>/<answer> tags as single tokens and the
+Qwen2.5-VL chat template, in HF format, so `AutoTokenizer.from_pretrained(path)` loads it
+offline. Any text encodes (byte-level BPE over all 256 bytes). The build is deterministic: the
+shipped files, and the copy beside the embedded checkpoint (`assets/tiny_qwen2_5_vl`, written by
+`jaxvrl.sft` through `build`), are byte-identical to a fresh build.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from jaxvrl.data import synthetic
@@ -96,12 +100,24 @@ def build(out_dir: str, vocab_size: int = 640) -> None:
     fast.chat_template = CHAT_TEMPLATE
     os.makedirs(out_dir, exist_ok=True)
     fast.save_pretrained(out_dir)
+    # transformers 5 no longer writes this file; older loaders and other tools still read it.
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "additional_special_tokens": SPECIAL_TOKENS[1:],
+            },
+            f,
+            indent=2,
+        )
+        f.write("\n")
 
 
 def main(argv=None) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default=os.path.join(here, "assets", "tiny_qwen2_5_vl"))
+    p.add_argument("--out", default=os.path.join(here, "assets", "tokenizer"))
     p.add_argument("--vocab_size", type=int, default=640)
     args = p.parse_args(argv)
     build(args.out, args.vocab_size)

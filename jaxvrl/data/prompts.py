@@ -3,14 +3,47 @@ exactly as transformers' Qwen2.5-VL processor does."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+
+
+def default_tokenizer_path() -> str:
+    """Directory of the tokenizer shipped in the package (HF format, loads offline)."""
+    return os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tokenizer"
+    )
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """Ids the model config needs: image/video pad, vision start/end, im_start/im_end, pad, eos.
+
+    Raises if the tokenizer lacks one (a tokenizer without them cannot drive Qwen2.5-VL)."""
+    names = {
+        "image_token_id": IMAGE_PAD,
+        "video_token_id": VIDEO_PAD,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+        "im_start_id": "<|im_start|>",
+        "im_end_id": "<|im_end|>",
+    }
+    ids = {}
+    for key, tok in names.items():
+        i = tokenizer.convert_tokens_to_ids(tok)
+        if i is None or i == tokenizer.unk_token_id:
+            raise ValueError(f"tokenizer has no {tok} token (needed for {key})")
+        ids[key] = int(i)
+    ids["pad_token_id"] = int(tokenizer.pad_token_id)
+    ids["eos_token_id"] = int(tokenizer.eos_token_id)
+    return ids
 
 
 def messages_for(text: str, n_images: int = 0, n_videos: int = 0, system: str | None = None):
+    """Chat messages for one user turn: images, then videos, then the text (Qwen's usual order)."""
     content = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos
     content = content + [{"type": "text", "text": text}]
     msgs = [{"role": "system", "content": system}] if system else []
@@ -33,6 +66,7 @@ def expand_vision_pads(
 
 
 def vision_token_counts(grid_thw, merge_size: int = 2) -> list[int]:
+    """Pad tokens per image/video: t*h*w / merge_size**2 for each row of int[N, 3]."""
     return [int(np.prod(g)) // merge_size**2 for g in np.asarray(grid_thw).reshape(-1, 3)]
 
 

@@ -40,8 +40,14 @@ def model_config():
 
 @pytest.mark.parametrize(
     "size,mode",
-    [((31, 29), "RGB"), ((57, 1003), "L"), ((1400, 900), "RGBA"), ((90, 64), "P"),
-     ((200, 300), "LA"), ((28, 5000), "RGB")],
+    [
+        ((31, 29), "RGB"),
+        ((57, 1003), "L"),
+        ((1400, 900), "RGBA"),
+        ((90, 64), "P"),
+        ((200, 300), "LA"),
+        ((28, 5000), "RGB"),
+    ],
 )
 def test_process_images_equals_hf(size, mode):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -91,17 +97,21 @@ def _hf_processor(tokenizer):
 def test_chat_prompt_ids_equal_hf_processor(tokenizer):
     proc = _hf_processor(tokenizer)
     rng = np.random.default_rng(0)
-    imgs = [Image.fromarray(rng.integers(0, 256, s, dtype=np.uint8)) for s in
-            [(60, 90, 3), (200, 120, 3)]]
+    imgs = [
+        Image.fromarray(rng.integers(0, 256, s, dtype=np.uint8))
+        for s in [(60, 90, 3), (200, 120, 3)]
+    ]
     for n_img, system in ((0, None), (1, None), (2, "Be brief."), (1, "sys")):
         content = [{"type": "image"}] * n_img + [{"type": "text", "text": "What is shown? A. x"}]
         msgs = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": content}]
+            {"role": "user", "content": content}
+        ]
         text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         ref = proc(text=[text], images=imgs[:n_img] or None, return_tensors="np")
         _, grid = process_images(imgs[:n_img])
-        ours = encode_prompt(tokenizer, "What is shown? A. x", grid if n_img else None,
-                             system=system)
+        ours = encode_prompt(
+            tokenizer, "What is shown? A. x", grid if n_img else None, system=system
+        )
         assert ours == ref["input_ids"][0].tolist()
 
 
@@ -123,16 +133,23 @@ def test_bad_rows_are_counted_and_good_rows_intact(tmp_path, tokenizer):
         {"problem": "long " * 400, "images": ["ok.png"], "label_idx": 1},
         {"problem": "no label", "images": ["ok.png"]},
         {"images": ["ok.png"], "label_idx": 2},
-        {"problem": "good two", "images": [{"bytes": base64.b64encode(_png((0, 0, 255))).decode()}],
-         "label_idx": 3},
+        {
+            "problem": "good two",
+            "images": [{"bytes": base64.b64encode(_png((0, 0, 255))).decode()}],
+            "label_idx": 3,
+        },
     ]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     opts = EncodeOptions(image_dir=str(tmp_path), max_prompt_length=200, max_image_side=1024)
     ex, stats = encode_rows(read_rows(str(path)), tokenizer, opts, source=str(path))
     assert dict(stats.counts) == {
-        "missing_image": 1, "corrupt_image": 1, "oversized_image": 1, "prompt_too_long": 1,
-        "missing_label": 1, "missing_prompt": 1,
+        "missing_image": 1,
+        "corrupt_image": 1,
+        "oversized_image": 1,
+        "prompt_too_long": 1,
+        "missing_label": 1,
+        "missing_prompt": 1,
     }
     assert [e["problem"] for e in ex] == ["good one", "good two"]
     assert [e["label_idx"] for e in ex] == [0, 3]
@@ -156,8 +173,13 @@ def test_parquet_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"problem": ["q1", "q2"], "label_idx": [0, 1],
-                      "images": [[{"bytes": _png()}], [{"bytes": _png()}]]})
+    table = pa.table(
+        {
+            "problem": ["q1", "q2"],
+            "label_idx": [0, 1],
+            "images": [[{"bytes": _png()}], [{"bytes": _png()}]],
+        }
+    )
     pq.write_table(table, tmp_path / "x.parquet")
     rows = read_rows(str(tmp_path / "x.parquet"))
     assert [r["problem"] for r in rows] == ["q1", "q2"]
