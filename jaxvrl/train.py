@@ -251,6 +251,8 @@ def run(c) -> dict:
     )
     sampler = make_sampler(model_graph, scfg_sample)
     greedy = make_sampler(model_graph, dataclasses.replace(scfg_sample, temperature=0.0))
+    # make_sampler is cached per (model, config) across runs in one process: count new entries
+    compiled_before = sampler._cache_size(), greedy._cache_size()
     train_step = make_train_step(graphdef, tx, scfg)
     reward_fns, regular_w, early_w = build_rewards(c)
     need_stats = "mdi" in c.reward.funcs or scfg.token_weights
@@ -400,7 +402,8 @@ def run(c) -> dict:
     ckpt.close()
     writer.close()
     metrics["compiles/train_step"] = train_step._cache_size()
-    metrics["compiles/sampler"] = sampler._cache_size()
+    metrics["compiles/sampler"] = sampler._cache_size() - compiled_before[0]
+    metrics["compiles/greedy_sampler"] = greedy._cache_size() - compiled_before[1]
     return metrics
 
 

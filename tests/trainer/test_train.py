@@ -47,7 +47,9 @@ def test_every_config_runs_two_steps(path, tmp_path):
     metrics = run(cfg)
     assert np.isfinite(metrics["loss"]) and "val/accuracy" in metrics
     assert metrics["compiles/train_step"] == 1  # one prompt/patch bucket in the built-in task
-    assert metrics["compiles/sampler"] == 1
+    # at most one new program per sampler in this run (none if an earlier test in this process
+    # already compiled the same shape)
+    assert metrics["compiles/sampler"] <= 1 and metrics["compiles/greedy_sampler"] <= 1
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in (
