@@ -1,0 +1,210 @@
+"""Rows -> encoded examples (prompt ids + vision patches), with bad-row accounting.
+
+Row format (SPEC section 8): `problem` (or `prompt`) text; `images`: a list of paths relative to
+`image_dir`, raw bytes, {"bytes": ..., "path": ...} dicts (bytes may be base64 text in JSON) or
+PIL images; optional `videos`: a list of videos, each a list of frames in the same forms;
+`label_idx` (with `choices`) for multiple choice, or `answer` / `solution`.
+
+Bad rows (missing or corrupt image, image side over `max_image_side`, prompt over
+`max_prompt_length` tokens, missing prompt or label) never raise: they are counted per reason
+in `SkipStats`, and the first row of each reason is logged with its file and row index.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import dataclasses
+import io
+import logging
+import os
+import threading
+
+import numpy as np
+from PIL import Image
+
+from jaxvrl.data.processor import process_images, process_video
+from jaxvrl.data.prompts import encode_prompt
+
+log = logging.getLogger(__name__)
+
+REASONS = (
+    "missing_prompt",
+    "missing_label",
+    "missing_image",
+    "corrupt_image",
+    "oversized_image",
+    "prompt_too_long",
+)
+
+
+class DataError(ValueError):
+    """A data file that cannot be read at all (fails at start, naming the file and line)."""
+
+
+@dataclasses.dataclass
+class SkipStats:
+    """Rows skipped per reason. `counts[reason]` counts distinct rows: a row seen again in a
+    later epoch (or re-read after a resume) is not counted twice. Thread-safe (grain may
+    encode rows in reader threads)."""
+
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    seen: dict = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        with self._lock:
+            rows = self.seen.setdefault(reason, set())
+            if where in rows:
+                return
+            rows.add(where)
+            first = not self.counts[reason]
+            self.counts[reason] += 1
+        if first:
+            log.warning(
+                "skipping %s (%s)%s; further rows like it are only counted",
+                where,
+                reason,
+                f": {detail}" if detail else "",
+            )
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def report(self) -> dict[str, int]:
+        """{reason: count} for every reason (zeros included), for logs and metrics."""
+        return {r: int(self.counts.get(r, 0)) for r in REASONS} | dict(self.counts)
+
+
+def load_image(ref, image_dir: str | None) -> Image.Image:
+    """A PIL image from a path (relative to `image_dir`), bytes, base64 text or a dict with
+    "bytes"/"path" (HF datasets' Image feature). Raises FileNotFoundError or a decode error."""
+    if isinstance(ref, Image.Image):
+        return ref
+    if isinstance(ref, dict):
+        ref = ref.get("bytes") or ref.get("path")
+        if isinstance(ref, str) and not _exists(ref, image_dir):
+            try:  # JSON cannot hold bytes, so embedded images arrive as base64 text
+                ref = base64.b64decode(ref, validate=True)
+            except (binascii.Error, ValueError):
+                pass  # not base64 either: report the missing path below
+    if ref is None:
+        raise FileNotFoundError("image reference is empty")
+    if isinstance(ref, bytes | bytearray):
+        img = Image.open(io.BytesIO(ref))
+    else:
+        img = Image.open(_resolve(ref, image_dir))
+    img.load()
+    return img
+
+
+def _resolve(path: str, image_dir: str | None) -> str:
+    return path if image_dir is None or os.path.isabs(path) else os.path.join(image_dir, path)
+
+
+def _exists(path: str, image_dir: str | None) -> bool:
+    return len(path) < 4096 and os.path.exists(_resolve(path, image_dir))
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeOptions:
+    """How rows become examples. Pixel limits are Qwen2.5-VL's `min_pixels`/`max_pixels`."""
+
+    image_dir: str | None = None
+    max_prompt_length: int = 512
+    max_image_side: int = 1024
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 256
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    system_prompt: str | None = None
+    require_label: bool = True
+
+
+def row_label(row: dict):
+    """The row's label: `label_idx`, else `answer`, else `solution` (None when absent)."""
+    for key in ("label_idx", "answer", "solution"):
+        if row.get(key) is not None:
+            return row[key]
+    return None
+
+
+def _load_all(refs, opts: EncodeOptions, stats: SkipStats, where: str):
+    """PIL images for `refs`, or None after recording why the row is skipped."""
+    try:
+        images = [load_image(r, opts.image_dir) for r in refs]
+    except FileNotFoundError as e:
+        stats.skip("missing_image", where, str(e))
+        return None
+    except Exception as e:  # noqa: BLE001 -- any decoder error means a corrupt image
+        stats.skip("corrupt_image", where, f"{type(e).__name__}: {e}")
+        return None
+    if any(max(im.size) > opts.max_image_side for im in images):
+        sizes = [im.size for im in images]
+        stats.skip("oversized_image", where, f"sizes {sizes}, max side {opts.max_image_side}")
+        return None
+    return images
+
+
+def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: SkipStats):
+    """One row -> example dict, or None when the row is bad (recorded in `stats`).
+
+    The example keeps the row's own keys (minus image/video payloads) and adds:
+    prompt_ids list[int], pixel_values float32[n_patches, 1176], image_grid_thw int64[n_img, 3],
+    pixel_values_videos float32[n_video_patches, 1176], video_grid_thw int64[n_vid, 3].
+    """
+    text = row.get("problem", row.get("prompt"))
+    if not isinstance(text, str) or not text:
+        stats.skip("missing_prompt", where, "no 'problem' or 'prompt' text")
+        return None
+    if opts.require_label and row_label(row) is None:
+        stats.skip("missing_label", where, "no 'label_idx', 'answer' or 'solution'")
+        return None
+    images = _load_all(row.get("images") or [], opts, stats, where)
+    if images is None:
+        return None
+    videos = []
+    for frames in row.get("videos") or []:
+        loaded = _load_all(frames, opts, stats, where)
+        if loaded is None:
+            return None
+        videos.append(loaded)
+    pv, grid = process_images(images, opts.min_pixels, opts.max_pixels)
+    vids = [process_video(v, opts.video_min_pixels, opts.video_max_pixels) for v in videos]
+    vpv = np.concatenate([v[0] for v in vids]) if vids else np.zeros((0, pv.shape[1]), np.float32)
+    vgrid = np.concatenate([v[1] for v in vids]) if vids else np.zeros((0, 3), np.int64)
+    ids = encode_prompt(
+        tokenizer,
+        text,
+        grid if images else None,
+        vgrid if vids else None,
+        system=opts.system_prompt,
+    )
+    if len(ids) > opts.max_prompt_length:
+        stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")
+        return None
+    out = {k: v for k, v in row.items() if k not in ("images", "videos")}
+    out.update(
+        prompt_ids=ids,
+        pixel_values=pv,
+        image_grid_thw=grid,
+        pixel_values_videos=vpv,
+        video_grid_thw=vgrid,
+        problem=text,
+    )
+    return out
+
+
+def encode_rows(
+    rows, tokenizer, opts: EncodeOptions, source: str = "data", stats: SkipStats | None = None
+) -> tuple[list[dict], SkipStats]:
+    """Encode rows eagerly (prompt ids, patches); bad rows go to `stats`, never raise."""
+    stats = stats or SkipStats()
+    out = []
+    for i, row in enumerate(rows):
+        ex = encode_row(row, tokenizer, opts, row.get("_where", f"{source} row {i}"), stats)
+        if ex is not None:
+            out.append(ex)
+    return out, stats

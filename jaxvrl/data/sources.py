@@ -1,0 +1,202 @@
+"""Random-access row sources for grain: JSONL (or a JSON list), parquet, and an HF dataset
+saved with `save_to_disk` (its arrow files are read with pyarrow; `datasets` is not needed).
+
+Each source validates its file when opened, so a file that is not valid JSONL / parquet /
+arrow fails at start with the path (and line for JSONL). Rows come back as dicts with an
+extra `_where` key ("path:line" or "path row i") that bad-row messages and logs quote.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import threading
+
+from jaxvrl.data.rows import DataError
+
+
+class JsonlSource:
+    """One JSON object per line (blank lines ignored), or a `.json` file holding a list."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._rows = None  # .json: parsed list; .jsonl: parsed lazily via line offsets
+        self._offsets: list[tuple[int, int]] = []  # (byte offset, line number)
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                try:
+                    rows = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: a .json data file must hold a list of rows")
+            for n, r in enumerate(rows):
+                _check_object(r, f"{path} row {n}")
+            self._rows = rows
+            return
+        with open(path, "rb") as f:
+            offset = 0
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        obj = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        msg = getattr(e, "msg", str(e))
+                        raise DataError(f"{path}:{n}: invalid JSONL ({msg})") from e
+                    _check_object(obj, f"{path}:{n}")
+                    self._offsets.append((offset, n))
+                offset += len(line)
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self._offsets)
+
+    def __getitem__(self, i: int) -> dict:
+        if self._rows is not None:
+            return {**self._rows[i], "_where": f"{self.path} row {i}"}
+        offset, line_no = self._offsets[i]
+        with open(self.path, "rb") as f:  # one open per read: safe across reader threads
+            f.seek(offset)
+            row = json.loads(f.readline())
+        return {**row, "_where": f"{self.path}:{line_no}"}
+
+
+def _check_object(obj, where: str) -> None:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(obj).__name__}")
+
+
+class ParquetSource:
+    """Rows of a parquet file, read one row group at a time (the last group is cached)."""
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+
+        self.path = path
+        try:
+            self._file = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 -- report any parquet failure with the path
+            raise DataError(f"{path}: not a readable parquet file ({e})") from e
+        meta = self._file.metadata
+        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        self._starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        self._len = sum(sizes)
+        self._cache: tuple[int, list] | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self._len:
+            raise IndexError(f"{self.path}: row {i} out of range [0, {self._len})")
+        g = bisect.bisect_right(self._starts, i) - 1
+        with self._lock:
+            if self._cache is None or self._cache[0] != g:
+                self._cache = (g, self._file.read_row_group(g).to_pylist())
+            rows = self._cache[1]
+        return {**rows[i - self._starts[g]], "_where": f"{self.path} row {i}"}
+
+    def __getstate__(self):  # picklable for grain worker processes: reopen there
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+
+class ArrowDatasetSource:
+    """An HF `Dataset.save_to_disk` directory (state.json + *.arrow), or one split of a
+    `DatasetDict` directory (dataset_dict.json + one folder per split)."""
+
+    def __init__(self, path: str, split: str | None = None):
+        import pyarrow as pa
+
+        self.path = path
+        if os.path.exists(os.path.join(path, "dataset_dict.json")):
+            with open(os.path.join(path, "dataset_dict.json")) as f:
+                splits = json.load(f).get("splits", [])
+            split = split or "train"
+            if split not in splits:
+                raise DataError(f"{path}: no split {split!r} (has {splits})")
+            path = os.path.join(path, split)
+        state = os.path.join(path, "state.json")
+        if not os.path.exists(state):
+            raise DataError(f"{path}: not a dataset saved with save_to_disk (no state.json)")
+        with open(state) as f:
+            files = [d["filename"] for d in json.load(f)["_data_files"]]
+        tables = []
+        for name in files:
+            fp = os.path.join(path, name)
+            try:
+                tables.append(_read_arrow(fp))
+            except Exception as e:  # noqa: BLE001 -- report any arrow failure with the path
+                raise DataError(f"{fp}: not a readable arrow file ({e})") from e
+        self._table = pa.concat_tables(tables) if tables else pa.table({})
+        self.where = path
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    def __getitem__(self, i: int) -> dict:
+        row = self._table.slice(i, 1).to_pylist()[0]
+        return {**row, "_where": f"{self.where} row {i}"}
+
+
+def _read_arrow(path: str):
+    import pyarrow as pa
+
+    source = pa.memory_map(path)
+    try:  # `datasets` writes the IPC stream format
+        return pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(pa.memory_map(path)).read_all()
+
+
+class ConcatSource:
+    """Several sources as one index space, in order."""
+
+    def __init__(self, sources: list):
+        self.sources = sources
+        self._starts = []
+        n = 0
+        for s in sources:
+            self._starts.append(n)
+            n += len(s)
+        self._len = n
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self._len:
+            raise IndexError(f"row {i} out of range [0, {self._len})")
+        k = bisect.bisect_right(self._starts, i) - 1
+        return self.sources[k][i - self._starts[k]]
+
+
+def open_source(path: str, split: str | None = None):
+    """The source for one data path, chosen by its form: a directory (HF dataset on disk),
+    `.parquet`, or `.jsonl` / `.json`."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: data file not found")
+    if os.path.isdir(path):
+        return ArrowDatasetSource(path, split)
+    if path.endswith(".parquet"):
+        return ParquetSource(path)
+    if path.endswith((".jsonl", ".json")):
+        return JsonlSource(path)
+    raise DataError(
+        f"{path}: unknown data format (expected .jsonl, .json, .parquet or a directory)"
+    )
+
+
+def open_sources(paths, split: str | None = None) -> ConcatSource:
+    """All data paths as one source (each validated now)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    return ConcatSource([open_source(p, split) for p in paths])
+
+
+def read_rows(path: str, split: str | None = None) -> list[dict]:
+    """All rows of one data path, eagerly (validated like the lazy sources)."""
+    src = open_source(path, split)
+    return [src[i] for i in range(len(src))]
