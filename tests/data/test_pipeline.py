@@ -1,4 +1,4 @@
-"""Data: processor and prompt parity with transformers, bad rows, resumable iteration,
+"""The list-based path the trainer uses today (pipeline.encode_rows, EpochIterator, collate with
 bounded shapes, the built-in task."""
 
 from __future__ import annotations
