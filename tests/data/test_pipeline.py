@@ -1,5 +1,5 @@
-"""The list-based path the trainer uses today (pipeline.encode_rows, EpochIterator, collate with
-bounded shapes, the built-in task."""
+"""The list-based path the trainer uses today: pipeline.encode_rows, EpochIterator, and collate
+with bounded shapes; older processor/prompt parity checks kept as a second guard."""
 
 from __future__ import annotations
 
