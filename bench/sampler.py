@@ -32,8 +32,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-IMAGE, VIDEO, VSTART, VEND, IM_START, IM_END = 151655, 151656, 151652, 151653, 151644, 151645
 VOCAB = 151936
+
+
+def special_ids(vocab: int) -> dict:
+    """Qwen's special token ids (151644...) at the same distance from the vocabulary's end."""
+    off = dict(im_start=151644, im_end=151645, vstart=151652, vend=151653, image=151655)
+    ids = {k: v - VOCAB + vocab for k, v in off.items()}
+    return dict(ids, video=ids["image"] + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,7 @@ SIZES = {
 def hf_config(s: Size):
     from transformers import Qwen2_5_VLConfig
 
+    sp = special_ids(s.vocab)
     return Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=s.vocab,
@@ -75,7 +82,7 @@ def hf_config(s: Size):
                 "mrope_section": [x * (s.hidden // s.heads) // 128 for x in (16, 24, 24)],
             },
             max_position_embeddings=4096,
-            eos_token_id=IM_END,
+            eos_token_id=sp["im_end"],
             tie_word_embeddings=s.tie,
         ),
         vision_config=dict(
@@ -87,24 +94,25 @@ def hf_config(s: Size):
             fullatt_block_indexes=[s.v_depth - 1],
             window_size=112,
         ),
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=VSTART,
-        vision_end_token_id=VEND,
+        image_token_id=sp["image"],
+        video_token_id=sp["video"],
+        vision_start_token_id=sp["vstart"],
+        vision_end_token_id=sp["vend"],
         tie_word_embeddings=s.tie,
     )
 
 
-def image_prompts(batch: int, grid=(1, 16, 16), seed=0):
+def image_prompts(batch: int, vocab: int, grid=(1, 16, 16), seed=0):
     """Left-padded chat-like prompts, one image each, text of varying length."""
     rng = np.random.default_rng(seed)
+    sp = special_ids(vocab)
     n_img = int(np.prod(grid)) // 4
     rows = []
     for _ in range(batch):
-        text = list(rng.integers(1000, 100000, rng.integers(8, 24)))
+        text = list(rng.integers(1000, min(100000, vocab - 300), rng.integers(8, 24)))
         rows.append(
-            [IM_START, 872, 198, VSTART] + [IMAGE] * n_img + [VEND] + text
-            + [IM_END, 198, IM_START, 77091, 198]
+            [sp["im_start"], 872, 198, sp["vstart"]] + [sp["image"]] * n_img + [sp["vend"]]
+            + text + [sp["im_end"], 198, sp["im_start"], 77091 % (vocab - 300), 198]
         )  # fmt: skip
     p = max(map(len, rows))
     ids = np.zeros((batch, p), np.int64)
@@ -157,7 +165,8 @@ def run_hf(hf, inputs, n, device, threads=1):
     import torch
 
     ids, mask, pv, grid = inputs
-    tt = np.where(ids == IMAGE, 1, 0)
+    sp = special_ids(hf.config.text_config.vocab_size)
+    tt = np.where(ids == sp["image"], 1, 0)
     kw = dict(
         input_ids=torch.tensor(ids, device=device),
         attention_mask=torch.tensor(mask, device=device),
@@ -165,8 +174,10 @@ def run_hf(hf, inputs, n, device, threads=1):
         pixel_values=torch.tensor(pv, device=device, dtype=hf.dtype),
         image_grid_thw=torch.tensor(grid, device=device),
     )
-    gen = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=IM_END)
-    gen.update(pad_token_id=0, suppress_tokens=[IMAGE, VIDEO, VSTART, VEND])
+    gen = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=sp["im_end"])
+    gen.update(
+        pad_token_id=0, suppress_tokens=[sp[k] for k in ("image", "video", "vstart", "vend")]
+    )
     if device == "cpu":
         torch.set_num_threads(threads)
     with torch.inference_mode():
@@ -217,7 +228,7 @@ def bench_size(name: str, size: Size, args) -> list[str]:
         model = q.load(tmp, dtype=getattr(jnp, args.dtype))
     hf = hf.to(device=args.device, dtype=getattr(torch, args.dtype))
     n_params = sum(p.numel() for p in hf.parameters())
-    inputs = image_prompts(args.batch)
+    inputs = image_prompts(args.batch, size.vocab)
     b, p = inputs[0].shape
     lines = [
         f"## {name}: {n_params / 1e6:.1f}M params, {size}, batch {b}, prompt {p} "
@@ -226,32 +237,43 @@ def bench_size(name: str, size: Size, args) -> list[str]:
     lines.append("| new tokens | HF s | HF tok/s | jaxvrl s | jaxvrl tok/s | ratio | "
                  "jaxvrl compile s | same tokens |")  # fmt: skip
     lines.append("|---|---|---|---|---|---|---|---|")
-    jax_times = {}
+    jax_times, hf_times = {}, {}
     for n in args.new_tokens:
         # HF at the machine's thread count and at 1 thread; the faster one is compared
-        runs = {th: run_hf(hf, inputs, n, args.device, th) for th in args.hf_threads}
+        threads = [] if args.no_hf else args.hf_threads
+        runs = {th: run_hf(hf, inputs, n, args.device, th) for th in threads}
+        runs = runs or {0: (np.zeros((b, n), np.int64), float("nan"))}
         best = min(runs, key=lambda th: runs[th][1])
         ref, t_hf = runs[best]
         toks, t_jx, t_c = run_jax(model, inputs, n)
-        jax_times[n] = t_jx
+        jax_times[n], hf_times[n] = t_jx, t_hf
         same = float(np.mean(np.cumprod(toks == ref, axis=1)))  # common greedy prefix
         lines.append(
             f"| {n} | {t_hf:.2f} ({best} thr) | {b * n / t_hf:.0f} | {t_jx:.2f} | {b * n / t_jx:.0f} | "
             f"{t_hf / t_jx:.1f}x | {t_c:.1f} | {same:.0%} |"
         )
         print(lines[-1], flush=True)
-    if len(jax_times) >= 2 and (name == "medium" or args.bound_all):
-        n1, n2 = min(jax_times), max(jax_times)
-        step = (jax_times[n2] - jax_times[n1]) / (n2 - n1)
+    if len(jax_times) < 2:
+        return lines
+    first = len(lines)
+    n1, n2 = min(jax_times), max(jax_times)
+    step = (jax_times[n2] - jax_times[n1]) / (n2 - n1)
+    hf_step = (hf_times[n2] - hf_times[n1]) / (n2 - n1)
+    lines.append(
+        f"\ndecode step (from the {n1}/{n2} difference): HF {hf_step * 1e3:.1f} ms, jaxvrl "
+        f"{step * 1e3:.1f} ms ({hf_step / step:.1f}x); prefill+setup: HF "
+        f"{(hf_times[n1] - n1 * hf_step) * 1e3:.0f} ms, jaxvrl {(jax_times[n1] - n1 * step) * 1e3:.0f} ms"
+    )
+    if name == "medium" or args.bound_all:
         wbytes = decode_weight_bytes(model)
         bw = copy_bandwidth("cpu" if args.device == "cpu" else "gpu")
         bound = wbytes / bw
         lines.append(
-            f"\nbandwidth bound: {wbytes / 1e6:.0f} MB of weights per decode step, copy "
-            f"bandwidth {bw / 1e9:.1f} GB/s -> {bound * 1e3:.1f} ms/step; jaxvrl decode "
-            f"{step * 1e3:.1f} ms/step = {bound / step:.0%} of the bound"
+            f"bandwidth bound: {wbytes / 1e6:.0f} MB of weights per decode step, copy "
+            f"bandwidth {bw / 1e9:.1f} GB/s -> {bound * 1e3:.2f} ms/step; jaxvrl decode "
+            f"{step * 1e3:.2f} ms/step = {bound / step:.0%} of the bound"
         )
-        print(lines[-1], flush=True)
+    print("\n".join(lines[first:]), flush=True)
     return lines
 
 
@@ -264,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--hf-threads", default=None, help="torch CPU threads to try (best kept)")
+    ap.add_argument("--no-hf", action="store_true", help="time jaxvrl only")
+    ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
     ap.add_argument("--bound-all", action="store_true", help="bandwidth bound for every config")
     args = ap.parse_args(argv)
     if args.quick:
@@ -284,7 +308,12 @@ def main(argv=None):
         flush=True,
     )
     for name in args.configs.split(","):
-        print("\n".join(bench_size(name, SIZES[name], args)), flush=True)
+        size = (
+            SIZES[name]
+            if args.vocab is None
+            else dataclasses.replace(SIZES[name], vocab=args.vocab)
+        )
+        print("\n".join(bench_size(name, size, args)), flush=True)
 
 
 if __name__ == "__main__":

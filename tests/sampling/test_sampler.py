@@ -172,7 +172,9 @@ def test_one_compilation_per_shape_and_early_stop(models):
     from flax import nnx
 
     graphdef, params = nnx.split(model)
-    cfg = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_token_ids=tuple(range(300)))
+    cfg = SamplingConfig(
+        max_new_tokens=N, temperature=1.0, eos_token_ids=tuple(range(300)), check_every=1
+    )
     fn = make_sampler(graphdef, cfg)
     rng = np.random.default_rng(5)
     for seed in range(3):
