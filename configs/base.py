@@ -1,121 +1,215 @@
-"""Base config: every option of SPEC sections 2-9, with the seeds' option names.
+"""Base config: every option of SPEC sections 2-9, under the seeds' option names.
 
-Defaults run the embedded default (tiny Qwen2.5-VL + the built-in visual task) on a CPU in a
-few minutes. Real runs set at least `model.path` and `data.train_files`:
+The defaults are the embedded default: a tiny Qwen2.5-VL checkpoint shipped in the package and
+the built-in visual task, short completions, small batches, so a 2-core CPU finishes a run in
+minutes. A real run sets at least the model and the data:
 
     python -m jaxvrl.train --config configs/grpo.py \
-        --config.model.path=/ckpt/Qwen2.5-VL-3B-Instruct --config.data.train_files=train.jsonl
+        --config.model.path=/ckpt/Qwen2.5-VL-3B-Instruct \
+        --config.data.train_files=train.jsonl --config.data.val_files=val.jsonl \
+        --config.data.image_dir=images --config.workdir=gs://bucket/runs/grpo-3b
+
+`--config configs/X.py:runlocal` shrinks any config further (2 steps, 2 prompts x 2
+completions of 8 tokens) for smoke tests, big_vision style.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
+
+from jaxvrl.config import parse_arg
 
 
 def get_config(arg=None):
-    del arg
+    arg = parse_arg(arg, runlocal=False)
     c = ml_collections.ConfigDict()
     c.name = "base"
     c.seed = 0
-    c.workdir = ""  # default: runs/<config>-<time>
-    c.resume = True  # pick up the latest checkpoint in workdir
+    c.workdir = placeholder(str)  # None: runs/<config>-<YYYYmmdd-HHMMSS>; gs:// allowed
+    c.resume = True  # continue from the latest checkpoint in workdir
+    c.load_checkpoint_path = placeholder(str)  # start from this checkpoint step dir instead
     c.total_steps = 60
-    c.prompts_per_step = 8
-    c.val_freq = 20
-    c.val_only = False
-    c.val_size = 96
-    c.save_freq = 20  # 0: only at the end
-    c.max_to_keep = 2
-    c.max_nonfinite_steps = 10
-    c.log_rollouts_every = 5
-    c.time_budget_s = 0  # stop cleanly (and save) after this many seconds; 0 = no limit
+    c.prompts_per_step = 8  # prompts per step; rows = prompts_per_step * num_generations
+    c.val_freq = 20  # validate every this many steps (and at the last step)
+    c.val_before_train = True  # validate at step 0
+    c.val_only = False  # validate and exit
+    c.val_size = 96  # held-out prompts of the built-in task
+    c.save_freq = 20  # checkpoint every this many steps (0: only at the end)
+    c.max_to_keep = 2  # checkpoints kept in workdir/checkpoints
+    c.max_nonfinite_steps = 10  # stop after this many consecutive non-finite updates
+    c.log_rollouts_every = 5  # steps between entries of the markdown logs
+    c.log_samples = 8  # completions per markdown entry
+    c.time_budget_s = 0  # save and stop cleanly after this many seconds; 0 = no limit
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = ""  # HF checkpoint directory; empty = the embedded tiny checkpoint
-    c.model.dtype = "float32"  # compute/param dtype: float32 or bfloat16
+    c.model.path = placeholder(str)  # HF checkpoint dir; None = the embedded tiny checkpoint
+    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+    c.model.param_dtype = "float32"  # master weights (float32 with bfloat16 compute)
+    c.model.remat_policy = "none"  # none | full | dots_saveable | dots_with_no_batch_dims_saveable
 
     c.data = ml_collections.ConfigDict()
-    c.data.train_files = ""  # comma-separated JSONL/JSON/parquet; empty = built-in task
-    c.data.val_files = ""
-    c.data.image_dir = ""
-    c.data.max_prompt_length = 256
-    c.data.max_image_side = 1024  # seed 000 filters larger images
+    c.data.train_files = placeholder(str)  # comma-separated JSONL / parquet; None = built-in
+    c.data.val_files = placeholder(str)
+    c.data.image_dir = placeholder(str)  # root of relative image paths
+    c.data.prompt_key = placeholder(str)  # None: `problem`, else `prompt`
+    c.data.answer_key = placeholder(str)  # None: `label_idx`, else `answer`, else `solution`
+    c.data.image_key = "images"
+    c.data.video_key = "videos"
+    c.data.video_fps = 2.0
+    c.data.max_prompt_length = 256  # tokens; longer prompts are skipped and counted
+    c.data.max_image_side = 1024  # px; seed 000 skips larger images
     c.data.min_pixels = 56 * 56
     c.data.max_pixels = 28 * 28 * 256
-    c.data.system_prompt = ""  # empty: the built-in task's prompt for it, none otherwise
-    c.data.prompt_bucket = 32
-    c.data.synthetic_train_size = 2048
+    c.data.system_prompt = placeholder(str)  # None: the built-in task's, none for files
+    c.data.prompt_bucket = 32  # prompt lengths padded to a multiple (one compile per bucket)
+    c.data.synthetic_train_size = 2048  # built-in task only
     c.data.synthetic_kinds = ("colour",)  # built-in task question kinds: colour, shape
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.num_generations = 8
-    c.rollout.max_new_tokens = 16  # response_length
+    c.rollout.num_generations = 8  # G completions per prompt (the group)
+    c.rollout.max_new_tokens = 16  # response_length / max_completion_length
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
-    c.rollout.top_k = 0
+    c.rollout.top_k = 0  # 0 = off
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.adv_estimator = "grpo"  # grpo | rloo | remax | reinforce_plus_plus | gae
     c.algorithm.norm_adv_by_std = True  # False = Dr.GRPO
     c.algorithm.gamma = 1.0
     c.algorithm.lam = 1.0
-    c.algorithm.loss_agg_mode = "seq-mean-token-mean"
-    c.algorithm.clip_ratio_low = 0.2
-    c.algorithm.clip_ratio_high = 0.2
-    c.algorithm.clip_ratio_dual = 3.0
-    c.algorithm.use_kl_loss = False
-    c.algorithm.kl_loss_coef = 0.0
-    c.algorithm.kl_loss_type = "low_var_kl"  # kl | abs | mse | low_var_kl
-    c.algorithm.use_kl_in_reward = False
-    c.algorithm.kl_ctrl_type = "fixed"  # fixed | adaptive
-    c.algorithm.kl_coef = 0.001
-    c.algorithm.target_kl = 0.1
-    c.algorithm.kl_horizon = 10000
-    c.algorithm.entropy_coef = 0.0
-    c.algorithm.use_entropy_penalty = False
-    c.algorithm.entropy_penalty_coef = 0.06
+    c.algorithm.use_kl_in_reward = False  # subtract kl_ctrl.kl_coef * KL from the reward
+    c.algorithm.kl_ctrl = ml_collections.ConfigDict()
+    c.algorithm.kl_ctrl.type = "fixed"  # fixed | adaptive
+    c.algorithm.kl_ctrl.kl_coef = 0.001
+    c.algorithm.kl_ctrl.target_kl = 0.1
+    c.algorithm.kl_ctrl.horizon = 10000
 
-    c.tprl = ml_collections.ConfigDict()
+    c.actor = ml_collections.ConfigDict()
+    c.actor.loss_agg_mode = "seq-mean-token-mean"
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    c.actor.clip_ratio_low = 0.2
+    c.actor.clip_ratio_high = 0.2
+    c.actor.clip_ratio_dual = 3.0
+    c.actor.use_kl_loss = False
+    c.actor.kl_loss_coef = 0.0
+    c.actor.kl_loss_type = "low_var_kl"  # kl | abs | mse | low_var_kl
+    c.actor.entropy_coef = 0.0  # entropy bonus
+    c.actor.use_entropy_penalty = False  # seed 004: + coef * agg(-logp)
+    c.actor.entropy_penalty_coef = 0.06
+
+    c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
+    c.critic.lr = 1e-5
+    c.critic.warmup_steps = 0
+    c.critic.grad_clip = 1.0
+    c.critic.cliprange_value = 0.5
+    c.critic.value_loss_coef = 0.5
+
+    c.tprl = ml_collections.ConfigDict()  # seeds 002/004 (VPPO)
     c.tprl.enable_perception_filtering = False
     c.tprl.top_p_perception_tokens = 0.2
-    c.tprl.black_prob = 0.5
+    c.tprl.black_prob = 0.5  # patch blackening probability of the perturbed image
     c.tprl.enable_entropy_filtering = False
     c.tprl.top_p_entropy_tokens = 0.2
     c.tprl.entropy_filter_scope = "sequence"  # sequence | batch
-    c.tprl.enable_trajectory_reweighting = False
+    c.tprl.enable_trajectory_reweighting = False  # TAS
     c.tprl.trajectory_scaling_min = 0.8
 
-    c.vgr = ml_collections.ConfigDict()
+    c.vgr = ml_collections.ConfigDict()  # seeds 001/003
     c.vgr.enable_token_weights = False
     c.vgr.token_weight_clip = (0.2, 3.0)
-    c.vgr.token_weight_smooth_sigma = 0.0
-    c.vgr.token_weight_last_k_layers = 0
+    c.vgr.token_weight_smooth_sigma = 0.0  # 0 = no smoothing
+    c.vgr.token_weight_last_k_layers = 0  # >0: mean over the last K layers (wins over layer_set)
     c.vgr.layer_set = "all"  # all | early | middle | late
 
     c.reward = ml_collections.ConfigDict()
-    c.reward.funcs = ("mc_idx", "think_format")  # built-in names, module:fn or file.py:fn
-    c.reward.weights = (4.0, 1.0)
-    c.reward.early_weights = ()  # seed 001 two-stage weights (same order as funcs)
+    c.reward.funcs = ("mc_idx", "think_format")  # built-ins, module:fn or path.py:fn
+    c.reward.weights = (4.0, 1.0)  # one per func (the regular weights)
+    c.reward.early_weights = ()  # seed 001 two-stage: weights for the first early_steps
     c.reward.early_steps = 0
-    c.reward.mdi_balance_ratio = 2.0
+    c.reward.mdi_balance_ratio = 2.0  # seed 000: R in clip(1 - |ln MDI| / ln R, 0, 1)
 
     c.filter = ml_collections.ConfigDict()
-    c.filter.dynamic_sampling = False  # DAPO: drop groups whose total reward is constant
-    c.filter.max_num_gen_batches = 1
-    c.filter.online_filtering = False  # seed 004
-    c.filter.filter_low = 0.0
-    c.filter.filter_high = 1.0
+    c.filter.dynamic_sampling = False  # DAPO: drop groups whose metric is constant
+    c.filter.dynamic_sampling_metric = "overall"  # overall (total reward) or a reward name
+    c.filter.max_num_gen_batches = 1  # generation batches per step to fill it (0 = no limit)
+    c.filter.online_filtering = False  # seed 004: keep filter_low < mean score < filter_high
+    c.filter.filter_key = "overall"
+    c.filter.filter_low = 0.01
+    c.filter.filter_high = 0.99
+    c.filter.replay_buffer = ml_collections.ConfigDict()  # seed 001
+    c.filter.replay_buffer.enable = False
+    c.filter.replay_buffer.capacity = 64  # groups
+    c.filter.replay_buffer.min_std = 1e-6  # informative: std >= min_std and
+    c.filter.replay_buffer.min_mean = float("-inf")  # min_mean <= mean <= max_mean
+    c.filter.replay_buffer.max_mean = float("inf")
     c.filter.mask_truncated_completions = False
-    c.filter.overlong_buffer_len = 0
+    c.filter.overlong_buffer_len = 0  # soft overlong punishment over the last N tokens; 0 = off
     c.filter.overlong_penalty_factor = 1.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4
+    c.optim.schedule = "constant"  # constant | cosine (after warmup)
     c.optim.warmup_steps = 0
+    c.optim.betas = (0.9, 0.999)
     c.optim.weight_decay = 0.0
-    c.optim.grad_clip = 1.0
-    c.optim.micro_batches = 1
+    c.optim.grad_clip = 1.0  # global norm
+    c.optim.micro_batches = 1  # gradient accumulation: rows split into this many chunks
 
-    c.mesh = ml_collections.ConfigDict()
+    c.mesh = ml_collections.ConfigDict()  # device mesh axis sizes; -1 = the rest
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
+
+    c.distributed = ml_collections.ConfigDict()  # multi-host jax.distributed.initialize
+    c.distributed.enable = False  # True: from the platform's environment unless set below
+    c.distributed.coordinator_address = placeholder(str)
+    c.distributed.num_processes = placeholder(int)
+    c.distributed.process_id = placeholder(int)
+
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0  # 0 = off (full fine-tuning)
+    c.lora.alpha = 16.0
+    c.lora.dropout = 0.05
+    c.lora.target_modules = ("q_proj", "v_proj")
+
+    _legacy_aliases(c)
+    if arg.runlocal:
+        runlocal(c)
     return c
+
+
+def runlocal(c):
+    """A smoke-test shrink: seconds per step on a CPU."""
+    c.total_steps = 2
+    c.val_freq = 2
+    c.save_freq = 0
+    c.prompts_per_step = 2
+    c.rollout.num_generations = 2
+    c.rollout.max_new_tokens = 8
+    c.val_size = 4
+    c.data.synthetic_train_size = 16
+    c.log_rollouts_every = 1
+
+
+# The current train.py reads these under `algorithm`: the same values, shared by reference (an
+# override of either name sets both). Remove once train.py reads `actor.*`.
+LEGACY_ALIASES = {
+    f"algorithm.{k}": f"actor.{k}"
+    for k in (
+        "loss_agg_mode",
+        "clip_ratio_low",
+        "clip_ratio_high",
+        "clip_ratio_dual",
+        "use_kl_loss",
+        "kl_loss_coef",
+        "kl_loss_type",
+        "entropy_coef",
+        "use_entropy_penalty",
+        "entropy_penalty_coef",
+    )
+}
+
+
+def _legacy_aliases(c):
+    for alias, key in LEGACY_ALIASES.items():
+        group, leaf = key.split(".")
+        c[alias.split(".")[0]][alias.split(".")[1]] = c[group].get_ref(leaf)

@@ -1,6 +1,11 @@
-"""DAPO: token-mean loss, clip-higher (0.2 / 0.28), dynamic sampling, no KL.
+"""DAPO (arXiv 2503.14476): token-mean loss, clip-higher (0.2 / 0.28), dynamic sampling,
+no KL.
 
-python -m jaxvrl.train --config configs/dapo.py
+    python -m jaxvrl.train --config configs/dapo.py
+
+A real model and data: add --config.model.path=/ckpt/Qwen2.5-VL-3B-Instruct
+--config.data.train_files=train.jsonl; with long completions also the overlong buffer, e.g.
+--config.filter.overlong_buffer_len=256 --config.filter.max_num_gen_batches=4.
 """
 
 from configs import base
@@ -9,7 +14,7 @@ from configs import base
 def get_config(arg=None):
     c = base.get_config(arg)
     c.name = "dapo"
-    c.algorithm.loss_agg_mode = "token-mean"
-    c.algorithm.clip_ratio_high = 0.28
+    c.actor.loss_agg_mode = "token-mean"
+    c.actor.clip_ratio_high = 0.28
     c.filter.dynamic_sampling = True
     return c

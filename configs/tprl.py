@@ -1,7 +1,11 @@
 """TPRL / VPPO (seeds 002, 004): perception filtering from a perturbed-image pass, entropy
-filtering and trajectory advantage shaping, on DAPO.
+filtering and trajectory advantage shaping (TAS), on DAPO.
 
     python -m jaxvrl.train --config configs/tprl.py
+
+A real model and data: add --config.model.path=/ckpt/Qwen2.5-VL-7B-Instruct
+--config.data.train_files=train.jsonl --config.tprl.top_p_perception_tokens=0.2
+--config.tprl.top_p_entropy_tokens=0.2 (the seeds' values for long completions).
 """
 
 from configs import dapo

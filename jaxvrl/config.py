@@ -1,7 +1,12 @@
 """Config files and `--config.key=value` overrides (big_vision style, ml_collections).
 
-python -m jaxvrl.train --config configs/tprl.py --config.rollout.temperature=0.7
-python -m jaxvrl.train --config=configs/grpo.py:arg --config.model.path=/ckpt/qwen
+    python -m jaxvrl.train --config configs/tprl.py --config.rollout.temperature=0.7
+    python -m jaxvrl.train --config=configs/grpo.py:runlocal --config.model.path=/ckpt/qwen
+
+A config file defines `get_config(arg=None)`; `path.py:arg` passes `arg` to it. An override's
+value is parsed by the type of the value it replaces (bool, int, float, str, tuple, list, or a
+typed `placeholder` that may be None). The returned ConfigDict is locked: a misspelt key is an
+error naming close keys, never a silently new option.
 """
 
 from __future__ import annotations
@@ -14,20 +19,55 @@ import sys
 import time
 
 import ml_collections
+from ml_collections.config_dict import FieldReference
+
+_NONE = ("none", "null")
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+# Enumerated options: key -> allowed values (checked when the key exists).
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "model.remat_policy": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+    "algorithm.adv_estimator": ("grpo", "rloo", "remax", "reinforce_plus_plus", "gae"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor.loss_agg_mode": (
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ),
+    "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
+    "tprl.entropy_filter_scope": ("sequence", "batch"),
+    "vgr.layer_set": ("all", "early", "middle", "late"),
+    "optim.schedule": ("constant", "cosine"),
+}
+
+# Fractions: key -> (low, high), low exclusive, high inclusive.
+FRACTIONS = {
+    "rollout.top_p": (0.0, 1.0),
+    "tprl.top_p_perception_tokens": (0.0, 1.0),
+    "tprl.top_p_entropy_tokens": (0.0, 1.0),
+    "tprl.trajectory_scaling_min": (-1e-9, 1.0),
+    "tprl.black_prob": (-1e-9, 1.0),
+}
 
 
 class ConfigError(ValueError):
-    """A config file or override that cannot be applied."""
+    """A config file, argument or override that cannot be applied."""
 
 
 def parse_argv(argv: list[str]) -> tuple[str, list[str]]:
-    """-> (config path, ['key=value', ...]) from `--config PATH|--config=PATH` and
-    `--config.key=value` / `--config.key value` arguments."""
+    """Command line -> (config path[:arg], ['key=value' | 'key', ...]).
+
+    Accepts `--config PATH`, `--config=PATH`, `--config.key=value`, `--config.key value` and a
+    bare `--config.flag` (True for a bool option)."""
     path, overrides, i = None, [], 0
     while i < len(argv):
         a = argv[i]
         if a == "--config":
-            if i + 1 >= len(argv):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 raise ConfigError("--config needs a path, e.g. --config configs/tprl.py")
             path, i = argv[i + 1], i + 2
             continue
@@ -35,35 +75,33 @@ def parse_argv(argv: list[str]) -> tuple[str, list[str]]:
             path = a.split("=", 1)[1]
         elif a.startswith("--config."):
             body = a[len("--config.") :]
-            if "=" not in body:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{a} needs a value")
+            if "=" not in body and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 body, i = f"{body}={argv[i + 1]}", i + 1
             overrides.append(body)
         else:
-            raise ConfigError(f"unknown argument {a!r} (use --config PATH and --config.key=value)")
+            raise ConfigError(
+                f"unknown argument {a!r}; use --config PATH and --config.key=value overrides"
+            )
         i += 1
-    if path is None:
+    if not path:
         raise ConfigError("missing --config, e.g. --config configs/tprl.py")
     return path, overrides
 
 
-def _load_file(spec: str) -> ml_collections.ConfigDict:
-    path, _, arg = spec.partition(":")
-    if not os.path.exists(path):
-        raise ConfigError(f"config file {path} not found")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    if root not in sys.path:  # lets configs/*.py import their siblings as `configs.x`
-        sys.path.insert(0, root)
-    mod_spec = importlib.util.spec_from_file_location(f"jaxvrl_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"{path} has no get_config()")
-    return module.get_config(arg or None)
+def parse_arg(arg: str | None, **spec) -> ml_collections.ConfigDict:
+    """big_vision's `get_config(arg)` argument: 'runlocal,steps=3' -> ConfigDict with the
+    defaults of `spec` (their types parse the values); a bare name sets a bool to True."""
+    out = ml_collections.ConfigDict(spec)
+    for item in filter(None, (s.strip() for s in (arg or "").split(","))):
+        key, eq, raw = item.partition("=")
+        if key not in spec:
+            raise ConfigError(f"unknown config argument {key!r}; known: {', '.join(spec)}")
+        out[key] = _parse_value(raw if eq else None, spec[key], type(spec[key]), False, key)
+    return out
 
 
-def flat_keys(cfg, prefix="") -> list[str]:
+def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Dotted names of all leaf options, e.g. 'rollout.temperature'."""
     out = []
     for k, v in cfg.items():
         if isinstance(v, ml_collections.ConfigDict):
@@ -73,58 +111,174 @@ def flat_keys(cfg, prefix="") -> list[str]:
     return out
 
 
-def _parse_value(raw: str, current, key: str):
-    if isinstance(current, bool):
-        low = raw.lower()
-        if low in ("true", "1", "yes"):
+def _scalar(raw: str, typ: type, key: str):
+    if typ is bool:
+        if raw.lower() in _TRUE:
             return True
-        if low in ("false", "0", "no"):
+        if raw.lower() in _FALSE:
             return False
-        raise ConfigError(f"--config.{key}: expected a bool, got {raw!r}")
-    if isinstance(current, int):
+        raise ConfigError(f"--config.{key}: expected a bool (true/false), got {raw!r}")
+    if typ is int:
         try:
             return int(raw)
         except ValueError:
+            try:  # 1e4
+                f = float(raw)
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
             raise ConfigError(f"--config.{key}: expected an int, got {raw!r}") from None
-    if isinstance(current, float):
+    if typ is float:
         try:
             return float(raw)
         except ValueError:
             raise ConfigError(f"--config.{key}: expected a float, got {raw!r}") from None
+    if typ is str:
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            return raw[1:-1]
+        return raw
+    try:  # no type to go by: a Python literal, else the text
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def _sequence(raw: str, current, key: str):
+    try:
+        items = ast.literal_eval(raw) if raw.strip() else ()
+    except (ValueError, SyntaxError):
+        items = None
+    if not isinstance(items, list | tuple):
+        body = raw.strip().strip("()[]")
+        items = [s.strip() for s in body.split(",") if s.strip()]
+    types = {type(x) for x in current}
+    typ = types.pop() if len(types) == 1 else None
+    out = []
+    for x in items:
+        if typ is not None and not isinstance(x, typ):
+            x = _scalar(str(x), typ, key)
+        elif typ is None and isinstance(x, str):
+            x = _scalar(x, None, key)
+        out.append(x)
+    return type(current)(out)
+
+
+def _parse_value(raw: str | None, current, typ: type, nullable: bool, key: str):
+    if raw is None:  # bare --config.flag
+        if typ is bool:
+            return True
+        raise ConfigError(f"--config.{key} needs a value, e.g. --config.{key}=...")
+    if raw.strip().lower() in _NONE and (nullable or current is None):
+        return None
     if isinstance(current, tuple | list):
-        try:
-            val = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            val = tuple(x.strip() for x in raw.split(",") if x.strip())
-        return tuple(val) if isinstance(val, list | tuple) else (val,)
-    if current is None:
-        try:
-            return ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            return raw
-    return raw
+        return _sequence(raw, current, key)
+    if typ in (bool, int, float, str):
+        return _scalar(raw.strip() if typ is not str else raw, typ, key)
+    return _scalar(raw, None, key)
 
 
-def apply_override(cfg, item: str, source: str = "") -> None:
-    key, _, raw = item.partition("=")
+def _unknown_key_message(key: str, keys: list[str], source: str) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    close += [k for k in difflib.get_close_matches(key, keys, n=5, cutoff=0.6) if k not in close]
+    groups = sorted({k.split(".")[0] for k in keys if "." in k})
+    hint = f"; close names: {', '.join(close[:6])}" if close else f"; groups: {', '.join(groups)}"
+    return f"unknown config key {key!r} in {source}{hint}"
+
+
+def apply_override(cfg: ml_collections.ConfigDict, item: str, source: str = "the config") -> None:
+    """Applies 'a.b=value' (or a bare 'a.b' for a bool) to an unlocked or locked cfg."""
+    key, eq, raw = item.partition("=")
+    key = key.strip()
     keys = flat_keys(cfg)
     if key not in keys:
-        close = difflib.get_close_matches(key, keys, n=5, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown config key {key!r} in {source or 'the config'}{hint}")
+        inside = [k for k in keys if k.startswith(key + ".")]
+        if inside:
+            raise ConfigError(
+                f"config key {key!r} in {source} is a group; set one of: {', '.join(inside)}"
+            )
+        raise ConfigError(_unknown_key_message(key, keys, source))
     *parents, leaf = key.split(".")
     node = cfg
     for p in parents:
         node = node[p]
-    node[leaf] = _parse_value(raw, node[leaf], key)
+    current = node[leaf]
+    nullable = isinstance(node._fields.get(leaf), FieldReference)  # placeholder(type)
+    typ = node.get_type(leaf) if current is not None or nullable else type(None)
+    value = _parse_value(raw if eq else None, current, typ, nullable, key)
+    try:
+        node[leaf] = value
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--config.{key}={raw}: {e}") from None
+
+
+def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None:
+    """Checks enumerated options, fractions and reward weight counts; raises ConfigError."""
+    keys = set(flat_keys(cfg))
+
+    def get(key):
+        node = cfg
+        for p in key.split("."):
+            node = node[p]
+        return node
+
+    for key, allowed in CHOICES.items():
+        if key in keys and get(key) not in allowed:
+            raise ConfigError(
+                f"config.{key}={get(key)!r} in {source}: expected one of {', '.join(allowed)}"
+            )
+    for key, (lo, hi) in FRACTIONS.items():
+        if key in keys and not lo < get(key) <= hi:
+            raise ConfigError(f"config.{key}={get(key)!r} in {source}: expected in ({lo}, {hi}]")
+    if {"reward.funcs", "reward.weights"} <= keys:
+        n = len(get("reward.funcs"))
+        if len(get("reward.weights")) != n:
+            raise ConfigError(
+                f"config.reward.weights in {source} has {len(get('reward.weights'))} values "
+                f"for {n} config.reward.funcs {tuple(get('reward.funcs'))}"
+            )
+        early = get("reward.early_weights") if "reward.early_weights" in keys else ()
+        if early and len(early) != n:
+            raise ConfigError(
+                f"config.reward.early_weights in {source} has {len(early)} values for {n} funcs"
+            )
+
+
+def _load_file(spec: str) -> ml_collections.ConfigDict:
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} not found (cwd {os.getcwd()})")
+    # configs/*.py import their siblings as `configs.x`: put the folder above on the path
+    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    mod_spec = importlib.util.spec_from_file_location(f"_jaxvrl_config_{stem}", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config(arg=None)")
+    cfg = module.get_config(arg or None)
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+    return cfg
+
+
+def default_workdir(spec: str, now: float | None = None) -> str:
+    """runs/<config file stem>-<YYYYmmdd-HHMMSS> (local time)."""
+    stem = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
+    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}")
 
 
 def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+    """'configs/x.py[:arg]' + ['key=value', ...] -> validated, locked ConfigDict."""
+    source = spec.partition(":")[0]
     cfg = _load_file(spec)
-    for item in overrides:
-        apply_override(cfg, item, spec.partition(":")[0])
-    if not cfg.get("workdir"):
-        name = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
-        cfg.workdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg.lock()
+    for item in overrides:
+        apply_override(cfg, item, source)
+    validate(cfg, source)
+    if "workdir" in cfg and not cfg.workdir:
+        cfg.workdir = default_workdir(spec)
     return cfg

@@ -1,0 +1,320 @@
+"""Config files and overrides: every type, close-name errors, file:arg, validation, defaults."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import ml_collections
+import pytest
+
+from jaxvrl.config import (
+    ConfigError,
+    apply_override,
+    default_workdir,
+    flat_keys,
+    load_config,
+    parse_arg,
+    parse_argv,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = os.path.join(ROOT, "configs", "base.py")
+CONFIGS = sorted(
+    os.path.relpath(p, ROOT)
+    for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+    if not p.endswith("__init__.py")
+)
+
+
+def cfg_of(*overrides, path=BASE):
+    return load_config(path, list(overrides))
+
+
+def test_parse_argv_forms():
+    assert parse_argv(["--config", "configs/tprl.py"]) == ("configs/tprl.py", [])
+    assert parse_argv(["--config=configs/tprl.py:runlocal"]) == ("configs/tprl.py:runlocal", [])
+    path, ov = parse_argv(
+        [
+            "--config.rollout.top_p=0.9",
+            "--config",
+            "configs/grpo.py",
+            "--config.seed",
+            "3",
+            "--config.val_only",
+            "--config.reward.funcs=a=b",
+        ]
+    )
+    assert path == "configs/grpo.py"
+    assert ov == ["rollout.top_p=0.9", "seed=3", "val_only", "reward.funcs=a=b"]
+    with pytest.raises(ConfigError, match="missing --config"):
+        parse_argv(["--config.seed=1"])
+    with pytest.raises(ConfigError, match="needs a path"):
+        parse_argv(["--config"])
+    with pytest.raises(ConfigError, match="unknown argument '--lr=1'"):
+        parse_argv(["--config", "configs/grpo.py", "--lr=1"])
+
+
+def test_scalar_overrides_take_the_type_of_the_value_they_replace():
+    c = cfg_of(
+        "seed=7",
+        "total_steps=1e3",
+        "optim.lr=1e-5",
+        "rollout.temperature=1",
+        "rollout.top_p= 0.95",
+        "val_only=True",
+        "resume=no",
+        "actor.loss_agg_mode=token-mean",
+        "data.system_prompt='Be brief.'",
+    )
+    assert c.seed == 7 and type(c.seed) is int
+    assert c.total_steps == 1000 and type(c.total_steps) is int
+    assert c.optim.lr == 1e-5 and type(c.rollout.temperature) is float
+    assert c.rollout.temperature == 1.0 and c.rollout.top_p == 0.95
+    assert c.val_only is True and c.resume is False
+    assert c.actor.loss_agg_mode == "token-mean"
+    assert c.data.system_prompt == "Be brief."
+    assert cfg_of("val_only").val_only is True  # bare flag
+
+
+def test_none_able_and_tuple_overrides():
+    c = cfg_of(
+        "model.path=/ckpt/Qwen2.5-VL-3B-Instruct",
+        "distributed.num_processes=4",
+        "reward.funcs=mc_idx,think_format,mdi",
+        "reward.weights=4,1,1",
+        "reward.early_weights=(2, 1, 0)",
+        "vgr.token_weight_clip=[0.1, 2]",
+        "lora.target_modules=('q_proj',)",
+        "data.synthetic_kinds=colour",
+    )
+    assert c.model.path == "/ckpt/Qwen2.5-VL-3B-Instruct"
+    assert c.distributed.num_processes == 4 and type(c.distributed.num_processes) is int
+    assert c.reward.funcs == ("mc_idx", "think_format", "mdi")
+    assert c.reward.weights == (4.0, 1.0, 1.0) and type(c.reward.weights[0]) is float
+    assert c.reward.early_weights == (2, 1, 0)
+    assert c.vgr.token_weight_clip == (0.1, 2.0)
+    assert c.lora.target_modules == ("q_proj",)
+    assert c.data.synthetic_kinds == ("colour",)
+    c = cfg_of("model.path=/x", "model.path=None", "data.train_files=null")
+    assert c.model.path is None and c.data.train_files is None
+    assert cfg_of("reward.early_weights=()").reward.early_weights == ()
+    assert cfg_of("filter.replay_buffer.min_mean=-inf").filter.replay_buffer.min_mean == float(
+        "-inf"
+    )
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("total_steps=many", "--config.total_steps: expected an int, got 'many'"),
+        ("total_steps=1.5", "expected an int"),
+        ("optim.lr=fast", "--config.optim.lr: expected a float, got 'fast'"),
+        ("val_only=maybe", "--config.val_only: expected a bool"),
+        ("seed=None", "expected an int"),
+        ("seed", "--config.seed needs a value"),
+        ("reward.weights=a,b", "--config.reward.weights: expected a float"),
+        ("distributed.num_processes=x", "expected an int"),
+    ],
+)
+def test_bad_values_name_the_key(item, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg_of(item)
+
+
+def test_unknown_key_lists_close_names_and_the_file():
+    with pytest.raises(ConfigError) as e:
+        cfg_of("rollout.temprature=0.5")
+    msg = str(e.value)
+    assert "unknown config key 'rollout.temprature'" in msg
+    assert "rollout.temperature" in msg and BASE in msg
+    with pytest.raises(ConfigError, match=r"'temperature'.*close names: rollout\.temperature"):
+        cfg_of("temperature=0.5")
+    with pytest.raises(ConfigError, match=r"tprl\.top_p_perception_tokens"):
+        cfg_of("tprl.top_p_perception=0.3")
+    with pytest.raises(ConfigError, match=r"'rollout' in .* is a group; set one of: .*top_k"):
+        cfg_of("rollout=3")
+    with pytest.raises(ConfigError, match="groups: "):  # nothing close: the groups are listed
+        cfg_of("zzzzzzzz=1")
+
+
+def test_validation_of_choices_fractions_and_weights():
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator='ppo'.*grpo, rloo, remax"):
+        cfg_of("algorithm.adv_estimator=ppo")
+    with pytest.raises(ConfigError, match=r"actor\.kl_loss_type='k3'"):
+        cfg_of("actor.kl_loss_type=k3")
+    with pytest.raises(ConfigError, match=r"tprl\.top_p_perception_tokens=0\.0"):
+        cfg_of("tprl.top_p_perception_tokens=0")
+    with pytest.raises(ConfigError, match=r"reward\.weights .* 3 values for 2"):
+        cfg_of("reward.weights=1,2,3")
+    with pytest.raises(ConfigError, match=r"early_weights .* 1 values for 2"):
+        cfg_of("reward.early_weights=1")
+
+
+def test_config_is_locked_and_workdir_defaults_to_runs_name_time():
+    c = cfg_of()
+    assert re.fullmatch(r"runs/base-\d{8}-\d{6}", c.workdir)
+    with pytest.raises(AttributeError):
+        c.new_option = 1
+    assert cfg_of("workdir=gs://b/run").workdir == "gs://b/run"
+    assert default_workdir("configs/tprl.py:runlocal", now=0.0).startswith("runs/tprl-19")
+
+
+def test_file_arg_and_parse_arg():
+    c = load_config(os.path.join(ROOT, "configs/tprl.py:runlocal"), ["total_steps=3"])
+    assert c.total_steps == 3 and c.rollout.num_generations == 2 and c.name == "tprl"
+    a = parse_arg("runlocal,steps=3,name=x", runlocal=False, steps=1, name="")
+    assert a.runlocal is True and a.steps == 3 and a.name == "x"
+    assert parse_arg(None, runlocal=False).runlocal is False
+    with pytest.raises(ConfigError, match="unknown config argument 'fast'"):
+        load_config(os.path.join(ROOT, "configs/tprl.py:fast"))
+
+
+def test_missing_or_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file configs/nope\.py not found"):
+        load_config("configs/nope.py")
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="defines no get_config"):
+        load_config(str(bad))
+
+
+def test_legacy_aliases_share_values_with_actor():
+    c = cfg_of("algorithm.use_kl_loss=true", "actor.kl_loss_coef=0.05")
+    assert c.actor.use_kl_loss is True and c.algorithm.use_kl_loss is True
+    assert c.algorithm.kl_loss_coef == 0.05
+
+
+def test_apply_override_on_a_plain_configdict():
+    c = ml_collections.ConfigDict({"a": {"b": 1}, "t": (1.0,)})
+    apply_override(c, "a.b=2")
+    apply_override(c, "t=3,4")
+    assert c.a.b == 2 and c.t == (3.0, 4.0) and flat_keys(c) == ["a.b", "t"]
+
+
+SEED_KEYS = [  # the option names users know from the seeds and SPEC
+    "model.path",
+    "model.dtype",
+    "model.remat_policy",
+    "data.train_files",
+    "data.val_files",
+    "data.image_dir",
+    "data.prompt_key",
+    "data.answer_key",
+    "data.max_prompt_length",
+    "data.max_image_side",
+    "data.min_pixels",
+    "data.max_pixels",
+    "rollout.num_generations",
+    "rollout.max_new_tokens",
+    "rollout.temperature",
+    "rollout.top_p",
+    "rollout.top_k",
+    "algorithm.adv_estimator",
+    "algorithm.norm_adv_by_std",
+    "algorithm.gamma",
+    "algorithm.lam",
+    "algorithm.use_kl_in_reward",
+    "algorithm.kl_ctrl.type",
+    "algorithm.kl_ctrl.kl_coef",
+    "algorithm.kl_ctrl.target_kl",
+    "algorithm.kl_ctrl.horizon",
+    "actor.loss_agg_mode",
+    "actor.clip_ratio_low",
+    "actor.clip_ratio_high",
+    "actor.clip_ratio_dual",
+    "actor.use_kl_loss",
+    "actor.kl_loss_coef",
+    "actor.kl_loss_type",
+    "actor.entropy_coef",
+    "actor.use_entropy_penalty",
+    "actor.entropy_penalty_coef",
+    "critic.cliprange_value",
+    "tprl.enable_perception_filtering",
+    "tprl.top_p_perception_tokens",
+    "tprl.black_prob",
+    "tprl.enable_entropy_filtering",
+    "tprl.top_p_entropy_tokens",
+    "tprl.entropy_filter_scope",
+    "tprl.enable_trajectory_reweighting",
+    "tprl.trajectory_scaling_min",
+    "vgr.enable_token_weights",
+    "vgr.token_weight_clip",
+    "vgr.token_weight_smooth_sigma",
+    "vgr.token_weight_last_k_layers",
+    "vgr.layer_set",
+    "reward.funcs",
+    "reward.weights",
+    "reward.early_weights",
+    "reward.early_steps",
+    "reward.mdi_balance_ratio",
+    "filter.dynamic_sampling",
+    "filter.dynamic_sampling_metric",
+    "filter.max_num_gen_batches",
+    "filter.online_filtering",
+    "filter.filter_low",
+    "filter.filter_high",
+    "filter.replay_buffer.enable",
+    "filter.replay_buffer.min_std",
+    "filter.mask_truncated_completions",
+    "filter.overlong_buffer_len",
+    "filter.overlong_penalty_factor",
+    "optim.lr",
+    "optim.warmup_steps",
+    "optim.weight_decay",
+    "optim.grad_clip",
+    "optim.micro_batches",
+    "prompts_per_step",
+    "total_steps",
+    "val_freq",
+    "val_only",
+    "save_freq",
+    "seed",
+    "workdir",
+    "resume",
+    "max_nonfinite_steps",
+    "mesh.data",
+    "mesh.fsdp",
+    "mesh.tensor",
+    "lora.rank",
+    "lora.alpha",
+    "lora.dropout",
+    "lora.target_modules",
+]
+
+
+def test_base_has_every_seed_option():
+    keys = set(flat_keys(cfg_of()))
+    assert [k for k in SEED_KEYS if k not in keys] == []
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_every_config_loads_and_documents_its_run_command(path):
+    c = load_config(os.path.join(ROOT, path), [])
+    text = open(os.path.join(ROOT, path)).read()
+    assert f"python -m jaxvrl.train --config configs/{os.path.basename(path)}" in text or (
+        path.endswith("base.py")
+    )
+    assert c.model.path is None and c.data.train_files is None  # the embedded default
+    assert c.rollout.max_new_tokens <= 32 and c.total_steps <= 100  # small on a CPU
+
+
+def test_what_each_config_changes():
+    get = lambda n: load_config(os.path.join(ROOT, f"configs/{n}.py"), [])
+    grpo, dapo, tprl, mdi, vgr = map(get, ("grpo", "dapo", "tprl", "mdi", "vgr"))
+    assert grpo.actor.loss_agg_mode == "seq-mean-token-mean" and grpo.algorithm.norm_adv_by_std
+    assert dapo.actor.loss_agg_mode == "token-mean"
+    assert (dapo.actor.clip_ratio_low, dapo.actor.clip_ratio_high) == (0.2, 0.28)
+    assert dapo.filter.dynamic_sampling and not dapo.actor.use_kl_loss
+    assert tprl.actor.loss_agg_mode == "token-mean" and tprl.filter.dynamic_sampling
+    assert tprl.tprl.enable_perception_filtering and tprl.tprl.enable_entropy_filtering
+    assert tprl.tprl.enable_trajectory_reweighting and tprl.tprl.trajectory_scaling_min == 0.8
+    assert dict(zip(mdi.reward.funcs, mdi.reward.weights)) == {
+        "mc_idx": 4.0,
+        "think_format": 1.0,
+        "mdi": 1.0,
+    }
+    assert vgr.vgr.enable_token_weights and vgr.vgr.token_weight_clip == (0.2, 3.0)
+    for c in (grpo, dapo, mdi, vgr):
+        assert not c.tprl.enable_perception_filtering
