@@ -1,77 +1,277 @@
-"""Orbax checkpoints: train state (params, optimizer state, counters), RNG, data-iterator
-state and run metadata, in one step directory, to a local path or `gs://`.
+"""Orbax checkpoints: one step directory holds the train state (any pytree of arrays: params,
+optimizer state, counters), the RNG key, the data-iterator state and JSON run metadata (KL
+coefficient, counters), in a local directory or under `gs://`.
 
-Resume order: build the abstract state, then `restore_latest` fills it (shapes, dtypes and
-shardings from the abstract state), then the iterator and RNG continue from their saved state.
+Layout of `<directory>/<step>/`: `state` (arrays, keyed by their readable tree path, e.g.
+`params/model/layers/0/mlp/up_proj/kernel/value`), `rng` (key data), `meta` (the caller's
+JSON), `data` (iterator state: JSON, or bytes from grain as base64), `info` (tree paths and
+key implementations, to check a restore target against).
+
+Resume order (train.py): build the abstract train state (`jax.eval_shape` + shardings, or the
+freshly initialised state), `restore_latest(abstract)` fills it with the saved arrays in the
+target's shardings and dtypes, then the data iterator and the RNG continue from their saved
+state. Every process calls save and restore (orbax coordinates multi-host writes).
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import os
 import signal
+import threading
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 
-class Checkpointer:
-    def __init__(self, directory: str, max_to_keep: int = 2):
-        if not directory.startswith("gs://"):
-            import os
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the restore target."""
 
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: Any  # the abstract target's structure, its shardings and dtypes
+    rng: jax.Array | None
+    meta: dict
+    data_state: dict | bytes | None
+
+
+def _entry(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def tree_keys(tree) -> list[str]:
+    """Readable '/'-joined tree path of each leaf, in jax.tree.leaves order."""
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    keys = ["/".join(_entry(k) for k in p) or "root" for p in paths]
+    if len(set(keys)) != len(keys):  # e.g. a dict key "0" beside a list index 0
+        keys = [f"{i:05d}:{k}" for i, k in enumerate(keys)]
+    return keys
+
+
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_impl(x) -> str:
+    return str(jax.random.key_impl(x))
+
+
+def _to_saveable(x):
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _abstract_leaf(x):
+    """-> ShapeDtypeStruct with a sharding (typed keys: their key data)."""
+    if _is_key(x):
+        x = jax.eval_shape(jax.random.key_data, x)
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _encode_data_state(data_state):
+    if data_state is None:
+        return {"kind": "none"}
+    if isinstance(data_state, bytes | bytearray):
+        return {"kind": "bytes", "value": base64.b64encode(bytes(data_state)).decode("ascii")}
+    return {"kind": "json", "value": data_state}
+
+
+def _decode_data_state(d):
+    if d["kind"] == "bytes":
+        return base64.b64decode(d["value"])
+    return d.get("value")
+
+
+class Checkpointer:
+    """Keeps the last `max_to_keep` steps in `directory` (local path or gs://bucket/path)."""
+
+    def __init__(
+        self,
+        directory: str,
+        max_to_keep: int = 2,
+        save_interval_steps: int = 1,
+        async_save: bool = False,
+    ):
+        if "://" not in directory:
             directory = os.path.abspath(directory)
+        self.directory = directory
+        self.save_interval_steps = max(1, save_interval_steps)
         self.manager = ocp.CheckpointManager(
             directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                save_interval_steps=1,  # the interval is applied in save()
+                enable_async_checkpointing=async_save,
+                create=True,
+            ),
         )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, rng, meta: dict) -> None:
-        """state: any pytree of arrays; meta: JSON-serialisable (iterator state, counters)."""
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_interval_steps == 0 and step not in self.manager.all_steps()
+
+    def save(
+        self,
+        step: int,
+        state,
+        rng: jax.Array | None = None,
+        meta: dict | None = None,
+        data_state: dict | bytes | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves unless `step` is off the save interval (force: always); -> whether it saved.
+
+        state: any pytree of arrays (typed PRNG keys allowed); rng: a typed key or raw uint32
+        key data; meta: JSON-serialisable; data_state: the iterator's get_state() (a JSON
+        dict, or bytes as grain returns)."""
+        if not force and step % self.save_interval_steps:
+            return False  # (orbax would always save a first step, whatever the interval)
         leaves = jax.tree.leaves(state)
-        arrays = {f"{i:05d}": x for i, x in enumerate(leaves)}
-        arrays["rng"] = jax.random.key_data(rng)
-        self.manager.save(
+        arrays = dict(zip(tree_keys(state), (_to_saveable(x) for x in leaves)))
+        info = {
+            "keys": list(arrays),
+            "key_impls": {k: _key_impl(x) for k, x in zip(arrays, leaves) if _is_key(x)},
+            "rng_impl": _key_impl(rng) if rng is not None and _is_key(rng) else None,
+            "rng_shape": None if rng is None else list(np.shape(_to_saveable(rng))),
+        }
+        items = {
+            "state": ocp.args.StandardSave(arrays),
+            "meta": ocp.args.JsonSave(dict(meta or {})),
+            "data": ocp.args.JsonSave(_encode_data_state(data_state)),
+            "info": ocp.args.JsonSave(info),
+        }
+        if rng is not None:
+            items["rng"] = ocp.args.StandardSave({"key_data": _to_saveable(rng)})
+        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        return bool(saved)
+
+    def _check_keys(self, step: int, saved: list[str], wanted: list[str]) -> None:
+        if saved == wanted:
+            return
+        missing = [k for k in wanted if k not in set(saved)]
+        extra = [k for k in saved if k not in set(wanted)]
+        raise CheckpointError(
+            f"checkpoint {self.directory}/{step} does not match the restore target: "
+            f"{len(saved)} saved arrays vs {len(wanted)} wanted; missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+
+    def restore_step(self, step: int, abstract_state) -> Restored:
+        """Restores `step` into abstract_state's structure, shardings and dtypes (its leaves:
+        jax.ShapeDtypeStruct with sharding, or arrays)."""
+        if step not in self.manager.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
+        head = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                info=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+                data=ocp.args.JsonRestore(),
             ),
         )
-        self.manager.wait_until_finished()
+        info = head["info"]
+        leaves, treedef = jax.tree.flatten(abstract_state)
+        keys = tree_keys(abstract_state)
+        self._check_keys(step, info["keys"], keys)
+        items = {"state": ocp.args.StandardRestore(dict(zip(keys, map(_abstract_leaf, leaves))))}
+        if info["rng_shape"] is not None:
+            target = jax.ShapeDtypeStruct(tuple(info["rng_shape"]), np.uint32)
+            items["rng"] = ocp.args.StandardRestore({"key_data": _abstract_leaf(target)})
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        arrays = out["state"]
+        restored = []
+        for k in keys:
+            x = arrays[k]
+            impl = info["key_impls"].get(k)
+            restored.append(jax.random.wrap_key_data(x, impl=impl) if impl else x)
+        rng = None
+        if "rng" in items:
+            rng = out["rng"]["key_data"]
+            if info["rng_impl"]:
+                rng = jax.random.wrap_key_data(rng, impl=info["rng_impl"])
+        return Restored(
+            step=step,
+            state=jax.tree.unflatten(treedef, restored),
+            rng=rng,
+            meta=dict(head["meta"]),
+            data_state=_decode_data_state(head["data"]),
+        )
+
+    def restore_latest(self, abstract_state) -> Restored | None:
+        """The latest step restored into abstract_state, or None when there is none."""
+        step = self.latest_step()
+        return None if step is None else self.restore_step(step, abstract_state)
 
     def restore(self, step: int, abstract_state, rng_impl=None):
-        """-> (state with abstract_state's structure, rng, meta)."""
-        leaves, treedef = jax.tree.flatten(abstract_state)
-        target = {f"{i:05d}": x for i, x in enumerate(leaves)}
-        target["rng"] = jax.ShapeDtypeStruct((2,), np.uint32)
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-            ),
-        )
-        arrays = out["state"]
-        state = jax.tree.unflatten(treedef, [arrays[f"{i:05d}"] for i in range(len(leaves))])
-        rng = jax.random.wrap_key_data(arrays["rng"], impl=rng_impl)
-        return state, rng, dict(out["meta"])
+        """-> (state, rng, meta): restore_step's parts for callers that keep the iterator
+        state inside meta. rng_impl: unused, the saved key implementation is used."""
+        del rng_impl
+        r = self.restore_step(step, abstract_state)
+        return r.state, r.rng, r.meta
+
+    def wait_until_finished(self) -> None:
+        self.manager.wait_until_finished()
 
     def close(self) -> None:
+        self.manager.wait_until_finished()
         self.manager.close()
 
 
 class PreemptionFlag:
-    """Set by SIGTERM (TPU VM preemption): the loop saves a checkpoint and exits cleanly."""
+    """Set by SIGTERM (TPU VM / spot preemption): the loop checks `requested` after each step,
+    saves a checkpoint and exits cleanly. `restore()` puts the previous handlers back."""
 
-    def __init__(self):
+    def __init__(self, signals=(signal.SIGTERM,)):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("install_preemption_handler() must be called from the main thread")
         self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.signal_name: str | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
 
     def _handle(self, signum, frame):
-        del signum, frame
+        del frame
         self.requested = True
+        self.signal_name = signal.Signals(signum).name
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+
+
+def install_preemption_handler(signals=(signal.SIGTERM,)) -> PreemptionFlag:
+    """Installs handlers for `signals` that only set a flag; returns the flag."""
+    return PreemptionFlag(signals)
+
+
+def stop_requested_everywhere(flag: PreemptionFlag) -> bool:
+    """True on every process when any process got the signal (call at the same step on all
+    processes: a preempted host must not save alone)."""
+    if jax.process_count() == 1:
+        return flag.requested
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.asarray(flag.requested, np.int32))
+    return bool(np.any(flags))

@@ -1,5 +1,9 @@
 """Jitted KV-cache sampler: prefill the prompt (vision tower once), then a `lax.while_loop`
-over decode steps that stops as soon as every row has finished.
+over decode steps that stops once every row has finished (checked every `check_every` steps).
+
+Two entry points: `generate(model, ids, mask, ...)` on host arrays (HF-processor-style vision
+inputs), and `make_sampler(graphdef, cfg)`, the jitted `sample` over precomputed positions and
+VisionInputs that the trainer calls with its own patch buckets.
 
 Shapes: B rows, P prompt length (left-padded), N = max_new_tokens, V vocabulary.
 """
@@ -264,6 +268,8 @@ def generate(
     videos = row_vision_inputs(
         pixel_values_videos, video_grid_thw, ids, cfg_m.video_token_id, cfg_m, patch_bucket
     )
+    if eos_token_ids is None:
+        eos_token_ids = ()
     eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
     cfg = SamplingConfig(
         max_new_tokens=max_new_tokens,

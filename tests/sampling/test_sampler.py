@@ -124,6 +124,28 @@ def test_logprobs_match_teacher_forcing_and_eos_masking(models):
         assert not np.isin(toks[row], [T.IMAGE, T.VIDEO, T.VSTART, T.VEND]).any()
 
 
+def test_sampled_tokens_lie_in_the_top_p_set(models):
+    _, model = models
+    rng = np.random.default_rng(9)
+    ids, mask = T.left_pad([T.prompt(rng, text_len=(4, 12)) for _ in range(4)])
+    out = generate(
+        model, ids, mask, max_new_tokens=N, temperature=1.0, top_p=0.5, eos_token_ids=EOS,
+        rng=jax.random.key(5),
+    )  # fmt: skip
+    toks, m = np.asarray(out.tokens), np.asarray(out.mask)
+    full = np.concatenate([ids, toks], 1)
+    logits = np.asarray(model(full, np.concatenate([mask, m.astype(np.int64)], 1)).logits)
+    x = logits[:, ids.shape[1] - 1 : -1].astype(np.float64)
+    x[..., [T.IMAGE, T.VIDEO, T.VSTART, T.VEND]] = -np.inf
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    desc = -np.sort(-p, -1)
+    n_keep = (np.cumsum(desc, -1) < 0.5).sum(-1, keepdims=True) + 1
+    threshold = np.take_along_axis(desc, n_keep - 1, -1)[..., 0]
+    p_tok = np.take_along_axis(p, toks[..., None], -1)[..., 0]
+    assert np.all(p_tok[m > 0] >= threshold[m > 0] - 1e-4)
+
+
 def test_one_compilation_per_shape_with_images(models):
     """Different prompts and images of one (batch, prompt length, patch bucket) shape."""
     _, model = models

@@ -1,0 +1,89 @@
+"""Subprocess helpers for the checkpoint tests (not collected by pytest).
+
+python ckpt_worker.py sigterm DIR  : a loop that saves and exits 0 when SIGTERM arrives
+python ckpt_worker.py gcs          : save/restore against a loopback GCS emulator
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+
+
+def sigterm_loop(directory: str) -> None:
+    import jax.numpy as jnp
+
+    from jaxvrl.checkpoint import Checkpointer, install_preemption_handler
+
+    flag = install_preemption_handler()
+    ckpt = Checkpointer(directory, max_to_keep=1)
+    state = {"w": jnp.zeros(3)}
+    print("ready", flush=True)
+    for step in range(1, 10_000):
+        state = {"w": state["w"] + 1}
+        time.sleep(0.01)
+        if flag.requested:
+            ckpt.save(step, state, meta={"stopped_by": flag.signal_name}, force=True)
+            ckpt.close()
+            print(f"saved {step} on {flag.signal_name}", flush=True)
+            return
+    sys.exit(3)  # never got the signal
+
+
+def gcs_round_trip() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    from gcp_storage_emulator.server import create_server
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="jaxvrl-test")
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    os.environ["STORAGE_EMULATOR_HOST"] = url  # gcsfs (orbax's epath for gs://)
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = url  # tensorstore (the arrays)
+    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"  # no credential lookup
+    import gcsfs
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxvrl.checkpoint import Checkpointer
+
+    directory = "gs://jaxvrl-test/run/checkpoints"
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(0)}
+    ckpt = Checkpointer(directory, max_to_keep=2)
+    for step in (1, 2, 3):
+        state = {"w": state["w"] * 2, "step": jnp.int32(step)}
+        ckpt.save(step, state, jax.random.key(step), {"kl_coef": 0.1 * step}, {"pos": step})
+    ckpt.close()
+    fs = gcsfs.GCSFileSystem(endpoint_url=url, token="anon")
+    listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("jaxvrl-test/run/checkpoints"))
+    fresh = Checkpointer(directory, max_to_keep=2)
+    r = fresh.restore_latest(jax.eval_shape(lambda: state))
+    fresh.close()
+    server.stop()
+    ok = (
+        np.array_equal(np.asarray(r.state["w"]), np.arange(6.0).reshape(2, 3) * 8)
+        and int(r.state["step"]) == 3
+        and np.array_equal(jax.random.key_data(r.rng), jax.random.key_data(jax.random.key(3)))
+    )
+    print(
+        json.dumps(
+            {"ok": ok, "step": r.step, "meta": r.meta, "data": r.data_state, "listed": listed}
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if sys.argv[1] == "sigterm":
+        sigterm_loop(sys.argv[2])
+    else:
+        gcs_round_trip()
