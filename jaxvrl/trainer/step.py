@@ -232,9 +232,9 @@ def _loss(params, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig):
     return loss * scale, jax.tree.map(lambda x: x * scale, metrics)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig):
-    """Returns step(state, ref_params, batch, rng) -> (state, metrics), jitted with the state
-    donated. One compilation per batch shape bucket."""
+def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig):
+    """The step function, not jitted: step(state, ref_params, batch, rng) -> (state, metrics,
+    extras). For callers that jit it themselves (with shardings on a mesh)."""
 
     def step(state: TrainState, ref_params, batch: RolloutBatch, rng):
         passes = _no_grad_passes(graphdef, state.params, ref_params, batch, rng, cfg)
@@ -300,4 +300,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig)
             metrics["kl"] = jnp.sum(kl * mask) / jnp.maximum(mask.sum(), 1)
         return new_state, metrics, {"advantages": adv, "token_weights": weights}
 
-    return jax.jit(step, donate_argnums=(0,))
+    return step
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig):
+    """build_train_step jitted with the state donated. One compilation per batch shape."""
+    return jax.jit(build_train_step(graphdef, tx, cfg), donate_argnums=(0,))
