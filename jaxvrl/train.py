@@ -18,7 +18,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxvrl import rl
@@ -37,45 +36,12 @@ from jaxvrl.logging.writers import (
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn, total_reward
 from jaxvrl.sampling import SamplingConfig, make_sampler
+from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.rollout import assemble
-from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
+from jaxvrl.trainer.step import make_train_step
 
 log = logging.getLogger("jaxvrl")
 EMBEDDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
-
-
-def step_config(c) -> StepConfig:
-    a, t, v = c.algorithm, c.tprl, c.vgr
-    return StepConfig(
-        group_size=c.rollout.num_generations,
-        temperature=c.rollout.temperature if c.rollout.temperature > 0 else 1.0,
-        micro_batches=c.optim.micro_batches,
-        adv_estimator=a.adv_estimator,
-        norm_adv_by_std=a.norm_adv_by_std,
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_dual=a.clip_ratio_dual,
-        loss_agg_mode=a.loss_agg_mode,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        entropy_coef=a.entropy_coef,
-        use_entropy_penalty=a.use_entropy_penalty,
-        entropy_penalty_coef=a.entropy_penalty_coef,
-        perception_filtering=t.enable_perception_filtering,
-        top_p_perception_tokens=t.top_p_perception_tokens,
-        black_prob=t.black_prob,
-        entropy_filtering=t.enable_entropy_filtering,
-        top_p_entropy_tokens=t.top_p_entropy_tokens,
-        entropy_filter_scope=t.entropy_filter_scope,
-        trajectory_reweighting=t.enable_trajectory_reweighting,
-        trajectory_scaling_min=t.trajectory_scaling_min,
-        token_weights=v.enable_token_weights,
-        token_weight_clip=tuple(v.token_weight_clip),
-        token_weight_smooth_sigma=v.token_weight_smooth_sigma,
-        token_weight_last_k_layers=v.token_weight_last_k_layers,
-        token_weight_layer_set=v.layer_set,
-    )
 
 
 def load_examples(c, tokenizer, split: str):
@@ -208,17 +174,8 @@ def run(c) -> dict:
         shard_count=jax.process_count(),
     )
 
-    sched = optax.linear_schedule(0.0, c.optim.lr, max(c.optim.warmup_steps, 1))
-    tx = optax.chain(
-        optax.clip_by_global_norm(c.optim.grad_clip),
-        optax.adamw(
-            sched if c.optim.warmup_steps else c.optim.lr, weight_decay=c.optim.weight_decay
-        ),
-    )
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, tx, state, ref_params = init_train_state(model, c)
     scfg = step_config(c)
-    ref_params = jax.tree.map(jnp.array, params) if scfg.needs_ref else None
-    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     rng = jax.random.key(c.seed)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     start = 0
