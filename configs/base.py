@@ -26,7 +26,7 @@ def get_config(arg=None):
     c.seed = 0
     c.workdir = placeholder(str)  # None: runs/<config>-<YYYYmmdd-HHMMSS>; gs:// allowed
     c.resume = True  # continue from the latest checkpoint in workdir
-    c.load_checkpoint_path = placeholder(str)  # start from this checkpoint step dir instead
+    c.load_checkpoint_path = placeholder(str)  # <dir>/checkpoints/<step>: start from its params
     c.total_steps = 60
     c.prompts_per_step = 8  # prompts per step; rows = prompts_per_step * num_generations
     c.val_freq = 20  # validate every this many steps (and at the last step)
@@ -37,19 +37,23 @@ def get_config(arg=None):
     c.max_to_keep = 2  # checkpoints kept in workdir/checkpoints
     c.max_nonfinite_steps = 10  # stop after this many consecutive non-finite updates
     c.log_rollouts_every = 5  # steps between entries of the markdown logs
-    c.log_samples = 8  # completions per markdown entry
+    c.log_samples = 8  # samples per markdown entry
     c.time_budget_s = 0  # save and stop cleanly after this many seconds; 0 = no limit
 
     c.model = ml_collections.ConfigDict()
     c.model.path = placeholder(str)  # HF checkpoint dir; None = the embedded tiny checkpoint
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"  # master weights (float32 with bfloat16 compute)
-    c.model.remat_policy = "none"  # none | full | dots_saveable | dots_with_no_batch_dims_saveable
+    # none | full | dots_saveable | dots_with_no_batch_dims_saveable. NOT USED YET: being wired
+    # into the model with the mesh work (parallel/)
+    c.model.remat_policy = "none"
 
     c.data = ml_collections.ConfigDict()
     c.data.train_files = placeholder(str)  # comma-separated JSONL / parquet; None = built-in
     c.data.val_files = placeholder(str)
     c.data.image_dir = placeholder(str)  # root of relative image paths
+    # NOT USED YET (rows.py reads fixed column names): the prompt, answer, image and video
+    # columns and the video frame rate
     c.data.prompt_key = placeholder(str)  # None: `problem`, else `prompt`
     c.data.answer_key = placeholder(str)  # None: `label_idx`, else `answer`, else `solution`
     c.data.image_key = "images"
@@ -74,6 +78,8 @@ def get_config(arg=None):
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.adv_estimator = "grpo"  # grpo | rloo | remax | reinforce_plus_plus | gae
     c.algorithm.norm_adv_by_std = True  # False = Dr.GRPO
+    # NOT USED YET (being added in trainer/build.py with the PPO critic and KL-in-reward):
+    # gamma, lam, use_kl_in_reward and kl_ctrl.*
     c.algorithm.gamma = 1.0
     c.algorithm.lam = 1.0
     c.algorithm.use_kl_in_reward = False  # subtract kl_ctrl.kl_coef * KL from the reward
@@ -96,7 +102,8 @@ def get_config(arg=None):
     c.actor.use_entropy_penalty = False  # seed 004: + coef * agg(-logp)
     c.actor.entropy_penalty_coef = 0.06
 
-    c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
+    # value head, used by adv_estimator=gae only. NOT USED YET (being added in trainer/build.py)
+    c.critic = ml_collections.ConfigDict()
     c.critic.lr = 1e-5
     c.critic.warmup_steps = 0
     c.critic.grad_clip = 1.0
@@ -147,31 +154,33 @@ def get_config(arg=None):
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4
-    c.optim.schedule = "constant"  # constant | cosine (after warmup)
+    c.optim.schedule = "constant"  # constant | cosine (after warmup). NOT USED YET: constant
     c.optim.warmup_steps = 0
-    c.optim.betas = (0.9, 0.999)
+    c.optim.betas = (0.9, 0.999)  # NOT USED YET: optax defaults (0.9, 0.999)
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0  # global norm
     c.optim.micro_batches = 1  # gradient accumulation: rows split into this many chunks
 
-    c.mesh = ml_collections.ConfigDict()  # device mesh axis sizes; -1 = the rest
+    # device mesh axis sizes; -1 = the rest. NOT USED YET (mesh support in parallel/ is in
+    # progress; train.py has the place_state / place_batch seams for it)
+    c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
 
-    c.distributed = ml_collections.ConfigDict()  # multi-host jax.distributed.initialize
+    # multi-host jax.distributed.initialize. NOT USED YET (with the mesh work)
+    c.distributed = ml_collections.ConfigDict()
     c.distributed.enable = False  # True: from the platform's environment unless set below
     c.distributed.coordinator_address = placeholder(str)
     c.distributed.num_processes = placeholder(int)
     c.distributed.process_id = placeholder(int)
 
-    c.lora = ml_collections.ConfigDict()
+    c.lora = ml_collections.ConfigDict()  # NOT USED YET (being added in trainer/build.py)
     c.lora.rank = 0  # 0 = off (full fine-tuning)
     c.lora.alpha = 16.0
     c.lora.dropout = 0.05
     c.lora.target_modules = ("q_proj", "v_proj")
 
-    _legacy_aliases(c)
     if arg.runlocal:
         runlocal(c)
     return c
@@ -188,28 +197,3 @@ def runlocal(c):
     c.val_size = 4
     c.data.synthetic_train_size = 16
     c.log_rollouts_every = 1
-
-
-# The current train.py reads these under `algorithm`: the same values, shared by reference (an
-# override of either name sets both). Remove once train.py reads `actor.*`.
-LEGACY_ALIASES = {
-    f"algorithm.{k}": f"actor.{k}"
-    for k in (
-        "loss_agg_mode",
-        "clip_ratio_low",
-        "clip_ratio_high",
-        "clip_ratio_dual",
-        "use_kl_loss",
-        "kl_loss_coef",
-        "kl_loss_type",
-        "entropy_coef",
-        "use_entropy_penalty",
-        "entropy_penalty_coef",
-    )
-}
-
-
-def _legacy_aliases(c):
-    for alias, key in LEGACY_ALIASES.items():
-        group, leaf = key.split(".")
-        c[alias.split(".")[0]][alias.split(".")[1]] = c[group].get_ref(leaf)

@@ -128,12 +128,12 @@ def test_config_overrides_and_errors(tmp_path):
             "configs/tprl.py",
             "--config.rollout.top_p=0.9",
             "--config.vgr.token_weight_clip=(0.1, 2.0)",
-            "--config.algorithm.use_kl_loss",
+            "--config.actor.use_kl_loss",
             "true",
         ]
     )
     cfg = load_config(os.path.join(ROOT, path), overrides + [f"workdir={tmp_path}"])
-    assert cfg.rollout.top_p == 0.9 and cfg.algorithm.use_kl_loss is True
+    assert cfg.rollout.top_p == 0.9 and cfg.actor.use_kl_loss is True
     assert tuple(cfg.vgr.token_weight_clip) == (0.1, 2.0)
     assert cfg.tprl.enable_perception_filtering
     with pytest.raises(

@@ -180,10 +180,12 @@ def test_missing_or_bad_files(tmp_path):
         load_config(str(bad))
 
 
-def test_legacy_aliases_share_values_with_actor():
-    c = cfg_of("algorithm.use_kl_loss=true", "actor.kl_loss_coef=0.05")
-    assert c.actor.use_kl_loss is True and c.algorithm.use_kl_loss is True
-    assert c.algorithm.kl_loss_coef == 0.05
+def test_actor_options_live_only_under_actor():
+    c = cfg_of("actor.use_kl_loss=true", "actor.kl_loss_coef=0.05")
+    assert c.actor.use_kl_loss is True and c.actor.kl_loss_coef == 0.05
+    assert "use_kl_loss" not in c.algorithm and "loss_agg_mode" not in c.algorithm
+    with pytest.raises(ConfigError, match=r"close names: actor\.use_kl_loss"):
+        cfg_of("algorithm.use_kl_loss=true")
 
 
 def test_apply_override_on_a_plain_configdict():
