@@ -2,13 +2,19 @@
 
     python -m jaxvrl.train --config configs/tprl.py [--config.key=value ...]
 
-Read top to bottom: config, model and tokenizer, data, optimizer and state, resume, jitted
-sampler and train step, then the loop. Only this file reads the ConfigDict.
+Read top to bottom: setup (model and tokenizer, data, train state, samplers, the rollout
+phase, resume), then the loop in `run`: rollout phase, train step, logs, checkpoint. Only this
+file reads the ConfigDict.
+
+Resume order: the fresh train state is the restore target; the checkpoint's arrays, RNG key
+and data-iterator state replace it; metrics and markdown logs written after the checkpoint's
+step are dropped, so the resumed run writes each step once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -21,23 +27,16 @@ import numpy as np
 from flax import nnx
 
 from jaxvrl import rl
-from jaxvrl.checkpoint import Checkpointer, PreemptionFlag
-from jaxvrl.config import load_config, parse_argv
+from jaxvrl.checkpoint import Checkpointer, PreemptionFlag, stop_requested_everywhere
+from jaxvrl.config import ConfigError, load_config, parse_argv
 from jaxvrl.data import synthetic
 from jaxvrl.data.pipeline import EncodeOptions, EpochIterator, collate, encode_rows, read_rows
-from jaxvrl.logging.writers import (
-    MarkdownLog,
-    MetricsWriter,
-    Progress,
-    attention_section,
-    rollout_section,
-    token_weight_section,
-)
 from jaxvrl.models.qwen2_5_vl import load
-from jaxvrl.rl.rewards import SafeReward, load_reward_fn, total_reward
+from jaxvrl.rl.rewards import SafeReward, load_reward_fn
 from jaxvrl.sampling import SamplingConfig, make_sampler
 from jaxvrl.trainer.build import init_train_state, step_config
-from jaxvrl.trainer.rollout import assemble
+from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
+from jaxvrl.trainer.rollout import OVERALL, FilterOptions, RolloutPhase
 from jaxvrl.trainer.step import make_train_step
 
 log = logging.getLogger("jaxvrl")
@@ -78,286 +77,226 @@ def load_examples(c, tokenizer, split: str):
     return examples, stats
 
 
-def completions_text(tokenizer, tokens, mask) -> list[str]:
-    out = []
-    for row, m in zip(tokens, mask):
-        n = int(m.sum())
-        out.append(tokenizer.decode(row[:n].tolist(), skip_special_tokens=True))
-    return out
-
-
-def rollout(sampler, params, batch, key):
-    """Sample completions for a collated prompt batch; host numpy results."""
-    out = sampler(
-        params,
-        jnp.asarray(batch["input_ids"]),
-        jnp.asarray(batch["attention_mask"]),
-        jnp.asarray(batch["position_ids"]),
-        jnp.asarray(batch["deltas"]),
-        key,
-        images=None if batch["images"] is None else jax.tree.map(jnp.asarray, batch["images"]),
-        pools=None if batch.get("stat_pools") is None else batch["stat_pools"],
-    )
-    return jax.tree.map(lambda x: None if x is None else np.asarray(x), out)
-
-
-def evaluate(val_examples, sampler_greedy, params, model_cfg, tokenizer, c) -> dict:
-    """Greedy accuracy (mc_idx) on held-out examples."""
-    if not val_examples:
-        return {}
-    correct, fmt, n = 0.0, 0.0, 0
-    bs = max(1, c.prompts_per_step * c.rollout.num_generations)
-    for i in range(0, len(val_examples), bs):
-        chunk = val_examples[i : i + bs]
-        chunk = chunk + [chunk[-1]] * (bs - len(chunk))  # one compiled shape
-        batch = collate(chunk, 1, model_cfg, tokenizer, c.data.prompt_bucket, with_pools=False)
-        out = rollout(sampler_greedy, params, batch, jax.random.key(0))
-        texts = completions_text(tokenizer, out.tokens, out.mask)
-        k = min(bs, len(val_examples) - i)
-        labels = [ex.get("label_idx", ex.get("answer")) for ex in chunk[:k]]
-        correct += sum(rl.rewards.mc_idx_reward(texts[:k], labels))
-        fmt += sum(rl.rewards.think_format_reward(texts[:k]))
-        n += k
-    return {"val/accuracy": correct / n, "val/format": fmt / n}
-
-
-def build_rewards(c):
-    fns = {name: SafeReward(name, load_reward_fn(name)) for name in c.reward.funcs}
-    if len(c.reward.weights) != len(c.reward.funcs):
-        raise ValueError("config.reward.weights must have one weight per config.reward.funcs")
-    regular = dict(zip(c.reward.funcs, c.reward.weights))
-    early = dict(zip(c.reward.funcs, c.reward.early_weights)) if c.reward.early_weights else None
-    return fns, regular, early
-
-
-def attention_stats(out, batch, c) -> dict:
-    """Rollout attention metrics (MDI per row etc.) from decode-time masses."""
-    if out.vision_mass is None:
-        return {}
-    pools = batch["pools"]
-    m = rl.attention_metrics(
-        jnp.asarray(out.vision_mass),
-        jnp.asarray(out.text_mass),
-        jnp.asarray(pools["vision"].sum(1)),
-        jnp.asarray(pools["text"].sum(1)),
-        jnp.asarray(out.mask),
-        last_k=c.vgr.token_weight_last_k_layers,
-    )
-    return {k: np.asarray(v) for k, v in m.items()}
-
-
-def run(c) -> dict:
-    """Train (or only validate) per config `c`; returns the last metrics."""
+def load_model(c):
+    """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one."""
     from transformers import AutoTokenizer
 
-    t_start = time.time()
-    jax.config.update("jax_default_matmul_precision", "highest")
-    os.makedirs(c.workdir, exist_ok=True)
-    primary = jax.process_index() == 0
     path = c.model.path or EMBEDDED
-    dtype = jnp.bfloat16 if c.model.dtype == "bfloat16" else jnp.float32
-    model = load(path, dtype=dtype)
+    dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    model = load(path, dtype=dtypes[c.model.dtype], param_dtype=dtypes[c.model.param_dtype])
     tokenizer = AutoTokenizer.from_pretrained(path)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(f"{c.name}: model {path} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)
+    return model, tokenizer
+
+
+def make_samplers(model, tokenizer, c):
+    """-> (sampler, greedy): jitted rollout sampler and the greedy one for validation."""
     mcfg = model.config
-    print(
-        f"model {path} ({sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) / 1e6:.2f}M params), workdir {c.workdir}",
-        flush=True,
-    )
-
-    train_ex, train_stats = load_examples(c, tokenizer, "train")
-    val_ex, _ = load_examples(c, tokenizer, "val")
-    it = EpochIterator(
-        train_ex,
-        c.prompts_per_step,
-        seed=c.seed,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-    )
-
-    graphdef, tx, state, ref_params = init_train_state(model, c)
-    scfg = step_config(c)
-    rng = jax.random.key(c.seed)
-    ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
-    start = 0
-    if c.resume and ckpt.latest_step() is not None:
-        start = ckpt.latest_step()
-        state, rng, meta = ckpt.restore(start, state)
-        it.set_state(meta["iterator"])
-        print(f"resumed from step {start}", flush=True)
-
-    eos = (
-        tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
-        if mcfg.eos_token_id is not None
-        else (tokenizer.eos_token_id,)
-    )
+    if mcfg.eos_token_id is not None:
+        eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
+    else:
+        eos = (tokenizer.eos_token_id,)
     suppress = (
         mcfg.image_token_id,
         mcfg.video_token_id,
         mcfg.vision_start_token_id,
         mcfg.vision_end_token_id,
     )
-    model_graph = nnx.graphdef(model)
-    scfg_sample = SamplingConfig(
-        c.rollout.max_new_tokens,
-        c.rollout.temperature,
-        c.rollout.top_p,
-        c.rollout.top_k,
+    r = c.rollout
+    cfg = SamplingConfig(
+        r.max_new_tokens,
+        r.temperature,
+        r.top_p,
+        r.top_k,
         eos,
         tokenizer.pad_token_id or 0,
         suppress,
     )
-    sampler = make_sampler(model_graph, scfg_sample)
-    greedy = make_sampler(model_graph, dataclasses.replace(scfg_sample, temperature=0.0))
+    graph = nnx.graphdef(model)
+    return make_sampler(graph, cfg), make_sampler(graph, dataclasses.replace(cfg, temperature=0.0))
+
+
+def check_filter_keys(c) -> None:
+    """The filters' metric names must be `overall` or one of reward.funcs."""
+    names = (OVERALL, *c.reward.funcs)
+    for key in ("dynamic_sampling_metric", "filter_key"):
+        if c.filter[key] not in names:
+            raise ConfigError(
+                f"config.filter.{key}={c.filter[key]!r}: expected one of {', '.join(names)}"
+            )
+
+
+def make_rollout_phase(c, sampler, tokenizer, model_config, step_cfg) -> RolloutPhase:
+    fns = {name: SafeReward(name, load_reward_fn(name)) for name in c.reward.funcs}
+    regular = dict(zip(c.reward.funcs, c.reward.weights))
+    early = dict(zip(c.reward.funcs, c.reward.early_weights)) if c.reward.early_weights else None
+    f, rb = c.filter, c.filter.replay_buffer
+    opts = FilterOptions(
+        group_size=c.rollout.num_generations,
+        prompts_per_step=c.prompts_per_step,
+        max_new_tokens=c.rollout.max_new_tokens,
+        mask_truncated_completions=f.mask_truncated_completions,
+        overlong_buffer_len=f.overlong_buffer_len,
+        overlong_penalty_factor=f.overlong_penalty_factor,
+        dynamic_sampling=f.dynamic_sampling,
+        dynamic_sampling_metric=f.dynamic_sampling_metric,
+        max_num_gen_batches=f.max_num_gen_batches,
+        online_filtering=f.online_filtering,
+        filter_key=f.filter_key,
+        filter_low=f.filter_low,
+        filter_high=f.filter_high,
+    )
+    stats = "mdi" in c.reward.funcs or step_cfg.token_weights
+    replay = None
+    if rb.enable:
+        replay = rl.ReplayBuffer(rb.capacity, rb.min_std, rb.min_mean, rb.max_mean)
+    return RolloutPhase(
+        sampler=sampler,
+        tokenizer=tokenizer,
+        collate=functools.partial(
+            collate,
+            repeat=c.rollout.num_generations,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            prompt_bucket=c.data.prompt_bucket,
+            with_pools=True,
+        ),
+        rewards=fns,
+        reward_weights=lambda step: rl.stage_reward_weights(
+            step, regular, early, c.reward.early_steps
+        ),
+        opts=opts,
+        attention=(c.vgr.layer_set, c.vgr.token_weight_last_k_layers) if stats else None,
+        with_pools=step_cfg.token_weights,
+        mdi_balance_ratio=c.reward.mdi_balance_ratio,
+        replay=replay,
+    )
+
+
+def place_state(state):
+    """Where the train state goes onto the device mesh (identity on one device)."""
+    return state
+
+
+def place_batch(batch):
+    """Where a host rollout batch goes onto the device mesh (one device: device_put)."""
+    return jax.tree.map(jnp.asarray, batch)
+
+
+def resume(c, ckpt: Checkpointer, state, data):
+    """-> (start step, state, rng, consecutive non-finite steps) from the latest checkpoint
+    in workdir, or the fresh ones; the data iterator continues from its saved state."""
+    rng = jax.random.key(c.seed)
+    if not c.resume or ckpt.latest_step() is None:
+        return 0, state, rng, 0
+    r = ckpt.restore_latest(state)
+    data.set_state(r.data_state if r.data_state is not None else r.meta["iterator"])
+    print(f"resumed from step {r.step}", flush=True)
+    return r.step, r.state, r.rng, int(r.meta.get("nonfinite_streak", 0))
+
+
+def check_nonfinite(streak: int, limit: int) -> None:
+    if streak >= limit:
+        raise FloatingPointError(
+            f"{streak} consecutive steps with a non-finite loss or gradient (limit "
+            f"config.max_nonfinite_steps={limit}); each was skipped, the parameters are those "
+            "of the last finite step. Lower optim.lr, check the rewards and the data, or resume "
+            "from the last checkpoint"
+        )
+
+
+def _short(metrics: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+
+
+def run(c) -> dict:
+    """Train (or only validate) per config `c`; returns the last step's scalars plus the
+    compile counts (`compiles/*`)."""
+    t_start = time.time()
+    jax.config.update("jax_default_matmul_precision", "highest")
+    os.makedirs(c.workdir, exist_ok=True)
+    check_filter_keys(c)
+    primary = jax.process_index() == 0
+
+    model, tokenizer = load_model(c)
+    mcfg = model.config
+    train_ex, train_stats = load_examples(c, tokenizer, "train")
+    val_ex, _ = load_examples(c, tokenizer, "val")
+    data = EpochIterator(
+        train_ex,
+        c.prompts_per_step,
+        seed=c.seed,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+    )
+    graphdef, tx, state, ref_params = init_train_state(model, c)
+    step_cfg = step_config(c)
+    train_step = make_train_step(graphdef, tx, step_cfg)
+    sampler, greedy = make_samplers(model, tokenizer, c)
     # make_sampler is cached per (model, config) across runs in one process: count new entries
     compiled_before = sampler._cache_size(), greedy._cache_size()
-    train_step = make_train_step(graphdef, tx, scfg)
-    reward_fns, regular_w, early_w = build_rewards(c)
-    need_stats = "mdi" in c.reward.funcs or scfg.token_weights
+    phase = make_rollout_phase(c, sampler, tokenizer, mcfg, step_cfg)
+    val_collate = functools.partial(
+        collate,
+        repeat=1,
+        model_config=mcfg,
+        tokenizer=tokenizer,
+        prompt_bucket=c.data.prompt_bucket,
+        with_pools=False,
+    )
+    val_rows = c.prompts_per_step * c.rollout.num_generations
 
-    writer = MetricsWriter(c.workdir, primary)
-    md_roll = MarkdownLog(c.workdir, "rollout_results", "Rollout results", primary)
-    md_tok = MarkdownLog(c.workdir, "token_weights", "Token weights", primary)
-    md_att = MarkdownLog(c.workdir, "attention_diagnostics", "Attention diagnostics", primary)
-    progress = Progress(c.total_steps, start, primary)
-    flag = PreemptionFlag()
+    def validate(params):
+        return evaluate(val_ex, greedy, params, val_collate, tokenizer, val_rows)
+
+    ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
+    start, state, rng, nonfinite = resume(c, ckpt, state, data)
+    state = place_state(state)
+    # Rows of steps after `start` (a run cut off after its last checkpoint, or a fresh start
+    # over an old run) are dropped; val_only appends nothing after step 0.
+    logs = RunLogs(c.workdir, c.total_steps, start, primary, start if start else -1, c.log_samples)
+
     metrics = {}
-    if start == 0 or c.val_only:
-        metrics = evaluate(val_ex, greedy, state.params, mcfg, tokenizer, c)
+    if c.val_only or (start == 0 and c.val_before_train):
+        metrics = validate(state.params)
         if train_stats is not None:
             metrics.update({f"data/skipped_{k}": v for k, v in train_stats.counts.items()})
-        writer.write(start, metrics)
-        print(f"step {start}: {metrics}", flush=True)
-    if c.val_only:
-        writer.close()
-        return metrics
+        if start == 0:
+            logs.scalars(0, metrics, progress=False)
+        print(f"step {start}: {_short(metrics)}", flush=True)
+    flag = PreemptionFlag()
+    try:
+        for step in range(start, 0 if c.val_only else c.total_steps):
+            t0 = time.time()
+            done = step + 1
+            rng, k_sample, k_step = jax.random.split(rng, 3)
+            rollout = phase.run(state.params, step, k_sample, data, max_prompts=len(train_ex))
+            state, step_metrics, extras = train_step(
+                state, ref_params, place_batch(rollout.batch), k_step
+            )
+            metrics = step_scalars(rollout, step_metrics, time.time() - t0)
+            if done % c.val_freq == 0 or done == c.total_steps:
+                metrics.update(validate(state.params))
+            logs.scalars(done, metrics)
+            if step % c.log_rollouts_every == 0:
+                logs.markdown(done, rollout, extras, tokenizer)
+            nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0
+            check_nonfinite(nonfinite, c.max_nonfinite_steps)
 
-    nonfinite = 0
-    step = start
-    for step in range(start, c.total_steps):
-        t0 = time.time()
-        rng, k_sample, k_step = jax.random.split(rng, 3)
-        batch = collate(
-            next(it),
-            c.rollout.num_generations,
-            mcfg,
-            tokenizer,
-            c.data.prompt_bucket,
-            with_pools=True,
-        )
-        if need_stats:
-            batch["stat_pools"] = {k: jnp.asarray(v) for k, v in batch["pools"].items()}
-        out = rollout(sampler, state.params, batch, k_sample)
-        t_sample = time.time() - t0
-        texts = completions_text(tokenizer, out.tokens, out.mask)
-        rows = batch["rows"]
-        att = attention_stats(out, batch, c)
-        columns = {key: [r.get(key) for r in rows] for key in ("label_idx", "answer", "solution")}
-        columns["mdi"] = list(att["mdi"]) if "mdi" in att else None
-        columns["mdi_balance_ratio"] = c.reward.mdi_balance_ratio
-        weights = rl.stage_reward_weights(step, regular_w, early_w, c.reward.early_steps)
-        totals, parts = total_reward(reward_fns, weights, texts, **columns)
-        comp_mask = out.mask.astype(np.float32)
-        lengths = comp_mask.sum(1)
-        if c.filter.overlong_buffer_len:
-            totals = totals + rl.soft_overlong_punishment(
-                lengths,
-                c.rollout.max_new_tokens,
-                c.filter.overlong_buffer_len,
-                c.filter.overlong_penalty_factor,
-            )
-        if c.filter.mask_truncated_completions:
-            comp_mask = rl.mask_truncated_completions(comp_mask, out.truncated)
-        G = c.rollout.num_generations
-        keep = np.ones(len(totals) // G, bool)
-        if c.filter.dynamic_sampling:
-            keep &= rl.dynamic_sampling_keep(totals, G)
-        if c.filter.online_filtering:
-            keep &= rl.online_filter_keep(
-                parts[c.reward.funcs[0]], G, c.filter.filter_low, c.filter.filter_high
-            )
-        comp_mask = comp_mask * rl.expand_groups(keep, G)[:, None]
-        rb = assemble(
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["position_ids"],
-            batch["deltas"],
-            out.tokens,
-            comp_mask,
-            totals,
-            batch["has_image"],
-            images=batch["images"],
-            pools=batch["pools"] if scfg.token_weights else None,
-        )
-        rb = jax.tree.map(jnp.asarray, rb)
-        state, m, extras = train_step(state, ref_params, rb, k_step)
-        m = {k: float(v) for k, v in jax.device_get(m).items()}
-        nonfinite = nonfinite + 1 if m["nonfinite"] else 0
-        dt = time.time() - t0
-        metrics = {f"train/{k}": v for k, v in m.items()}
-        metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in parts.items()})
-        metrics.update(
-            {
-                "reward/total": float(np.mean(totals)),
-                "loss": m["loss"],
-                "kl": m.get("kl", 0.0),
-                "entropy": m["entropy"],
-                "perception_token_fraction": m.get("perception_token_fraction", 1.0),
-                "scaling_factor_mean": m.get("scaling_factor_mean", 1.0),
-                "sensitivity_score_mean": m.get("sensitivity_score_mean", 0.0),
-                "response_length": float(lengths.mean()),
-                "kept_groups_fraction": float(keep.mean()),
-                "tokens_per_s": float(lengths.sum() / max(t_sample, 1e-6)),
-                "step_time_s": dt,
-            }
-        )
-        if att:
-            metrics.update(
-                {f"attn/{k}": float(np.nanmean(v)) for k, v in att.items() if v.ndim == 1}
-            )
-        if "mc_idx" in parts:
-            metrics["accuracy"] = float(np.mean(parts["mc_idx"]))
-        if (step + 1) % c.val_freq == 0 or step + 1 == c.total_steps:
-            metrics.update(evaluate(val_ex, greedy, state.params, mcfg, tokenizer, c))
-        writer.write(step + 1, metrics)
-        progress.update(step, metrics)
-        if step % c.log_rollouts_every == 0:
-            adv = np.asarray(extras["advantages"])
-            md_roll.append(
-                rollout_section(step, [r["problem"] for r in rows], texts, parts, totals, adv)
-            )
-            if extras["token_weights"] is not None:
-                w = np.asarray(extras["token_weights"])
-                toks = [
-                    [tokenizer.decode([t]) for t in out.tokens[i][: int(out.mask[i].sum())]]
-                    for i in range(min(4, len(texts)))
-                ]
-                md_tok.append(token_weight_section(step, toks, w))
-            if att:
-                md_att.append(
-                    attention_section(
-                        step, {k: np.nanmean(v) for k, v in att.items() if v.ndim == 1}
-                    )
-                )
-        if nonfinite >= c.max_nonfinite_steps:
-            raise FloatingPointError(
-                f"{nonfinite} consecutive steps with a non-finite loss or gradient (limit "
-                f"config.max_nonfinite_steps={c.max_nonfinite_steps}); stopping"
-            )
-        over_budget = c.time_budget_s and time.time() - t_start > c.time_budget_s
-        if (c.save_freq and (step + 1) % c.save_freq == 0) or flag.requested or over_budget:
-            ckpt.save(step + 1, state, rng, {"iterator": it.get_state()})
-        if flag.requested or over_budget:
-            print(
-                f"stopping at step {step + 1} ({'SIGTERM' if flag.requested else 'time budget'}); checkpoint saved",
-                flush=True,
-            )
-            break
-    else:
-        if c.total_steps > start:
-            ckpt.save(c.total_steps, state, rng, {"iterator": it.get_state()})
-    flag.restore()
-    ckpt.close()
-    writer.close()
+            over_budget = bool(c.time_budget_s) and time.time() - t_start > c.time_budget_s
+            stop = stop_requested_everywhere(flag) or over_budget
+            if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
+                meta = {"nonfinite_streak": nonfinite}
+                ckpt.save(done, state, rng, meta, data_state=data.get_state())
+            if stop:
+                why = "SIGTERM" if flag.requested else "time budget"
+                print(f"stopping at step {done} ({why}); checkpoint saved", flush=True)
+                break
+    finally:
+        flag.restore()
+        ckpt.close()
+        logs.close()
     metrics["compiles/train_step"] = train_step._cache_size()
     metrics["compiles/sampler"] = sampler._cache_size() - compiled_before[0]
     metrics["compiles/greedy_sampler"] = greedy._cache_size() - compiled_before[1]

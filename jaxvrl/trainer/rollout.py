@@ -1,10 +1,28 @@
-"""Host-side assembly of a rollout: prompts + sampled completions -> RolloutBatch."""
+"""The rollout phase of a step, on the host (SPEC sections 6-7): sample completions for a batch
+of prompts, score them, apply the overlong and truncation rules, filter groups (dynamic
+sampling with refill, online filtering, replay buffer) and assemble one RolloutBatch of fixed
+shape for the train step.
+
+Shapes: P = prompts per step, G = completions per prompt (a group), B = P * G rows, N =
+max_new_tokens. The batch always holds P groups: when fewer informative groups were found,
+the missing ones are padding groups with completion mask 0, so the train step never sees a
+new shape (no recompilation) and padding rows take no part in the loss.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxvrl import rl
 from jaxvrl.trainer.policy import RolloutBatch
+
+OVERALL = "overall"  # a filter metric: the total (weighted) reward
 
 
 def completion_positions(prompt_mask: np.ndarray, deltas: np.ndarray, n: int) -> np.ndarray:
@@ -51,3 +69,324 @@ def assemble(
         images=images,
         pools=pools,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterOptions:
+    """SPEC section 7. Metrics / keys name a reward, or OVERALL for the total reward."""
+
+    group_size: int
+    prompts_per_step: int
+    max_new_tokens: int
+    mask_truncated_completions: bool = False
+    overlong_buffer_len: int = 0  # 0 = no soft overlong punishment
+    overlong_penalty_factor: float = 1.0
+    dynamic_sampling: bool = False
+    dynamic_sampling_metric: str = OVERALL
+    max_num_gen_batches: int = 1  # 0 = no limit (guarded: at most one pass over the data)
+    online_filtering: bool = False
+    filter_key: str = OVERALL
+    filter_low: float = 0.01
+    filter_high: float = 0.99
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's G completions (host numpy).
+
+    tokens int32[G, N]; mask float32[G, N] the loss mask (completion incl. EOS, truncated rows
+    zeroed when masked); truncated bool[G]; totals float64[G] the weighted total reward after
+    the overlong punishment; parts {reward name: float64[G]} unweighted; texts G strings;
+    att {name: float32[G]} per-row attention metrics (empty without statistics).
+    """
+
+    example: dict
+    tokens: np.ndarray
+    mask: np.ndarray
+    truncated: np.ndarray
+    totals: np.ndarray
+    parts: dict
+    texts: list
+    att: dict
+
+    def metric(self, name: str) -> np.ndarray:
+        return self.totals if name == OVERALL else self.parts[name]
+
+    @staticmethod
+    def padding(example: dict, group_size: int, length: int) -> Group:
+        """A group that takes no part in the loss (completion mask 0, reward 0)."""
+        zeros = np.zeros(group_size)
+        return Group(
+            example=example,
+            tokens=np.zeros((group_size, length), np.int32),
+            mask=np.zeros((group_size, length), np.float32),
+            truncated=np.zeros(group_size, bool),
+            totals=zeros,
+            parts={},
+            texts=[""] * group_size,
+            att={},
+        )
+
+
+def keep_flags(groups: list[Group], opts: FilterOptions) -> np.ndarray:
+    """bool[len(groups)]: dynamic sampling (metric not constant within the group) and online
+    filtering (filter_low < mean score < filter_high), each when enabled."""
+    keep = np.ones(len(groups), bool)
+    if not groups:
+        return keep
+    g = opts.group_size
+    if opts.dynamic_sampling:
+        metric = np.concatenate([x.metric(opts.dynamic_sampling_metric) for x in groups])
+        keep &= rl.dynamic_sampling_keep(metric, g)
+    if opts.online_filtering:
+        scores = np.concatenate([x.metric(opts.filter_key) for x in groups])
+        keep &= rl.online_filter_keep(scores, g, opts.filter_low, opts.filter_high)
+    return keep
+
+
+@dataclasses.dataclass
+class Collected:
+    """The P group slots of a step (None: nothing found for that slot) and what happened."""
+
+    slots: list
+    sampled: list[Group]  # every group generated this step, in order
+    gen_batches: int
+    kept: int  # groups that passed the filters (before truncation to P)
+    replaced: int = 0  # slots filled from the replay buffer
+
+
+def collect_groups(
+    generate: Callable[[int], list[Group]],
+    opts: FilterOptions,
+    *,
+    replay: rl.ReplayBuffer | None = None,
+    max_prompts: int | None = None,
+) -> Collected:
+    """Calls generate(i) for generation batches i = 0, 1, ... until P groups passed the filters
+    or, with dynamic sampling, max_num_gen_batches batches were generated (without it: one).
+
+    max_num_gen_batches = 0 means no limit; then a step that has used `max_prompts` prompts (one
+    pass over the data) without filling up raises, rather than looping for ever. With a replay
+    buffer, uninformative groups among the slots (by the buffer's std/mean rule on the total
+    reward) and empty slots are filled from the buffer, most recent first; this step's
+    informative groups go into the buffer.
+    """
+    p, limit = opts.prompts_per_step, opts.max_num_gen_batches if opts.dynamic_sampling else 1
+    sampler = rl.DynamicSampler(target_groups=p, max_num_gen_batches=limit)
+    sampled = []
+    while not sampler.done:
+        i = sampler.num_gen_batches
+        if limit == 0 and max_prompts is not None and i * p >= max(max_prompts, p):
+            raise RuntimeError(
+                f"dynamic sampling found {len(sampler.groups)} of the {p} groups a step needs "
+                f"after {i} generation batches ({i * p} prompts, a full pass over the "
+                f"{max_prompts} training prompts): the metric "
+                f"{opts.dynamic_sampling_metric!r} is the same for every completion of almost "
+                "every prompt. Check the reward, or set config.filter.max_num_gen_batches > 0 "
+                "to train on a part-filled batch."
+            )
+        groups = generate(i)
+        sampled += groups
+        sampler.add(groups, keep_flags(groups, opts))
+    kept, gen_batches = len(sampler.groups), sampler.num_gen_batches
+    slots = sampler.take()
+    slots += [None] * (p - len(slots))
+    out = Collected(slots, sampled, gen_batches, kept)
+    if replay is not None:
+        informative = [
+            x is not None and bool(replay.informative(x.totals, opts.group_size)[0]) for x in slots
+        ]
+        out.slots, out.replaced = replay.fill(slots, informative)
+    return out
+
+
+@dataclasses.dataclass
+class Rollout:
+    """A step's rollout: the train step's batch and what the logs read.
+
+    batch: RolloutBatch of numpy arrays (B = P * G rows); groups: its P groups in row order
+    (padding groups included); real: bool[P], False for padding groups; metrics: scalars about
+    everything sampled this step (reward means, lengths, filtering counts, timing).
+    """
+
+    batch: RolloutBatch
+    groups: list[Group]
+    real: np.ndarray
+    metrics: dict
+
+
+def sample_completions(sampler, params, batch: dict, key, pools=None):
+    """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays."""
+    out = sampler(
+        params,
+        jnp.asarray(batch["input_ids"]),
+        jnp.asarray(batch["attention_mask"]),
+        jnp.asarray(batch["position_ids"]),
+        jnp.asarray(batch["deltas"]),
+        key,
+        images=None if batch["images"] is None else jax.tree.map(jnp.asarray, batch["images"]),
+        pools=pools,
+    )
+    return jax.tree.map(lambda x: None if x is None else np.asarray(x), out)
+
+
+def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
+    return [
+        tokenizer.decode(row[: int(m.sum())].tolist(), skip_special_tokens=True)
+        for row, m in zip(tokens, mask)
+    ]
+
+
+@dataclasses.dataclass
+class RolloutPhase:
+    """The static pieces of the rollout phase; `run` does one step's rollout.
+
+    collate(examples) -> the collated prompt batch (pipeline.collate with G repeats);
+    reward_weights(step) -> {name: weight}; attention: None, or (layer_set, last_k) to compute
+    rollout attention metrics from the sampler's masses (needed by the MDI reward and the
+    attention log); with_pools: the train batch carries the attention pools (VGR weights).
+    """
+
+    sampler: Callable
+    tokenizer: object
+    collate: Callable[[list], dict]
+    rewards: dict  # {name: SafeReward}
+    reward_weights: Callable[[int], dict]
+    opts: FilterOptions
+    attention: tuple[str, int] | None = None
+    with_pools: bool = False
+    mdi_balance_ratio: float = 2.0
+    replay: rl.ReplayBuffer | None = None
+
+    def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
+        """One generation batch: sample, score, overlong / truncation rules -> its groups."""
+        t0 = time.time()
+        batch = self.collate(examples)
+        pools = None
+        if self.attention is not None:
+            pools = {k: jnp.asarray(v) for k, v in batch["pools"].items()}
+        out = sample_completions(self.sampler, params, batch, key, pools)
+        t_sample = time.time() - t0
+        texts = decode_completions(self.tokenizer, out.tokens, out.mask)
+        att = self._attention(out, batch)
+        rows = batch["rows"]
+        columns = {k: [r.get(k) for r in rows] for k in ("label_idx", "answer", "solution")}
+        columns["mdi"] = list(att["mdi"]) if "mdi" in att else None
+        columns["mdi_balance_ratio"] = self.mdi_balance_ratio
+        totals, parts = rl.rewards.total_reward(
+            self.rewards, self.reward_weights(step), texts, **columns
+        )
+        mask = out.mask.astype(np.float32)
+        lengths = mask.sum(1)
+        o = self.opts
+        if o.overlong_buffer_len:
+            totals = totals + rl.soft_overlong_punishment(
+                lengths, o.max_new_tokens, o.overlong_buffer_len, o.overlong_penalty_factor
+            )
+        if o.mask_truncated_completions:
+            mask = rl.mask_truncated_completions(mask, out.truncated)
+        g = o.group_size
+        groups = []
+        for i, ex in enumerate(examples):
+            s = slice(i * g, (i + 1) * g)
+            groups.append(
+                Group(
+                    example=ex,
+                    tokens=out.tokens[s],
+                    mask=mask[s],
+                    truncated=np.asarray(out.truncated[s], bool),
+                    totals=totals[s],
+                    parts={k: v[s] for k, v in parts.items()},
+                    texts=texts[s],
+                    att={k: v[s] for k, v in att.items()},
+                )
+            )
+        info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
+        return groups, info
+
+    def _attention(self, out, batch) -> dict:
+        """Per-row rollout attention metrics {mdi, mdi_early, ..., aei_*: float32[B]}."""
+        if self.attention is None or out.vision_mass is None:
+            return {}
+        layer_set, last_k = self.attention
+        pools = batch["pools"]
+        m = rl.attention_metrics(
+            jnp.asarray(out.vision_mass),
+            jnp.asarray(out.text_mass),
+            jnp.asarray(pools["vision"].sum(1)),
+            jnp.asarray(pools["text"].sum(1)),
+            jnp.asarray(out.mask),
+            layer_set=layer_set,
+            last_k=last_k,
+        )
+        return {k: np.asarray(v) for k, v in m.items() if np.ndim(v) == 1}
+
+    def run(
+        self, params, step: int, key, examples: Iterator[list], max_prompts: int | None = None
+    ) -> Rollout:
+        """Generation batches from `examples` (an iterator of P-example lists) until the
+        filters are satisfied, then the fixed-shape batch of P groups."""
+        infos = []
+
+        def generate(i):
+            groups, info = self.generate(params, next(examples), jax.random.fold_in(key, i), step)
+            infos.append(info)
+            return groups
+
+        got = collect_groups(generate, self.opts, replay=self.replay, max_prompts=max_prompts)
+        real = np.array([x is not None for x in got.slots])
+        n = self.opts.max_new_tokens
+        groups = [
+            x if x is not None else Group.padding(got.sampled[0].example, self.opts.group_size, n)
+            for x in got.slots
+        ]
+        batch = self._assemble(groups)
+        metrics = self._metrics(got, infos, real)
+        return Rollout(batch, groups, real, metrics)
+
+    def _assemble(self, groups: list[Group]) -> RolloutBatch:
+        prompts = self.collate([x.example for x in groups])
+        return assemble(
+            prompts["input_ids"],
+            prompts["attention_mask"],
+            prompts["position_ids"],
+            prompts["deltas"],
+            np.concatenate([x.tokens for x in groups]),
+            np.concatenate([x.mask for x in groups]),
+            np.concatenate([x.totals for x in groups]),
+            prompts["has_image"],
+            images=prompts["images"],
+            pools=prompts["pools"] if self.with_pools else None,
+        )
+
+    def _metrics(self, got: Collected, infos: list[dict], real: np.ndarray) -> dict:
+        """Means over every completion sampled this step (what the policy does), plus the
+        filtering counts."""
+        sampled = got.sampled
+        totals = np.concatenate([x.totals for x in sampled])
+        lengths = np.concatenate([x.mask.sum(1) for x in sampled])
+        sample_s = sum(i["sample_s"] for i in infos)
+        m = {f"reward/{k}": float(np.mean([x.parts[k] for x in sampled])) for k in self.rewards}
+        m.update({f"reward/{k}_failures": float(fn.failures) for k, fn in self.rewards.items()})
+        m["reward/total"] = float(totals.mean())
+        if "mc_idx" in self.rewards:
+            m["accuracy"] = m["reward/mc_idx"]
+        m.update(
+            {
+                "response_length": float(lengths.mean()),
+                "tokens_per_s": sum(i["tokens"] for i in infos) / max(sample_s, 1e-6),
+                "rollout/gen_batches": float(got.gen_batches),
+                "rollout/kept_groups_fraction": got.kept / max(len(sampled), 1),
+                "rollout/filled_fraction": float(real.mean()),
+                "rollout/sample_s": sample_s,
+            }
+        )
+        if self.replay is not None:
+            m["replay/replaced"] = float(got.replaced)
+            m["replay/buffer_size"] = float(len(self.replay))
+        att = [x.att for x in sampled if x.att]
+        for k in att[0] if att else ():
+            vals = np.concatenate([a[k] for a in att])
+            if np.isfinite(vals).any():
+                m[f"attn/{k}"] = float(np.nanmean(vals))
+        return m

@@ -1,0 +1,139 @@
+"""Pieces of the train loop that train.py calls each step: validation, the step's scalars and
+the run logs (metrics.jsonl + TensorBoard, markdown logs, progress line)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import jax
+import numpy as np
+
+from jaxvrl import rl
+from jaxvrl.logging import (
+    MarkdownLog,
+    MetricsWriter,
+    Progress,
+    attention_section,
+    decode_pieces,
+    rollout_section,
+    token_weight_section,
+)
+from jaxvrl.trainer.rollout import Rollout, decode_completions, sample_completions
+
+
+def evaluate(examples: list, greedy, params, collate, tokenizer, rows_per_batch: int) -> dict:
+    """Greedy accuracy (mc_idx) and think-format rate on held-out examples.
+
+    collate(examples) -> a prompt batch with one row per example; batches are padded to
+    `rows_per_batch` rows (one compiled shape) and the padding rows are not counted."""
+    if not examples:
+        return {}
+    correct, fmt, n = 0.0, 0.0, 0
+    for i in range(0, len(examples), rows_per_batch):
+        chunk = examples[i : i + rows_per_batch]
+        k = len(chunk)
+        chunk = chunk + [chunk[-1]] * (rows_per_batch - k)
+        out = sample_completions(greedy, params, collate(chunk), jax.random.key(0))
+        texts = decode_completions(tokenizer, out.tokens, out.mask)[:k]
+        labels = [ex.get("label_idx", ex.get("answer")) for ex in chunk[:k]]
+        correct += sum(rl.rewards.mc_idx_reward(texts, labels))
+        fmt += sum(rl.rewards.think_format_reward(texts))
+        n += k
+    return {"val/accuracy": correct / n, "val/format": fmt / n}
+
+
+def step_scalars(rollout: Rollout, step_metrics: dict, step_time_s: float) -> dict:
+    """The scalars of one step: the rollout's, the train step's under `train/` and the SPEC
+    names (loss, kl, entropy, perception_token_fraction, ...) at the top level."""
+    m = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    out = dict(rollout.metrics)
+    out.update({f"train/{k}": v for k, v in m.items()})
+    out.update(
+        loss=m["loss"],
+        kl=m.get("kl", 0.0),
+        entropy=m["entropy"],
+        perception_token_fraction=m.get("perception_token_fraction", 1.0),
+        scaling_factor_mean=m.get("scaling_factor_mean", 1.0),
+        sensitivity_score_mean=m.get("sensitivity_score_mean", 0.0),
+        step_time_s=step_time_s,
+    )
+    return out
+
+
+def trim_markdown(path: str, last_step: int) -> None:
+    """Drops `## Step N` sections with N > last_step (written after the checkpoint a run
+    resumes from), so no step appears twice."""
+    if not os.path.exists(path):
+        return
+    text = open(path, encoding="utf-8").read()
+    parts = re.split(r"(?m)^(?=## Step \d+\s*$)", text)
+    kept = [p for p in parts if not (m := re.match(r"## Step (\d+)", p)) or int(m[1]) <= last_step]
+    if len(kept) != len(parts):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("".join(kept))
+
+
+@dataclasses.dataclass
+class RunLogs:
+    """metrics.jsonl + TensorBoard, rollout_results.md, token_weights.md,
+    attention_diagnostics.md and the progress line. Only the primary process writes.
+    resume_step: rows and sections of later steps are dropped (no step repeats)."""
+
+    workdir: str
+    total_steps: int
+    start: int = 0
+    primary: bool = True
+    resume_step: int | None = None
+    samples: int = 8  # samples per markdown section
+
+    def __post_init__(self):
+        w, on = self.workdir, self.primary
+        self.metrics = MetricsWriter(w, on, resume_step=self.resume_step)
+        self.rollouts = MarkdownLog(w, "rollout_results", "Rollout results", on)
+        self.tokens = MarkdownLog(w, "token_weights", "Token weights", on)
+        self.attention = MarkdownLog(w, "attention_diagnostics", "Attention diagnostics", on)
+        if on and self.resume_step is not None:
+            for log in (self.rollouts, self.tokens, self.attention):
+                trim_markdown(log.path, self.resume_step)
+        self.progress = Progress(self.total_steps, self.start, on)
+
+    def scalars(self, step: int, scalars: dict, progress: bool = True) -> None:
+        self.metrics.write(step, scalars)
+        if progress:
+            self.progress.update(step - 1, scalars)
+
+    def markdown(self, step: int, rollout: Rollout, extras: dict, tokenizer) -> None:
+        """The step's samples (real groups only): prompts, completions, rewards and
+        advantages; VGR token weights `word(w)`; per-row attention metrics."""
+        rows = [
+            (gi, j)
+            for gi, g in enumerate(rollout.groups)
+            if rollout.real[gi]
+            for j in range(len(g.texts))
+        ][: self.samples]
+        if not rows:
+            return
+        groups, g_size = rollout.groups, len(rollout.groups[0].texts)
+        index = [gi * g_size + j for gi, j in rows]
+        adv = np.asarray(extras["advantages"])[index]
+        parts = {k: [groups[gi].parts[k][j] for gi, j in rows] for k in groups[rows[0][0]].parts}
+        totals = [groups[gi].totals[j] for gi, j in rows]
+        prompts = [groups[gi].example.get("problem", "") for gi, _ in rows]
+        texts = [groups[gi].texts[j] for gi, j in rows]
+        self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv))
+        if extras.get("token_weights") is not None:
+            weights = np.asarray(extras["token_weights"])[index]
+            pieces = []
+            for (gi, j), w in zip(rows, weights):
+                n = int(groups[gi].mask[j].sum())
+                ids = groups[gi].tokens[j][:n].tolist()
+                pieces.append(decode_pieces(tokenizer.decode, ids, w[:n]))
+            self.tokens.append(token_weight_section(step, pieces, None, limit=self.samples))
+        att = {k: [groups[gi].att[k][j] for gi, j in rows] for k in groups[rows[0][0]].att}
+        if att:
+            self.attention.append(attention_section(step, att, limit=self.samples))
+
+    def close(self) -> None:
+        self.metrics.close()
