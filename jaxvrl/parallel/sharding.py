@@ -12,6 +12,7 @@ import re
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -24,6 +25,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     "heads": ("tensor",),
     "vocab": ("tensor",),
     "norm": None,
+    # activations only
+    "length": None,
+    "act_embed": None,
 }
 
 # param path regex -> logical axes of each dimension (first match wins)
@@ -41,23 +45,42 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor); one size may be -1 (= the remaining devices)."""
-    devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices not divisible by mesh sizes {sizes}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
+def mesh_sizes(n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1) -> dict[str, int]:
+    """Axis sizes with the one -1 resolved; a clear error when they do not fit n_devices."""
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    if any(s == 0 or s < -1 for s in sizes.values()):
+        raise ValueError(f"mesh axis sizes must be positive or -1, got {sizes}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if n_devices % known:
+            raise ValueError(
+                f"mesh {sizes}: the fixed axes multiply to {known}, which does not divide "
+                f"the {n_devices} devices"
+            )
+        sizes[free[0]] = n_devices // known
+    if math.prod(sizes.values()) != n_devices:
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-            f"have {len(devices)}"
+            f"mesh {sizes} needs {math.prod(sizes.values())} devices, have {n_devices}"
         )
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    return sizes
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor); one size may be -1 (= the remaining devices).
+
+    Devices are laid out by `mesh_utils.create_device_mesh`, so on TPU the inner axes
+    (tensor, then fsdp) follow the physical interconnect.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = list(mesh_sizes(len(devices), data, fsdp, tensor).values())
+    try:
+        grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    except (AssertionError, NotImplementedError, ValueError):
+        grid = np.asarray(devices).reshape(sizes)  # device kinds without a topology model
+    return Mesh(grid, MESH_AXES)
 
 
 def logical_to_spec(axes, shape, mesh: Mesh, rules=LOGICAL_RULES) -> PartitionSpec:
@@ -75,6 +98,21 @@ def logical_to_spec(axes, shape, mesh: Mesh, rules=LOGICAL_RULES) -> PartitionSp
         used.update(mesh_axes)
         spec.append(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
     return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Sharding constraint by logical axis names under the mesh set with `jax.set_mesh`.
+
+    A no-op without a mesh (one device, HF parity tests) and for dimensions that the mesh
+    axes do not divide, so model code can call it unconditionally.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    spec = logical_to_spec(axes, x.shape, mesh)
+    if all(s is None for s in spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def param_axes(path: str, ndim: int) -> tuple[str | None, ...]:

@@ -13,6 +13,19 @@ import os
 from typing import Any
 
 MODEL_TYPES = ("qwen2_5_vl",)
+# Gradient checkpointing of decoder layers and vision blocks (`model.remat_policy`).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def checkpoint_policy(name: str):
+    """The jax.checkpoint policy for a REMAT_POLICIES name ("full": save nothing)."""
+    import jax
+
+    if name not in REMAT_POLICIES or name == "none":
+        raise ValueError(f"remat_policy {name!r} is not one of {REMAT_POLICIES[1:]}")
+    if name == "full":
+        return None
+    return getattr(jax.checkpoint_policies, name)
 
 
 class ConfigError(ValueError):

@@ -18,7 +18,7 @@ from flax import nnx, struct
 from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from jaxvrl.models.qwen2_5_vl.layers import linear
 from jaxvrl.models.qwen2_5_vl.positions import get_rope_index
-from jaxvrl.models.qwen2_5_vl.text import KVCache, TextDecoder
+from jaxvrl.models.qwen2_5_vl.text import KVCache, TextDecoder, remat
 from jaxvrl.models.qwen2_5_vl.vision import VisionInputs, VisionTower, vision_inputs
 
 
@@ -42,6 +42,7 @@ class Qwen2_5_VL(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
+        remat_policy: str = "none",
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -51,6 +52,15 @@ class Qwen2_5_VL(nnx.Module):
         self.model = TextDecoder(cfg.text, **kw)
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False, **kw)
+        self.set_remat_policy(remat_policy)
+
+    def set_remat_policy(self, policy: str) -> None:
+        """Gradient checkpointing of every decoder layer and vision block: none | full |
+        dots_saveable | dots_with_no_batch_dims_saveable (config `model.remat_policy`).
+        Part of the graphdef, so set it before `nnx.split`."""
+        remat(lambda: None, policy)  # validates the name
+        self.model.remat_policy = policy
+        self.visual.remat_policy = policy
 
     # ------------------------------------------------------------------ traceable core
     def embed(self, input_ids, images: VisionInputs | None, videos: VisionInputs | None):

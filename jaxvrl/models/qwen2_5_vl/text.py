@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxvrl.models.qwen2_5_vl.config import TextConfig
+from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES, TextConfig, checkpoint_policy
 from jaxvrl.models.qwen2_5_vl.layers import (
     GatedMLP,
     RMSNorm,
@@ -20,6 +20,30 @@ from jaxvrl.models.qwen2_5_vl.layers import (
     masked_softmax,
     pool_masses,
 )
+from jaxvrl.parallel.sharding import constrain
+
+# logical axes of the residual stream [B, T, D]
+RESIDUAL = ("batch", "length", "act_embed")
+
+
+def remat(method, policy: str):
+    """`method` (a Module method, called with the module first) under jax.checkpoint with the
+    named policy, or unchanged for "none". Only differentiation sees a difference.
+
+    The module is split into graph and state and merged inside the checkpoint (a pure
+    function of arrays), so it also works on modules merged inside an outer jit/grad.
+    """
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy {policy!r} is not one of {REMAT_POLICIES}")
+    if policy == "none":
+        return method
+
+    def call(module, *args):
+        graphdef, state = nnx.split(module)
+        pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
+        return jax.checkpoint(pure, policy=checkpoint_policy(policy))(state, *args)
+
+    return call
 
 
 @struct.dataclass
@@ -83,10 +107,14 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = constrain(q, ("batch", "length", "heads", None))
         if kv is not None:
             k_cache, v_cache, index = kv
             k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, index, 0, 0))
             v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, index, 0, 0))
+            # the cache stays split like the rows (and over kv heads with tensor parallelism)
+            k = constrain(k, ("batch", "length", "heads", None))
+            v = constrain(v, ("batch", "length", "heads", None))
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
         logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * self.head_dim**-0.5
@@ -112,7 +140,7 @@ class DecoderLayer(nnx.Module):
         h, new_kv, stats = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, pools)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_kv, stats
+        return constrain(x, RESIDUAL), new_kv, stats
 
 
 class TextDecoder(nnx.Module):
@@ -130,6 +158,7 @@ class TextDecoder(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.dtype = dtype
+        self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
 
     def __call__(self, x, position_ids, attention_mask, cache: KVCache | None = None, pools=None):
         """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T].
@@ -151,9 +180,11 @@ class TextDecoder(nnx.Module):
             k_pos = jnp.arange(cache.key_mask.shape[1])
         mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
         ks, vs, a_v, a_x = [], [], [], []
+        x = constrain(x, RESIDUAL)
+        call = remat(DecoderLayer.__call__, self.remat_policy)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-            x, (k, v), stats = layer(x, cos, sin, mask, kv, pools)
+            x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
             ks.append(k)
             vs.append(v)
             if stats is not None:

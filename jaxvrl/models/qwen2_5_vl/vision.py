@@ -15,6 +15,7 @@ from flax import nnx, struct
 
 from jaxvrl.models.qwen2_5_vl.config import VisionConfig
 from jaxvrl.models.qwen2_5_vl.layers import GatedMLP, RMSNorm, apply_rope, linear, masked_softmax
+from jaxvrl.models.qwen2_5_vl.text import remat
 
 
 @struct.dataclass
@@ -188,6 +189,7 @@ class VisionTower(nnx.Module):
         self.blocks = nnx.List([VisionBlock(cfg, **kw) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, **kw)
         self.dtype = dtype
+        self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
 
     def rotary(self, rot_pos):
         """cos, sin: float32[N, head_dim] from (row, col) positions (axial 2-D rope)."""
@@ -208,7 +210,8 @@ class VisionTower(nnx.Module):
         x = x.reshape(n // cfg.merge_unit, cfg.merge_unit, -1)[vi.window_index].reshape(n, -1)
         cos, sin = self.rotary(jnp.asarray(vi.rot_pos))
         full = set(cfg.fullatt_block_indexes)
+        call = remat(VisionBlock.__call__, self.remat_policy)
         for i, blk in enumerate(self.blocks):
             segments = vi.full_segments if i in full else vi.window_segments
-            x = blk(x, cos, sin, jnp.asarray(segments))
+            x = call(blk, x, cos, sin, jnp.asarray(segments))
         return self.merger(x)[vi.reverse_index]

@@ -1,0 +1,223 @@
+"""What the train loop calls to run on a device mesh, one host or many.
+
+    initialize_distributed(c.distributed)          # before anything touches a device
+    mesh = mesh_from_config(c.mesh)
+    params = put_on_mesh(params, param_shardings(params, mesh))   # loaded weights
+    (state, ref_params), shardings = sharded_init(init_fn, mesh, params)
+    train_step = jit_train_step(graphdef, tx, step_cfg, mesh, shardings[0], shardings[1])
+    batch = place_batch(host_batch, mesh)          # this process's rows -> global arrays
+    state, metrics, extras = train_step(state, ref_params, batch, rng)
+
+Every sharding comes from the logical-axis rules in `sharding.py`; optimizer state is sharded
+like the parameter it belongs to (its path ends in the parameter's path), scalars are
+replicated, batch rows are split over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxvrl.parallel.sharding import make_mesh, param_shardings
+
+log = logging.getLogger("jaxvrl")
+
+
+def initialize_distributed(cfg) -> bool:
+    """jax.distributed.initialize for multi-host runs; returns whether it ran.
+
+    cfg: the `distributed` ConfigDict group (enable, coordinator_address, num_processes,
+    process_id). With enable=False nothing happens. With enable=True the fields left None
+    come from the platform's environment (TPU VM metadata, SLURM, Open MPI), which is how a
+    TPU pod slice or `launch/gpu.sh` runs it. Call it before any other JAX call.
+    """
+    if not cfg.enable:
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    kw = {
+        k: cfg[k]
+        for k in ("coordinator_address", "num_processes", "process_id")
+        if cfg[k] is not None
+    }
+    jax.distributed.initialize(**kw)
+    log.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+    return True
+
+
+def mesh_from_config(cfg, devices=None) -> Mesh:
+    """Mesh (data, fsdp, tensor) from the `mesh` ConfigDict group; one size may be -1 (the
+    rest of the devices). Raises ValueError naming the sizes and the device count when they
+    do not fit."""
+    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedSharding for every leaf of a TrainState (or its abstract `jax.eval_shape`).
+
+    Parameters follow the PARAM_AXES table by their path; an optimizer-state leaf's path ends
+    in its parameter's path (`opt_state.1.0.mu.model.layers.0.mlp.up_proj.kernel`), so the
+    same table shards Adam's mu and nu like the parameter; scalars (step, counts) have no
+    dimension to split and are replicated. New fields (a critic, LoRA factors) follow the
+    same rule.
+    """
+    return param_shardings(state, mesh)
+
+
+def put_on_mesh(tree, shardings):
+    """Place a pytree with `shardings` (same structure).
+
+    Host leaves (numpy, or arrays on the CPU backend) are cut on the host and each device
+    receives only its slice (`make_array_from_callback`): a checkpoint loaded on the host
+    never needs one device's memory, and on a pod every process passes the same full value.
+    Leaves already on the mesh are resharded by device_put.
+    """
+
+    def one(x, sharding):
+        on_device = isinstance(x, jax.Array) and not _on_cpu_backend(x, sharding)
+        if on_device and (x.sharding.device_set == sharding.device_set or x.is_fully_addressable):
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def sharded_init(fn, mesh: Mesh, *args):
+    """Run `fn(*args)` (arrays in, a pytree of arrays out) so that every output is created
+    already sharded: shapes from `jax.eval_shape`, shardings from the rules table, then
+    `jit(fn, out_shardings=...)`. Returns (outputs, their shardings).
+
+    Typical use: fn builds the TrainState (and reference params) from loaded params that
+    are already on the mesh; the optimizer state is then born sharded like them.
+    """
+    abstract = jax.eval_shape(fn, *args)
+    shardings = state_shardings(abstract, mesh)
+    return jax.jit(fn, out_shardings=shardings)(*args), shardings
+
+
+def batch_shardings(batch, mesh: Mesh, rows: int | None = None):
+    """Rows over (data, fsdp) for every leaf whose leading axis (axis 1 for position_ids
+    [3, B, L]) is the row axis; other leaves (packed vision patches) are replicated.
+
+    batch: a RolloutBatch (or any dataclass/pytree of arrays); rows: B (default: the leading
+    size of input_ids or of the first leaf).
+    """
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+    rows = _rows(batch) if rows is None else rows
+
+    def one(path, x):
+        nd = np.ndim(x)
+        axis = 1 if _name(path) == "position_ids" else 0
+        spec = [None] * nd
+        if nd > axis and np.shape(x)[axis] == rows:
+            spec[axis] = axes
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def place_batch(batch, mesh: Mesh):
+    """A host batch -> global arrays on the mesh.
+
+    Single host: `batch` holds all B rows. Multi-host: each process passes its own B / P rows
+    (its data shard, `EpochIterator(shard_index=process_index, shard_count=process_count)`);
+    they become rows [i * B/P, (i+1) * B/P) of the global batch. Leaves without a row axis
+    (packed patches) must be equal on every process.
+    """
+    local_rows = _rows(batch)
+    shardings = batch_shardings(batch, mesh, rows=local_rows)
+    n_proc = jax.process_count()
+
+    def one(x, sharding):
+        x = np.asarray(x)
+        split = [i for i, s in enumerate(sharding.spec) if s is not None]
+        shape = list(x.shape)
+        if split:
+            shape[split[0]] *= n_proc
+        return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
+
+    return jax.tree.map(one, batch, shardings)
+
+
+def place_state(state, shardings):
+    """Move a TrainState / params tree onto the mesh with its shardings (e.g. after a restore
+    that gave single-device arrays). Prefer `sharded_init` for fresh states."""
+    return put_on_mesh(state, shardings)
+
+
+def jit_train_step(
+    graphdef,
+    tx,
+    step_cfg,
+    mesh: Mesh,
+    state_shardings,
+    ref_shardings=None,
+    *,
+    build=None,
+):
+    """The train step jitted for `mesh`: step(state, ref_params, batch, rng) -> (state,
+    metrics, extras) with the state donated, the state's shardings in and out, the batch's
+    taken from its arrays (see `place_batch`), metrics replicated (they are logged).
+
+    build: the step factory (default `trainer.step.build_train_step(graphdef, tx, step_cfg)`).
+    The step is traced under the mesh (`use_abstract_mesh`), which turns on the model's activation
+    constraints (`sharding.constrain`).
+    """
+    if build is None:
+        from jaxvrl.trainer.step import build_train_step as build
+    step = build(graphdef, tx, step_cfg)
+
+    def on_mesh(state, ref_params, batch, rng):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return step(state, ref_params, batch, rng)
+
+    rep = replicated(mesh)
+    return jax.jit(
+        on_mesh,
+        in_shardings=(state_shardings, ref_shardings, None, rep),
+        out_shardings=(state_shardings, rep, None),
+        donate_argnums=(0,),
+    )
+
+
+def on_mesh(fn, mesh: Mesh):
+    """`fn` called under `jax.set_mesh(mesh)` (for the sampler: activation constraints and the
+    KV cache then follow the rows' sharding)."""
+
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _on_cpu_backend(x: jax.Array, sharding) -> bool:
+    """x sits in host memory (the CPU backend) while the mesh is on accelerators."""
+    src = next(iter(x.sharding.device_set)).platform
+    return src == "cpu" and next(iter(sharding.device_set)).platform != "cpu"
+
+
+def _name(path) -> str:
+    k = path[0] if path else None
+    return str(getattr(k, "name", getattr(k, "key", k)))
+
+
+def _rows(batch) -> int:
+    if dataclasses.is_dataclass(batch) and hasattr(batch, "input_ids"):
+        return int(np.shape(batch.input_ids)[0])
+    return int(np.shape(jax.tree.leaves(batch)[0])[0])
