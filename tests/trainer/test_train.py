@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -144,3 +145,153 @@ def test_config_overrides_and_errors(tmp_path):
         load_config(os.path.join(ROOT, "configs/tprl.py"), ["total_steps=many"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("configs/nope.py")
+
+
+LABEL_REWARD = '''
+import json
+
+def reward(completions, label_idx=None, **kw):
+    """0/1 alternating within the group for prompts with label 1 (informative), else 0."""
+    with open({log!r}, "a") as f:
+        f.write(json.dumps([int(x) for x in label_idx]) + "\\n")
+    return [float(i % 2) if label_idx[i] == 1 else 0.0 for i in range(len(completions))]
+
+
+def reward_common(completions, label_idx=None, **kw):
+    """The same, informative for every label but 0."""
+    with open({log!r}, "a") as f:
+        f.write(json.dumps([int(x) for x in label_idx]) + "\\n")
+    return [float(i % 2) if label_idx[i] != 0 else 0.0 for i in range(len(completions))]
+
+
+def broken(completions, **kw):
+    raise RuntimeError("this reward is broken")
+'''
+
+
+def _reward_file(tmp_path):
+    log = tmp_path / "reward_calls.jsonl"
+    path = tmp_path / "label_reward.py"
+    path.write_text(LABEL_REWARD.format(log=str(log)))
+    return f"{path}:reward", f"{path}:broken", log
+
+
+def _informative_groups(labels, informative=(1,), g=2):
+    """Per group of one reward call: is its label an informative one?"""
+    return [labels[i] in informative for i in range(0, len(labels), g)]
+
+
+def _rows(workdir):
+    return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+
+
+def test_dynamic_sampling_refills_with_new_generation_batches(tmp_path):
+    fn, _, log = _reward_file(tmp_path)
+    cfg = tiny_config(
+        "configs/dapo.py",
+        tmp_path,
+        "total_steps=3",
+        "val_freq=100",
+        f"reward.funcs=('{fn}',)",
+        "reward.weights=(1.0,)",
+        "filter.max_num_gen_batches=3",
+        "log_samples=8",
+    )
+    metrics = run(cfg)
+    assert metrics["compiles/train_step"] == 1  # padding groups keep the batch shape
+    calls = [json.loads(line) for line in open(log)]
+    # replay the collection from the reward calls: generation batches per step until 2
+    # informative groups or 3 batches
+    expected, i = [], 0
+    for _ in range(3):
+        n, kept = 0, 0
+        while kept < 2 and n < 3:
+            kept += sum(_informative_groups(calls[i]))
+            i, n = i + 1, n + 1
+        expected.append((n, min(kept, 2) / 2))
+    assert i == len(calls)
+    rows = _rows(tmp_path)[1:]
+    assert [(r["rollout/gen_batches"], r["rollout/filled_fraction"]) for r in rows] == expected
+    assert sum(n for n, _ in expected) > 3  # the refill happened
+    # the batch holds only informative groups: every logged sample pair has rewards 0 and 1
+    text = (tmp_path / "rollout_results.md").read_text()
+    for step, (_, filled) in enumerate(expected, start=1):
+        if not filled:  # nothing informative: no section
+            assert f"## Step {step}\n" not in text
+            continue
+        section = text.split(f"## Step {step}\n")[1].split("## Step")[0]
+        values = [float(v) for v in re.findall(r"\| \*\*total\*\* \| ([-\d.]+) \|", section)]
+        assert values == [0.0, 1.0] * int(filled * 2), (step, values)
+
+
+def test_replay_buffer_replaces_uninformative_groups(tmp_path):
+    fn, _, log = _reward_file(tmp_path)
+    cfg = tiny_config(
+        "configs/grpo.py",
+        tmp_path,
+        "total_steps=4",
+        "val_freq=100",
+        f"reward.funcs=('{fn}_common',)",
+        "reward.weights=(1.0,)",
+        "filter.replay_buffer.enable=true",
+    )
+    run(cfg)
+    calls = [json.loads(line) for line in open(log)]
+    assert len(calls) == 4  # one generation batch per step without dynamic sampling
+    size, expected = 0, []
+    for labels in calls:
+        informative = _informative_groups(labels, (1, 2, 3))
+        replaced = min(size, informative.count(False))
+        size = size - replaced + informative.count(True)
+        expected.append((replaced, size))
+    rows = _rows(tmp_path)[1:]
+    assert [(r["replay/replaced"], r["replay/buffer_size"]) for r in rows] == expected
+    assert sum(r for r, _ in expected) > 0
+
+
+def test_a_reward_that_raises_gives_zero_and_training_goes_on(tmp_path, caplog):
+    _, broken, _ = _reward_file(tmp_path)
+    cfg = tiny_config(
+        "configs/grpo.py",
+        tmp_path,
+        "total_steps=2",
+        "val_freq=100",
+        f"reward.funcs=('mc_idx', '{broken}')",
+        "reward.weights=(1.0, 1.0)",
+    )
+    with caplog.at_level("ERROR", logger="jaxvrl"):
+        metrics = run(cfg)
+    assert np.isfinite(metrics["loss"])
+    assert metrics[f"reward/{broken}"] == 0.0 and metrics[f"reward/{broken}_failures"] == 2
+    assert (
+        caplog.text.count("RuntimeError: this reward is broken") == 1
+    )  # the traceback is logged once
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_clear_message(
+    tmp_path, monkeypatch
+):
+    import jax.numpy as jnp
+
+    import jaxvrl.train as train
+
+    real = train.make_train_step
+
+    def poisoned(graphdef, tx, cfg):
+        step = real(graphdef, tx, cfg)
+
+        def nan_rewards(state, ref, batch, key):
+            return step(state, ref, batch.replace(rewards=batch.rewards * jnp.nan), key)
+
+        nan_rewards._cache_size = step._cache_size
+        return nan_rewards
+
+    monkeypatch.setattr(train, "make_train_step", poisoned)
+    cfg = tiny_config(
+        "configs/grpo.py", tmp_path, "total_steps=10", "val_freq=100", "max_nonfinite_steps=3"
+    )
+    with pytest.raises(FloatingPointError, match=r"3 consecutive steps with a non-finite loss"):
+        run(cfg)
+    rows = _rows(tmp_path)[1:]
+    assert [r["train/nonfinite"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["loss"] is None for r in rows)  # NaN is written as null
