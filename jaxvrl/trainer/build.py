@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxvrl.trainer.step import StepConfig, TrainState
+from jaxvrl.models import lora
+from jaxvrl.trainer import critic as critic_lib
+from jaxvrl.trainer.step import StepConfig, TrainState, split_trainable
 
 
 def step_config(c) -> StepConfig:
@@ -43,6 +45,21 @@ def step_config(c) -> StepConfig:
         token_weight_smooth_sigma=v.token_weight_smooth_sigma,
         token_weight_last_k_layers=v.token_weight_last_k_layers,
         token_weight_layer_set=v.layer_set,
+        gamma=a.gamma,
+        lam=a.lam,
+        critic_lr=c.critic.lr,
+        critic_grad_clip=c.critic.grad_clip,
+        critic_warmup_steps=c.critic.warmup_steps,
+        cliprange_value=c.critic.cliprange_value,
+        value_loss_coef=c.critic.value_loss_coef,
+        use_kl_in_reward=a.use_kl_in_reward,
+        # verl's algorithm.kl_penalty; not in base.py yet
+        kl_in_reward_type=a.get("kl_penalty", "kl"),
+        kl_ctrl_type=a.kl_ctrl.type,
+        kl_target=a.kl_ctrl.target_kl,
+        kl_horizon=a.kl_ctrl.horizon,
+        lora=c.lora.rank > 0,
+        lora_train_vision=c.lora.get("train_vision", False),  # not in base.py yet
     )
 
 
@@ -55,13 +72,58 @@ def make_optimizer(o) -> optax.GradientTransformation:
     )
 
 
+def apply_lora(model, c) -> list[str]:
+    """Wrap the text decoder's target projections of `model` in place (lora.rank > 0); the
+    sampler's nnx.graphdef(model) then includes the adapters. Returns the wrapped paths."""
+    lc = c.lora
+    if lc.rank <= 0 or any(isinstance(n, lora.LoRALinear) for _, n in nnx.iter_graph(model)):
+        return []
+    return lora.apply_lora(
+        model, lc.rank, lc.alpha, lc.dropout, tuple(lc.target_modules), seed=c.seed
+    )
+
+
 def init_train_state(model, c):
-    """-> (graphdef, tx, state, ref_params): the model split into graph and trainable params,
-    the optimizer, the step-0 TrainState and the reference policy's params (None when no
-    reference pass is needed)."""
+    """-> (graphdef, tx, state, ref_params): the model split into graph and params, the
+    optimizer, the step-0 TrainState and the reference policy's params (None when no
+    reference pass is needed, and with LoRA, whose reference is the base weights).
+
+    With lora.rank > 0 the model is first wrapped with LoRA adapters in place, so
+    nnx.graphdef(model) and state.params (base + adapters) go together to the sampler as
+    before; the optimizer state holds the adapters only. With adv_estimator="gae" the state
+    carries the critic (its trained params and optimizer state); with use_kl_in_reward the
+    KL coefficient."""
+    cfg = step_config(c)
+    apply_lora(model, c)
     tx = make_optimizer(c.optim)
     graphdef, params = nnx.split(model, nnx.Param)
-    ref_params = jax.tree.map(jnp.array, params) if step_config(c).needs_ref else None
-    # distinct buffers: the step donates the state, and one buffer cannot be donated twice
-    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    ref_params = None
+    if cfg.needs_ref and not cfg.lora:
+        # distinct buffers: the step donates the state, and one buffer cannot be donated twice
+        ref_params = jax.tree.map(jnp.array, params)
+    trainable, _ = split_trainable(params, cfg)
+    state = TrainState(
+        params, tx.init(trainable), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    )
+    if cfg.critic:
+        cp = critic_lib.init_params(trainable, model.config.text.hidden_size, c.seed)
+        ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+        state = state.replace(critic_params=cp, critic_opt_state=ctx.init(cp))
+    if cfg.use_kl_in_reward:
+        state = state.replace(kl_coef=jnp.asarray(c.algorithm.kl_ctrl.kl_coef, jnp.float32))
     return graphdef, tx, state, ref_params
+
+
+def sampling_params(state: TrainState):
+    """What the sampler takes with nnx.graphdef(model): the policy's full params."""
+    return state.params
+
+
+def export_hf(model, params, path, *, tokenizer_dir=None) -> None:
+    """Write the policy (`params` on `model`'s graph) as an HF checkpoint; LoRA adapters are
+    merged into the base weights first (W + A B alpha / r)."""
+    from jaxvrl.models.qwen2_5_vl import save
+
+    graphdef = nnx.graphdef(model)
+    policy = nnx.merge(graphdef, params)
+    save(lora.merge_lora(policy), path, tokenizer_dir=tokenizer_dir)

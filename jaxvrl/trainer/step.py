@@ -2,11 +2,15 @@
 
 Order inside the program (SPEC sections 2-5):
 1. no-grad passes over the batch, in micro-batches: old policy (log-probs, entropy, attention
-   masses), perturbed image (TPRL), reference policy (KL);
-2. batch-level rules on [B, N] arrays: advantages, visual dependency, perception/entropy
-   masks, TAS, VGR weights;
-3. gradient of the loss accumulated over micro-batches with global denominators, then the
-   optax update. A non-finite loss or gradient skips the update (counted in metrics).
+   masses), perturbed image (TPRL), reference policy (KL; with LoRA the same weights with the
+   adapters off), critic values (GAE);
+2. batch-level rules on [B, N] arrays: token-level rewards (score on the last completion token,
+   minus kl_coef * KL(old || ref) with KL-in-reward), advantages (GAE or group estimators),
+   visual dependency, perception/entropy masks, TAS, VGR weights;
+3. gradients of the critic's clipped value loss and of the policy loss, each accumulated over
+   micro-batches with global denominators, then both optax updates (the policy's only after
+   the critic warm-up steps). With LoRA only the adapters are differentiated and updated. A
+   non-finite loss or gradient skips the update (counted in metrics).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import optax
 from flax import nnx, struct
 
 from jaxvrl import rl
+from jaxvrl.models import lora
+from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer.policy import (
     RolloutBatch,
     blacken_patches,
@@ -61,6 +67,23 @@ class StepConfig:
     token_weight_smooth_sigma: float = 0.0
     token_weight_last_k_layers: int = 0
     token_weight_layer_set: str = "all"
+    # GAE and the critic (adv_estimator="gae")
+    gamma: float = 1.0
+    lam: float = 1.0
+    critic_lr: float = 1e-5
+    critic_grad_clip: float = 1.0
+    critic_warmup_steps: int = 0  # the policy is not updated before this step
+    cliprange_value: float = 0.5
+    value_loss_coef: float = 0.5
+    # KL subtracted from the token-level reward (verl's use_kl_in_reward)
+    use_kl_in_reward: bool = False
+    kl_in_reward_type: str = "kl"
+    kl_ctrl_type: str = "fixed"  # fixed | adaptive
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+    # LoRA: only the adapters (and the vision tower with lora_train_vision) are trained
+    lora: bool = False
+    lora_train_vision: bool = False
 
     @property
     def needs_perturbed(self) -> bool:
@@ -68,15 +91,38 @@ class StepConfig:
 
     @property
     def needs_ref(self) -> bool:
-        return self.use_kl_loss and self.kl_loss_coef > 0
+        return (self.use_kl_loss and self.kl_loss_coef > 0) or self.use_kl_in_reward
+
+    @property
+    def critic(self) -> bool:
+        return self.adv_estimator == "gae"
+
+    @property
+    def trainable(self):
+        """nnx filter of the policy's (and critic backbone's) trained params."""
+        return lora.trainable_filter(self.lora, self.lora_train_vision)
 
 
 @struct.dataclass
 class TrainState:
-    params: Any
-    opt_state: Any
+    params: Any  # every policy weight (with LoRA: base + adapters), an nnx.State
+    opt_state: Any  # of the trainable part only
     step: jax.Array
     skipped: jax.Array  # updates skipped for a non-finite loss or gradient
+    critic_params: Any = None  # {"backbone": trainable part, "head": {"kernel", "bias"}}
+    critic_opt_state: Any = None
+    kl_coef: Any = None  # float32[] KL-in-reward coefficient (adaptive controller updates it)
+
+
+def split_trainable(params, cfg: StepConfig):
+    """params -> (trainable, frozen); frozen is None for full fine-tuning."""
+    if not cfg.lora:
+        return params, None
+    return lora.split_params(params, cfg.trainable)
+
+
+def join(trainable, frozen):
+    return trainable if frozen is None else nnx.merge_state(trainable, frozen)
 
 
 def _split_rows(tree, m: int):
@@ -94,8 +140,11 @@ def _micro(batch: RolloutBatch, m: int):
     return dataclasses.replace(rows, position_ids=jnp.moveaxis(rows.position_ids, 2, 1))
 
 
-def _no_grad_passes(graphdef, params, ref_params, batch: RolloutBatch, rng, cfg: StepConfig):
-    """Old-policy, perturbed and reference quantities, each float32[B, N] (masses [L, B, N])."""
+def _no_grad_passes(
+    graphdef, params, ref_params, batch: RolloutBatch, rng, cfg: StepConfig, critic=None
+):
+    """Old-policy, perturbed, reference and critic quantities, each float32[B, N] (masses
+    [L, B, N]). critic: None or (full backbone State, head)."""
     model = nnx.merge(graphdef, params)
     ref = nnx.merge(graphdef, ref_params) if cfg.needs_ref else None
     perturb = cfg.needs_perturbed and batch.images is not None
@@ -121,6 +170,8 @@ def _no_grad_passes(graphdef, params, ref_params, batch: RolloutBatch, rng, cfg:
         if ref is not None:
             logits_ref, _ = completion_logits(ref, mb)
             res["ref_logp"] = token_logprobs(logits_ref, tokens, cfg.temperature)
+        if critic is not None:
+            res["values"] = critic_lib.values(graphdef, critic[0], critic[1], mb)
         return res
 
     micro_aug = None if aug is None else _split_rows(aug, m)
@@ -135,17 +186,54 @@ def _no_grad_passes(graphdef, params, ref_params, batch: RolloutBatch, rng, cfg:
     return jax.tree.map(merge_rows, res)
 
 
-def _shaping(batch: RolloutBatch, passes: dict, cfg: StepConfig):
-    """Advantages, token mask and token weights for the whole batch (SPEC sections 2-4)."""
+def _advantages(batch: RolloutBatch, passes: dict, cfg: StepConfig, kl_coef):
+    """(advantages float32[B] or [B, N], returns [B, N] or None, metrics).
+
+    Token-level rewards: the score on each row's last completion token, minus kl_coef * KL_t
+    with KL-in-reward. GAE reads them with the critic's values; the group estimators read
+    their row sums (verl), REINFORCE++ their discounted returns."""
     mask = batch.completion_mask
     metrics = {}
-    adv = rl.group_advantages(
-        batch.rewards,
-        cfg.group_size,
-        estimator=cfg.adv_estimator,
-        norm_by_std=cfg.norm_adv_by_std,
-        baseline=batch.baseline,
-    )
+    if cfg.use_kl_in_reward:
+        token_rewards, kl_m = rl.kl_in_reward(
+            batch.rewards,
+            passes["old_logp"],
+            passes["ref_logp"],
+            mask,
+            kl_coef,
+            kind=cfg.kl_in_reward_type,
+        )
+        seq_rewards = kl_m["seq_rewards"]
+        metrics.update(kl_reward=kl_m["kl"], kl_coef=kl_m["kl_coef"])
+    else:
+        token_rewards = rl.last_token_rewards(batch.rewards, mask)
+        seq_rewards = batch.rewards
+    returns = None
+    if cfg.critic:
+        adv, returns = rl.gae(token_rewards, passes["values"], mask, cfg.gamma, cfg.lam)
+        m = jnp.maximum(mask.sum(), 1)
+        metrics.update(
+            values_mean=jnp.sum(passes["values"] * mask) / m,
+            returns_mean=jnp.sum(returns * mask) / m,
+        )
+    elif cfg.adv_estimator == "reinforce_plus_plus":
+        returns_t = rl.discounted_returns(token_rewards, mask, cfg.gamma)
+        adv = rl.whiten(returns_t, mask)
+    else:
+        adv = rl.group_advantages(
+            seq_rewards,
+            cfg.group_size,
+            estimator=cfg.adv_estimator,
+            norm_by_std=cfg.norm_adv_by_std,
+            baseline=batch.baseline,
+        )
+    return adv, returns, metrics
+
+
+def _shaping(batch: RolloutBatch, passes: dict, cfg: StepConfig, adv):
+    """Token mask, token weights and TAS-scaled advantages for the whole batch (SPEC 2-4)."""
+    mask = batch.completion_mask
+    metrics = {}
     token_mask = None
     if "aug_logp" in passes:
         score = rl.visual_dependency(passes["aug_logp"], passes["old_logp"], mask)
@@ -158,7 +246,7 @@ def _shaping(batch: RolloutBatch, passes: dict, cfg: StepConfig):
                 score, mask, cfg.trajectory_scaling_min, row_mask=batch.has_image
             )
             metrics["scaling_factor_mean"] = jnp.mean(alpha)
-            adv = adv * alpha
+            adv = adv * (alpha if adv.ndim == 1 else alpha[:, None])
     if cfg.entropy_filtering:
         ent_mask = rl.entropy_token_mask(
             passes["entropy"], mask, cfg.top_p_entropy_tokens, scope=cfg.entropy_filter_scope
@@ -197,9 +285,11 @@ def _denominator(mode: str, mask, weights):
     return jnp.sum(jnp.any(mask > 0, axis=-1)).astype(jnp.float32)
 
 
-def _loss(params, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig):
+def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig):
     """Loss of one micro-batch, already scaled by its share of the global denominator."""
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, join(trainable, frozen))
+    if "dropout_key" in aux:  # LoRA dropout, in the gradient pass only
+        lora.set_dropout_key(model, aux["dropout_key"])
     tokens = mb.input_ids[:, -mb.completion_length :]
     logits, _ = completion_logits(model, mb)
     logp = token_logprobs(logits, tokens, cfg.temperature)
@@ -218,7 +308,7 @@ def _loss(params, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig):
     )
     metrics = {"pg_loss": loss, **metrics}
     agg = lambda x: rl.agg_loss(x, mask, cfg.loss_agg_mode)  # noqa: E731
-    if cfg.needs_ref:
+    if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
         kl = rl.kl_penalty(logp, aux["ref_logp"], cfg.kl_loss_type)
         metrics["kl_loss"] = agg(kl)
         loss = loss + cfg.kl_loss_coef * metrics["kl_loss"]
@@ -232,13 +322,83 @@ def _loss(params, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig):
     return loss * scale, jax.tree.map(lambda x: x * scale, metrics)
 
 
+def _accumulate(grad_fn, params, micro_xs):
+    """Sum of (loss, metrics) and gradients of grad_fn(params, *xs) over the micro-batches."""
+    first = jax.tree.map(lambda x: x[0], micro_xs)
+    mets0 = jax.eval_shape(lambda: grad_fn(params, *first)[0][1])
+    mets0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), mets0)
+
+    def body(carry, xs):
+        (loss, mets), grads = grad_fn(params, *xs)
+        g_acc, l_acc, m_acc = carry
+        return (
+            jax.tree.map(jnp.add, g_acc, grads),
+            l_acc + loss,
+            jax.tree.map(jnp.add, m_acc, mets),
+        ), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss, mets), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), mets0), micro_xs)
+    return grads, loss, mets
+
+
+def _apply(tx, grads, opt_state, params, ok):
+    """optax update where `ok`, else the old params and optimizer state."""
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    return pick(new_params, params), pick(new_opt, opt_state)
+
+
+def _critic_update(graphdef, state: TrainState, frozen, batch, returns, passes, cfg):
+    """Critic gradient over the micro-batches and its optax update (skipped if non-finite)."""
+    m = cfg.micro_batches
+    mask = batch.completion_mask
+    total = jnp.sum(mask > 0).astype(jnp.float32)
+    aux = _split_rows({"old_values": passes["values"], "returns": returns}, m)
+
+    def fn(cp, mb, a):
+        return critic_lib.loss(
+            cp, frozen, graphdef, mb, a, cfg.cliprange_value, cfg.value_loss_coef, total
+        )
+
+    grad_fn = jax.value_and_grad(fn, has_aux=True)
+    grads, loss, mets = _accumulate(grad_fn, state.critic_params, (_micro(batch, m), aux))
+    norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(norm)
+    ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+    params, opt = _apply(ctx, grads, state.critic_opt_state, state.critic_params, ok)
+    mets = dict(mets, critic_grad_norm=norm, critic_nonfinite=(~ok).astype(jnp.int32))
+    return params, opt, mets
+
+
+def _next_kl_coef(kl_coef, kl, rows: int, cfg: StepConfig):
+    """The adaptive controller's beta (1 + clip(KL / target - 1, -0.2, 0.2) n / horizon), with
+    n = rows of the batch (verl's n_steps); the fixed controller keeps beta."""
+    if cfg.kl_ctrl_type == "fixed":
+        return kl_coef
+    e = jnp.clip(kl / cfg.kl_target - 1.0, -0.2, 0.2)
+    return kl_coef * (1.0 + e * rows / cfg.kl_horizon)
+
+
 def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig):
     """The step function, not jitted: step(state, ref_params, batch, rng) -> (state, metrics,
-    extras). For callers that jit it themselves (with shardings on a mesh)."""
+    extras). For callers that jit it themselves (with shardings on a mesh). With LoRA,
+    ref_params is ignored (the reference is the base weights: adapters off)."""
 
     def step(state: TrainState, ref_params, batch: RolloutBatch, rng):
-        passes = _no_grad_passes(graphdef, state.params, ref_params, batch, rng, cfg)
-        adv, token_mask, weights, metrics = _shaping(batch, passes, cfg)
+        trainable, frozen = split_trainable(state.params, cfg)
+        if cfg.needs_ref and cfg.lora:
+            ref_params = lora.lora_off(state.params)
+        critic = None
+        if cfg.critic:
+            cp = state.critic_params
+            critic = (join(cp["backbone"], frozen), cp["head"])
+        rng, k_drop = jax.random.split(rng)
+        passes = _no_grad_passes(graphdef, state.params, ref_params, batch, rng, cfg, critic)
+        adv, returns, metrics = _advantages(batch, passes, cfg, state.kl_coef)
+        adv, token_mask, weights, shaping_metrics = _shaping(batch, passes, cfg, adv)
+        metrics.update(shaping_metrics)
         mask = batch.completion_mask
         total = _denominator(cfg.loss_agg_mode, mask, weights)
         aux = {"old_logp": passes["old_logp"], "advantages": adv}
@@ -256,36 +416,33 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
             micro_mask, micro_w
         ) / jnp.maximum(total, 1e-8)
         micro_aux["share"] = shares
-        grad_fn = jax.value_and_grad(_loss, has_aux=True)
-
-        def accumulate(carry, xs):
-            mb, a = xs
-            (loss, mets), grads = grad_fn(state.params, graphdef, mb, a, cfg)
-            g_acc, l_acc, m_acc = carry
-            return (
-                jax.tree.map(jnp.add, g_acc, grads),
-                l_acc + loss,
-                jax.tree.map(jnp.add, m_acc, mets),
-            ), None
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        first_mb = jax.tree.map(lambda x: x[0], (_micro(batch, m), micro_aux))
-        mets0 = jax.eval_shape(lambda: grad_fn(state.params, graphdef, *first_mb, cfg)[0][1])
-        mets0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), mets0)
-        (grads, loss, loss_metrics), _ = jax.lax.scan(
-            accumulate, (zeros, jnp.zeros(()), mets0), (_micro(batch, m), micro_aux)
+        if cfg.lora:
+            micro_aux["dropout_key"] = jax.random.split(k_drop, m)
+        grad_fn = jax.value_and_grad(
+            lambda p, mb, a: _loss(p, frozen, graphdef, mb, a, cfg), has_aux=True
         )
+        grads, loss, loss_metrics = _accumulate(grad_fn, trainable, (_micro(batch, m), micro_aux))
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        new_state = TrainState(
-            params=pick(new_params, state.params),
-            opt_state=pick(new_opt, state.opt_state),
+        update = finite & (state.step >= cfg.critic_warmup_steps) if cfg.critic else finite
+        new_trainable, new_opt = _apply(tx, grads, state.opt_state, trainable, update)
+        new_state = state.replace(
+            params=join(new_trainable, frozen),
+            opt_state=new_opt,
             step=state.step + 1,
             skipped=state.skipped + (~finite).astype(jnp.int32),
         )
+        if cfg.critic:
+            cparams, copt, cmets = _critic_update(
+                graphdef, state, frozen, batch, returns, passes, cfg
+            )
+            new_state = new_state.replace(critic_params=cparams, critic_opt_state=copt)
+            metrics.update(cmets)
+            metrics["policy_updated"] = update.astype(jnp.int32)
+        if cfg.use_kl_in_reward:
+            new_state = new_state.replace(
+                kl_coef=_next_kl_coef(state.kl_coef, metrics["kl_reward"], mask.shape[0], cfg)
+            )
         ent = jnp.sum(passes["entropy"] * mask) / jnp.maximum(mask.sum(), 1)
         metrics.update(loss_metrics)
         metrics.update(
@@ -293,7 +450,9 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
             grad_norm=grad_norm,
             entropy=ent,
             nonfinite=(~finite).astype(jnp.int32),
-            advantage_mean=jnp.mean(adv),
+            advantage_mean=jnp.sum(adv * mask) / jnp.maximum(mask.sum(), 1)
+            if adv.ndim == 2
+            else jnp.mean(adv),
         )
         if "ref_logp" in passes:
             kl = rl.kl_penalty(passes["old_logp"], passes["ref_logp"], cfg.kl_loss_type)

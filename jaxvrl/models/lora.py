@@ -1,0 +1,166 @@
+"""LoRA adapters on a model's nnx.Linear layers, wrapped from outside the model code.
+
+y = base(x) + dropout(x) @ A @ B * alpha / rank, A float[D_in, r] (Kaiming-uniform like peft),
+B float[r, D_out] zeros, so a fresh adapter leaves the model's outputs unchanged. A and B are
+nnx.LoRAParam (a subclass of nnx.Param): `nnx.split(model, nnx.Param)` still returns every
+weight, and `trainable_filter` picks the adapters out of it.
+
+    n = apply_lora(model, rank=8, alpha=16, dropout=0.05, targets=("q_proj", "v_proj"))
+    merged = merge_lora(model)          # plain model, W + A B alpha / r; save() it to HF
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Text-decoder projections of Qwen2.5-VL; the vision tower lives under `visual`.
+TEXT_PREFIX = "model"
+
+
+class LoRADropoutKey(nnx.Variable):
+    """The dropout key of one adapter, set only on models merged inside the gradient pass."""
+
+
+class LoRALinear(nnx.Module):
+    """An nnx.Linear with a low-rank update; `base` keeps the original module and weights."""
+
+    def __init__(self, base: nnx.Linear, rank: int, alpha: float, dropout: float, *, rngs):
+        din, dout = base.in_features, base.out_features
+        dtype = base.param_dtype
+        bound = 1.0 / math.sqrt(din)  # kaiming_uniform(a=sqrt(5)) of a [r, D_in] torch weight
+        self.base = base
+        self.lora_a = nnx.LoRAParam(
+            jax.random.uniform(rngs.params(), (din, rank), dtype, -bound, bound)
+        )
+        self.lora_b = nnx.LoRAParam(jnp.zeros((rank, dout), dtype))
+        self.scale = alpha / rank
+        self.dropout = dropout
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.base(x)
+        h = x
+        key = getattr(self, "dropout_key", None)  # set by set_dropout_key in the gradient pass
+        if key is not None and self.dropout > 0:
+            keep = jax.random.bernoulli(key[...], 1.0 - self.dropout, x.shape)
+            h = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(x.dtype)
+        dtype = y.dtype
+        a = self.lora_a[...].astype(dtype)
+        b = self.lora_b[...].astype(dtype)
+        return y + (h.astype(dtype) @ a @ b) * jnp.asarray(self.scale, dtype)
+
+
+def _matches(name: str, targets) -> bool:
+    """A target is a module name (`q_proj`: the last path part) or a regex over the dotted
+    path (`model\\.layers\\.[0-3]\\..*_proj`) matched in full."""
+    last = name.rsplit(".", 1)[-1]
+    return any(t == last or re.fullmatch(t, name) for t in targets)
+
+
+def _linears(model: nnx.Module, prefix: str):
+    """(parent, attribute, dotted path) of every nnx.Linear under `prefix`."""
+    out = []
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        for key, child in vars(node).items():
+            if isinstance(child, nnx.Linear):
+                name = ".".join(str(p) for p in (*path, key))
+                if name.startswith(prefix + ".") or not prefix:
+                    out.append((node, key, name))
+    return out
+
+
+def apply_lora(
+    model: nnx.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets,
+    *,
+    prefix: str = TEXT_PREFIX,
+    seed: int = 0,
+) -> list[str]:
+    """Wrap, in place, every nnx.Linear under `prefix` whose name matches one of `targets` by
+    a LoRALinear. Returns the wrapped paths; raises if none matched (a typo in the targets)."""
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(","))
+    rngs = nnx.Rngs(params=seed)
+    wrapped = []
+    for parent, key, name in _linears(model, prefix):
+        if _matches(name, targets):
+            setattr(parent, key, LoRALinear(getattr(parent, key), rank, alpha, dropout, rngs=rngs))
+            wrapped.append(name)
+    if not wrapped:
+        names = sorted({n.rsplit(".", 1)[-1] for _, _, n in _linears(model, prefix)})
+        raise ValueError(f"lora.target_modules={tuple(targets)} match no Linear; names: {names}")
+    return wrapped
+
+
+def lora_modules(model: nnx.Module) -> list[LoRALinear]:
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, LoRALinear)]
+
+
+def set_dropout_key(model: nnx.Module, key: jax.Array) -> None:
+    """Turn adapter dropout on, with `key` folded per adapter, on a model merged for one pass
+    (the no-grad passes and the sampler run without dropout)."""
+    for i, m in enumerate(lora_modules(model)):
+        m.dropout_key = nnx.data(LoRADropoutKey(jax.random.fold_in(key, i)))
+
+
+def trainable_filter(lora: bool, train_vision: bool = False):
+    """What the optimizer sees: every Param, or the adapters (plus the vision tower if asked)."""
+    if not lora:
+        return nnx.Param
+    if train_vision:
+        return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("visual")))
+    return nnx.LoRAParam
+
+
+def split_params(params: nnx.State, filt) -> tuple[nnx.State, nnx.State]:
+    """params -> (trainable, frozen) by `filt`; nnx.merge_state puts them back together."""
+    return nnx.split_state(params, filt, ...)
+
+
+def lora_off(params: nnx.State) -> nnx.State:
+    """The same weights with every B = 0: exactly the base model (the reference policy) without
+    a second copy of the base weights."""
+    flat = []
+    for path, var in nnx.to_flat_state(params):
+        if path[-1] == "lora_b":
+            var = var.replace(jnp.zeros_like(var[...]))
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """A copy of `model` with each LoRALinear replaced by its base Linear holding
+    W + A B alpha / r (float32 sum, cast back): an ordinary model for save() and sampling."""
+    graphdef, state = nnx.split(model)
+    out = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
+    for parent, key, _ in _lora_sites(out):
+        lora = getattr(parent, key)
+        w = lora.base.kernel[...]
+        delta = lora.lora_a[...].astype(jnp.float32) @ lora.lora_b[...].astype(jnp.float32)
+        lora.base.kernel[...] = (w.astype(jnp.float32) + delta * lora.scale).astype(w.dtype)
+        setattr(parent, key, lora.base)
+    return out
+
+
+def _lora_sites(model: nnx.Module):
+    out = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            for key, child in vars(node).items():
+                if isinstance(child, LoRALinear):
+                    out.append((node, key, ".".join(str(p) for p in (*path, key))))
+    return out
+
+
+def lora_param_count(model: nnx.Module) -> int:
+    """Number of adapter weights: sum over wrapped layers of r (D_in + D_out)."""
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))

@@ -1,0 +1,77 @@
+"""The PPO critic: a value head (Linear hidden -> 1) on a Qwen2.5-VL backbone.
+
+The backbone has the policy's graph and starts from the policy's initial weights. Its trained
+part lives in TrainState.critic_params["backbone"] (every weight for full fine-tuning, only
+the adapters with LoRA, whose frozen base weights are the policy's: no second copy).
+Values are taken where the logits are: the hidden state before each completion token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxvrl import rl
+from jaxvrl.trainer.policy import RolloutBatch
+
+
+def init_head(hidden_size: int, seed: int = 0) -> dict:
+    """{"kernel": float32[D, 1] ~ N(0, 0.02), "bias": float32[1] zeros} (HF's score head init)."""
+    k = jax.random.normal(jax.random.key(seed), (hidden_size, 1), jnp.float32) * 0.02
+    return {"kernel": k, "bias": jnp.zeros((1,), jnp.float32)}
+
+
+def make_optimizer(lr: float, grad_clip: float) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr, weight_decay=0.0))
+
+
+def init_params(trainable, hidden_size: int, seed: int = 0) -> dict:
+    """The critic's trained params from the policy's initial trainable part (copied)."""
+    return {"backbone": jax.tree.map(jnp.array, trainable), "head": init_head(hidden_size, seed)}
+
+
+def values(graphdef, backbone, head: dict, batch: RolloutBatch) -> jax.Array:
+    """V(s_t) before each completion token: float32[B, N]. `backbone` is the full State."""
+    model = nnx.merge(graphdef, backbone)
+    out = model.forward(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        images=batch.images,
+        videos=batch.videos,
+        return_logits=False,
+    )
+    n = batch.completion_length
+    hidden = out.hidden[:, -n - 1 : -1].astype(jnp.float32)
+    return jnp.einsum("BND,DO->BNO", hidden, head["kernel"])[..., 0] + head["bias"][0]
+
+
+def loss(
+    critic_params: dict,
+    frozen,
+    graphdef,
+    mb: RolloutBatch,
+    aux: dict,
+    clip: float,
+    coef: float,
+    total_tokens,
+):
+    """coef * clipped value loss of one micro-batch, token-mean over the global token count
+    (so micro-batch losses add up to the batch's). aux: old_values, returns [b, N]."""
+    backbone = critic_params["backbone"]
+    full = backbone if frozen is None else nnx.merge_state(backbone, frozen)
+    v = values(graphdef, full, critic_params["head"], mb)
+    vf, metrics = rl.value_loss(
+        v,
+        aux["old_values"],
+        aux["returns"],
+        mb.completion_mask,
+        clip_range=clip,
+        loss_agg_mode="token-mean",
+        denominator=total_tokens,
+    )
+    share = jnp.sum(mb.completion_mask > 0) / jnp.maximum(total_tokens, 1.0)
+    metrics = {"vf_loss": vf, **jax.tree.map(lambda x: x * share, metrics)}
+    return coef * vf, metrics
