@@ -1,0 +1,101 @@
+"""PPO in the fused step: the critic's value loss falls on a fixed batch while the policy waits
+out the warm-up; KL-in-reward changes the advantages exactly as R - beta sum_t KL_t and the
+adaptive controller's coefficient moves by its formula."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import grpo, ppo
+from jaxvrl import rl
+from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.trainer.build import init_train_state, step_config
+from jaxvrl.trainer.policy import completion_logits, token_logprobs
+from jaxvrl.trainer.step import make_train_step
+from tests.models import hf_tiny as T
+from tests.trainer.test_step import G, make_batch
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ppo_model")
+    T.build(path, seed=11)
+    return path
+
+
+def _flat(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_critic_value_loss_decreases_during_policy_warmup(ckpt):
+    model = q.load(ckpt)
+    c = ppo.get_config()
+    c.rollout.num_generations = G
+    c.algorithm.lam = 1.0  # returns = reward-to-go, independent of V: a fixed target
+    c.algorithm.use_kl_in_reward = False
+    c.critic.lr = 5e-4
+    c.critic.warmup_steps = 100
+    graphdef, tx, state, ref = init_train_state(model, c)
+    step = make_train_step(graphdef, tx, step_config(c))
+    batch = make_batch(model, seed=2, rewards=np.array([1.0, 0.0, 0.5, 2.0]))
+    policy0 = _flat(state.params)
+    critic0 = _flat(state.critic_params)
+    losses = []
+    for _ in range(5):
+        state, metrics, extras = step(state, ref, batch, jax.random.key(0))
+        losses.append(float(metrics["vf_loss"]))
+        assert int(metrics["policy_updated"]) == 0
+    print("\nvalue loss per step:", [round(x, 4) for x in losses])
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.5 * losses[0]
+    for a, b in zip(_flat(state.params), policy0):
+        np.testing.assert_array_equal(a, b)  # the policy waits for the warm-up
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(_flat(state.critic_params), critic0))
+    adv, mask = np.asarray(extras["advantages"]), np.asarray(batch.completion_mask)
+    assert adv.shape == mask.shape  # token-level GAE advantages, whitened
+    assert abs((adv * mask).sum() / mask.sum()) < 1e-5
+
+
+def test_kl_in_reward_advantages_and_adaptive_coefficient(ckpt):
+    model = q.load(ckpt)
+    c = grpo.get_config()
+    c.rollout.num_generations = G
+    c.algorithm.use_kl_in_reward = True
+    c.algorithm.kl_ctrl.type = "adaptive"
+    c.algorithm.kl_ctrl.kl_coef = 0.5
+    c.algorithm.kl_ctrl.target_kl = 0.01
+    c.algorithm.kl_ctrl.horizon = 20
+    cfg = step_config(c)
+    assert cfg.needs_ref
+    graphdef, tx, state, ref = init_train_state(model, c)
+    noise = lambda i, x: x + 0.02 * jax.random.normal(jax.random.key(i), x.shape, x.dtype)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(ref)
+    ref = jax.tree.unflatten(treedef, [noise(i, x) for i, x in enumerate(leaves)])
+    batch = make_batch(model, seed=4, rewards=np.array([1.0, 0.0, 0.0, 0.0]))
+
+    def logp(params):
+        logits, _ = completion_logits(nnx.merge(graphdef, params), batch)
+        return token_logprobs(logits, batch.input_ids[:, -batch.completion_length :], 1.0)
+
+    m = np.asarray(batch.completion_mask)
+    old, ref_lp = np.asarray(logp(state.params)), np.asarray(logp(ref))
+    kl_t = (old - ref_lp) * m  # verl's default kl_penalty "kl"
+    beta = 0.5
+    seq = np.asarray(batch.rewards) - beta * kl_t.sum(-1)
+    want = np.asarray(rl.group_advantages(jnp.asarray(seq), G))
+    plain = np.asarray(rl.group_advantages(batch.rewards, G))
+    kl = float(np.mean(kl_t.sum(-1) / m.sum(-1)))
+    want_coef = rl.adaptive_kl_coef(beta, kl, 0.01, 20, n_steps=m.shape[0])
+
+    step = make_train_step(graphdef, tx, cfg)
+    state, metrics, extras = step(state, ref, batch, jax.random.key(0))
+    np.testing.assert_allclose(np.asarray(extras["advantages"]), want, atol=1e-4)
+    assert np.abs(want - plain).max() > 1e-3  # the KL term did change them
+    np.testing.assert_allclose(float(metrics["kl_reward"]), kl, rtol=1e-4, atol=1e-7)
+    assert float(metrics["kl_coef"]) == pytest.approx(beta)
+    np.testing.assert_allclose(float(state.kl_coef), want_coef, rtol=1e-5)
+    assert float(state.kl_coef) != beta
