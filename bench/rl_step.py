@@ -1,0 +1,379 @@
+"""One full RL iteration, jaxvrl vs TRL's GRPOTrainer, on the same model, data and settings.
+
+An iteration: sample G completions for each of P prompts (temperature 1), decode and score them
+(mc_idx x 4 + think_format x 1, the built-in task's rewards), compute the old-policy and
+reference log-probs, and take one AdamW step on the GRPO loss with a low-variance KL term
+(beta 0.04). The model is the small random-init Qwen2.5-VL of bench/sampler.py (hidden 256,
+4 layers, vision depth 4, Qwen's vocabulary) made in transformers, saved, and loaded by both;
+the data is the built-in task (jaxvrl.data.synthetic) rendered with the shipped tokenizer and
+its chat template; images go through each system's own Qwen2.5-VL image processor with the
+same pixel limits. Both run on the CPU with the same number of threads: XLA's CPU runtime uses
+one per core, and torch gets as many (--threads changes torch's only).
+
+    python bench/rl_step.py                       # P=2 prompts x G=8, 64 new tokens, 3 iterations
+    python bench/rl_step.py --prompts 4 --group 8 --new-tokens 128 --iters 4
+    python bench/rl_step.py --only jaxvrl         # or trl
+
+Timing: seconds per iteration, the median over iterations after the first (the first one
+compiles in jaxvrl and warms up caches in torch); the first is printed separately. With a
+random-init model over a 152k vocabulary the end-of-sequence token is practically never drawn,
+so both sides generate all N tokens (the mean completion length is printed to show it).
+
+What each side computes: jaxvrl's step always runs the old-policy pass (it also gives the
+entropy); TRL skips it when generation and optimisation are aligned (num_iterations = 1, one
+optimiser step per generation batch) and reuses the detached current log-probs, so TRL does
+one forward pass less per iteration than jaxvrl here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))
+sys.path.insert(0, BENCH)
+
+import sampler as sampler_bench  # noqa: E402  (bench/sampler.py: sizes and HF config)
+
+KL_COEF = 0.04
+REWARD_WEIGHTS = {"mc_idx": 4.0, "think_format": 1.0}
+
+
+def set_threads(n: int) -> None:
+    """torch's intra-op threads; XLA's CPU runtime runs one thread per core (no flag sets it),
+    so the default n = the core count makes the two equal."""
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def tokenizer_and_rows(args):
+    from transformers import AutoTokenizer
+
+    from jaxvrl.data import synthetic
+    from jaxvrl.data.prompts import default_tokenizer_path
+
+    tok = AutoTokenizer.from_pretrained(default_tokenizer_path())
+    n = args.prompts * (args.iters + 1)
+    rows = synthetic.make_split("train", n, seed=0, image_size=args.image_size)
+    return tok, rows
+
+
+def make_checkpoint(args, tok, path: str):
+    """The small config with the shipped tokenizer's special ids, random init, saved to path."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from jaxvrl.data.prompts import special_token_ids
+
+    size = sampler_bench.SIZES[args.size]
+    if args.vocab:
+        size = dataclasses.replace(size, vocab=args.vocab)
+    cfg = sampler_bench.hf_config(size)
+    sp = special_token_ids(tok)
+    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(cfg, k, sp[k])
+    cfg.text_config.eos_token_id = sp["eos_token_id"]
+    cfg.text_config.pad_token_id = sp["pad_token_id"]
+    torch.manual_seed(0)
+    hf = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    hf.generation_config.eos_token_id = sp["eos_token_id"]
+    hf.generation_config.pad_token_id = sp["pad_token_id"]
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    return sum(p.numel() for p in hf.parameters())
+
+
+def score(texts, labels):
+    """Total reward per completion: the built-in task's reward functions and weights."""
+    from jaxvrl.rl.rewards import mc_idx_reward, think_format_reward
+
+    mc = np.asarray(mc_idx_reward(texts, labels), np.float64)
+    fmt = np.asarray(think_format_reward(texts), np.float64)
+    return REWARD_WEIGHTS["mc_idx"] * mc + REWARD_WEIGHTS["think_format"] * fmt
+
+
+# ----------------------------------------------------------------------------- jaxvrl
+def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxvrl.data import synthetic
+    from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
+    from jaxvrl.data.prompts import special_token_ids
+    from jaxvrl.models.qwen2_5_vl import load
+    from jaxvrl.sampling import SamplingConfig, make_sampler
+    from jaxvrl.trainer.rollout import assemble
+    from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # as jaxvrl.train does
+    model = load(ckpt)
+    mcfg = model.config
+    opts = EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT, **pixel_limits(args))
+    examples, _ = encode_rows(rows, tok, opts, source="builtin:train")
+    sp = special_token_ids(tok)
+    scfg = SamplingConfig(
+        args.new_tokens,
+        temperature=1.0,
+        eos_token_ids=(sp["eos_token_id"],),
+        pad_token_id=sp["pad_token_id"],
+        suppress_token_ids=(
+            mcfg.image_token_id,
+            mcfg.video_token_id,
+            mcfg.vision_start_token_id,
+            mcfg.vision_end_token_id,
+        ),
+    )
+    sampler = make_sampler(nnx.graphdef(model), scfg)
+    step_cfg = StepConfig(
+        group_size=args.group,
+        loss_agg_mode="seq-mean-token-mean",
+        use_kl_loss=True,
+        kl_loss_coef=KL_COEF,
+        kl_loss_type="low_var_kl",
+    )
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    ref_params = jax.tree.map(jnp.array, params)
+    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    train_step = make_train_step(graphdef, tx, step_cfg)
+    rng = jax.random.key(0)
+
+    def iteration(i, state, rng):
+        chunk = examples[i * args.prompts : (i + 1) * args.prompts]
+        batch = collate(chunk, args.group, mcfg, tok, with_pools=False)
+        rng, k_sample, k_step = jax.random.split(rng, 3)
+        out = sampler(
+            state.params,
+            jnp.asarray(batch["input_ids"]),
+            jnp.asarray(batch["attention_mask"]),
+            jnp.asarray(batch["position_ids"]),
+            jnp.asarray(batch["deltas"]),
+            k_sample,
+            images=jax.tree.map(jnp.asarray, batch["images"]),
+        )
+        tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+        texts = [
+            tok.decode(r[: int(m.sum())].tolist(), skip_special_tokens=True)
+            for r, m in zip(tokens, mask)
+        ]
+        rewards = score(texts, [r["label_idx"] for r in batch["rows"]])
+        rb = assemble(
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["position_ids"],
+            batch["deltas"],
+            tokens,
+            mask,
+            rewards,
+            batch["has_image"],
+            images=batch["images"],
+        )
+        state, metrics, _ = train_step(state, ref_params, jax.tree.map(jnp.asarray, rb), k_step)
+        jax.block_until_ready(state.params)
+        return state, rng, float(mask.sum(1).mean()), batch["input_ids"].shape[1]
+
+    times, lengths = [], []
+    for i in range(args.iters):
+        t = time.perf_counter()
+        state, rng, length, prompt_len = iteration(i, state, rng)
+        times.append(time.perf_counter() - t)
+        lengths.append(length)
+        print(
+            f"  jaxvrl iteration {i}: {times[-1]:.2f} s, mean completion {length:.1f}", flush=True
+        )
+    return dict(times=times, length=float(np.mean(lengths)), prompt_len=prompt_len)
+
+
+def pixel_limits(args) -> dict:
+    return dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+
+
+# ----------------------------------------------------------------------------- TRL
+def hf_processor(tok, args):
+    """transformers' Qwen2.5-VL processor for images and text (no video processor: it needs
+    torchvision, which is not installed beside the pinned CPU torch)."""
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    class ImageTextProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, tokenizer):  # ProcessorMixin.__init__ insists on a video processor
+            self.image_processor = Qwen2VLImageProcessorPil(**pixel_limits(args))
+            self.video_processor = None
+            self.tokenizer = tokenizer
+            self.chat_template = tokenizer.chat_template
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+
+    return ImageTextProcessor(tok)
+
+
+def run_trl(args, ckpt: str, tok, rows) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import Qwen2_5_VLForConditionalGeneration, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from jaxvrl.data import synthetic
+    from jaxvrl.rl.rewards import mc_idx_reward, think_format_reward
+
+    def text_of(completions):
+        return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+
+    def mc_idx(completions, label_idx, **_):
+        return mc_idx_reward(text_of(completions), label_idx)
+
+    def think_format(completions, **_):
+        return think_format_reward(text_of(completions))
+
+    n = args.prompts * args.iters
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [
+                    {"role": "system", "content": synthetic.SYSTEM_PROMPT},
+                    {"role": "user", "content": r["problem"]},
+                ],
+                "image": r["images"][0],
+                "label_idx": r["label_idx"],
+            }
+            for r in rows[:n]
+        ]
+    )
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32)
+    out_dir = tempfile.mkdtemp(prefix="trl_bench_")
+    config = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=args.prompts * args.group,  # completions per device step
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=KL_COEF,
+        loss_type="grpo",
+        reward_weights=[REWARD_WEIGHTS["mc_idx"], REWARD_WEIGHTS["think_format"]],
+        max_steps=args.iters,
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
+        seed=0,
+        shuffle_dataset=False,
+        disable_tqdm=True,
+    )
+    times, lengths = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+            print(f"  TRL iteration {len(times) - 1}: {times[-1]:.2f} s", flush=True)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[mc_idx, think_format],
+        args=config,
+        train_dataset=data,
+        processing_class=hf_processor(tok, args),
+        callbacks=[Timer()],
+    )
+    torch.set_num_threads(args.threads)
+    trainer.train()
+    return dict(times=times, length=float(np.mean(lengths)) if lengths else float("nan"))
+
+
+def summary(times: list[float]) -> tuple[float, float]:
+    """(first iteration s, median of the others s)."""
+    rest = times[1:] or times
+    return times[0], statistics.median(rest)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per iteration (P)")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=3, help="iterations (the first is warm-up)")
+    ap.add_argument("--size", default="small", choices=sorted(sampler_bench.SIZES))
+    ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
+    ap.add_argument("--image-size", type=int, default=56, help="built-in task image side (px)")
+    ap.add_argument("--min-pixels", type=int, default=56 * 56)
+    ap.add_argument("--max-pixels", type=int, default=28 * 28 * 256)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--only", choices=["jaxvrl", "trl"], default=None)
+    args = ap.parse_args(argv)
+    set_threads(args.threads)
+
+    import jax
+    import torch
+
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = "not installed"
+    print(
+        f"# rl_step bench {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | "
+        f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads | "
+        f"jax {jax.__version__} | torch {torch.__version__} | trl {trl_version} | "
+        f"load average {os.getloadavg()[0]:.1f}\n# python {' '.join(sys.argv)}",
+        flush=True,
+    )
+    tok, rows = tokenizer_and_rows(args)
+    results = {}
+    with tempfile.TemporaryDirectory() as ckpt:
+        n_params = make_checkpoint(args, tok, ckpt)
+        print(
+            f"# model: {args.size} ({n_params / 1e6:.1f}M params), P={args.prompts} prompts x "
+            f"G={args.group} = {args.prompts * args.group} rows, {args.new_tokens} new tokens, "
+            f"{args.image_size}px images, float32",
+            flush=True,
+        )
+        if args.only in (None, "jaxvrl"):
+            results["jaxvrl"] = run_jaxvrl(args, ckpt, tok, rows)
+        if args.only in (None, "trl"):
+            results["TRL"] = run_trl(args, ckpt, tok, rows)
+    print("| system | first iteration s | s / iteration (median of the rest) | mean completion |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        first, med = summary(r["times"])
+        print(f"| {name} | {first:.2f} | {med:.2f} | {r['length']:.1f} |")
+    if len(results) == 2:
+        ratio = summary(results["jaxvrl"]["times"])[1] / summary(results["TRL"]["times"])[1]
+        print(f"\njaxvrl / TRL time per iteration: {ratio:.2f}x (target <= 0.5x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""What TPRL and VGR cost on top of GRPO in jaxvrl's fused train step, and what the seeds' way
+of getting attention maps (transformers, eager attention, `output_attentions=True`) costs on
+top of a plain transformers forward, on the same model and batch.
+
+    python bench/tprl_overhead.py                  # small config, 2 prompts x G=4, 256 tokens
+    python bench/tprl_overhead.py --new-tokens 64 --rounds 3
+    python bench/tprl_overhead.py --only jaxvrl    # or hf
+
+jaxvrl: one compiled train step per algorithm on the same RolloutBatch (the built-in task's
+prompts with their images, random completions of N tokens, random rewards):
+- GRPO: old-policy pass, advantages, loss and update (DAPO token-mean aggregation);
+- TPRL: + the perturbed-image pass, perception and entropy masks (top 40 %) and TAS
+  (configs/tprl.py);
+- VGR: + attention statistics in the old-policy pass and VGR token weights on the loss mask
+  (last 2 layers, configs/vgr.py).
+Peak memory is read from the compiled step (`memory_analysis()`: arguments + outputs + temporaries
+- donated aliases; deterministic), and its temporaries alone (activations, logits, gradients).
+
+transformers: a no-grad forward over the same token ids and images with the default (sdpa)
+attention, with eager attention, and with eager attention and `output_attentions=True` (what
+seeds 000/001/003 call to get the maps), same threads, logits kept for the completion only
+(`logits_to_keep`, as TRL's log-prob pass). Time and the process's peak RSS growth during the
+call (VmHWM after a reset through /proc/self/clear_refs; the script re-executes itself with
+glibc's mmap threshold fixed, so freed tensors leave the RSS).
+
+Times are the minimum over `--rounds` rounds, the variants interleaved within each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))
+sys.path.insert(0, BENCH)
+
+import rl_step  # noqa: E402  (bench/rl_step.py: checkpoint, tokenizer, processor)
+
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def peak_rss_growth(fn) -> tuple[object, float]:
+    """(fn(), bytes the peak RSS rose above the RSS before the call)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    before = _status_kb("VmRSS")
+    out = fn()
+    return out, max(0, _status_kb("VmHWM") - before) * 1024.0
+
+
+def fmt_mb(x: float) -> str:
+    return f"{x / 2**20:.0f}"
+
+
+# ----------------------------------------------------------------------------- batch
+def make_batch(args, tok, rows, mcfg):
+    """Host RolloutBatch: P prompts x G rows, random completions of N tokens, random rewards."""
+    from jaxvrl.data import synthetic
+    from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
+    from jaxvrl.trainer.rollout import assemble
+
+    opts = EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT, **rl_step.pixel_limits(args))
+    examples, _ = encode_rows(rows[: args.prompts], tok, opts, source="builtin:train")
+    batch = collate(examples, args.group, mcfg, tok, with_pools=True)
+    rng = np.random.default_rng(0)
+    b, n = batch["input_ids"].shape[0], args.new_tokens
+    special = set(tok.all_special_ids)
+    ordinary = np.array([i for i in range(len(tok)) if i not in special])
+    tokens = rng.choice(ordinary, size=(b, n)).astype(np.int32)
+    mask = np.ones((b, n), np.float32)
+    rewards = rng.standard_normal(b).astype(np.float32)
+    rb = assemble(
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["position_ids"],
+        batch["deltas"],
+        tokens,
+        mask,
+        rewards,
+        batch["has_image"],
+        images=batch["images"],
+        pools=batch["pools"],
+    )
+    return rb
+
+
+# ----------------------------------------------------------------------------- jaxvrl
+def step_configs(group: int) -> dict:
+    from jaxvrl.trainer.step import StepConfig
+
+    base = dict(group_size=group, loss_agg_mode="token-mean", clip_ratio_high=0.28)
+    return {
+        "GRPO": StepConfig(**base),
+        "TPRL": StepConfig(
+            **base,
+            perception_filtering=True,
+            top_p_perception_tokens=0.4,
+            entropy_filtering=True,
+            top_p_entropy_tokens=0.4,
+            trajectory_reweighting=True,
+        ),
+        "VGR": StepConfig(**base, token_weights=True, token_weight_last_k_layers=2),
+    }
+
+
+def run_jaxvrl(args, model, rb) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxvrl.trainer.step import TrainState, build_train_step
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # as jaxvrl.train does
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
+    batch = jax.tree.map(jnp.asarray, rb)
+    key = jax.random.key(0)
+
+    def fresh_state():
+        p = jax.tree.map(jnp.array, params)
+        return TrainState(p, tx.init(p), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    res, steps, states = {}, {}, {}
+    for name, cfg in step_configs(args.group).items():
+        state = fresh_state()
+        t = time.perf_counter()
+        fn = jax.jit(build_train_step(graphdef, tx, cfg), donate_argnums=(0,))
+        compiled = fn.lower(state, None, batch, key).compile()
+        m = compiled.memory_analysis()
+        peak = (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
+        res[name] = dict(
+            compile_s=time.perf_counter() - t,
+            temp=float(m.temp_size_in_bytes),
+            peak=float(peak),
+            times=[],
+        )
+        state, _, _ = compiled(state, None, batch, key)  # warm-up
+        jax.block_until_ready(state)
+        steps[name], states[name] = compiled, state
+        print(
+            f"  jaxvrl {name}: compiled in {res[name]['compile_s']:.1f} s, temporaries "
+            f"{fmt_mb(res[name]['temp'])} MiB, peak {fmt_mb(peak)} MiB",
+            flush=True,
+        )
+    for _ in range(args.rounds):
+        for name, compiled in steps.items():
+            t = time.perf_counter()
+            state, _, _ = jax.block_until_ready(compiled(states[name], None, batch, key))
+            res[name]["times"].append(time.perf_counter() - t)
+            states[name] = state
+    return res
+
+
+# ----------------------------------------------------------------------------- transformers
+def hf_inputs(args, tok, rb, rows):
+    """transformers inputs for the same rows: token ids, mask, images through HF's processor."""
+    import torch
+
+    proc = rl_step.hf_processor(tok, args)
+    images = [r["images"][0] for r in rows[: args.prompts] for _ in range(args.group)]
+    pix = proc.image_processor(images, return_tensors="pt")
+    ids = torch.tensor(np.asarray(rb.input_ids), dtype=torch.long)
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.tensor(np.asarray(rb.attention_mask), dtype=torch.long),
+        mm_token_type_ids=(ids == proc.image_token_id).long(),
+        pixel_values=pix["pixel_values"],
+        image_grid_thw=pix["image_grid_thw"],
+    )
+
+
+def run_hf(args, ckpt, inputs) -> dict:
+    import torch
+
+    keep = args.new_tokens + 1  # the completion's logits, as TRL's log-prob pass keeps
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.set_num_threads(args.threads)
+    models = {
+        impl: Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            ckpt, dtype=torch.float32, attn_implementation=impl
+        ).eval()
+        for impl in ("sdpa", "eager")
+    }
+    variants = {
+        "HF forward (sdpa)": (models["sdpa"], False),
+        "HF forward (eager)": (models["eager"], False),
+        "HF eager + output_attentions": (models["eager"], True),
+    }
+    res = {k: dict(times=[], rss=[]) for k in variants}
+    with torch.inference_mode():
+        for model, att in variants.values():
+            model(**inputs, output_attentions=att, logits_to_keep=keep)  # warm-up
+        for _ in range(args.rounds):
+            for name, (model, att) in variants.items():
+                t = time.perf_counter()
+                out, rss = peak_rss_growth(
+                    lambda m=model, a=att: m(**inputs, output_attentions=a, logits_to_keep=keep)
+                )
+                res[name]["times"].append(time.perf_counter() - t)
+                res[name]["rss"].append(rss)
+                if att:
+                    n = len(out.attentions)
+                    res[name]["maps"] = f"{n} x {tuple(out.attentions[0].shape)}"
+                del out
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--size", default="small", choices=["small", "medium"])
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--image-size", type=int, default=56)
+    ap.add_argument("--min-pixels", type=int, default=56 * 56)
+    ap.add_argument("--max-pixels", type=int, default=28 * 28 * 256)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--only", choices=["jaxvrl", "hf"], default=None)
+    args = ap.parse_args(argv)
+    if MMAP_ENV not in os.environ:  # freed large buffers go back to the OS: RSS peaks are real
+        os.environ[MMAP_ENV] = str(128 * 1024)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    args.iters = 0
+    import jax
+    import torch
+
+    print(
+        f"# tprl_overhead bench {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | "
+        f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads | "
+        f"jax {jax.__version__} | torch {torch.__version__} | load average "
+        f"{os.getloadavg()[0]:.1f}\n# python {' '.join(sys.argv)}",
+        flush=True,
+    )
+    import tempfile
+
+    from jaxvrl.models.qwen2_5_vl import load
+
+    tok, rows = rl_step.tokenizer_and_rows(args)
+    with tempfile.TemporaryDirectory() as ckpt:
+        n_params = rl_step.make_checkpoint(args, tok, ckpt)
+        model = load(ckpt)
+        rb = make_batch(args, tok, rows, model.config)
+        b, length = rb.input_ids.shape
+        print(
+            f"# model: {args.size} ({n_params / 1e6:.1f}M params), batch {b} rows x {length} "
+            f"tokens ({args.new_tokens} completion), {args.image_size}px images, float32",
+            flush=True,
+        )
+        jx = run_jaxvrl(args, model, rb) if args.only in (None, "jaxvrl") else {}
+        del model
+        hf = run_hf(args, ckpt, hf_inputs(args, tok, rb, rows)) if args.only != "jaxvrl" else {}
+    report(jx, hf)
+
+
+def report(jx: dict, hf: dict) -> None:
+    if jx:
+        g = jx["GRPO"]
+        t0, p0 = min(g["times"]), g["peak"]
+        print("\n| jaxvrl step | s | time vs GRPO | compiled peak MiB | vs GRPO | "
+              "temporaries MiB | vs GRPO |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for name, r in jx.items():
+            t = min(r["times"])
+            print(
+                f"| {name} | {t:.2f} | {t / t0:.2f}x | {fmt_mb(r['peak'])} | {r['peak'] / p0:.2f}x"
+                f" | {fmt_mb(r['temp'])} | {r['temp'] / g['temp']:.2f}x |"
+            )
+    if hf:
+        base = hf["HF forward (sdpa)"]
+        t0, m0 = min(base["times"]), max(base["rss"])
+        print("\n| transformers forward | s | time vs sdpa | peak RSS growth MiB | vs sdpa |")
+        print("|---|---|---|---|---|")
+        for name, r in hf.items():
+            t, rss = min(r["times"]), max(r["rss"])
+            print(f"| {name} | {t:.2f} | {t / t0:.2f}x | {fmt_mb(rss)} | {rss / max(m0, 1):.2f}x |")
+        maps = hf["HF eager + output_attentions"].get("maps")
+        if maps:
+            print(f"\noutput_attentions returns {maps} float32 maps per forward")
+
+
+if __name__ == "__main__":
+    main()
