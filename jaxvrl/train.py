@@ -30,7 +30,9 @@ from jaxvrl import rl
 from jaxvrl.checkpoint import Checkpointer, PreemptionFlag, stop_requested_everywhere
 from jaxvrl.config import ConfigError, load_config, parse_argv
 from jaxvrl.data import synthetic
-from jaxvrl.data.pipeline import EncodeOptions, EpochIterator, collate, encode_rows, read_rows
+from jaxvrl.data.loader import make_dataset
+from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
+from jaxvrl.data.sources import open_sources
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn
 from jaxvrl.sampling import SamplingConfig, make_sampler
@@ -43,38 +45,56 @@ log = logging.getLogger("jaxvrl")
 EMBEDDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
 
 
-def load_examples(c, tokenizer, split: str):
-    """Encoded examples of the train or val split (files, or the built-in task)."""
-    files = c.data.train_files if split == "train" else c.data.val_files
+def encode_options(c) -> EncodeOptions:
     builtin = not c.data.train_files
-    system = c.data.system_prompt or (synthetic.SYSTEM_PROMPT if builtin else None)
-    opts = EncodeOptions(
+    return EncodeOptions(
         image_dir=c.data.image_dir or None,
         max_prompt_length=c.data.max_prompt_length,
         max_image_side=c.data.max_image_side,
         min_pixels=c.data.min_pixels,
         max_pixels=c.data.max_pixels,
-        system_prompt=system,
+        system_prompt=c.data.system_prompt or (synthetic.SYSTEM_PROMPT if builtin else None),
     )
-    if files:
+
+
+def train_data(c, tokenizer):
+    """-> (iterator, rows, skip stats): a grain iterator of prompts_per_step encoded examples
+    per next() (shuffled per epoch, sharded per process; its state goes into the checkpoint),
+    the number of rows in this process's shard, and the live counts of skipped bad rows."""
+    if c.data.train_files:
+        source = open_sources(c.data.train_files.split(","))
+    else:
+        kinds = tuple(c.data.synthetic_kinds)
+        source = synthetic.make_split("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
+    ds, stats = make_dataset(
+        source,
+        tokenizer,
+        encode_options(c),
+        batch_size=c.prompts_per_step,
+        seed=c.seed,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+        batch_fn=list,  # the rollout phase collates (each prompt repeated G times)
+    )
+    return iter(ds), -(-len(source) // jax.process_count()), stats
+
+
+def val_examples(c, tokenizer) -> list:
+    """Encoded held-out examples (val_files, or the built-in task's test split)."""
+    opts = encode_options(c)
+    if c.data.val_files:
         examples, stats = [], None
-        for path in files.split(","):
+        for path in c.data.val_files.split(","):
             ex, stats = encode_rows(read_rows(path), tokenizer, opts, source=path, stats=stats)
             examples += ex
-    elif builtin:
-        n = c.data.synthetic_train_size if split == "train" else c.val_size
-        rows = synthetic.make_split(
-            "train" if split == "train" else "test",
-            n,
-            seed=c.seed,
-            kinds=tuple(c.data.synthetic_kinds),
-        )
-        examples, stats = encode_rows(rows, tokenizer, opts, source=f"builtin:{split}")
+    elif not c.data.train_files:
+        rows = synthetic.make_split("test", c.val_size, c.seed, kinds=tuple(c.data.synthetic_kinds))
+        examples, stats = encode_rows(rows, tokenizer, opts, source="builtin:val")
     else:
-        return [], None
-    if stats is not None and stats.total:
-        log.warning("%s: skipped %d rows: %s", split, stats.total, dict(stats.counts))
-    return examples, stats
+        return []
+    if stats.total:
+        log.warning("val: skipped %d rows: %s", stats.total, dict(stats.counts))
+    return examples
 
 
 def load_model(c):
@@ -174,6 +194,21 @@ def make_rollout_phase(c, sampler, tokenizer, model_config, step_cfg) -> Rollout
     )
 
 
+def make_validate(c, examples, greedy, model_config, tokenizer):
+    """-> validate(params): greedy val/accuracy and val/format on the held-out examples, in
+    batches of the rollout's row count."""
+    val_collate = functools.partial(
+        collate,
+        repeat=1,
+        model_config=model_config,
+        tokenizer=tokenizer,
+        prompt_bucket=c.data.prompt_bucket,
+        with_pools=False,
+    )
+    rows = c.prompts_per_step * c.rollout.num_generations
+    return lambda params: evaluate(examples, greedy, params, val_collate, tokenizer, rows)
+
+
 def place_state(state):
     """Where the train state goes onto the device mesh (identity on one device)."""
     return state
@@ -220,36 +255,15 @@ def run(c) -> dict:
     primary = jax.process_index() == 0
 
     model, tokenizer = load_model(c)
-    mcfg = model.config
-    train_ex, train_stats = load_examples(c, tokenizer, "train")
-    val_ex, _ = load_examples(c, tokenizer, "val")
-    data = EpochIterator(
-        train_ex,
-        c.prompts_per_step,
-        seed=c.seed,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-    )
+    data, train_rows, skipped = train_data(c, tokenizer)
     graphdef, tx, state, ref_params = init_train_state(model, c)
     step_cfg = step_config(c)
     train_step = make_train_step(graphdef, tx, step_cfg)
     sampler, greedy = make_samplers(model, tokenizer, c)
     # make_sampler is cached per (model, config) across runs in one process: count new entries
     compiled_before = sampler._cache_size(), greedy._cache_size()
-    phase = make_rollout_phase(c, sampler, tokenizer, mcfg, step_cfg)
-    val_collate = functools.partial(
-        collate,
-        repeat=1,
-        model_config=mcfg,
-        tokenizer=tokenizer,
-        prompt_bucket=c.data.prompt_bucket,
-        with_pools=False,
-    )
-    val_rows = c.prompts_per_step * c.rollout.num_generations
-
-    def validate(params):
-        return evaluate(val_ex, greedy, params, val_collate, tokenizer, val_rows)
-
+    phase = make_rollout_phase(c, sampler, tokenizer, model.config, step_cfg)
+    validate = make_validate(c, val_examples(c, tokenizer), greedy, model.config, tokenizer)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     start, state, rng, nonfinite = resume(c, ckpt, state, data)
     state = place_state(state)
@@ -260,8 +274,6 @@ def run(c) -> dict:
     metrics = {}
     if c.val_only or (start == 0 and c.val_before_train):
         metrics = validate(state.params)
-        if train_stats is not None:
-            metrics.update({f"data/skipped_{k}": v for k, v in train_stats.counts.items()})
         if start == 0:
             logs.scalars(0, metrics, progress=False)
         print(f"step {start}: {_short(metrics)}", flush=True)
@@ -271,11 +283,12 @@ def run(c) -> dict:
             t0 = time.time()
             done = step + 1
             rng, k_sample, k_step = jax.random.split(rng, 3)
-            rollout = phase.run(state.params, step, k_sample, data, max_prompts=len(train_ex))
+            rollout = phase.run(state.params, step, k_sample, data, max_prompts=train_rows)
             state, step_metrics, extras = train_step(
                 state, ref_params, place_batch(rollout.batch), k_step
             )
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
+            metrics.update({f"data/skipped_{k}": v for k, v in skipped.counts.items()})
             if done % c.val_freq == 0 or done == c.total_steps:
                 metrics.update(validate(state.params))
             logs.scalars(done, metrics)

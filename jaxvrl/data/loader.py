@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from jaxvrl.data.rows import EncodeOptions, SkipStats, encode_row
+from jaxvrl.data.rows import DataError, EncodeOptions, SkipStats, encode_row
 
 PATCH_DIM = 3 * 2 * 14 * 14  # C x temporal_patch_size x patch x patch
 
@@ -145,6 +145,28 @@ def shape_bound(
     return n_prompt * n_img * n_vid
 
 
+def _usable_rows(n_rows: int, stats: SkipStats):
+    """The filter that drops bad rows (None). Any 2 * n_rows consecutive rows hold a whole
+    epoch, so that many bad rows in a row means there is no good row at all: an error naming
+    the skip reasons, rather than an endless search for a batch."""
+    misses = 0
+
+    def usable(x) -> bool:
+        nonlocal misses
+        if x is not None:
+            misses = 0
+            return True
+        misses += 1
+        if misses >= 2 * n_rows:
+            raise DataError(
+                f"no usable row among the {n_rows} rows of this shard (skipped: "
+                f"{dict(stats.counts)}; the first of each reason is logged above)"
+            )
+        return False
+
+    return usable
+
+
 def make_dataset(
     source,
     tokenizer,
@@ -180,6 +202,7 @@ def make_dataset(
     ds = ds[shard_index::shard_count]
     if len(ds) == 0:
         raise ValueError(f"shard {shard_index}/{shard_count} of the data has no rows")
+    n_rows = len(ds)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
@@ -190,7 +213,7 @@ def make_dataset(
 
     ds = ds.map(encode)
     read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(read_threads, 1))
-    it = ds.to_iter_dataset(read, allow_nones=True).filter(lambda x: x is not None)
+    it = ds.to_iter_dataset(read, allow_nones=True).filter(_usable_rows(n_rows, stats))
     if batch_fn is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 

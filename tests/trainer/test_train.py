@@ -295,3 +295,13 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_clear_message(
     rows = _rows(tmp_path)[1:]
     assert [r["train/nonfinite"] for r in rows] == [1.0, 1.0, 1.0]
     assert all(r["loss"] is None for r in rows)  # NaN is written as null
+
+
+def test_training_data_without_one_usable_row_stops_with_the_reasons(tmp_path):
+    from jaxvrl.data.rows import DataError
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"q{i}?"}) + "\n" for i in range(3)))
+    cfg = tiny_config("configs/grpo.py", tmp_path, "total_steps=2", f"data.train_files={data}")
+    with pytest.raises(DataError, match=r"no usable row among the 3 rows.*missing_label': 3"):
+        run(cfg)
