@@ -26,7 +26,9 @@ def get_config(arg=None):
     c.seed = 0
     c.workdir = placeholder(str)  # None: runs/<config>-<YYYYmmdd-HHMMSS>; gs:// allowed
     c.resume = True  # continue from the latest checkpoint in workdir
-    c.load_checkpoint_path = placeholder(str)  # <dir>/checkpoints/<step>: start from its params
+    # <workdir>/checkpoints/<step> of another run: start from its parameters (fresh optimizer,
+    # step 0); ignored when workdir has a checkpoint to resume
+    c.load_checkpoint_path = placeholder(str)
     c.total_steps = 60
     c.prompts_per_step = 8  # prompts per step; rows = prompts_per_step * num_generations
     c.val_freq = 20  # validate every this many steps (and at the last step)

@@ -147,7 +147,7 @@ def check_filter_keys(c) -> None:
             )
 
 
-def make_rollout_phase(c, sampler, tokenizer, model_config, step_cfg) -> RolloutPhase:
+def make_rollout_phase(c, sampler, greedy, tokenizer, model_config, step_cfg) -> RolloutPhase:
     fns = {name: SafeReward(name, load_reward_fn(name)) for name in c.reward.funcs}
     regular = dict(zip(c.reward.funcs, c.reward.weights))
     early = dict(zip(c.reward.funcs, c.reward.early_weights)) if c.reward.early_weights else None
@@ -191,6 +191,7 @@ def make_rollout_phase(c, sampler, tokenizer, model_config, step_cfg) -> Rollout
         with_pools=step_cfg.token_weights,
         mdi_balance_ratio=c.reward.mdi_balance_ratio,
         replay=replay,
+        greedy=greedy if c.algorithm.adv_estimator == "remax" else None,
     )
 
 
@@ -217,6 +218,20 @@ def place_state(state):
 def place_batch(batch):
     """Where a host rollout batch goes onto the device mesh (one device: device_put)."""
     return jax.tree.map(jnp.asarray, batch)
+
+
+def load_start_params(path: str, state, ref_params):
+    """config.load_checkpoint_path (`<dir>/<step>`): that checkpoint's parameters with a fresh
+    optimizer at step 0; they are also the reference policy's."""
+    directory, step = os.path.split(path.rstrip("/"))
+    if not step.isdigit():
+        raise ConfigError(f"config.load_checkpoint_path={path!r}: expected <dir>/<step>")
+    ck = Checkpointer(directory)
+    params = ck.restore_step(int(step), state).state.params
+    ck.close()
+    print(f"parameters from {path}", flush=True)
+    ref = None if ref_params is None else jax.tree.map(jnp.array, params)
+    return state.replace(params=params), ref
 
 
 def resume(c, ckpt: Checkpointer, state, data):
@@ -262,10 +277,12 @@ def run(c) -> dict:
     sampler, greedy = make_samplers(model, tokenizer, c)
     # make_sampler is cached per (model, config) across runs in one process: count new entries
     compiled_before = sampler._cache_size(), greedy._cache_size()
-    phase = make_rollout_phase(c, sampler, tokenizer, model.config, step_cfg)
+    phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg)
     validate = make_validate(c, val_examples(c, tokenizer), greedy, model.config, tokenizer)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     start, state, rng, nonfinite = resume(c, ckpt, state, data)
+    if start == 0 and c.load_checkpoint_path:
+        state, ref_params = load_start_params(c.load_checkpoint_path, state, ref_params)
     state = place_state(state)
     # Rows of steps after `start` (a run cut off after its last checkpoint, or a fresh start
     # over an old run) are dropped; val_only appends nothing after step 0.

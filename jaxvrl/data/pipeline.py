@@ -2,7 +2,8 @@
 
 `encode_rows` (in `jaxvrl.data.rows`) encodes rows eagerly, `EpochIterator` walks them in
 deterministic shuffled epochs, and `collate` builds a batch with per-row `VisionInputs`. The
-grain pipeline with the flat batch format is `jaxvrl.data.loader`.
+trainer draws its training prompts from the grain pipeline (`jaxvrl.data.loader.make_dataset`
+with `batch_fn=list`) and collates them here; validation examples are encoded eagerly.
 
 Static shapes: prompts are left-padded to a multiple of `prompt_bucket` tokens and each row's
 patches to a power of two (at least 16), so a run compiles at most

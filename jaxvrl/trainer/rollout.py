@@ -97,7 +97,8 @@ class Group:
     tokens int32[G, N]; mask float32[G, N] the loss mask (completion incl. EOS, truncated rows
     zeroed when masked); truncated bool[G]; totals float64[G] the weighted total reward after
     the overlong punishment; parts {reward name: float64[G]} unweighted; texts G strings;
-    att {name: float32[G]} per-row attention metrics (empty without statistics).
+    att {name: float32[G]} per-row attention metrics (empty without statistics); baseline
+    float64[G] the prompt's greedy-completion reward (remax), else zeros.
     """
 
     example: dict
@@ -108,6 +109,11 @@ class Group:
     parts: dict
     texts: list
     att: dict
+    baseline: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.baseline is None:
+            self.baseline = np.zeros(len(self.totals))
 
     def metric(self, name: str) -> np.ndarray:
         return self.totals if name == OVERALL else self.parts[name]
@@ -117,6 +123,7 @@ class Group:
         """A group that takes no part in the loss (completion mask 0, reward 0)."""
         zeros = np.zeros(group_size)
         return Group(
+            baseline=zeros,
             example=example,
             tokens=np.zeros((group_size, length), np.int32),
             mask=np.zeros((group_size, length), np.float32),
@@ -244,7 +251,9 @@ class RolloutPhase:
     collate(examples) -> the collated prompt batch (pipeline.collate with G repeats);
     reward_weights(step) -> {name: weight}; attention: None, or (layer_set, last_k) to compute
     rollout attention metrics from the sampler's masses (needed by the MDI reward and the
-    attention log); with_pools: the train batch carries the attention pools (VGR weights).
+    attention log); with_pools: the train batch carries the attention pools (VGR weights);
+    greedy: the greedy sampler, to score each prompt's greedy completion as the remax baseline
+    (reward columns only: the MDI reward sees no attention statistics there and gives 0).
     """
 
     sampler: Callable
@@ -257,6 +266,7 @@ class RolloutPhase:
     with_pools: bool = False
     mdi_balance_ratio: float = 2.0
     replay: rl.ReplayBuffer | None = None
+    greedy: Callable | None = None
 
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""
@@ -273,19 +283,15 @@ class RolloutPhase:
         columns = {k: [r.get(k) for r in rows] for k in ("label_idx", "answer", "solution")}
         columns["mdi"] = list(att["mdi"]) if "mdi" in att else None
         columns["mdi_balance_ratio"] = self.mdi_balance_ratio
-        totals, parts = rl.rewards.total_reward(
-            self.rewards, self.reward_weights(step), texts, **columns
-        )
         mask = out.mask.astype(np.float32)
         lengths = mask.sum(1)
-        o = self.opts
-        if o.overlong_buffer_len:
-            totals = totals + rl.soft_overlong_punishment(
-                lengths, o.max_new_tokens, o.overlong_buffer_len, o.overlong_penalty_factor
-            )
-        if o.mask_truncated_completions:
+        totals, parts = self._score(step, texts, lengths, columns)
+        baseline = np.zeros(len(texts))
+        if self.greedy is not None:
+            baseline = self._greedy_baseline(params, batch, step, columns)
+        if self.opts.mask_truncated_completions:
             mask = rl.mask_truncated_completions(mask, out.truncated)
-        g = o.group_size
+        g = self.opts.group_size
         groups = []
         for i, ex in enumerate(examples):
             s = slice(i * g, (i + 1) * g)
@@ -299,10 +305,34 @@ class RolloutPhase:
                     parts={k: v[s] for k, v in parts.items()},
                     texts=texts[s],
                     att={k: v[s] for k, v in att.items()},
+                    baseline=baseline[s],
                 )
             )
         info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
         return groups, info
+
+    def _score(self, step: int, texts: list, lengths: np.ndarray, columns: dict):
+        """-> (totals float64[B] incl. the soft overlong punishment, {name: float64[B]})."""
+        totals, parts = rl.rewards.total_reward(
+            self.rewards, self.reward_weights(step), texts, **columns
+        )
+        o = self.opts
+        if o.overlong_buffer_len:
+            totals = totals + rl.soft_overlong_punishment(
+                lengths, o.max_new_tokens, o.overlong_buffer_len, o.overlong_penalty_factor
+            )
+        return totals, parts
+
+    def _greedy_baseline(self, params, batch: dict, step: int, columns: dict) -> np.ndarray:
+        """float64[B]: the total reward of each prompt's greedy completion, on its G rows.
+        The greedy sampler runs on the whole batch (the validation shape: no new program)."""
+        g = self.opts.group_size
+        out = sample_completions(self.greedy, params, batch, jax.random.key(0))
+        texts = decode_completions(self.tokenizer, out.tokens[::g], out.mask[::g])
+        cols = {k: (v[::g] if isinstance(v, list) else v) for k, v in columns.items()}
+        cols["mdi"] = None
+        totals, _ = self._score(step, texts, out.mask[::g].sum(1), cols)
+        return np.repeat(totals, g)
 
     def _attention(self, out, batch) -> dict:
         """Per-row rollout attention metrics {mdi, mdi_early, ..., aei_*: float32[B]}."""
@@ -357,6 +387,7 @@ class RolloutPhase:
             prompts["has_image"],
             images=prompts["images"],
             pools=prompts["pools"] if self.with_pools else None,
+            baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
         )
 
     def _metrics(self, got: Collected, infos: list[dict], real: np.ndarray) -> dict:
@@ -381,6 +412,8 @@ class RolloutPhase:
                 "rollout/sample_s": sample_s,
             }
         )
+        if self.greedy is not None:
+            m["reward/greedy_baseline"] = float(np.mean([x.baseline for x in sampled]))
         if self.replay is not None:
             m["replay/replaced"] = float(got.replaced)
             m["replay/buffer_size"] = float(len(self.replay))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -305,3 +306,49 @@ def test_training_data_without_one_usable_row_stops_with_the_reasons(tmp_path):
     cfg = tiny_config("configs/grpo.py", tmp_path, "total_steps=2", f"data.train_files={data}")
     with pytest.raises(DataError, match=r"no usable row among the 3 rows.*missing_label': 3"):
         run(cfg)
+
+
+def test_remax_uses_the_greedy_completion_reward_as_baseline(tmp_path):
+    cfg = tiny_config(
+        "configs/grpo.py", tmp_path, "total_steps=2", "val_freq=2", "algorithm.adv_estimator=remax"
+    )
+    metrics = run(cfg)
+    assert np.isfinite(metrics["loss"]) and "reward/greedy_baseline" in metrics
+    assert metrics["compiles/greedy_sampler"] <= 1  # the validation shape: no extra program
+    # advantage = reward - the prompt's greedy reward, so its mean is the difference of means
+    # over the batch's rows (every group is real without dynamic sampling)
+    rows = _rows(tmp_path)[1:]
+    for r in rows:
+        assert r["train/advantage_mean"] == pytest.approx(
+            r["reward/total"] - r["reward/greedy_baseline"], abs=1e-5
+        )
+
+
+def test_load_checkpoint_path_starts_from_that_checkpoints_parameters(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run(tiny_config("configs/grpo.py", a, "total_steps=2", "val_freq=100"))
+    run(
+        tiny_config(
+            "configs/grpo.py",
+            b,
+            "total_steps=1",
+            "val_freq=100",
+            "optim.lr=0.0",
+            f"load_checkpoint_path={a / 'checkpoints' / '2'}",
+        )
+    )
+    (sa, pa), (sb, pb) = _final_params(a), _final_params(b)
+    assert (sa, sb) == (2, 1)
+    params = [k for k in pa if k.startswith("params/")]
+    assert params
+    for k in params:  # lr 0: step 1 kept the loaded parameters
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    from flax import nnx
+
+    from jaxvrl.checkpoint import tree_keys
+    from jaxvrl.models.qwen2_5_vl import load
+    from jaxvrl.train import EMBEDDED
+
+    init = nnx.state(load(EMBEDDED), nnx.Param)
+    init = dict(zip(tree_keys(init), map(np.asarray, jax.tree.leaves(init))))
+    assert any(not np.array_equal(pa[k], init[k.removeprefix("params/")]) for k in params)
