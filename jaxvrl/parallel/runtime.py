@@ -97,6 +97,21 @@ def put_on_mesh(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
+def replicate(tree, mesh: Mesh):
+    """Host values and typed PRNG keys -> fully replicated arrays on the mesh. On a pod the
+    train loop's rng must be one (orbax saves only global arrays from every host); every
+    process passes the same value."""
+    rep = replicated(mesh)
+
+    def one(x):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = put_on_mesh(np.asarray(jax.random.key_data(x)), rep)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return put_on_mesh(x, rep)
+
+    return jax.tree.map(one, tree)
+
+
 def sharded_init(fn, mesh: Mesh, *args):
     """Run `fn(*args)` (arrays in, a pytree of arrays out) so that every output is created
     already sharded: shapes from `jax.eval_shape`, shardings from the rules table, then

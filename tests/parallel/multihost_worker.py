@@ -1,0 +1,111 @@
+"""One process of the 2-process test (tests/parallel/test_multihost.py): 4 simulated CPU devices
+each, 8 in all, joined by jax.distributed (gloo collectives on the CPU).
+
+    python -m tests.parallel.multihost_worker PROCESS_ID PORT CHECKPOINT_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+
+
+def local_rows(batch, pid: int, n_proc: int):
+    """This process's rows of a RolloutBatch (what its data-iterator shard would give)."""
+    rows = batch.input_ids.shape[0]
+    per = rows // n_proc
+    take = lambda x: x[pid * per : (pid + 1) * per] if x.shape[0] == rows else x  # noqa: E731
+    flat = dataclasses.replace(batch, position_ids=batch.position_ids.swapaxes(0, 1))
+    flat = jax.tree.map(take, flat)
+    return dataclasses.replace(flat, position_ids=flat.position_ids.swapaxes(0, 1))
+
+
+def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    import ml_collections
+
+    from jaxvrl.parallel import runtime as R
+
+    cfg = dict(enable=True, coordinator_address=f"127.0.0.1:{port}", num_processes=2)
+    assert R.initialize_distributed(ml_collections.ConfigDict(dict(cfg, process_id=pid)))
+
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from jaxvrl.checkpoint import Checkpointer
+    from jaxvrl.models import qwen2_5_vl as q
+    from jaxvrl.parallel import sharding as S
+    from jaxvrl.trainer.step import StepConfig, TrainState
+    from tests.parallel.common import G, make_batch
+
+    assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
+    model = q.load(ckpt_dir)
+    graphdef, params0 = nnx.split(model, nnx.Param)
+    host = jax.tree.map(np.asarray, params0)  # every process loads the same checkpoint
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
+    step_cfg = StepConfig(group_size=G, use_kl_loss=True, kl_loss_coef=0.1)
+
+    def init(p):
+        z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+        return TrainState(p, tx.init(p), z(), z()), jax.tree.map(jnp.copy, p)
+
+    mesh = R.mesh_from_config(ml_collections.ConfigDict(dict(data=2, fsdp=4, tensor=1)))
+    params = R.put_on_mesh(host, S.param_shardings(host, mesh))
+    (state, ref), (ssh, rsh) = R.sharded_init(init, mesh, params)
+    step = R.jit_train_step(graphdef, tx, step_cfg, mesh, ssh, rsh)
+    losses = []
+    for seed in range(2):
+        batch = make_batch(model, prompts=4, seed=seed)
+        global_batch = R.place_batch(local_rows(batch, pid, 2), mesh)
+        full = multihost_utils.process_allgather(global_batch.input_ids, tiled=True)
+        assert (np.asarray(full) == batch.input_ids).all()  # process i's rows at [4i, 4i+4)
+        state, metrics, _ = step(state, ref, global_batch, jax.random.key(seed))
+        losses.append(float(metrics["loss"]))
+
+    gather = lambda t: {  # noqa: E731
+        ".".join(map(str, k)): np.asarray(multihost_utils.process_allgather(v.get_value(), True))
+        for k, v in nnx.to_flat_state(t)
+    }
+    after = gather(state.params)
+    # every process writes its shards; then every process restores into the sharded target
+    ckpt = Checkpointer(os.path.join(out_dir, "ckpt"), 2)
+    # The loop's rng must be replicated on the mesh to be saved on a pod (a single-device key
+    # cannot be); it is left out here because Checkpointer.restore_step builds the rng target
+    # on jax.devices()[0], a device that only process 0 holds (reported, not ours to change).
+    rng = R.replicate(jax.random.key(9), mesh)
+    assert rng.sharding.is_fully_replicated and not rng.is_fully_addressable
+    ckpt.save(2, state, None, {"note": "multihost"}, force=True)
+    ckpt.manager.wait_until_finished()
+    restored = ckpt.restore_latest(state)
+    same_sharding = all(
+        a.sharding == b.sharding
+        for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state))
+    )
+    back = gather(restored.state.params)
+    ckpt.close()
+    if pid == 0:
+        np.savez(os.path.join(out_dir, "params.npz"), **after)
+    print(
+        "RESULT"
+        + json.dumps(
+            {
+                "pid": pid,
+                "losses": losses,
+                "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
+                "restored_sharding": same_sharding,
+                "restored_step": int(restored.step),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
