@@ -214,7 +214,8 @@ def apply_override(cfg: ml_collections.ConfigDict, item: str, source: str = "the
 
 
 def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None:
-    """Checks enumerated options, fractions and reward weight counts; raises ConfigError."""
+    """Checks enumerated options, fractions, reward weight counts and the filters' reward
+    names; raises ConfigError."""
     keys = set(flat_keys(cfg))
 
     def get(key):
@@ -243,6 +244,13 @@ def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None
             raise ConfigError(
                 f"config.reward.early_weights in {source} has {len(early)} values for {n} funcs"
             )
+        names = ("overall", *get("reward.funcs"))
+        for key in ("filter.dynamic_sampling_metric", "filter.filter_key"):
+            if key in keys and get(key) not in names:
+                raise ConfigError(
+                    f"config.{key}={get(key)!r} in {source}: expected overall (the total "
+                    f"reward) or a name in config.reward.funcs: {', '.join(names)}"
+                )
 
 
 def _load_file(spec: str) -> ml_collections.ConfigDict:

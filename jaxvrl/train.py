@@ -38,7 +38,7 @@ from jaxvrl.rl.rewards import SafeReward, load_reward_fn
 from jaxvrl.sampling import SamplingConfig, make_sampler
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
-from jaxvrl.trainer.rollout import OVERALL, FilterOptions, RolloutPhase
+from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
 from jaxvrl.trainer.step import make_train_step
 
 log = logging.getLogger("jaxvrl")
@@ -135,16 +135,6 @@ def make_samplers(model, tokenizer, c):
     )
     graph = nnx.graphdef(model)
     return make_sampler(graph, cfg), make_sampler(graph, dataclasses.replace(cfg, temperature=0.0))
-
-
-def check_filter_keys(c) -> None:
-    """The filters' metric names must be `overall` or one of reward.funcs."""
-    names = (OVERALL, *c.reward.funcs)
-    for key in ("dynamic_sampling_metric", "filter_key"):
-        if c.filter[key] not in names:
-            raise ConfigError(
-                f"config.filter.{key}={c.filter[key]!r}: expected one of {', '.join(names)}"
-            )
 
 
 def make_rollout_phase(c, sampler, greedy, tokenizer, model_config, step_cfg) -> RolloutPhase:
@@ -266,7 +256,6 @@ def run(c) -> dict:
     t_start = time.time()
     jax.config.update("jax_default_matmul_precision", "highest")
     os.makedirs(c.workdir, exist_ok=True)
-    check_filter_keys(c)
     primary = jax.process_index() == 0
 
     model, tokenizer = load_model(c)

@@ -150,6 +150,15 @@ def test_validation_of_choices_fractions_and_weights():
         cfg_of("reward.weights=1,2,3")
     with pytest.raises(ConfigError, match=r"early_weights .* 1 values for 2"):
         cfg_of("reward.early_weights=1")
+    with pytest.raises(ConfigError, match=r"filter\.filter_key='acc'.*overall, mc_idx, think_"):
+        cfg_of("filter.filter_key=acc")
+    with pytest.raises(ConfigError, match=r"filter\.dynamic_sampling_metric='mdi'"):
+        cfg_of("filter.dynamic_sampling_metric=mdi")
+    assert cfg_of("filter.filter_key=mc_idx").filter.filter_key == "mc_idx"
+    c = cfg_of(
+        "reward.funcs=mc_idx,mdi", "reward.weights=1,1", "filter.dynamic_sampling_metric=mdi"
+    )
+    assert c.filter.dynamic_sampling_metric == "mdi"
 
 
 def test_config_is_locked_and_workdir_defaults_to_runs_name_time():
