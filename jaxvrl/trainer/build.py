@@ -50,6 +50,7 @@ def step_config(c) -> StepConfig:
         critic_lr=c.critic.lr,
         critic_grad_clip=c.critic.grad_clip,
         critic_warmup_steps=c.critic.warmup_steps,
+        critic_share_backbone=c.critic.get("share_backbone", False),  # not in base.py yet
         cliprange_value=c.critic.cliprange_value,
         value_loss_coef=c.critic.value_loss_coef,
         use_kl_in_reward=a.use_kl_in_reward,
@@ -106,7 +107,8 @@ def init_train_state(model, c):
         params, tx.init(trainable), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     )
     if cfg.critic:
-        cp = critic_lib.init_params(trainable, model.config.text.hidden_size, c.seed)
+        hidden = model.config.text.hidden_size
+        cp = critic_lib.init_params(trainable, hidden, c.seed, cfg.critic_share_backbone)
         ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
         state = state.replace(critic_params=cp, critic_opt_state=ctx.init(cp))
     if cfg.use_kl_in_reward:

@@ -2,7 +2,9 @@
 
 The backbone has the policy's graph and starts from the policy's initial weights. Its trained
 part lives in TrainState.critic_params["backbone"] (every weight for full fine-tuning, only
-the adapters with LoRA, whose frozen base weights are the policy's: no second copy).
+the adapters with LoRA, whose frozen base weights are the policy's: no second copy). With
+critic.share_backbone the head reads the policy's own hidden states: the value loss (times
+value_loss_coef) joins the policy loss, and the critic optimizer holds the head only.
 Values are taken where the logits are: the hidden state before each completion token.
 """
 
@@ -27,9 +29,13 @@ def make_optimizer(lr: float, grad_clip: float) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr, weight_decay=0.0))
 
 
-def init_params(trainable, hidden_size: int, seed: int = 0) -> dict:
-    """The critic's trained params from the policy's initial trainable part (copied)."""
-    return {"backbone": jax.tree.map(jnp.array, trainable), "head": init_head(hidden_size, seed)}
+def init_params(trainable, hidden_size: int, seed: int = 0, share_backbone: bool = False):
+    """The critic's trained params: a copy of the policy's initial trainable part (none with a
+    shared backbone) and the value head."""
+    head = init_head(hidden_size, seed)
+    if share_backbone:
+        return {"head": head}
+    return {"backbone": jax.tree.map(jnp.array, trainable), "head": head}
 
 
 def values(graphdef, backbone, head: dict, batch: RolloutBatch) -> jax.Array:
@@ -44,8 +50,29 @@ def values(graphdef, backbone, head: dict, batch: RolloutBatch) -> jax.Array:
         return_logits=False,
     )
     n = batch.completion_length
-    hidden = out.hidden[:, -n - 1 : -1].astype(jnp.float32)
-    return jnp.einsum("BND,DO->BNO", hidden, head["kernel"])[..., 0] + head["bias"][0]
+    return head_values(out.hidden[:, -n - 1 : -1], head)
+
+
+def head_values(hidden: jax.Array, head: dict) -> jax.Array:
+    """hidden float[B, N, D] -> values float32[B, N]."""
+    h = hidden.astype(jnp.float32)
+    return jnp.einsum("BND,DO->BNO", h, head["kernel"])[..., 0] + head["bias"][0]
+
+
+def value_loss_terms(v: jax.Array, aux: dict, mask: jax.Array, clip: float):
+    """Clipped value loss of one micro-batch over the global token count aux["vf_total"] (so
+    micro-batch losses add up to the batch's) and its metrics weighted by the token share."""
+    vf, metrics = rl.value_loss(
+        v,
+        aux["old_values"],
+        aux["returns"],
+        mask,
+        clip_range=clip,
+        loss_agg_mode="token-mean",
+        denominator=aux["vf_total"],
+    )
+    share = jnp.sum(mask > 0) / jnp.maximum(aux["vf_total"], 1.0)
+    return vf, {"vf_loss": vf, **jax.tree.map(lambda x: x * share, metrics)}
 
 
 def loss(
@@ -63,15 +90,5 @@ def loss(
     backbone = critic_params["backbone"]
     full = backbone if frozen is None else nnx.merge_state(backbone, frozen)
     v = values(graphdef, full, critic_params["head"], mb)
-    vf, metrics = rl.value_loss(
-        v,
-        aux["old_values"],
-        aux["returns"],
-        mb.completion_mask,
-        clip_range=clip,
-        loss_agg_mode="token-mean",
-        denominator=total_tokens,
-    )
-    share = jnp.sum(mb.completion_mask > 0) / jnp.maximum(total_tokens, 1.0)
-    metrics = {"vf_loss": vf, **jax.tree.map(lambda x: x * share, metrics)}
+    vf, metrics = value_loss_terms(v, dict(aux, vf_total=total_tokens), mb.completion_mask, clip)
     return coef * vf, metrics

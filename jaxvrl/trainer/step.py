@@ -73,6 +73,7 @@ class StepConfig:
     critic_lr: float = 1e-5
     critic_grad_clip: float = 1.0
     critic_warmup_steps: int = 0  # the policy is not updated before this step
+    critic_share_backbone: bool = False  # value head on the policy's hidden states
     cliprange_value: float = 0.5
     value_loss_coef: float = 0.5
     # KL subtracted from the token-level reward (verl's use_kl_in_reward)
@@ -109,7 +110,8 @@ class TrainState:
     opt_state: Any  # of the trainable part only
     step: jax.Array
     skipped: jax.Array  # updates skipped for a non-finite loss or gradient
-    critic_params: Any = None  # {"backbone": trainable part, "head": {"kernel", "bias"}}
+    # {"backbone": trainable part (absent with a shared backbone), "head": {"kernel", "bias"}}
+    critic_params: Any = None
     critic_opt_state: Any = None
     kl_coef: Any = None  # float32[] KL-in-reward coefficient (adaptive controller updates it)
 
@@ -144,7 +146,7 @@ def _no_grad_passes(
     graphdef, params, ref_params, batch: RolloutBatch, rng, cfg: StepConfig, critic=None
 ):
     """Old-policy, perturbed, reference and critic quantities, each float32[B, N] (masses
-    [L, B, N]). critic: None or (full backbone State, head)."""
+    [L, B, N]). critic: None or (full backbone State or None when shared, head)."""
     model = nnx.merge(graphdef, params)
     ref = nnx.merge(graphdef, ref_params) if cfg.needs_ref else None
     perturb = cfg.needs_perturbed and batch.images is not None
@@ -156,12 +158,12 @@ def _no_grad_passes(
         mb, aug_mb = args
         tokens = mb.input_ids[:, -mb.completion_length :]
         logits, out = completion_logits(model, mb, pools=cfg.token_weights)
+        n = mb.completion_length
         res = {
             "old_logp": token_logprobs(logits, tokens, cfg.temperature),
             "entropy": token_entropy(logits, cfg.temperature),
         }
         if cfg.token_weights:
-            n = mb.completion_length
             res["vision_mass"] = out.vision_mass[:, :, -n - 1 : -1]
             res["text_mass"] = out.text_mass[:, :, -n - 1 : -1]
         if aug_mb is not None:
@@ -170,7 +172,9 @@ def _no_grad_passes(
         if ref is not None:
             logits_ref, _ = completion_logits(ref, mb)
             res["ref_logp"] = token_logprobs(logits_ref, tokens, cfg.temperature)
-        if critic is not None:
+        if critic is not None and critic[0] is None:
+            res["values"] = critic_lib.head_values(out.hidden[:, -n - 1 : -1], critic[1])
+        elif critic is not None:
             res["values"] = critic_lib.values(graphdef, critic[0], critic[1], mb)
         return res
 
@@ -285,13 +289,14 @@ def _denominator(mode: str, mask, weights):
     return jnp.sum(jnp.any(mask > 0, axis=-1)).astype(jnp.float32)
 
 
-def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig):
-    """Loss of one micro-batch, already scaled by its share of the global denominator."""
+def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig, head=None):
+    """Loss of one micro-batch, already scaled by its share of the global denominator. With
+    `head` (critic on the shared backbone) plus value_loss_coef * the clipped value loss."""
     model = nnx.merge(graphdef, join(trainable, frozen))
     if "dropout_key" in aux:  # LoRA dropout, in the gradient pass only
         lora.set_dropout_key(model, aux["dropout_key"])
     tokens = mb.input_ids[:, -mb.completion_length :]
-    logits, _ = completion_logits(model, mb)
+    logits, out = completion_logits(model, mb)
     logp = token_logprobs(logits, tokens, cfg.temperature)
     mask = mb.completion_mask
     loss, metrics = rl.policy_loss(
@@ -319,7 +324,15 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepCon
         metrics["entropy_penalty"] = agg(-logp)
         loss = loss + cfg.entropy_penalty_coef * metrics["entropy_penalty"]
     scale = aux["share"]
-    return loss * scale, jax.tree.map(lambda x: x * scale, metrics)
+    loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
+    if head is not None:
+        hidden = out.hidden[:, -mb.completion_length - 1 : -1]
+        vf, vmets = critic_lib.value_loss_terms(
+            critic_lib.head_values(hidden, head), aux, mask, cfg.cliprange_value
+        )
+        loss = loss + cfg.value_loss_coef * vf
+        metrics.update(vmets)
+    return loss, metrics
 
 
 def _accumulate(grad_fn, params, micro_xs):
@@ -372,6 +385,15 @@ def _critic_update(graphdef, state: TrainState, frozen, batch, returns, passes, 
     return params, opt, mets
 
 
+def _head_update(state: TrainState, g_head, cfg: StepConfig):
+    """The shared-backbone critic: only the value head is the critic optimizer's."""
+    norm = optax.tree.norm(g_head)
+    ok = jnp.isfinite(norm)
+    ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+    head, opt = _apply(ctx, {"head": g_head}, state.critic_opt_state, state.critic_params, ok)
+    return head, opt, {"critic_grad_norm": norm, "critic_nonfinite": (~ok).astype(jnp.int32)}
+
+
 def _next_kl_coef(kl_coef, kl, rows: int, cfg: StepConfig):
     """The adaptive controller's beta (1 + clip(KL / target - 1, -0.2, 0.2) n / horizon), with
     n = rows of the batch (verl's n_steps); the fixed controller keeps beta."""
@@ -379,6 +401,32 @@ def _next_kl_coef(kl_coef, kl, rows: int, cfg: StepConfig):
         return kl_coef
     e = jnp.clip(kl / cfg.kl_target - 1.0, -0.2, 0.2)
     return kl_coef * (1.0 + e * rows / cfg.kl_horizon)
+
+
+def _policy_grads(graphdef, state, trainable, frozen, batch, micro_aux, cfg: StepConfig):
+    """(grads of the trainable params, grads of the shared value head or None, loss,
+    metrics) over the micro-batches. A separate critic's warm-up skips the computation."""
+    m = cfg.micro_batches
+    xs = (_micro(batch, m), micro_aux)
+    if cfg.critic and cfg.critic_share_backbone:
+        head = state.critic_params["head"]
+        grad_fn = jax.value_and_grad(
+            lambda p, mb, a: _loss(p[0], frozen, graphdef, mb, a, cfg, head=p[1]), has_aux=True
+        )
+        (grads, g_head), loss, mets = _accumulate(grad_fn, (trainable, head), xs)
+        return grads, g_head, loss, mets
+    grad_fn = jax.value_and_grad(
+        lambda p, mb, a: _loss(p, frozen, graphdef, mb, a, cfg), has_aux=True
+    )
+    run = lambda: _accumulate(grad_fn, trainable, xs)  # noqa: E731
+    if not (cfg.critic and cfg.critic_warmup_steps > 0):
+        grads, loss, mets = run()
+        return grads, None, loss, mets
+    # during the warm-up the policy's loss and metrics read 0 (policy_updated = 0)
+    shapes = jax.eval_shape(run)
+    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)  # noqa: E731
+    grads, loss, mets = jax.lax.cond(state.step >= cfg.critic_warmup_steps, run, zeros)
+    return grads, None, loss, mets
 
 
 def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig):
@@ -393,7 +441,8 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         critic = None
         if cfg.critic:
             cp = state.critic_params
-            critic = (join(cp["backbone"], frozen), cp["head"])
+            backbone = None if cfg.critic_share_backbone else join(cp["backbone"], frozen)
+            critic = (backbone, cp["head"])
         rng, k_drop = jax.random.split(rng)
         passes = _no_grad_passes(graphdef, state.params, ref_params, batch, rng, cfg, critic)
         adv, returns, metrics = _advantages(batch, passes, cfg, state.kl_coef)
@@ -418,10 +467,14 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         micro_aux["share"] = shares
         if cfg.lora:
             micro_aux["dropout_key"] = jax.random.split(k_drop, m)
-        grad_fn = jax.value_and_grad(
-            lambda p, mb, a: _loss(p, frozen, graphdef, mb, a, cfg), has_aux=True
+        shared = cfg.critic and cfg.critic_share_backbone
+        if shared:
+            vaux = {"old_values": passes["values"], "returns": returns}
+            micro_aux.update(_split_rows(vaux, m))
+            micro_aux["vf_total"] = jnp.full((m,), jnp.sum(mask > 0), jnp.float32)
+        grads, g_head, loss, loss_metrics = _policy_grads(
+            graphdef, state, trainable, frozen, batch, micro_aux, cfg
         )
-        grads, loss, loss_metrics = _accumulate(grad_fn, trainable, (_micro(batch, m), micro_aux))
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         update = finite & (state.step >= cfg.critic_warmup_steps) if cfg.critic else finite
@@ -432,7 +485,12 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
             step=state.step + 1,
             skipped=state.skipped + (~finite).astype(jnp.int32),
         )
-        if cfg.critic:
+        if shared:
+            cparams, copt, cmets = _head_update(state, g_head, cfg)
+            new_state = new_state.replace(critic_params=cparams, critic_opt_state=copt)
+            metrics.update(cmets)
+            metrics["policy_updated"] = update.astype(jnp.int32)
+        elif cfg.critic:
             cparams, copt, cmets = _critic_update(
                 graphdef, state, frozen, batch, returns, passes, cfg
             )

@@ -99,3 +99,26 @@ def test_kl_in_reward_advantages_and_adaptive_coefficient(ckpt):
     assert float(metrics["kl_coef"]) == pytest.approx(beta)
     np.testing.assert_allclose(float(state.kl_coef), want_coef, rtol=1e-5)
     assert float(state.kl_coef) != beta
+
+
+def test_shared_backbone_critic_trains_head_and_policy_together(ckpt):
+    model = q.load(ckpt)
+    c = ppo.get_config()
+    c.rollout.num_generations = G
+    c.algorithm.lam = 1.0
+    c.algorithm.use_kl_in_reward = False
+    c.critic.lr = 5e-3
+    c.critic.share_backbone = True  # not in configs/base.py yet: read with a default
+    graphdef, tx, state, ref = init_train_state(model, c)
+    assert set(state.critic_params) == {"head"}  # no second backbone
+    step = make_train_step(graphdef, tx, step_config(c))
+    batch = make_batch(model, seed=2, rewards=np.array([1.0, 0.0, 0.5, 2.0]))
+    policy0 = _flat(state.params)
+    losses = []
+    for _ in range(3):
+        state, metrics, _ = step(state, ref, batch, jax.random.key(0))
+        losses.append(float(metrics["vf_loss"]))
+        assert int(metrics["policy_updated"]) == 1
+    print("\nshared-backbone value loss per step:", [round(x, 4) for x in losses])
+    assert losses[-1] < losses[0]
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(_flat(state.params), policy0))
