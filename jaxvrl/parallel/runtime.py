@@ -88,10 +88,10 @@ def put_on_mesh(tree, shardings):
     """
 
     def one(x, sharding):
-        on_device = isinstance(x, jax.Array) and not _on_cpu_backend(x, sharding)
-        if on_device and (x.sharding.device_set == sharding.device_set or x.is_fully_addressable):
-            return jax.device_put(x, sharding)
-        host = np.asarray(x)
+        if isinstance(x, jax.Array) and not _on_cpu_backend(x, sharding):
+            if x.sharding.device_set == sharding.device_set or sharding.is_fully_addressable:
+                return jax.device_put(x, sharding)
+        host = np.asarray(x)  # on a pod: this process's full copy, cut per local device
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
     return jax.tree.map(one, tree, shardings)
@@ -123,6 +123,48 @@ def sharded_init(fn, mesh: Mesh, *args):
     abstract = jax.eval_shape(fn, *args)
     shardings = state_shardings(abstract, mesh)
     return jax.jit(fn, out_shardings=shardings)(*args), shardings
+
+
+@dataclasses.dataclass
+class ShardedInit:
+    """What `sharded_train_state` returns: init's outputs created on the mesh, their
+    shardings, and the graphs init left behind (LoRA changes the model's graph)."""
+
+    graphdef: object  # the train step's graph (init's first output)
+    tx: object  # the optimizer
+    state: object
+    ref_params: object | None
+    state_shardings: object
+    ref_shardings: object | None
+    model_graphdef: object  # nnx.graphdef of the model after init (what the sampler takes)
+
+
+def sharded_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
+    """Run `init(model, *args) -> (graphdef, tx, state, ref_params)` (trainer.build's
+    init_train_state) so that the state and the reference params are created sharded.
+
+    The model's arrays go onto the mesh first (each device gets its slice, see
+    `put_on_mesh`), then init runs on a copy merged inside `jit(out_shardings=...)`; its
+    in-place changes (LoRA adapters) happen on that copy, so the model graph after init is
+    returned as `model_graphdef` for the sampler. Random inits inside (a critic head) draw
+    the same values as on one device.
+    """
+    from flax import nnx
+
+    graph0, values = nnx.split(model)
+    values = put_on_mesh(values, param_shardings(values, mesh))
+    seen = {}
+
+    def fn(values):
+        m = nnx.merge(graph0, values)
+        graphdef, tx, state, ref = init(m, *args)
+        seen.update(graphdef=graphdef, tx=tx, model_graphdef=nnx.graphdef(m))
+        return state, ref
+
+    (state, ref), (state_sh, ref_sh) = sharded_init(fn, mesh, values)
+    return ShardedInit(
+        seen["graphdef"], seen["tx"], state, ref, state_sh, ref_sh, seen["model_graphdef"]
+    )
 
 
 def batch_shardings(batch, mesh: Mesh, rows: int | None = None):

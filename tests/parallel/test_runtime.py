@@ -91,3 +91,48 @@ def test_shardings_and_placement_on_8_devices(tmp_path):
         """
     )
     assert out.strip().endswith("ok")
+
+
+@pytest.mark.parametrize(
+    "spec, overrides",
+    [
+        ("configs/grpo.py", ["actor.use_kl_loss=True", "actor.kl_loss_coef=0.1"]),
+        ("configs/ppo.py", []),  # critic params and their optimizer state
+        ("configs/grpo.py", ["lora.rank=4"]),  # adapters: init changes the model's graph
+    ],
+    ids=["grpo-kl", "ppo", "lora"],
+)
+def test_sharded_train_state_equals_one_device_init(tmp_path, spec, overrides):
+    out = run_with_devices(
+        f"""
+        import jax, numpy as np, ml_collections
+        from flax import nnx
+        from jaxvrl.config import load_config
+        from jaxvrl.models import qwen2_5_vl as q
+        from jaxvrl.parallel import runtime as R
+        from jaxvrl.trainer.build import init_train_state
+        from tests.models import hf_tiny as T
+
+        T.build({str(tmp_path)!r}, seed=1)
+        c = load_config({spec!r}, {overrides!r})
+        g1, _, state1, ref1 = init_train_state(q.load({str(tmp_path)!r}), c)
+        mesh = R.mesh_from_config(ml_collections.ConfigDict(dict(data=2, fsdp=4, tensor=1)))
+        model = q.load({str(tmp_path)!r})
+        got = R.sharded_train_state(init_train_state, model, mesh, c)
+        assert got.graphdef == g1
+        assert (ref1 is None) == (got.ref_params is None)
+        one = jax.tree.leaves((state1, ref1))
+        many = jax.tree.leaves((got.state, got.ref_params))
+        shs = jax.tree.leaves((got.state_shardings, got.ref_shardings))
+        assert len(one) == len(many) == len(shs)
+        n_fsdp = 0
+        for a, b, sh in zip(one, many, shs):
+            assert b.sharding == sh, (b.sharding, sh)
+            # random inits (the critic head) under jit may differ from eager in the last bit
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+            n_fsdp += "fsdp" in str(sh.spec)
+        print("fsdp-sharded", n_fsdp, "of", len(many))
+        """
+    )
+    # every base matrix at least (LoRA adapters and their optimizer state are tiny: replicated)
+    assert int(out.split("fsdp-sharded")[-1].split()[0]) >= 30, out[-500:]
