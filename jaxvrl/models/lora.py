@@ -7,10 +7,15 @@ weight, and `trainable_filter` picks the adapters out of it.
 
     n = apply_lora(model, rank=8, alpha=16, dropout=0.05, targets=("q_proj", "v_proj"))
     merged = merge_lora(model)          # plain model, W + A B alpha / r; save() it to HF
+
+QLoRA (quantize="int8" | "int4" | "nf4"): every Linear of the text decoder keeps its kernel
+quantized by qwix (google's JAX quantisation library; per output channel, blocks of `tile`
+input rows) and dequantizes it on the fly; only the adapters are trained.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -26,10 +31,84 @@ class LoRADropoutKey(nnx.Variable):
     """The dropout key of one adapter, set only on models merged inside the gradient pass."""
 
 
-class LoRALinear(nnx.Module):
-    """An nnx.Linear with a low-rank update; `base` keeps the original module and weights."""
+class QuantParam(nnx.Param):
+    """A frozen quantized weight (QLoRA base): in the params, never in the optimizer."""
 
-    def __init__(self, base: nnx.Linear, rank: int, alpha: float, dropout: float, *, rngs):
+
+QTYPES = ("int8", "int4", "nf4")
+
+
+class QuantLinear(nnx.Module):
+    """A frozen nnx.Linear whose kernel [D_in, D_out] is stored quantized (qwix QArray
+    fields: qvalue, scale per output channel and tile of input rows)."""
+
+    def __init__(self, base: nnx.Linear, qtype: str, tile: int = 0):
+        import qwix  # optional dependency: only QLoRA needs it
+
+        if qtype not in QTYPES:
+            raise ValueError(f"lora.quantize={qtype!r}: expected none or one of {QTYPES}")
+        w = base.kernel[...]
+        tiled = {0: tile} if tile and w.shape[0] % tile == 0 and w.shape[0] > tile else None
+        q = qwix.quantize(w, _qtype(qtype), channelwise_axes=(1,), tiled_axes=tiled)
+        self.qvalue = QuantParam(q.qvalue)
+        self.scale = QuantParam(q.scale)
+        self.zero_point = None if q.zero_point is None else QuantParam(q.zero_point)
+        self.qtype = qtype
+        self.bias = base.bias
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.dtype, self.param_dtype = base.dtype, base.param_dtype
+
+    def kernel(self) -> jax.Array:
+        zp = None if self.zero_point is None else self.zero_point[...]
+        return _dequantize(self.qvalue[...], self.scale[...], zp, self.qtype, self.param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or x.dtype
+        zp = None if self.zero_point is None else self.zero_point[...]
+        bias = None if self.bias is None else self.bias[...]
+        return _quant_matmul(
+            x.astype(dtype), self.qvalue[...], self.scale[...], zp, bias, self.qtype, dtype
+        )
+
+    def to_linear(self, kernel: jax.Array | None = None) -> nnx.Linear:
+        """An ordinary nnx.Linear with the dequantized (or the given) kernel."""
+        lin = nnx.Linear(
+            self.in_features,
+            self.out_features,
+            use_bias=self.bias is not None,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            rngs=nnx.Rngs(0),
+        )
+        lin.kernel[...] = self.kernel() if kernel is None else kernel
+        if self.bias is not None:
+            lin.bias[...] = self.bias[...]
+        return lin
+
+
+def _qtype(name: str):
+    return {"int8": jnp.int8, "int4": jnp.int4}.get(name, name)
+
+
+def _dequantize(qvalue, scale, zero_point, qtype: str, dtype):
+    from qwix import QArray, dequantize
+
+    return dequantize(QArray(qvalue, scale, zero_point, _qtype(qtype))).astype(dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(5, 6))
+def _quant_matmul(x, qvalue, scale, zero_point, bias, qtype: str, dtype):
+    """x @ dequantize(kernel) + bias. Under jax.checkpoint, so the backward pass recomputes
+    the dequantized kernel instead of keeping every layer's full-precision copy alive."""
+    y = x @ _dequantize(qvalue, scale, zero_point, qtype, dtype)
+    return y if bias is None else y + bias.astype(dtype)
+
+
+class LoRALinear(nnx.Module):
+    """An nnx.Linear with a low-rank update; `base` keeps the original module and weights
+    (an nnx.Linear, or a QuantLinear for QLoRA)."""
+
+    def __init__(self, base, rank: int, alpha: float, dropout: float, *, rngs):
         din, dout = base.in_features, base.out_features
         dtype = base.param_dtype
         bound = 1.0 / math.sqrt(din)  # kaiming_uniform(a=sqrt(5)) of a [r, D_in] torch weight
@@ -84,17 +163,24 @@ def apply_lora(
     *,
     prefix: str = TEXT_PREFIX,
     seed: int = 0,
+    quantize: str = "none",
+    quant_tile: int = 128,
 ) -> list[str]:
     """Wrap, in place, every nnx.Linear under `prefix` whose name matches one of `targets` by
-    a LoRALinear. Returns the wrapped paths; raises if none matched (a typo in the targets)."""
+    a LoRALinear. Returns the wrapped paths; raises if none matched (a typo in the targets).
+    quantize != "none": every Linear under `prefix` (targets or not) gets a quantized frozen
+    kernel (QLoRA)."""
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(","))
     rngs = nnx.Rngs(params=seed)
-    wrapped = []
-    for parent, key, name in _linears(model, prefix):
-        if _matches(name, targets):
+    sites = _linears(model, prefix)
+    wrapped = [name for _, _, name in sites if _matches(name, targets)]
+    if wrapped and quantize != "none":
+        for parent, key, _ in sites:
+            setattr(parent, key, QuantLinear(getattr(parent, key), quantize, quant_tile))
+    for parent, key, name in sites:
+        if name in wrapped:
             setattr(parent, key, LoRALinear(getattr(parent, key), rank, alpha, dropout, rngs=rngs))
-            wrapped.append(name)
     if not wrapped:
         names = sorted({n.rsplit(".", 1)[-1] for _, _, n in _linears(model, prefix)})
         raise ValueError(f"lora.target_modules={tuple(targets)} match no Linear; names: {names}")
@@ -142,21 +228,31 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     W + A B alpha / r (float32 sum, cast back): an ordinary model for save() and sampling."""
     graphdef, state = nnx.split(model)
     out = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
-    for parent, key, _ in _lora_sites(out):
-        lora = getattr(parent, key)
-        w = lora.base.kernel[...]
-        delta = lora.lora_a[...].astype(jnp.float32) @ lora.lora_b[...].astype(jnp.float32)
-        lora.base.kernel[...] = (w.astype(jnp.float32) + delta * lora.scale).astype(w.dtype)
-        setattr(parent, key, lora.base)
+    for parent, key, _ in _sites(out, (LoRALinear, QuantLinear)):
+        if isinstance(parent, LoRALinear):
+            continue  # its base is merged with it below
+        mod = getattr(parent, key)
+        if isinstance(mod, QuantLinear):  # a frozen layer without adapter: dequantize
+            setattr(parent, key, mod.to_linear())
+            continue
+        base = mod.base
+        w = base.kernel() if isinstance(base, QuantLinear) else base.kernel[...]
+        delta = mod.lora_a[...].astype(jnp.float32) @ mod.lora_b[...].astype(jnp.float32)
+        merged = (w.astype(jnp.float32) + delta * mod.scale).astype(w.dtype)
+        if isinstance(base, QuantLinear):
+            base = base.to_linear(merged)
+        else:
+            base.kernel[...] = merged
+        setattr(parent, key, base)
     return out
 
 
-def _lora_sites(model: nnx.Module):
+def _sites(model: nnx.Module, types):
     out = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
             for key, child in vars(node).items():
-                if isinstance(child, LoRALinear):
+                if isinstance(child, types):
                     out.append((node, key, ".".join(str(p) for p in (*path, key))))
     return out
 

@@ -80,7 +80,13 @@ def apply_lora(model, c) -> list[str]:
     if lc.rank <= 0 or any(isinstance(n, lora.LoRALinear) for _, n in nnx.iter_graph(model)):
         return []
     return lora.apply_lora(
-        model, lc.rank, lc.alpha, lc.dropout, tuple(lc.target_modules), seed=c.seed
+        model,
+        lc.rank,
+        lc.alpha,
+        lc.dropout,
+        tuple(lc.target_modules),
+        seed=c.seed,
+        quantize=lc.get("quantize", "none"),  # QLoRA: int8 | int4 | nf4; not in base.py yet
     )
 
 

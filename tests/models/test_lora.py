@@ -105,3 +105,30 @@ def test_targets_by_regex_and_errors(ckpt):
     assert len(wrapped) == 7  # q, k, v, o, gate, up, down
     with pytest.raises(ValueError, match="match no Linear"):
         lora.apply_lora(q.load(ckpt), 2, 4.0, 0.0, ("qproj",))
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_qlora_quantized_base_and_merged_export(ckpt, tmp_path, qtype):
+    pytest.importorskip("qwix")
+    from jaxvrl.trainer.build import export_hf
+
+    base = q.load(ckpt)
+    inputs = _inputs(base)
+    model = q.load(ckpt)
+    lora.apply_lora(model, 8, 16.0, 0.0, ("q_proj", "v_proj"), quantize=qtype, quant_tile=32)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj.base, lora.QuantLinear)
+    assert isinstance(attn.k_proj, lora.QuantLinear)  # frozen layers are quantized too
+    assert isinstance(model.model.layers[0].mlp.down_proj, lora.QuantLinear)
+    _, params = nnx.split(model, nnx.Param)
+    trainable, frozen = lora.split_params(params, lora.trainable_filter(True))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainable))
+    assert sum(x.size for x in jax.tree.leaves(trainable)) == lora.lora_param_count(model)
+    err = np.abs(_logits(model, inputs) - _logits(base, inputs)).max()
+    assert 0 < err < (1.0 if qtype == "int8" else 5.0)  # quantization error, not garbage
+    _randomise_b(model)
+    want = _logits(model, inputs)
+    _, params = nnx.split(model, nnx.Param)
+    export_hf(model, params, tmp_path / "merged")
+    merged = q.load(tmp_path / "merged")
+    np.testing.assert_allclose(_logits(merged, inputs), want, atol=5e-5, rtol=1e-5)
