@@ -155,6 +155,7 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
         chunk = examples[i * args.prompts : (i + 1) * args.prompts]
         batch = collate(chunk, args.group, mcfg, tok, with_pools=False)
         rng, k_sample, k_step = jax.random.split(rng, 3)
+        t0 = time.perf_counter()
         out = sampler(
             state.params,
             jnp.asarray(batch["input_ids"]),
@@ -165,6 +166,7 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
             images=jax.tree.map(jnp.asarray, batch["images"]),
         )
         tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+        t1 = time.perf_counter()
         texts = [
             tok.decode(r[: int(m.sum())].tolist(), skip_special_tokens=True)
             for r, m in zip(tokens, mask)
@@ -181,9 +183,11 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
             batch["has_image"],
             images=batch["images"],
         )
+        t2 = time.perf_counter()
         state, metrics, _ = train_step(state, ref_params, jax.tree.map(jnp.asarray, rb), k_step)
         jax.block_until_ready(state.params)
-        return state, rng, float(mask.sum(1).mean()), batch["input_ids"].shape[1]
+        parts = dict(sample=t1 - t0, score=t2 - t1, step=time.perf_counter() - t2)
+        return state, rng, float(mask.sum(1).mean()), parts
 
     times, lengths = [], []
     for i in range(args.iters):

@@ -14,7 +14,8 @@ Decode step time is taken from the difference of the two lengths' runs, so prefi
 step = (t(N2) - t(N1)) / (N2 - N1). The bandwidth bound of a decode step is the bytes of the
 weights read per step (decoder layers, final norm and LM head; the embedding table only as the
 LM head when tied) divided by the measured copy bandwidth (bytes read + written per second, a
-large numpy copy on the CPU, a jitted device copy on a GPU).
+large numpy copy on the CPU, a jitted device copy on a GPU). The read floor beside it is the
+time a jitted sum takes to read the same weights once (no write, no arithmetic to speak of).
 """
 
 from __future__ import annotations
@@ -161,6 +162,23 @@ def decode_weight_bytes(model) -> int:
     return n
 
 
+def weight_read_seconds(model) -> float:
+    """Best of 5 of a jitted sum over the weights a decode step reads: the time just to stream
+    them once from memory on this backend (a practical floor; no write)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    ws = jax.tree.leaves(nnx.state(model.model.layers)) + [model.model.norm.weight[...]]
+    if model.config.tie_word_embeddings:
+        ws.append(model.model.embed_tokens.embedding[...])
+    else:
+        ws += jax.tree.leaves(nnx.state(model.lm_head))
+    f = jax.jit(lambda ws: sum(jnp.sum(w) for w in ws))
+    jax.block_until_ready(f(ws))
+    return min(_timed(lambda: jax.block_until_ready(f(ws))) for _ in range(5))
+
+
 def run_hf(hf, inputs, n, device, threads=1):
     import torch
 
@@ -272,6 +290,11 @@ def bench_size(name: str, size: Size, args) -> list[str]:
             f"bandwidth bound: {wbytes / 1e6:.0f} MB of weights per decode step, copy "
             f"bandwidth {bw / 1e9:.1f} GB/s -> {bound * 1e3:.2f} ms/step; jaxvrl decode "
             f"{step * 1e3:.2f} ms/step = {bound / step:.0%} of the bound"
+        )
+        read = weight_read_seconds(model)
+        lines.append(
+            f"read floor: a jitted sum over the same weights takes {read * 1e3:.2f} ms "
+            f"({wbytes / read / 1e9:.1f} GB/s read); jaxvrl decode = {step / read:.1f}x that"
         )
     print("\n".join(lines[first:]), flush=True)
     return lines
