@@ -211,6 +211,28 @@ def place_batch(batch, mesh: Mesh):
     return jax.tree.map(one, batch, shardings)
 
 
+def host_local(tree):
+    """Global arrays -> numpy holding this process's rows (the inverse of `place_batch`): on
+    one host the whole array; on a pod the rows whose shards this process holds, in order
+    (sampler outputs go back to the host this way to be decoded and rewarded). The row axis
+    is the one axis the shards split (position_ids: axis 1); unsplit arrays come back whole."""
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        shards = x.addressable_shards
+        split = [a for a in range(x.ndim) if shards[0].data.shape[a] != x.shape[a]]
+        if not split:
+            return np.asarray(shards[0].data)
+        if len(split) > 1:
+            raise ValueError(f"host_local: {x.shape} is split on axes {split}, not on rows")
+        a = split[0]
+        blocks = {s.index[a].start: np.asarray(s.data) for s in shards}  # replicas collapse
+        return np.concatenate([blocks[k] for k in sorted(blocks)], axis=a)
+
+    return jax.tree.map(one, tree)
+
+
 def place_state(state, shardings):
     """Move a TrainState / params tree onto the mesh with its shardings (e.g. after a restore
     that gave single-device arrays). Prefer `sharded_init` for fresh states."""

@@ -63,7 +63,11 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     losses = []
     for seed in range(2):
         batch = make_batch(model, prompts=4, seed=seed)
-        global_batch = R.place_batch(local_rows(batch, pid, 2), mesh)
+        mine = local_rows(batch, pid, 2)
+        global_batch = R.place_batch(mine, mesh)
+        back = R.host_local(global_batch)  # what the sampler's outputs go through
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(mine)):
+            assert (np.asarray(a) == np.asarray(b)).all()
         full = multihost_utils.process_allgather(global_batch.input_ids, tiled=True)
         assert (np.asarray(full) == batch.input_ids).all()  # process i's rows at [4i, 4i+4)
         state, metrics, _ = step(state, ref, global_batch, jax.random.key(seed))
