@@ -86,9 +86,12 @@ def test_bf16_compute_float32_master_weights(ckpt):
         batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images
     )
     assert out.hidden.dtype == jnp.bfloat16 and out.logits.dtype == jnp.float32
-    # bf16 keeps 8 bits of mantissa: logits agree to a few percent of their spread
-    err = np.abs(np.asarray(out.logits) - np.asarray(ref.logits)).max()
-    assert err < 0.05 * np.asarray(ref.logits).std() * 10, err
+    # bf16 keeps 8 bits of mantissa (relative step 2^-8): through the vision tower and two
+    # layers the logits stay within 10% of their spread (observed 4%), and they do differ
+    # from float32, so the bf16 path really ran
+    err = np.abs(np.asarray(out.logits) - np.asarray(ref.logits))
+    spread = np.asarray(ref.logits).std()
+    assert err.max() < 0.1 * spread and np.median(err) > 1e-4 * spread, (err.max(), spread)
 
     tx = optax.sgd(1e-2)
     state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
