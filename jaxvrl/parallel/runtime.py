@@ -2,11 +2,12 @@
 
     initialize_distributed(c.distributed)          # before anything touches a device
     mesh = mesh_from_config(c.mesh)
-    params = put_on_mesh(params, param_shardings(params, mesh))   # loaded weights
-    (state, ref_params), shardings = sharded_init(init_fn, mesh, params)
-    train_step = jit_train_step(graphdef, tx, step_cfg, mesh, shardings[0], shardings[1])
+    s = sharded_train_state(init_train_state, model, mesh, c)   # state born sharded
+    train_step = jit_train_step(s.graphdef, s.tx, step_cfg, mesh, s.state_shardings,
+                                s.ref_shardings)
     batch = place_batch(host_batch, mesh)          # this process's rows -> global arrays
     state, metrics, extras = train_step(state, ref_params, batch, rng)
+    rows = host_local(sampler_output)              # this process's rows back as numpy
 
 Every sharding comes from the logical-axis rules in `sharding.py`; optimizer state is sharded
 like the parameter it belongs to (its path ends in the parameter's path), scalars are
@@ -60,6 +61,16 @@ def mesh_from_config(cfg, devices=None) -> Mesh:
     rest of the devices). Raises ValueError naming the sizes and the device count when they
     do not fit."""
     return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
+
+
+def on_host():
+    """Context in which new arrays go to host memory (the CPU backend), not accelerator 0:
+    load the checkpoint under it, then `sharded_train_state` cuts it onto the mesh.
+
+        with on_host():
+            model = load(path, dtype=..., param_dtype=...)
+    """
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -20,6 +20,12 @@ def test_initialize_distributed_is_a_noop_when_disabled():
     assert jax.process_count() == 1
 
 
+def test_on_host_creates_arrays_on_the_cpu_backend():
+    with R.on_host():
+        x = jax.numpy.ones(3)
+    assert next(iter(x.sharding.device_set)).platform == "cpu"
+
+
 @pytest.mark.parametrize(
     "sizes, message",
     [
