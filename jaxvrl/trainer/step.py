@@ -443,7 +443,7 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
             cp = state.critic_params
             backbone = None if cfg.critic_share_backbone else join(cp["backbone"], frozen)
             critic = (backbone, cp["head"])
-        rng, k_drop = jax.random.split(rng)
+        k_drop = jax.random.fold_in(rng, 1)  # LoRA dropout; `rng` itself blackens patches
         passes = _no_grad_passes(graphdef, state.params, ref_params, batch, rng, cfg, critic)
         adv, returns, metrics = _advantages(batch, passes, cfg, state.kl_coef)
         adv, token_mask, weights, shaping_metrics = _shaping(batch, passes, cfg, adv)
