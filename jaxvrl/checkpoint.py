@@ -69,13 +69,20 @@ def _to_saveable(x):
     return jax.random.key_data(x) if _is_key(x) else x
 
 
-def _abstract_leaf(x):
+def _default_sharding():
+    """Where a leaf without a sharding is restored: the first device in one process; fully
+    replicated over every device with several processes (each must hold a copy)."""
+    if jax.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _abstract_leaf(x, sharding=None):
     """-> ShapeDtypeStruct with a sharding (typed keys: their key data)."""
+    sharding = sharding or getattr(x, "sharding", None) or _default_sharding()
     if _is_key(x):
         x = jax.eval_shape(jax.random.key_data, x)
-    sharding = getattr(x, "sharding", None)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
@@ -172,9 +179,10 @@ class Checkpointer:
             f"unexpected {extra[:5]}"
         )
 
-    def restore_step(self, step: int, abstract_state) -> Restored:
+    def restore_step(self, step: int, abstract_state, rng_sharding=None) -> Restored:
         """Restores `step` into abstract_state's structure, shardings and dtypes (its leaves:
-        jax.ShapeDtypeStruct with sharding, or arrays)."""
+        jax.ShapeDtypeStruct with sharding, or arrays). rng_sharding: where the RNG key goes
+        (default: the first device, or replicated over all devices with several processes)."""
         if step not in self.manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
         head = self.manager.restore(
@@ -192,7 +200,8 @@ class Checkpointer:
         items = {"state": ocp.args.StandardRestore(dict(zip(keys, map(_abstract_leaf, leaves))))}
         if info["rng_shape"] is not None:
             target = jax.ShapeDtypeStruct(tuple(info["rng_shape"]), np.uint32)
-            items["rng"] = ocp.args.StandardRestore({"key_data": _abstract_leaf(target)})
+            rng_target = _abstract_leaf(target, rng_sharding)
+            items["rng"] = ocp.args.StandardRestore({"key_data": rng_target})
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         arrays = out["state"]
         restored = []
@@ -213,10 +222,12 @@ class Checkpointer:
             data_state=_decode_data_state(head["data"]),
         )
 
-    def restore_latest(self, abstract_state) -> Restored | None:
+    def restore_latest(self, abstract_state, rng_sharding=None) -> Restored | None:
         """The latest step restored into abstract_state, or None when there is none."""
         step = self.latest_step()
-        return None if step is None else self.restore_step(step, abstract_state)
+        if step is None:
+            return None
+        return self.restore_step(step, abstract_state, rng_sharding)
 
     def restore(self, step: int, abstract_state, rng_impl=None):
         """-> (state, rng, meta): restore_step's parts for callers that keep the iterator

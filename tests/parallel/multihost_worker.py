@@ -81,13 +81,13 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     # every process writes its shards; then every process restores into the sharded target
     ckpt = Checkpointer(os.path.join(out_dir, "ckpt"), 2)
     # The loop's rng must be replicated on the mesh to be saved on a pod (a single-device key
-    # cannot be); it is left out here because Checkpointer.restore_step builds the rng target
-    # on jax.devices()[0], a device that only process 0 holds (reported, not ours to change).
+    # cannot be); restored replicated over all devices (the default with several processes).
     rng = R.replicate(jax.random.key(9), mesh)
     assert rng.sharding.is_fully_replicated and not rng.is_fully_addressable
-    ckpt.save(2, state, None, {"note": "multihost"}, force=True)
+    ckpt.save(2, state, rng, {"note": "multihost"}, force=True)
     ckpt.manager.wait_until_finished()
     restored = ckpt.restore_latest(state)
+    rng_back = jax.random.key_data(restored.rng).addressable_data(0)
     same_sharding = all(
         a.sharding == b.sharding
         for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state))
@@ -105,6 +105,10 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                 "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
                 "restored_sharding": same_sharding,
                 "restored_step": int(restored.step),
+                "rng_equal": bool(
+                    np.array_equal(rng_back, jax.random.key_data(jax.random.key(9)))
+                    and restored.rng.sharding.is_fully_replicated
+                ),
             }
         ),
         flush=True,

@@ -85,6 +85,7 @@ def test_two_processes_match_one_device(tmp_path):
     for r in results:
         np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
         assert r["restored_equal"] and r["restored_sharding"] and r["restored_step"] == 2
+        assert r["rng_equal"]
     got = np.load(tmp_path / "params.npz")
     for path, v in nnx.to_flat_state(state.params):
         np.testing.assert_allclose(got[".".join(map(str, path))], v.get_value(), atol=1e-6)
