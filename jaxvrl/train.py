@@ -293,6 +293,7 @@ def run(c) -> dict:
             state, step_metrics, extras = train_step(
                 state, ref_params, place_batch(rollout.batch), k_step
             )
+            step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
             metrics.update({f"data/skipped_{k}": v for k, v in skipped.counts.items()})
             if done % c.val_freq == 0 or done == c.total_steps:
