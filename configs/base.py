@@ -80,11 +80,10 @@ def get_config(arg=None):
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.adv_estimator = "grpo"  # grpo | rloo | remax | reinforce_plus_plus | gae
     c.algorithm.norm_adv_by_std = True  # False = Dr.GRPO
-    # NOT USED YET (being added in trainer/build.py with the PPO critic and KL-in-reward):
-    # gamma, lam, use_kl_in_reward and kl_ctrl.*
     c.algorithm.gamma = 1.0
     c.algorithm.lam = 1.0
     c.algorithm.use_kl_in_reward = False  # subtract kl_ctrl.kl_coef * KL from the reward
+    c.algorithm.kl_penalty = "kl"  # KL-in-reward estimator: kl | abs | mse | low_var_kl
     c.algorithm.kl_ctrl = ml_collections.ConfigDict()
     c.algorithm.kl_ctrl.type = "fixed"  # fixed | adaptive
     c.algorithm.kl_ctrl.kl_coef = 0.001
@@ -104,13 +103,13 @@ def get_config(arg=None):
     c.actor.use_entropy_penalty = False  # seed 004: + coef * agg(-logp)
     c.actor.entropy_penalty_coef = 0.06
 
-    # value head, used by adv_estimator=gae only. NOT USED YET (being added in trainer/build.py)
-    c.critic = ml_collections.ConfigDict()
+    c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
     c.critic.lr = 1e-5
     c.critic.warmup_steps = 0
     c.critic.grad_clip = 1.0
     c.critic.cliprange_value = 0.5
     c.critic.value_loss_coef = 0.5
+    c.critic.share_backbone = False  # True: value head on the policy's hidden states
 
     c.tprl = ml_collections.ConfigDict()  # seeds 002/004 (VPPO)
     c.tprl.enable_perception_filtering = False
@@ -170,25 +169,27 @@ def get_config(arg=None):
     c.optim.grad_clip = 1.0  # global norm
     c.optim.micro_batches = 1  # gradient accumulation: rows split into this many chunks
 
-    # device mesh axis sizes; -1 = the rest. NOT USED YET (mesh support in parallel/ is in
-    # progress; train.py has the place_state / place_batch seams for it)
+    # device mesh axis sizes; -1 = the rest. Read by parallel/runtime.py (mesh_from_config);
+    # NOT USED YET by train.py, which runs on one device (place_state / place_batch are the seams)
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
 
-    # multi-host jax.distributed.initialize. NOT USED YET (with the mesh work)
+    # multi-host jax.distributed.initialize: parallel/runtime.py; NOT USED YET by train.py
     c.distributed = ml_collections.ConfigDict()
     c.distributed.enable = False  # True: from the platform's environment unless set below
     c.distributed.coordinator_address = placeholder(str)
     c.distributed.num_processes = placeholder(int)
     c.distributed.process_id = placeholder(int)
 
-    c.lora = ml_collections.ConfigDict()  # NOT USED YET (being added in trainer/build.py)
+    c.lora = ml_collections.ConfigDict()
     c.lora.rank = 0  # 0 = off (full fine-tuning)
     c.lora.alpha = 16.0
     c.lora.dropout = 0.05
     c.lora.target_modules = ("q_proj", "v_proj")
+    c.lora.train_vision = False  # also adapt the vision tower
+    c.lora.quantize = "none"  # QLoRA base weights: none | int8 | int4 | nf4 (needs qwix)
 
     if arg.runlocal:
         runlocal(c)

@@ -32,6 +32,8 @@ CHOICES = {
     "model.remat_policy": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     "algorithm.adv_estimator": ("grpo", "rloo", "remax", "reinforce_plus_plus", "gae"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
+    "lora.quantize": ("none", "int8", "int4", "nf4"),
     "actor.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-mean",

@@ -36,7 +36,7 @@ from jaxvrl.data.sources import open_sources
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn
 from jaxvrl.sampling import SamplingConfig, make_sampler
-from jaxvrl.trainer.build import init_train_state, step_config
+from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
 from jaxvrl.trainer.step import make_train_step
@@ -279,7 +279,7 @@ def run(c) -> dict:
 
     metrics = {}
     if c.val_only or (start == 0 and c.val_before_train):
-        metrics = validate(state.params)
+        metrics = validate(sampling_params(state))
         if start == 0:
             logs.scalars(0, metrics, progress=False)
         print(f"step {start}: {_short(metrics)}", flush=True)
@@ -289,7 +289,8 @@ def run(c) -> dict:
             t0 = time.time()
             done = step + 1
             rng, k_sample, k_step = jax.random.split(rng, 3)
-            rollout = phase.run(state.params, step, k_sample, data, max_prompts=train_rows)
+            params = sampling_params(state)
+            rollout = phase.run(params, step, k_sample, data, max_prompts=train_rows)
             state, step_metrics, extras = train_step(
                 state, ref_params, place_batch(rollout.batch), k_step
             )
@@ -297,7 +298,7 @@ def run(c) -> dict:
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
             metrics.update({f"data/skipped_{k}": v for k, v in skipped.counts.items()})
             if done % c.val_freq == 0 or done == c.total_steps:
-                metrics.update(validate(state.params))
+                metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
             if step % c.log_rollouts_every == 0:
                 logs.markdown(done, rollout, extras, tokenizer)
