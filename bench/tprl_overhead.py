@@ -23,7 +23,9 @@ seeds 000/001/003 call to get the maps), same threads, logits kept for the compl
 call (VmHWM after a reset through /proc/self/clear_refs; the script re-executes itself with
 glibc's mmap threshold fixed, so freed tensors leave the RSS).
 
-Times are the minimum over `--rounds` rounds, the variants interleaved within each round.
+Times are the minimum over `--rounds` rounds, the variants interleaved within each round; the
+process's CPU time (all threads) is printed beside the wall time, as it moves less when other
+work shares the cores.
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ def run_jaxvrl(args, model, rb) -> dict:
             temp=float(m.temp_size_in_bytes),
             peak=float(peak),
             times=[],
+            cpu=[],
         )
         state, _, _ = compiled(state, None, batch, key)  # warm-up
         jax.block_until_ready(state)
@@ -168,9 +171,10 @@ def run_jaxvrl(args, model, rb) -> dict:
         )
     for _ in range(args.rounds):
         for name, compiled in steps.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             state, _, _ = jax.block_until_ready(compiled(states[name], None, batch, key))
             res[name]["times"].append(time.perf_counter() - t)
+            res[name]["cpu"].append(time.process_time() - c)
             states[name] = state
     return res
 
@@ -211,17 +215,18 @@ def run_hf(args, ckpt, inputs) -> dict:
         "HF forward (eager)": (models["eager"], False),
         "HF eager + output_attentions": (models["eager"], True),
     }
-    res = {k: dict(times=[], rss=[]) for k in variants}
+    res = {k: dict(times=[], cpu=[], rss=[]) for k in variants}
     with torch.inference_mode():
         for model, att in variants.values():
             model(**inputs, output_attentions=att, logits_to_keep=keep)  # warm-up
         for _ in range(args.rounds):
             for name, (model, att) in variants.items():
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 out, rss = peak_rss_growth(
                     lambda m=model, a=att: m(**inputs, output_attentions=a, logits_to_keep=keep)
                 )
                 res[name]["times"].append(time.perf_counter() - t)
+                res[name]["cpu"].append(time.process_time() - c)
                 res[name]["rss"].append(rss)
                 if att:
                     n = len(out.attentions)
@@ -282,24 +287,29 @@ def main(argv=None):
 def report(jx: dict, hf: dict) -> None:
     if jx:
         g = jx["GRPO"]
-        t0, p0 = min(g["times"]), g["peak"]
-        print("\n| jaxvrl step | s | time vs GRPO | compiled peak MiB | vs GRPO | "
-              "temporaries MiB | vs GRPO |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
+        t0, c0, p0 = min(g["times"]), min(g["cpu"]), g["peak"]
+        print("\n| jaxvrl step | s | time vs GRPO | CPU s | CPU vs GRPO | compiled peak MiB | "
+              "vs GRPO | temporaries MiB | vs GRPO |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, r in jx.items():
-            t = min(r["times"])
+            t, c = min(r["times"]), min(r["cpu"])
             print(
-                f"| {name} | {t:.2f} | {t / t0:.2f}x | {fmt_mb(r['peak'])} | {r['peak'] / p0:.2f}x"
-                f" | {fmt_mb(r['temp'])} | {r['temp'] / g['temp']:.2f}x |"
+                f"| {name} | {t:.2f} | {t / t0:.2f}x | {c:.2f} | {c / c0:.2f}x | "
+                f"{fmt_mb(r['peak'])} | {r['peak'] / p0:.2f}x | {fmt_mb(r['temp'])} | "
+                f"{r['temp'] / g['temp']:.2f}x |"
             )
     if hf:
         base = hf["HF forward (sdpa)"]
-        t0, m0 = min(base["times"]), max(base["rss"])
-        print("\n| transformers forward | s | time vs sdpa | peak RSS growth MiB | vs sdpa |")
-        print("|---|---|---|---|---|")
+        t0, c0, m0 = min(base["times"]), min(base["cpu"]), max(base["rss"])
+        print("\n| transformers forward | s | time vs sdpa | CPU s | CPU vs sdpa | "
+              "peak RSS growth MiB | vs sdpa |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
         for name, r in hf.items():
-            t, rss = min(r["times"]), max(r["rss"])
-            print(f"| {name} | {t:.2f} | {t / t0:.2f}x | {fmt_mb(rss)} | {rss / max(m0, 1):.2f}x |")
+            t, c, rss = min(r["times"]), min(r["cpu"]), max(r["rss"])
+            print(
+                f"| {name} | {t:.2f} | {t / t0:.2f}x | {c:.2f} | {c / c0:.2f}x | {fmt_mb(rss)} | "
+                f"{rss / max(m0, 1):.2f}x |"
+            )
         maps = hf["HF eager + output_attentions"].get("maps")
         if maps:
             print(f"\noutput_attentions returns {maps} float32 maps per forward")
