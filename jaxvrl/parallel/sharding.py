@@ -31,15 +31,39 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
 }
 
 # param path regex -> logical axes of each dimension (first match wins)
+# `(\.base)?`: a LoRA-wrapped Linear keeps its weights under `.base`; QLoRA stores them as
+# `qvalue` [D_in, D_out] with a `scale` [D_in / tile, D_out]. Adapters: lora_a [D_in, r],
+# lora_b [r, D_out], sharded on the dimension they share with the base weight.
+_QKV, _OUT, _UP, _DOWN = (
+    r"(q_proj|k_proj|v_proj|qkv)",
+    r"(o_proj|attn\.proj)",
+    r"(gate_proj|up_proj|fc1)",
+    r"(down_proj|fc2)",
+)
+_W = r"(\.base)?\.(kernel|qvalue)$"
+_S = r"(\.base)?\.scale$"
+_B = r"(\.base)?\.bias$"
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"embed_tokens\.embedding$", ("vocab", "embed")),
     (r"lm_head\.kernel$", ("embed", "vocab")),
-    (r"(q_proj|k_proj|v_proj|qkv)\.kernel$", ("embed", "heads")),
-    (r"(q_proj|k_proj|v_proj|qkv)\.bias$", ("heads",)),
-    (r"(o_proj|attn\.proj)\.kernel$", ("heads", "embed")),
-    (r"(gate_proj|up_proj|fc1)\.kernel$", ("embed", "mlp")),
-    (r"(gate_proj|up_proj|fc1)\.bias$", ("mlp",)),
-    (r"(down_proj|fc2)\.kernel$", ("mlp", "embed")),
+    (_QKV + _W, ("embed", "heads")),
+    (_QKV + _S, (None, "heads")),
+    (_QKV + _B, ("heads",)),
+    (_QKV + r"\.lora_a$", ("embed", None)),
+    (_QKV + r"\.lora_b$", (None, "heads")),
+    (_OUT + _W, ("heads", "embed")),
+    (_OUT + _S, (None, "embed")),
+    (_OUT + r"\.lora_a$", ("heads", None)),
+    (_OUT + r"\.lora_b$", (None, "embed")),
+    (_UP + _W, ("embed", "mlp")),
+    (_UP + _S, (None, "mlp")),
+    (_UP + _B, ("mlp",)),
+    (_UP + r"\.lora_a$", ("embed", None)),
+    (_UP + r"\.lora_b$", (None, "mlp")),
+    (_DOWN + _W, ("mlp", "embed")),
+    (_DOWN + _S, (None, "embed")),
+    (_DOWN + r"\.lora_a$", ("mlp", None)),
+    (_DOWN + r"\.lora_b$", (None, "embed")),
     (r"patch_embed\.kernel$", (None, "embed")),
     (r"\.(bias|weight)$", ("norm",)),
 )
@@ -122,12 +146,17 @@ def param_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     return (None,) * ndim
 
 
+def leaf_name(path) -> str:
+    """A tree path -> the dotted name PARAM_AXES matches (`model.layers.0.mlp.up_proj.kernel`)."""
+    parts = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    return ".".join(str(p) for p in parts if p != "value")  # nnx Variables end in .value
+
+
 def param_shardings(state, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedSharding for every leaf of an nnx state / pytree keyed by its dotted path."""
 
     def one(path, leaf):
-        parts = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
-        name = ".".join(str(p) for p in parts if p != "value")  # nnx Variables end in .value
+        name = leaf_name(path)
         shape = getattr(leaf, "shape", ())
         spec = logical_to_spec(param_axes(name, len(shape)), shape, mesh, rules)
         return NamedSharding(mesh, spec)
