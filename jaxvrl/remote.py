@@ -1,0 +1,119 @@
+"""Remote paths (`gs://bucket/...`, any fsspec URL) for the model and the workdir.
+
+Checkpoints go to the remote workdir directly (orbax writes gs:// itself). Everything else is
+plain file I/O, so:
+- `localize_dir(url)` copies a remote model directory (config.json, safetensors shards,
+  tokenizer files) into a local cache once and returns the local path;
+- `MirroredDir(url)` is a local directory whose files (metrics.jsonl, markdown logs,
+  TensorBoard events) are pulled from `url` at start (a resumed run appends to them) and pushed
+  back when they change, at most every `min_interval_s` seconds and at close.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+log = logging.getLogger("jaxvrl")
+
+
+def is_remote(path: str | None) -> bool:
+    return bool(path) and "://" in path and not path.startswith("file://")
+
+
+def _fs(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def _cache_dir(url: str, root: str | None) -> str:
+    root = root or os.environ.get("JAXVRL_CACHE", os.path.expanduser("~/.cache/jaxvrl"))
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "root"
+    return os.path.join(root, f"{name}-{hashlib.sha1(url.encode()).hexdigest()[:12]}")
+
+
+def localize_dir(url: str, cache_root: str | None = None) -> str:
+    """A local copy of the files directly under `url` (sub-directories are not needed by an
+    HF checkpoint). Files already cached with the same size are not copied again. A local
+    path is returned unchanged."""
+    if not is_remote(url):
+        return url
+    fs, root = _fs(url)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"model directory {url} does not exist")
+    local = _cache_dir(url, cache_root)
+    os.makedirs(local, exist_ok=True)
+    entries = [e for e in fs.ls(root, detail=True) if e["type"] == "file"]
+    if not entries:
+        raise FileNotFoundError(f"model directory {url} holds no files")
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        dst = os.path.join(local, name)
+        if os.path.exists(dst) and os.path.getsize(dst) == e["size"]:
+            continue
+        t0 = time.time()
+        fs.get(e["name"], dst + ".part")
+        os.replace(dst + ".part", dst)  # a cut copy never looks complete
+        log.info("copied %s (%.1f MB, %.1fs)", name, e["size"] / 1e6, time.time() - t0)
+    return local
+
+
+class MirroredDir:
+    """A local working copy of a remote log directory; `local` is where writers write."""
+
+    def __init__(self, url: str, cache_root: str | None = None, min_interval_s: float = 30.0):
+        self.url = url.rstrip("/")
+        self.fs, self.root = _fs(self.url)
+        self.local = _cache_dir(self.url, cache_root) + "-logs"
+        self.min_interval_s = min_interval_s
+        self._pushed: dict[str, tuple[int, int]] = {}
+        self._last_push = 0.0
+        os.makedirs(self.local, exist_ok=True)
+        self.pull()
+        self._last_push = time.time()
+
+    def _rel(self, remote_name: str) -> str:
+        return remote_name[len(self.root.rstrip("/")) + 1 :]
+
+    def pull(self) -> int:
+        """Copies the remote log files (not the checkpoints) into `local`; -> files copied."""
+        if not self.fs.exists(self.root):
+            return 0
+        n = 0
+        for name in self.fs.find(self.root):
+            rel = self._rel(name)
+            if rel.startswith("checkpoints/"):
+                continue
+            dst = os.path.join(self.local, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            self.fs.get(name, dst)
+            self._pushed[rel] = self._signature(dst)
+            n += 1
+        return n
+
+    @staticmethod
+    def _signature(path: str) -> tuple[int, int]:
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns
+
+    def push(self, force: bool = False) -> int:
+        """Uploads the files changed since the last push; -> files uploaded. Without `force`,
+        does nothing within `min_interval_s` of the previous push."""
+        if not force and time.time() - self._last_push < self.min_interval_s:
+            return 0
+        n = 0
+        for dirpath, _, files in os.walk(self.local):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, self.local).replace(os.sep, "/")
+                sig = self._signature(path)
+                if self._pushed.get(rel) == sig:
+                    continue
+                self.fs.put(path, f"{self.root}/{rel}")
+                self._pushed[rel] = sig
+                n += 1
+        self._last_push = time.time()
+        return n
