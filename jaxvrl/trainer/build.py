@@ -64,12 +64,29 @@ def step_config(c) -> StepConfig:
     )
 
 
-def make_optimizer(o) -> optax.GradientTransformation:
-    """o: the `optim` ConfigDict group."""
-    lr = optax.linear_schedule(0.0, o.lr, o.warmup_steps) if o.warmup_steps else o.lr
+def learning_rate(o, total_steps: int):
+    """The policy's learning rate per optimizer update: linear warm-up from 0 over
+    `warmup_steps`, then constant, or cosine decay to `lr * min_lr_ratio` at `total_steps`."""
+    warm = int(o.warmup_steps)
+    if o.schedule == "constant":
+        return optax.linear_schedule(0.0, o.lr, warm) if warm else o.lr
+    if o.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if warm else o.lr,
+            peak_value=o.lr,
+            warmup_steps=warm,
+            decay_steps=max(int(total_steps), warm + 1),
+            end_value=o.lr * o.get("min_lr_ratio", 0.0),
+        )
+    raise ValueError(f"optim.schedule={o.schedule!r}: expected 'constant' or 'cosine'")
+
+
+def make_optimizer(o, total_steps: int = 1) -> optax.GradientTransformation:
+    """o: the `optim` ConfigDict group: clip by global norm, then AdamW with `betas`."""
+    b1, b2 = (float(b) for b in o.betas)
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip),
-        optax.adamw(lr, weight_decay=o.weight_decay),
+        optax.adamw(learning_rate(o, total_steps), b1=b1, b2=b2, weight_decay=o.weight_decay),
     )
 
 
@@ -102,7 +119,7 @@ def init_train_state(model, c):
     KL coefficient."""
     cfg = step_config(c)
     apply_lora(model, c)
-    tx = make_optimizer(c.optim)
+    tx = make_optimizer(c.optim, c.total_steps)
     graphdef, params = nnx.split(model, nnx.Param)
     ref_params = None
     if cfg.needs_ref and not cfg.lora:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -121,3 +123,60 @@ def test_lora_step_memory_below_full_fine_tune(ckpt):
     assert lora["temp"] < full["temp"]
     if len(runs) == 3:
         assert runs[2][1]["argument"] < lora["argument"]  # int8 base weights
+
+
+def _optim(**kw):
+    import ml_collections
+
+    o = ml_collections.ConfigDict(
+        dict(
+            lr=1e-2,
+            schedule="constant",
+            warmup_steps=0,
+            betas=(0.9, 0.999),
+            weight_decay=0.0,
+            grad_clip=1e9,
+            min_lr_ratio=0.0,
+        )  # fmt: skip
+    )
+    o.update(kw)
+    return o
+
+
+def test_cosine_schedule_follows_its_formula():
+    from jaxvrl.trainer.build import learning_rate
+
+    o = _optim(schedule="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    lr = learning_rate(o, total_steps=20)
+    for t in (0, 2, 4, 10, 19, 20, 25):
+        if t < 4:
+            want = 1e-2 * t / 4
+        else:
+            frac = min(t - 4, 16) / 16
+            want = 1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + math.cos(math.pi * frac))
+        assert abs(float(lr(t)) - want) < 1e-9, t
+    assert learning_rate(_optim(), 20) == 1e-2
+    with pytest.raises(ValueError, match="optim.schedule='linear'"):
+        learning_rate(_optim(schedule="linear"), 20)
+
+
+def test_optimizer_uses_the_configured_betas():
+    import optax
+
+    from jaxvrl.trainer.build import make_optimizer
+
+    params = {"w": jnp.zeros(3)}
+    grads = [{"w": jnp.asarray(g, jnp.float32)} for g in ([1.0, -2.0, 0.5], [0.3, 1.0, -1.0])]
+
+    def run(tx):
+        p, s = params, tx.init(params)
+        for g in grads:
+            u, s = tx.update(g, s, p)
+            p = optax.apply_updates(p, u)
+        return np.asarray(p["w"])
+
+    ours = run(make_optimizer(_optim(betas=(0.5, 0.7))))
+    ref = run(optax.adamw(1e-2, b1=0.5, b2=0.7, weight_decay=0.0))
+    default = run(optax.adamw(1e-2, weight_decay=0.0))
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+    assert not np.allclose(ours, default, rtol=1e-3)
