@@ -62,19 +62,26 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 
 def _pick(logits, key, cfg: SamplingConfig):
-    """Sample (or argmax) one token per row; returns (tokens int32[B], logprobs float32[B])."""
-    allowed = logits
+    """Sample (or argmax) one token per row; returns (tokens int32[B], logprobs float32[B]).
+
+    Suppressed ids are masked by a scatter of B x |ids| entries rather than a pass over V
+    (the CPU decode step is a handful of passes over [B, V] besides the LM head); their
+    logits are kept aside so that the log-prob's normaliser still covers them.
+    """
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    x = logits / temp if temp != 1.0 else logits
+    masked = None
     if cfg.suppress_token_ids:
-        banned = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(cfg.suppress_token_ids)].set(True)
-        allowed = jnp.where(banned, NEG_INF, logits)
+        ids = jnp.asarray(cfg.suppress_token_ids, jnp.int32)
+        masked = x[:, ids]
+        x = x.at[:, ids].set(NEG_INF)
     if cfg.temperature <= 0:
-        tok = rules.first_argmax(allowed)
+        tok = rules.first_argmax(x)
     else:
-        tok = rules.categorical(key, filter_logits(allowed / cfg.temperature, cfg.top_k, cfg.top_p))
+        tok = rules.categorical(key, filter_logits(x, cfg.top_k, cfg.top_p))
     # The log-prob is that of the model's full distribution, so that it equals what a
     # teacher-forced forward pass (the trainer's old log-prob) computes.
-    temp = cfg.temperature if cfg.temperature > 0 else 1.0
-    return tok, rules.token_logprob(logits, tok, temp)
+    return tok, rules.token_logprob(x, tok, 1.0, masked)
 
 
 def sample(
@@ -112,10 +119,14 @@ def sample(
         cache=cache,
         return_logits=False,
     )
+    # token 0 is picked from the prefill's last logits; each decode step then feeds token i
+    # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
+    tok, lp = _pick(model.logits(out.hidden[:, -1]), jax.random.fold_in(rng, 0), cfg)
     state = dict(
         i=jnp.zeros((), jnp.int32),
         cache=out.cache,
-        logits=model.logits(out.hidden[:, -1]),
+        next_tok=tok,
+        next_lp=lp,
         done=jnp.zeros((b,), bool),
         tokens=jnp.full((b, n), cfg.pad_token_id, jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32),
@@ -152,15 +163,14 @@ def _chunk(n: int, most: int) -> int:
 
 
 def _decode_step(model, cfg: SamplingConfig, rng, start, pools, s: dict) -> dict:
-    """Pick token i from the carried logits, then feed it: one cache write, next logits.
+    """Write token i (picked at the previous step), feed it (one cache write), pick token i+1.
 
     Rows already done emit pad with mask 0 and logprob 0.
     """
     i = s["i"]
     b = s["done"].shape[0]
-    tok, lp = _pick(s["logits"], jax.random.fold_in(rng, i), cfg)
     live = ~s["done"]
-    tok = jnp.where(live, tok, cfg.pad_token_id)
+    tok = jnp.where(live, s["next_tok"], cfg.pad_token_id)
     eos = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
     pos = jnp.broadcast_to((start + i)[None, :, None], (3, b, 1))
     out = model.forward(
@@ -171,14 +181,16 @@ def _decode_step(model, cfg: SamplingConfig, rng, start, pools, s: dict) -> dict
         pools=pools,
         return_logits=False,
     )
+    next_tok, next_lp = _pick(model.logits(out.hidden[:, 0]), jax.random.fold_in(rng, i + 1), cfg)
     new = dict(
         s,
         i=i + 1,
         cache=out.cache,
-        logits=model.logits(out.hidden[:, 0]),
+        next_tok=next_tok,
+        next_lp=next_lp,
         done=s["done"] | jnp.isin(tok, eos),
         tokens=s["tokens"].at[:, i].set(tok),
-        logprobs=s["logprobs"].at[:, i].set(jnp.where(live, lp, 0.0)),
+        logprobs=s["logprobs"].at[:, i].set(jnp.where(live, s["next_lp"], 0.0)),
         mask=s["mask"].at[:, i].set(live.astype(jnp.float32)),
     )
     if pools is not None:
