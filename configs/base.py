@@ -46,8 +46,8 @@ def get_config(arg=None):
     c.model.path = placeholder(str)  # HF checkpoint dir; None = the embedded tiny checkpoint
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"  # master weights (float32 with bfloat16 compute)
-    # none | full | dots_saveable | dots_with_no_batch_dims_saveable. NOT USED YET: being wired
-    # into the model with the mesh work (parallel/)
+    # gradient checkpointing of every decoder layer and vision block: none | full |
+    # dots_saveable | dots_with_no_batch_dims_saveable (docs/scaling.md: full beyond toy sizes)
     c.model.remat_policy = "none"
 
     c.data = ml_collections.ConfigDict()
@@ -169,14 +169,14 @@ def get_config(arg=None):
     c.optim.grad_clip = 1.0  # global norm
     c.optim.micro_batches = 1  # gradient accumulation: rows split into this many chunks
 
-    # device mesh axis sizes; -1 = the rest. Read by parallel/runtime.py (mesh_from_config);
-    # NOT USED YET by train.py, which runs on one device (place_state / place_batch are the seams)
+    # device mesh axis sizes, one of them may be -1 (the rest of the devices); their product is
+    # the device count (docs/scaling.md). One device: a 1x1x1 mesh
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
 
-    # multi-host jax.distributed.initialize: parallel/runtime.py; NOT USED YET by train.py
+    # multi-host: jax.distributed.initialize before anything touches a device (launch/*.sh)
     c.distributed = ml_collections.ConfigDict()
     c.distributed.enable = False  # True: from the platform's environment unless set below
     c.distributed.coordinator_address = placeholder(str)

@@ -9,6 +9,12 @@ file reads the ConfigDict.
 Resume order: the fresh train state is the restore target; the checkpoint's arrays, RNG key
 and data-iterator state replace it; metrics and markdown logs written after the checkpoint's
 step are dropped, so the resumed run writes each step once.
+
+Devices (docs/scaling.md): one SPMD program on the mesh `config.mesh` (data, fsdp, tensor;
+one device is a 1x1x1 mesh), several hosts joined by `config.distributed`. The train state is
+created sharded, the state and the RNG restore into their shardings, every process samples
+and scores its own rows (`runtime.place_batch` joins them into the global batch,
+`runtime.host_local` hands each process its rows back).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import open_sources
 from jaxvrl.models.qwen2_5_vl import load
+from jaxvrl.parallel import runtime as R
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn
 from jaxvrl.sampling import SamplingConfig, make_sampler
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
@@ -103,16 +110,18 @@ def load_model(c):
 
     path = c.model.path or EMBEDDED
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-    model = load(path, dtype=dtypes[c.model.dtype], param_dtype=dtypes[c.model.param_dtype])
+    with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
+        model = load(path, dtype=dtypes[c.model.dtype], param_dtype=dtypes[c.model.param_dtype])
+    model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
     tokenizer = AutoTokenizer.from_pretrained(path)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"{c.name}: model {path} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)
     return model, tokenizer
 
 
-def make_samplers(model, tokenizer, c):
-    """-> (sampler, greedy): jitted rollout sampler and the greedy one for validation."""
-    mcfg = model.config
+def make_samplers(graph, mcfg, tokenizer, c):
+    """-> (sampler, greedy): jitted rollout sampler and the greedy one for validation, for the
+    model graph `graph` (after init: with LoRA adapters) with config `mcfg`."""
     if mcfg.eos_token_id is not None:
         eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
     else:
@@ -133,11 +142,12 @@ def make_samplers(model, tokenizer, c):
         tokenizer.pad_token_id or 0,
         suppress,
     )
-    graph = nnx.graphdef(model)
     return make_sampler(graph, cfg), make_sampler(graph, dataclasses.replace(cfg, temperature=0.0))
 
 
-def make_rollout_phase(c, sampler, greedy, tokenizer, model_config, step_cfg) -> RolloutPhase:
+def make_rollout_phase(
+    c, sampler, greedy, tokenizer, model_config, step_cfg, mesh=None
+) -> RolloutPhase:
     fns = {name: SafeReward(name, load_reward_fn(name)) for name in c.reward.funcs}
     regular = dict(zip(c.reward.funcs, c.reward.weights))
     early = dict(zip(c.reward.funcs, c.reward.early_weights)) if c.reward.early_weights else None
@@ -182,10 +192,11 @@ def make_rollout_phase(c, sampler, greedy, tokenizer, model_config, step_cfg) ->
         mdi_balance_ratio=c.reward.mdi_balance_ratio,
         replay=replay,
         greedy=greedy if c.algorithm.adv_estimator == "remax" else None,
+        mesh=mesh,
     )
 
 
-def make_validate(c, examples, greedy, model_config, tokenizer):
+def make_validate(c, examples, greedy, model_config, tokenizer, mesh=None):
     """-> validate(params): greedy val/accuracy and val/format on the held-out examples, in
     batches of the rollout's row count."""
     val_collate = functools.partial(
@@ -197,20 +208,10 @@ def make_validate(c, examples, greedy, model_config, tokenizer):
         with_pools=False,
     )
     rows = c.prompts_per_step * c.rollout.num_generations
-    return lambda params: evaluate(examples, greedy, params, val_collate, tokenizer, rows)
+    return lambda params: evaluate(examples, greedy, params, val_collate, tokenizer, rows, mesh)
 
 
-def place_state(state):
-    """Where the train state goes onto the device mesh (identity on one device)."""
-    return state
-
-
-def place_batch(batch):
-    """Where a host rollout batch goes onto the device mesh (one device: device_put)."""
-    return jax.tree.map(jnp.asarray, batch)
-
-
-def load_start_params(path: str, state, ref_params):
+def load_start_params(path: str, state, ref_params, ref_shardings):
     """config.load_checkpoint_path (`<dir>/<step>`): that checkpoint's parameters with a fresh
     optimizer at step 0; they are also the reference policy's."""
     directory, step = os.path.split(path.rstrip("/"))
@@ -220,20 +221,38 @@ def load_start_params(path: str, state, ref_params):
     params = ck.restore_step(int(step), state).state.params
     ck.close()
     print(f"parameters from {path}", flush=True)
-    ref = None if ref_params is None else jax.tree.map(jnp.array, params)
+    ref = None
+    if ref_params is not None:  # distinct buffers (the state is donated), sharded like params
+        ref = R.place_state(jax.tree.map(jnp.array, params), ref_shardings)
     return state.replace(params=params), ref
 
 
-def resume(c, ckpt: Checkpointer, state, data):
+def resume(c, ckpt: Checkpointer, state, data, mesh):
     """-> (start step, state, rng, consecutive non-finite steps) from the latest checkpoint
-    in workdir, or the fresh ones; the data iterator continues from its saved state."""
-    rng = jax.random.key(c.seed)
+    in workdir, or the fresh ones; the data iterator continues from its saved state. The
+    arrays restore into `state`'s shardings, the RNG replicated over the mesh (a global array
+    every process can save)."""
+    rng = R.replicate(jax.random.key(c.seed), mesh)
     if not c.resume or ckpt.latest_step() is None:
         return 0, state, rng, 0
-    r = ckpt.restore_latest(state)
+    r = ckpt.restore_latest(state, rng_sharding=rng.sharding)
     data.set_state(r.data_state if r.data_state is not None else r.meta["iterator"])
     print(f"resumed from step {r.step}", flush=True)
     return r.step, r.state, r.rng, int(r.meta.get("nonfinite_streak", 0))
+
+
+def check_rows(c, mesh) -> None:
+    """The batch rows (every process's prompts_per_step x num_generations) are split evenly
+    over the mesh's data x fsdp devices."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = c.prompts_per_step * c.rollout.num_generations
+    if (rows * jax.process_count()) % shards:
+        raise ConfigError(
+            f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
+            f"({jax.process_count()} processes) do not split evenly over mesh.data x mesh.fsdp "
+            f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
+            "mesh.tensor"
+        )
 
 
 def check_nonfinite(streak: int, limit: int) -> None:
@@ -253,26 +272,42 @@ def _short(metrics: dict) -> str:
 def run(c) -> dict:
     """Train (or only validate) per config `c`; returns the last step's scalars plus the
     compile counts (`compiles/*`)."""
+    R.initialize_distributed(c.distributed)  # a no-op unless distributed.enable
     t_start = time.time()
     jax.config.update("jax_default_matmul_precision", "highest")
     os.makedirs(c.workdir, exist_ok=True)
     primary = jax.process_index() == 0
+    mesh = R.mesh_from_config(c.mesh)
+    check_rows(c, mesh)
 
     model, tokenizer = load_model(c)
     data, train_rows, skipped = train_data(c, tokenizer)
-    graphdef, tx, state, ref_params = init_train_state(model, c)
+    # the state, optimizer state and reference copy are created sharded; init runs on a copy
+    # of the model, whose graph after init (LoRA adapters) is the sampler's
+    s = R.sharded_train_state(init_train_state, model, mesh, c)
+    state, ref_params = s.state, s.ref_params
     step_cfg = step_config(c)
-    train_step = make_train_step(graphdef, tx, step_cfg)
-    sampler, greedy = make_samplers(model, tokenizer, c)
+    # state donated, metrics replicated; make_train_step is the (jitted) step it wraps, looked
+    # up here so that tests can wrap it
+    train_step = R.jit_train_step(
+        s.graphdef, s.tx, step_cfg, mesh, s.state_shardings, s.ref_shardings, build=make_train_step
+    )
+    sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c)
     # make_sampler is cached per (model, config) across runs in one process: count new entries
     compiled_before = sampler._cache_size(), greedy._cache_size()
-    phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg)
-    validate = make_validate(c, val_examples(c, tokenizer), greedy, model.config, tokenizer)
+    on_mesh = functools.partial(R.on_mesh, mesh=mesh)
+    phase = make_rollout_phase(
+        c, on_mesh(sampler), on_mesh(greedy), tokenizer, model.config, step_cfg, mesh
+    )
+    examples = val_examples(c, tokenizer)
+    validate = make_validate(c, examples, on_mesh(greedy), model.config, tokenizer, mesh)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
-    start, state, rng, nonfinite = resume(c, ckpt, state, data)
+    state = R.place_state(state, s.state_shardings)  # the restore target's shardings
+    start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh)
     if start == 0 and c.load_checkpoint_path:
-        state, ref_params = load_start_params(c.load_checkpoint_path, state, ref_params)
-    state = place_state(state)
+        state, ref_params = load_start_params(
+            c.load_checkpoint_path, state, ref_params, s.ref_shardings
+        )
     # Rows of steps after `start` (a run cut off after its last checkpoint, or a fresh start
     # over an old run) are dropped; val_only appends nothing after step 0.
     logs = RunLogs(c.workdir, c.total_steps, start, primary, start if start else -1, c.log_samples)
@@ -291,9 +326,9 @@ def run(c) -> dict:
             rng, k_sample, k_step = jax.random.split(rng, 3)
             params = sampling_params(state)
             rollout = phase.run(params, step, k_sample, data, max_prompts=train_rows)
-            state, step_metrics, extras = train_step(
-                state, ref_params, place_batch(rollout.batch), k_step
-            )
+            # each process passes its own rows; they join into the global batch
+            batch = R.place_batch(rollout.batch, mesh)
+            state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
             metrics.update({f"data/skipped_{k}": v for k, v in skipped.counts.items()})
@@ -301,7 +336,7 @@ def run(c) -> dict:
                 metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
             if step % c.log_rollouts_every == 0:
-                logs.markdown(done, rollout, extras, tokenizer)
+                logs.markdown(done, rollout, R.host_local(extras), tokenizer)
             nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0
             check_nonfinite(nonfinite, c.max_nonfinite_steps)
 

@@ -23,11 +23,15 @@ from jaxvrl.logging import (
 from jaxvrl.trainer.rollout import Rollout, decode_completions, sample_completions
 
 
-def evaluate(examples: list, greedy, params, collate, tokenizer, rows_per_batch: int) -> dict:
+def evaluate(
+    examples: list, greedy, params, collate, tokenizer, rows_per_batch: int, mesh=None
+) -> dict:
     """Greedy accuracy (mc_idx) and think-format rate on held-out examples.
 
     collate(examples) -> a prompt batch with one row per example; batches are padded to
-    `rows_per_batch` rows (one compiled shape) and the padding rows are not counted."""
+    `rows_per_batch` rows (one compiled shape) and the padding rows are not counted. mesh:
+    where the prompts go (`sample_completions`); on a pod every process evaluates all the
+    examples as its rows of the global batch (the same figures on every process)."""
     if not examples:
         return {}
     correct, fmt, n = 0.0, 0.0, 0
@@ -35,7 +39,7 @@ def evaluate(examples: list, greedy, params, collate, tokenizer, rows_per_batch:
         chunk = examples[i : i + rows_per_batch]
         k = len(chunk)
         chunk = chunk + [chunk[-1]] * (rows_per_batch - k)
-        out = sample_completions(greedy, params, collate(chunk), jax.random.key(0))
+        out = sample_completions(greedy, params, collate(chunk), jax.random.key(0), mesh=mesh)
         texts = decode_completions(tokenizer, out.tokens, out.mask)[:k]
         labels = [ex.get("label_idx", ex.get("answer")) for ex in chunk[:k]]
         correct += sum(rl.rewards.mc_idx_reward(texts, labels))

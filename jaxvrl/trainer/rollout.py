@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxvrl import rl
+from jaxvrl.parallel import runtime as R
 from jaxvrl.trainer.policy import RolloutBatch
 
 OVERALL = "overall"  # a filter metric: the total (weighted) reward
@@ -222,19 +224,31 @@ class Rollout:
     metrics: dict
 
 
-def sample_completions(sampler, params, batch: dict, key, pools=None):
-    """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays."""
+def sample_completions(sampler, params, batch: dict, key, pools=None, mesh=None):
+    """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays.
+
+    mesh: None puts the inputs on the default device. With a mesh the prompt arrays become
+    global arrays with rows split over (data, fsdp) (`runtime.place_batch`: on a pod each
+    process passes its own rows), the key is replicated, and the outputs come back as this
+    process's rows (`runtime.host_local`; np.asarray fails on a pod)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")}
+    inputs.update(images=batch["images"], pools=pools)
+    if mesh is None:
+        inputs = jax.tree.map(jnp.asarray, inputs)
+    else:
+        inputs = R.place_batch(inputs, mesh)
+        key = R.replicate(key, mesh)
     out = sampler(
         params,
-        jnp.asarray(batch["input_ids"]),
-        jnp.asarray(batch["attention_mask"]),
-        jnp.asarray(batch["position_ids"]),
-        jnp.asarray(batch["deltas"]),
+        inputs["input_ids"],
+        inputs["attention_mask"],
+        inputs["position_ids"],
+        inputs["deltas"],
         key,
-        images=None if batch["images"] is None else jax.tree.map(jnp.asarray, batch["images"]),
-        pools=pools,
+        images=inputs["images"],
+        pools=inputs["pools"],
     )
-    return jax.tree.map(lambda x: None if x is None else np.asarray(x), out)
+    return R.host_local(out)
 
 
 def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -267,6 +281,7 @@ class RolloutPhase:
     mdi_balance_ratio: float = 2.0
     replay: rl.ReplayBuffer | None = None
     greedy: Callable | None = None
+    mesh: Mesh | None = None  # where the sampler's inputs go (None: the default device)
 
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""
@@ -274,8 +289,8 @@ class RolloutPhase:
         batch = self.collate(examples)
         pools = None
         if self.attention is not None:
-            pools = {k: jnp.asarray(v) for k, v in batch["pools"].items()}
-        out = sample_completions(self.sampler, params, batch, key, pools)
+            pools = batch["pools"]
+        out = sample_completions(self.sampler, params, batch, key, pools, self.mesh)
         t_sample = time.time() - t0
         texts = decode_completions(self.tokenizer, out.tokens, out.mask)
         att = self._attention(out, batch)
@@ -327,7 +342,7 @@ class RolloutPhase:
         """float64[B]: the total reward of each prompt's greedy completion, on its G rows.
         The greedy sampler runs on the whole batch (the validation shape: no new program)."""
         g = self.opts.group_size
-        out = sample_completions(self.greedy, params, batch, jax.random.key(0))
+        out = sample_completions(self.greedy, params, batch, jax.random.key(0), mesh=self.mesh)
         texts = decode_completions(self.tokenizer, out.tokens[::g], out.mask[::g])
         cols = {k: (v[::g] if isinstance(v, list) else v) for k, v in columns.items()}
         cols["mdi"] = None
