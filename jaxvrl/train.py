@@ -274,11 +274,11 @@ def run(c) -> dict:
     compile counts (`compiles/*`)."""
     R.initialize_distributed(c.distributed)  # a no-op unless distributed.enable
     t_start = time.time()
+    mesh = R.mesh_from_config(c.mesh)
+    check_rows(c, mesh)
     jax.config.update("jax_default_matmul_precision", "highest")
     os.makedirs(c.workdir, exist_ok=True)
     primary = jax.process_index() == 0
-    mesh = R.mesh_from_config(c.mesh)
-    check_rows(c, mesh)
 
     model, tokenizer = load_model(c)
     data, train_rows, skipped = train_data(c, tokenizer)

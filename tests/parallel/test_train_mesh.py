@@ -54,6 +54,15 @@ for name, overrides in RUNS:
     m = run(c)
     report[name] = {"compiles": {k: v for k, v in m.items() if k.startswith("compiles/")},
                     "placed": seen[-1], "devices": jax.device_count()}
+if COMPARE:  # 3 x 2 rows do not split over data x fsdp = 8: a clear error before any work
+    from jaxvrl.config import ConfigError
+
+    c = load_config("configs/grpo.py:runlocal", ["prompts_per_step=3", "mesh.fsdp=8",
+                                                   f"workdir={COMPARE[0]}_rows"])
+    try:
+        run(c)
+    except ConfigError as e:
+        report["rows_error"] = str(e)
 if COMPARE:  # checkpoints saved on 8 devices restore on 8 devices (orbax checks the topology)
     import numpy as np
     from jaxvrl.checkpoint import Checkpointer
@@ -123,6 +132,12 @@ def test_the_runs_use_the_mesh(runs):
     assert report["tensor"]["placed"] == [{"data": 2, "fsdp": 2, "tensor": 2}, 8, 2, 8]
     for name in ("one", "mesh", "resumed", "tensor"):
         assert report[name]["compiles"]["compiles/train_step"] == 1, report[name]
+
+
+def test_rows_that_do_not_split_over_the_mesh_are_a_config_error(runs):
+    report, _ = runs
+    assert "6 rows per process" in report["rows_error"], report.get("rows_error")
+    assert "mesh.data x mesh.fsdp = 8" in report["rows_error"]
 
 
 @pytest.mark.parametrize("mesh", ["mesh", "tensor"])
