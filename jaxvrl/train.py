@@ -255,6 +255,16 @@ def check_rows(c, mesh) -> None:
         )
 
 
+def process0_says(flag: bool) -> bool:
+    """Process 0's flag on every process (a decision from each host's own clock must be the
+    same everywhere: a host that stops alone leaves the others waiting in a collective)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
+
+
 def check_nonfinite(streak: int, limit: int) -> None:
     if streak >= limit:
         raise FloatingPointError(
@@ -340,7 +350,9 @@ def run(c) -> dict:
             nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0
             check_nonfinite(nonfinite, c.max_nonfinite_steps)
 
-            over_budget = bool(c.time_budget_s) and time.time() - t_start > c.time_budget_s
+            over_budget = bool(c.time_budget_s) and process0_says(
+                time.time() - t_start > c.time_budget_s
+            )
             stop = stop_requested_everywhere(flag) or over_budget
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
                 meta = {"nonfinite_streak": nonfinite}
