@@ -41,6 +41,7 @@ from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import open_sources
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime as R
+from jaxvrl.remote import MirroredDir, is_remote, localize_dir
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn
 from jaxvrl.sampling import SamplingConfig, make_sampler
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
@@ -108,7 +109,7 @@ def load_model(c):
     """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one."""
     from transformers import AutoTokenizer
 
-    path = c.model.path or EMBEDDED
+    path = localize_dir(c.model.path or EMBEDDED)  # gs://: copied into a local cache once
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
         model = load(path, dtype=dtypes[c.model.dtype], param_dtype=dtypes[c.model.param_dtype])
@@ -287,8 +288,13 @@ def run(c) -> dict:
     mesh = R.mesh_from_config(c.mesh)
     check_rows(c, mesh)
     jax.config.update("jax_default_matmul_precision", "highest")
-    os.makedirs(c.workdir, exist_ok=True)
     primary = jax.process_index() == 0
+    # checkpoints go to the workdir itself (orbax writes gs://); logs are written locally and
+    # mirrored to a remote workdir by process 0
+    mirror = MirroredDir(c.workdir) if primary and is_remote(c.workdir) else None
+    if not is_remote(c.workdir):
+        os.makedirs(c.workdir, exist_ok=True)
+    logdir = mirror.local if mirror else c.workdir
 
     model, tokenizer = load_model(c)
     data, train_rows, skipped = train_data(c, tokenizer)
@@ -320,7 +326,7 @@ def run(c) -> dict:
         )
     # Rows of steps after `start` (a run cut off after its last checkpoint, or a fresh start
     # over an old run) are dropped; val_only appends nothing after step 0.
-    logs = RunLogs(c.workdir, c.total_steps, start, primary, start if start else -1, c.log_samples)
+    logs = RunLogs(logdir, c.total_steps, start, primary, start if start else -1, c.log_samples)
 
     metrics = {}
     if c.val_only or (start == 0 and c.val_before_train):
@@ -347,6 +353,8 @@ def run(c) -> dict:
             logs.scalars(done, metrics)
             if step % c.log_rollouts_every == 0:
                 logs.markdown(done, rollout, R.host_local(extras), tokenizer)
+            if mirror:
+                mirror.push()  # at most every 30 s
             nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0
             check_nonfinite(nonfinite, c.max_nonfinite_steps)
 
@@ -365,6 +373,8 @@ def run(c) -> dict:
         flag.restore()
         ckpt.close()
         logs.close()
+        if mirror:
+            mirror.push(force=True)
     metrics["compiles/train_step"] = train_step._cache_size()
     metrics["compiles/sampler"] = sampler._cache_size() - compiled_before[0]
     metrics["compiles/greedy_sampler"] = greedy._cache_size() - compiled_before[1]

@@ -47,7 +47,10 @@ def gcs_round_trip() -> None:
     url = f"http://127.0.0.1:{port}"
     os.environ["STORAGE_EMULATOR_HOST"] = url  # gcsfs (orbax's epath for gs://)
     os.environ["TENSORSTORE_GCS_HTTP_URL"] = url  # tensorstore (the arrays)
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"  # no credential lookup
+    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"
+    # gcsfs >= 2025.x asks a gRPC control API for the bucket type, which the emulator lacks
+    # (a 60 s timeout per filesystem); the plain JSON API is all the emulator serves
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # no credential lookup
     import gcsfs
     import jax
     import jax.numpy as jnp
