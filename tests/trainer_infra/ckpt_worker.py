@@ -7,9 +7,7 @@ python ckpt_worker.py gcs          : save/restore against a loopback GCS emulato
 from __future__ import annotations
 
 import json
-import logging
 import os
-import socket
 import sys
 import time
 
@@ -35,22 +33,9 @@ def sigterm_loop(directory: str) -> None:
 
 
 def gcs_round_trip() -> None:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    from gcp_storage_emulator.server import create_server
+    from tests.trainer_infra.gcs_emulator import start_emulator
 
-    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="jaxvrl-test")
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    os.environ["STORAGE_EMULATOR_HOST"] = url  # gcsfs (orbax's epath for gs://)
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = url  # tensorstore (the arrays)
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "test"
-    # gcsfs >= 2025.x asks a gRPC control API for the bucket type, which the emulator lacks
-    # (a 60 s timeout per filesystem); the plain JSON API is all the emulator serves
-    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # no credential lookup
+    server, url = start_emulator()
     import gcsfs
     import jax
     import jax.numpy as jnp
