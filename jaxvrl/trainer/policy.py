@@ -47,9 +47,10 @@ class RolloutBatch:
         return self.completion_mask.shape[1]
 
 
-def completion_logits(model, batch: RolloutBatch, *, images=None, pools=False):
-    """Forward the whole sequence; returns (logits float32[B, N, V] predicting each completion
-    token, out). Logits at position t predict token t+1, so the completion's are [P-1, L-1)."""
+def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
+    """Forward the whole sequence; returns (hidden [B, N, D] whose logits predict each
+    completion token, out). Position t predicts token t+1, so the completion's are
+    [P-1, L-1)."""
     out = model.forward(
         batch.input_ids,
         batch.attention_mask,
@@ -60,8 +61,63 @@ def completion_logits(model, batch: RolloutBatch, *, images=None, pools=False):
         return_logits=False,
     )
     n = batch.completion_length
-    hidden = out.hidden[:, -n - 1 : -1]
+    return out.hidden[:, -n - 1 : -1], out
+
+
+def completion_logits(model, batch: RolloutBatch, *, images=None, pools=False):
+    """(logits float32[B, N, V] predicting each completion token, out)."""
+    hidden, out = completion_hidden(model, batch, images=images, pools=pools)
     return model.logits(hidden), out
+
+
+# float32 logits one chunk of the head may hold: [B, chunk, V] stays near this size.
+_CHUNK_BYTES = 96 << 20
+
+
+def head_chunk(rows: int, tokens: int, vocab: int) -> int:
+    """Tokens per chunk of `completion_logprobs`: [rows, chunk, vocab] float32 ~ 96 MiB."""
+    return int(min(tokens, max(1, _CHUNK_BYTES // (4 * rows * vocab))))
+
+
+def completion_logprobs(
+    model,
+    hidden: jax.Array,
+    tokens: jax.Array,
+    temperature: float,
+    *,
+    entropy: str = "none",
+    chunk: int = 0,
+):
+    """(log pi(token) float32[B, N], entropy float32[B, N] or None) from final hidden states
+    [B, N, D], equal to `token_logprobs`/`token_entropy` of `model.logits(hidden)`.
+
+    The vocabulary projection runs over chunks of `chunk` tokens (0: `head_chunk`) in a
+    `lax.scan`, each under `jax.checkpoint`, so no [B, N, V] array exists in the forward or
+    the backward pass; one log-sum-exp serves both outputs. entropy: "none" | "value"
+    (no gradient flows through it) | "grad".
+    """
+    b, n, d = hidden.shape
+    inv_t = 1.0 / max(temperature, 1e-6)
+    k = chunk or head_chunk(b, n, model.config.text.vocab_size)
+    c = -(-n // k)
+    pad = c * k - n
+    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, c, k, d).swapaxes(0, 1)
+    ts = jnp.pad(tokens, ((0, 0), (0, pad))).reshape(b, c, k).swapaxes(0, 1)
+
+    def one(h, t):
+        z = model.logits(h) * inv_t  # float32[B, k, V]
+        lse = jax.nn.logsumexp(z, axis=-1)
+        logp = jnp.take_along_axis(z, t[..., None], axis=-1)[..., 0] - lse
+        if entropy == "none":
+            return logp, None
+        lp = z - lse[..., None]  # -sum p log p: a sum of non-negative terms, no cancellation
+        lp = lp if entropy == "grad" else jax.lax.stop_gradient(lp)
+        return logp, -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+
+    one = jax.checkpoint(one, prevent_cse=False)
+    _, (logp, ent) = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, (hs, ts))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, c * k)[:, :n]  # noqa: E731
+    return unchunk(logp), None if ent is None else unchunk(ent)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:

@@ -29,9 +29,8 @@ from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer.policy import (
     RolloutBatch,
     blacken_patches,
-    completion_logits,
-    token_entropy,
-    token_logprobs,
+    completion_hidden,
+    completion_logprobs,
 )
 
 
@@ -93,6 +92,20 @@ class StepConfig:
     @property
     def needs_ref(self) -> bool:
         return (self.use_kl_loss and self.kl_loss_coef > 0) or self.use_kl_in_reward
+
+    @property
+    def old_pass(self) -> bool:
+        """Whether a no-grad old-policy pass runs before the loss. The step makes one update
+        per batch, so the old policy is the current one: without anything that reads the old
+        log-probs, entropies or attention masses before the loss, the loss pass supplies
+        them (old = stop_gradient(logp), as TRL does) and the extra forward is skipped."""
+        return (
+            self.needs_perturbed
+            or self.entropy_filtering
+            or self.use_kl_in_reward
+            or self.token_weights
+            or self.critic
+        )
 
     @property
     def critic(self) -> bool:
@@ -157,24 +170,26 @@ def _no_grad_passes(
     def one(args):
         mb, aug_mb = args
         tokens = mb.input_ids[:, -mb.completion_length :]
-        logits, out = completion_logits(model, mb, pools=cfg.token_weights)
-        n = mb.completion_length
-        res = {
-            "old_logp": token_logprobs(logits, tokens, cfg.temperature),
-            "entropy": token_entropy(logits, cfg.temperature),
-        }
-        if cfg.token_weights:
-            res["vision_mass"] = out.vision_mass[:, :, -n - 1 : -1]
-            res["text_mass"] = out.text_mass[:, :, -n - 1 : -1]
+        logprobs = lambda m, h, **kw: completion_logprobs(  # noqa: E731
+            m, h, tokens, cfg.temperature, **kw
+        )[0]
+        res = {}
+        if cfg.old_pass:
+            hidden, out = completion_hidden(model, mb, pools=cfg.token_weights)
+            res["old_logp"], res["entropy"] = completion_logprobs(
+                model, hidden, tokens, cfg.temperature, entropy="value"
+            )
+            if cfg.token_weights:
+                n = mb.completion_length
+                res["vision_mass"] = out.vision_mass[:, :, -n - 1 : -1]
+                res["text_mass"] = out.text_mass[:, :, -n - 1 : -1]
+            if critic is not None and critic[0] is None:
+                res["values"] = critic_lib.head_values(hidden, critic[1])
         if aug_mb is not None:
-            logits_aug, _ = completion_logits(model, mb, images=aug_mb)
-            res["aug_logp"] = token_logprobs(logits_aug, tokens, cfg.temperature)
+            res["aug_logp"] = logprobs(model, completion_hidden(model, mb, images=aug_mb)[0])
         if ref is not None:
-            logits_ref, _ = completion_logits(ref, mb)
-            res["ref_logp"] = token_logprobs(logits_ref, tokens, cfg.temperature)
-        if critic is not None and critic[0] is None:
-            res["values"] = critic_lib.head_values(out.hidden[:, -n - 1 : -1], critic[1])
-        elif critic is not None:
+            res["ref_logp"] = logprobs(ref, completion_hidden(ref, mb)[0])
+        if critic is not None and critic[0] is not None:
             res["values"] = critic_lib.values(graphdef, critic[0], critic[1], mb)
         return res
 
@@ -296,12 +311,20 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepCon
     if "dropout_key" in aux:  # LoRA dropout, in the gradient pass only
         lora.set_dropout_key(model, aux["dropout_key"])
     tokens = mb.input_ids[:, -mb.completion_length :]
-    logits, out = completion_logits(model, mb)
-    logp = token_logprobs(logits, tokens, cfg.temperature)
+    hidden, out = completion_hidden(model, mb)
+    want_entropy = cfg.entropy_coef or not cfg.old_pass
+    logp, entropy = completion_logprobs(
+        model,
+        hidden,
+        tokens,
+        cfg.temperature,
+        entropy=("grad" if cfg.entropy_coef else "value") if want_entropy else "none",
+    )
     mask = mb.completion_mask
+    old_logp = aux["old_logp"] if cfg.old_pass else jax.lax.stop_gradient(logp)
     loss, metrics = rl.policy_loss(
         logp,
-        aux["old_logp"],
+        old_logp,
         aux["advantages"],
         mask,
         clip_ratio_low=cfg.clip_ratio_low,
@@ -318,15 +341,20 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepCon
         metrics["kl_loss"] = agg(kl)
         loss = loss + cfg.kl_loss_coef * metrics["kl_loss"]
     if cfg.entropy_coef:
-        metrics["entropy_loss"] = agg(token_entropy(logits, cfg.temperature))
+        metrics["entropy_loss"] = agg(entropy)
         loss = loss - cfg.entropy_coef * metrics["entropy_loss"]
     if cfg.use_entropy_penalty:
         metrics["entropy_penalty"] = agg(-logp)
         loss = loss + cfg.entropy_penalty_coef * metrics["entropy_penalty"]
     scale = aux["share"]
     loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
+    if not cfg.old_pass:  # token sums of what the old pass would have given, for the metrics
+        sg = jax.lax.stop_gradient
+        metrics["old_sums"] = {"entropy": jnp.sum(sg(entropy) * mask)}
+        if "ref_logp" in aux:
+            kl = rl.kl_penalty(sg(logp), aux["ref_logp"], cfg.kl_loss_type)
+            metrics["old_sums"]["kl"] = jnp.sum(kl * mask)
     if head is not None:
-        hidden = out.hidden[:, -mb.completion_length - 1 : -1]
         vf, vmets = critic_lib.value_loss_terms(
             critic_lib.head_values(hidden, head), aux, mask, cfg.cliprange_value
         )
@@ -450,7 +478,9 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         metrics.update(shaping_metrics)
         mask = batch.completion_mask
         total = _denominator(cfg.loss_agg_mode, mask, weights)
-        aux = {"old_logp": passes["old_logp"], "advantages": adv}
+        aux = {"advantages": adv}
+        if cfg.old_pass:
+            aux["old_logp"] = passes["old_logp"]
         if "ref_logp" in passes:
             aux["ref_logp"] = passes["ref_logp"]
         if token_mask is not None:
@@ -501,7 +531,12 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
             new_state = new_state.replace(
                 kl_coef=_next_kl_coef(state.kl_coef, metrics["kl_reward"], mask.shape[0], cfg)
             )
-        ent = jnp.sum(passes["entropy"] * mask) / jnp.maximum(mask.sum(), 1)
+        tokens = jnp.maximum(mask.sum(), 1)
+        old_sums = loss_metrics.pop("old_sums", None)
+        if old_sums is None:
+            ent = jnp.sum(passes["entropy"] * mask) / tokens
+        else:
+            ent = old_sums["entropy"] / tokens
         metrics.update(loss_metrics)
         metrics.update(
             loss=loss,
@@ -512,9 +547,11 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
             if adv.ndim == 2
             else jnp.mean(adv),
         )
-        if "ref_logp" in passes:
+        if old_sums is not None and "kl" in old_sums:
+            metrics["kl"] = old_sums["kl"] / tokens
+        elif "ref_logp" in passes:
             kl = rl.kl_penalty(passes["old_logp"], passes["ref_logp"], cfg.kl_loss_type)
-            metrics["kl"] = jnp.sum(kl * mask) / jnp.maximum(mask.sum(), 1)
+            metrics["kl"] = jnp.sum(kl * mask) / tokens
         return new_state, metrics, {"advantages": adv, "token_weights": weights}
 
     return step

@@ -76,22 +76,33 @@ def init_state(model, tx):
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
-def reference_grpo_loss(params, graphdef, batch, temperature):
-    """Independent GRPO/DAPO (token-mean) loss on-policy: ratio = 1 at the current params, so
-    the loss value is -sum(m A)/sum(m) and its gradient is -sum(m A grad logp)/sum(m)."""
+def reference_logp(params, graphdef, batch, temperature):
+    """(log-probs of the completion tokens [B, N], entropies [B, N]) from full logits."""
     model = nnx.merge(graphdef, params)
     out = model.forward(
         batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images
     )
     logits = out.logits[:, -N - 1 : -1] / temperature
     logp = jax.nn.log_softmax(logits, -1)
-    tok = jnp.take_along_axis(logp, batch.input_ids[:, -N:, None], -1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp) * logp, -1)
+    return jnp.take_along_axis(logp, batch.input_ids[:, -N:, None], -1)[..., 0], ent
+
+
+def reference_grpo_loss(params, graphdef, batch, temperature, ref_params=None, beta=0.0):
+    """Independent GRPO/DAPO (token-mean) loss on-policy: ratio = 1 at the current params, so
+    the loss value is -sum(m A)/sum(m) and its gradient is -sum(m A grad logp)/sum(m). With
+    ref_params, plus beta * token-mean of k3 = exp(ref - logp) - (ref - logp) - 1."""
+    tok, _ = reference_logp(params, graphdef, batch, temperature)
     r = np.asarray(batch.rewards).reshape(-1, G)
     adv = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
     adv = jnp.asarray(adv.reshape(-1))[:, None]
     ratio = jnp.exp(tok - jax.lax.stop_gradient(tok))
     m = batch.completion_mask
-    return jnp.sum(-adv * ratio * m) / jnp.sum(m)
+    loss = jnp.sum(-adv * ratio * m) / jnp.sum(m)
+    if ref_params is not None:
+        d = reference_logp(ref_params, graphdef, batch, temperature)[0] - tok
+        loss = loss + beta * jnp.sum((jnp.exp(d) - d - 1.0) * m) / jnp.sum(m)
+    return loss
 
 
 def test_grpo_update_matches_independent_formula(model):
@@ -113,6 +124,38 @@ def test_grpo_update_matches_independent_formula(model):
     ref_loss = reference_grpo_loss(jax.tree.map(jnp.asarray, p0), graphdef, batch, 0.7)
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)
     assert abs(float(ref_loss)) > 1e-3  # rows of unequal length: token-mean is not zero
+
+
+def test_grpo_kl_step_without_old_pass_matches_reference(model):
+    """GRPO + KL loss needs no old-policy pass (old = current): the update, the entropy and
+    the KL metrics still equal the independent full-logits formulas, over 2 micro-batches."""
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.5)
+    cfg = StepConfig(
+        group_size=G, temperature=0.7, use_kl_loss=True, kl_loss_coef=0.3, micro_batches=2
+    )
+    assert not cfg.old_pass
+    batch = make_batch(model, seed=2)
+    state = init_state(model, tx)
+    p0 = jax.tree.map(jnp.asarray, jax.tree.map(np.array, state.params))
+    noise = lambda i, x: x + 0.05 * jax.random.normal(jax.random.key(i), x.shape)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(p0)
+    ref = jax.tree.unflatten(treedef, [noise(i, x) for i, x in enumerate(leaves)])
+    loss_fn = lambda p: reference_grpo_loss(p, graphdef, batch, 0.7, ref, beta=0.3)  # noqa: E731
+    want_loss, grads = jax.value_and_grad(loss_fn)(p0)
+    logp, ent = reference_logp(p0, graphdef, batch, 0.7)
+    d = reference_logp(ref, graphdef, batch, 0.7)[0] - logp
+    m = batch.completion_mask
+    want_kl = float(jnp.sum((jnp.exp(d) - d - 1.0) * m) / jnp.sum(m))
+    want_ent = float(jnp.sum(ent * m) / jnp.sum(m))
+    new_state, metrics, _ = make_train_step(graphdef, tx, cfg)(state, ref, batch, jax.random.key(0))
+    assert want_kl > 1e-3
+    np.testing.assert_allclose(float(metrics["kl"]), want_kl, rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["entropy"]), want_ent, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5)
+    expect = jax.tree.map(lambda p, g: p - 0.5 * g, p0, grads)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(new_state.params), nnx.to_flat_state(expect)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=2e-6, err_msg=str(path))
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
