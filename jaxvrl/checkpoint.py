@@ -280,9 +280,6 @@ def install_preemption_handler(signals=(signal.SIGTERM,)) -> PreemptionFlag:
 def stop_requested_everywhere(flag: PreemptionFlag) -> bool:
     """True on every process when any process got the signal (call at the same step on all
     processes: a preempted host must not save alone)."""
-    if jax.process_count() == 1:
-        return flag.requested
-    from jax.experimental import multihost_utils
+    from jaxvrl.parallel.runtime import any_process
 
-    flags = multihost_utils.process_allgather(np.asarray(flag.requested, np.int32))
-    return bool(np.any(flags))
+    return any_process(flag.requested)

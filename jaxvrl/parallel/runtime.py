@@ -56,6 +56,16 @@ def initialize_distributed(cfg) -> bool:
     return True
 
 
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (call it at the same point on all
+    processes: it is a collective when there are several)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
 def mesh_from_config(cfg, devices=None) -> Mesh:
     """Mesh (data, fsdp, tensor) from the `mesh` ConfigDict group; one size may be -1 (the
     rest of the devices). Raises ValueError naming the sizes and the device count when they

@@ -170,6 +170,7 @@ def collect_groups(
     *,
     replay: rl.ReplayBuffer | None = None,
     max_prompts: int | None = None,
+    any_process: Callable[[bool], bool] = R.any_process,
 ) -> Collected:
     """Calls generate(i) for generation batches i = 0, 1, ... until P groups passed the filters
     or, with dynamic sampling, max_num_gen_batches batches were generated (without it: one).
@@ -178,13 +179,17 @@ def collect_groups(
     pass over the data) without filling up raises, rather than looping for ever. With a replay
     buffer, uninformative groups among the slots (by the buffer's std/mean rule on the total
     reward) and empty slots are filled from the buffer, most recent first; this step's
-    informative groups go into the buffer.
+    informative groups go into the buffer. any_process(flag) -> whether any process has
+    `flag` (the loop runs until no process needs more groups).
     """
     p, limit = opts.prompts_per_step, opts.max_num_gen_batches if opts.dynamic_sampling else 1
     sampler = rl.DynamicSampler(target_groups=p, max_num_gen_batches=limit)
     sampled = []
-    while not sampler.done:
-        i = sampler.num_gen_batches
+    i = 0
+    # generate() runs the sampler on the mesh, a collective: every process calls it equally
+    # often, so a process whose groups are complete keeps generating (and drops the groups)
+    # while another still needs some.
+    while any_process(not sampler.done):
         if limit == 0 and max_prompts is not None and i * p >= max(max_prompts, p):
             raise RuntimeError(
                 f"dynamic sampling found {len(sampler.groups)} of the {p} groups a step needs "
@@ -195,8 +200,10 @@ def collect_groups(
                 "to train on a part-filled batch."
             )
         groups = generate(i)
-        sampled += groups
-        sampler.add(groups, keep_flags(groups, opts))
+        i += 1
+        if not sampler.done:
+            sampled += groups
+            sampler.add(groups, keep_flags(groups, opts))
     kept, gen_batches = len(sampler.groups), sampler.num_gen_batches
     slots = sampler.take()
     slots += [None] * (p - len(slots))

@@ -94,17 +94,27 @@ class StepConfig:
         return (self.use_kl_loss and self.kl_loss_coef > 0) or self.use_kl_in_reward
 
     @property
+    def shapes_tokens(self) -> bool:
+        """Whether token masks, token weights or TAS read per-token old-policy quantities."""
+        return self.needs_perturbed or self.entropy_filtering or self.token_weights
+
+    @property
+    def shaping_in_loss(self) -> bool:
+        """Masks, weights and TAS computed inside the loss pass from its own (stop-gradient)
+        log-probs, entropies and attention masses: possible when that pass sees the whole
+        batch at once (one micro-batch; batch-level statistics stay batch-level)."""
+        return self.shapes_tokens and self.micro_batches == 1 and not self.old_pass
+
+    @property
     def old_pass(self) -> bool:
         """Whether a no-grad old-policy pass runs before the loss. The step makes one update
-        per batch, so the old policy is the current one: without anything that reads the old
-        log-probs, entropies or attention masses before the loss, the loss pass supplies
-        them (old = stop_gradient(logp), as TRL does) and the extra forward is skipped."""
+        per batch, so the old policy is the current one, and the loss pass can supply the old
+        log-probs (old = stop_gradient(logp), as TRL does), entropies and attention masses
+        itself: the extra forward is needed only for what must be known before the loss (the
+        KL in the reward, the critic's values) or for token shaping over several
+        micro-batches, whose statistics span the whole batch."""
         return (
-            self.needs_perturbed
-            or self.entropy_filtering
-            or self.use_kl_in_reward
-            or self.token_weights
-            or self.critic
+            self.use_kl_in_reward or self.critic or (self.shapes_tokens and self.micro_batches > 1)
         )
 
     @property
@@ -311,7 +321,8 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepCon
     if "dropout_key" in aux:  # LoRA dropout, in the gradient pass only
         lora.set_dropout_key(model, aux["dropout_key"])
     tokens = mb.input_ids[:, -mb.completion_length :]
-    hidden, out = completion_hidden(model, mb)
+    in_loss = cfg.shaping_in_loss
+    hidden, out = completion_hidden(model, mb, pools=in_loss and cfg.token_weights)
     want_entropy = cfg.entropy_coef or not cfg.old_pass
     logp, entropy = completion_logprobs(
         model,
@@ -321,18 +332,30 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepCon
         entropy=("grad" if cfg.entropy_coef else "value") if want_entropy else "none",
     )
     mask = mb.completion_mask
-    old_logp = aux["old_logp"] if cfg.old_pass else jax.lax.stop_gradient(logp)
+    sg = jax.lax.stop_gradient
+    old_logp = aux["old_logp"] if cfg.old_pass else sg(logp)
+    adv, token_mask, weights = aux["advantages"], aux.get("token_mask"), aux.get("token_weights")
+    shaping_metrics = {}
+    if in_loss:  # the whole batch is here: shape it from this pass's own quantities
+        local = {"old_logp": old_logp, "entropy": sg(entropy)}
+        if "aug_logp" in aux:
+            local["aug_logp"] = aux["aug_logp"]
+        if cfg.token_weights:
+            n = mb.completion_length
+            local["vision_mass"] = sg(out.vision_mass[:, :, -n - 1 : -1])
+            local["text_mass"] = sg(out.text_mass[:, :, -n - 1 : -1])
+        adv, token_mask, weights, shaping_metrics = _shaping(mb, local, cfg, adv)
     loss, metrics = rl.policy_loss(
         logp,
         old_logp,
-        aux["advantages"],
+        adv,
         mask,
         clip_ratio_low=cfg.clip_ratio_low,
         clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_dual=cfg.clip_ratio_dual,
         loss_agg_mode=cfg.loss_agg_mode,
-        token_mask=aux.get("token_mask"),
-        token_weights=aux.get("token_weights"),
+        token_mask=token_mask,
+        token_weights=weights,
     )
     metrics = {"pg_loss": loss, **metrics}
     agg = lambda x: rl.agg_loss(x, mask, cfg.loss_agg_mode)  # noqa: E731
@@ -348,8 +371,10 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepCon
         loss = loss + cfg.entropy_penalty_coef * metrics["entropy_penalty"]
     scale = aux["share"]
     loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
+    if in_loss:  # one micro-batch: share = 1, nothing to rescale
+        metrics.update(shaping_metrics)
+        metrics["extras"] = {"advantages": adv, "token_weights": weights}
     if not cfg.old_pass:  # token sums of what the old pass would have given, for the metrics
-        sg = jax.lax.stop_gradient
         metrics["old_sums"] = {"entropy": jnp.sum(sg(entropy) * mask)}
         if "ref_logp" in aux:
             kl = rl.kl_penalty(sg(logp), aux["ref_logp"], cfg.kl_loss_type)
@@ -474,15 +499,19 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         k_drop = jax.random.fold_in(rng, 1)  # LoRA dropout; `rng` itself blackens patches
         passes = _no_grad_passes(graphdef, state.params, ref_params, batch, rng, cfg, critic)
         adv, returns, metrics = _advantages(batch, passes, cfg, state.kl_coef)
-        adv, token_mask, weights, shaping_metrics = _shaping(batch, passes, cfg, adv)
-        metrics.update(shaping_metrics)
+        if cfg.shaping_in_loss:  # masks, weights and TAS come out of the loss pass
+            token_mask = weights = None
+        else:
+            adv, token_mask, weights, shaping_metrics = _shaping(batch, passes, cfg, adv)
+            metrics.update(shaping_metrics)
         mask = batch.completion_mask
         total = _denominator(cfg.loss_agg_mode, mask, weights)
         aux = {"advantages": adv}
         if cfg.old_pass:
             aux["old_logp"] = passes["old_logp"]
-        if "ref_logp" in passes:
-            aux["ref_logp"] = passes["ref_logp"]
+        for k in ("ref_logp", "aug_logp"):
+            if k in passes:
+                aux[k] = passes[k]
         if token_mask is not None:
             aux["token_mask"] = token_mask
         if weights is not None:
@@ -505,6 +534,9 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         grads, g_head, loss, loss_metrics = _policy_grads(
             graphdef, state, trainable, frozen, batch, micro_aux, cfg
         )
+        extras = loss_metrics.pop("extras", None)
+        if extras is not None:
+            adv, weights = extras["advantages"], extras["token_weights"]
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         update = finite & (state.step >= cfg.critic_warmup_steps) if cfg.critic else finite

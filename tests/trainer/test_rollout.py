@@ -77,6 +77,21 @@ def test_dynamic_sampling_without_limit_is_guarded_by_one_pass_over_the_data():
     assert calls == [0, 1, 2, 3]  # 12 prompts >= the 10 training prompts
 
 
+def test_a_done_process_keeps_generating_while_another_needs_groups():
+    """Several processes: generate() is a collective, so a process whose groups are complete
+    after batch 0 must go on calling it (and drop what it gets) until the others are done."""
+    gen, calls = batches(*[[("a", VAR), ("b", VAR)], [("c", VAR), ("d", VAR)]] * 2)
+    other_needs = iter([True, True, False])  # another process fills its slots after 3 batches
+
+    def any_process(pending):
+        return pending or next(other_needs)
+
+    opts = FilterOptions(G, 2, N, dynamic_sampling=True, max_num_gen_batches=0)
+    got = collect_groups(gen, opts, any_process=any_process)
+    assert calls == [0, 1, 2]
+    assert names(got.slots) == ["a", "b"] and len(got.sampled) == 2 and got.gen_batches == 1
+
+
 def test_dynamic_sampling_metric_by_reward_name():
     got = collect_groups(
         lambda i: [group("a", VAR, acc=(1.0, 1.0)), group("b", CONST, acc=(0.0, 1.0))],

@@ -168,15 +168,31 @@ def test_micro_batches_give_the_same_update(model, mode):
         perception_filtering=True,
         token_weights=True,
         trajectory_reweighting=True,
+        entropy_filtering=True,
+        entropy_filter_scope="batch",
     )
+    # one micro-batch shapes tokens inside the loss pass; two run the old-policy pass first
+    assert dataclasses.replace(base, micro_batches=1).shaping_in_loss
+    assert dataclasses.replace(base, micro_batches=2).old_pass
     batch = make_batch(model, seed=1)
     results = []
     for m in (1, 2):
         step = make_train_step(graphdef, tx, dataclasses.replace(base, micro_batches=m))
-        state, metrics, _ = step(init_state(model, tx), None, batch, jax.random.key(3))
-        results.append((state, metrics))
-    (s1, m1), (s2, m2) = results
+        state, metrics, extras = step(init_state(model, tx), None, batch, jax.random.key(3))
+        results.append((state, metrics, extras))
+    (s1, m1, e1), (s2, m2, e2) = results
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5, atol=1e-7)
+    for k in (
+        "sensitivity_score_mean",
+        "scaling_factor_mean",
+        "perception_token_fraction",
+        "token_weight_mean",
+        "entropy",
+        "advantage_mean",
+    ):
+        np.testing.assert_allclose(float(m1[k]), float(m2[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    for k in ("advantages", "token_weights"):
+        np.testing.assert_allclose(np.asarray(e1[k]), np.asarray(e2[k]), atol=1e-5, err_msg=k)
     for (path, a), (_, b) in zip(nnx.to_flat_state(s1.params), nnx.to_flat_state(s2.params)):
         np.testing.assert_allclose(a.get_value(), b.get_value(), atol=2e-6, err_msg=str(path))
 
