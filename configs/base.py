@@ -162,9 +162,10 @@ def get_config(arg=None):
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4
-    c.optim.schedule = "constant"  # constant | cosine (after warmup). NOT USED YET: constant
+    c.optim.schedule = "constant"  # constant | cosine (after warmup, to lr * min_lr_ratio)
+    c.optim.min_lr_ratio = 0.0  # cosine only: the learning rate at the last step, over lr
     c.optim.warmup_steps = 0
-    c.optim.betas = (0.9, 0.999)  # NOT USED YET: optax defaults (0.9, 0.999)
+    c.optim.betas = (0.9, 0.999)  # AdamW (beta1, beta2)
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0  # global norm
     c.optim.micro_batches = 1  # gradient accumulation: rows split into this many chunks

@@ -76,7 +76,7 @@ def learning_rate(o, total_steps: int):
             peak_value=o.lr,
             warmup_steps=warm,
             decay_steps=max(int(total_steps), warm + 1),
-            end_value=o.lr * o.get("min_lr_ratio", 0.0),
+            end_value=o.lr * float(o.get("min_lr_ratio", 0.0)),
         )
     raise ValueError(f"optim.schedule={o.schedule!r}: expected 'constant' or 'cosine'")
 
