@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -86,7 +87,7 @@ def _abstract_leaf(x, sharding=None):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
-def _encode_data_state(data_state):
+def _encode_one(data_state):
     if data_state is None:
         return {"kind": "none"}
     if isinstance(data_state, bytes | bytearray):
@@ -94,10 +95,44 @@ def _encode_data_state(data_state):
     return {"kind": "json", "value": data_state}
 
 
-def _decode_data_state(d):
+def _decode_one(d):
     if d["kind"] == "bytes":
         return base64.b64decode(d["value"])
     return d.get("value")
+
+
+def _gather_json(obj) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (a collective)."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int64)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(r[: int(n)]).decode()) for r, n in zip(rows, sizes.reshape(-1))]
+
+
+def _encode_data_state(data_state):
+    """Each process reads its own shard of the data, so every process's iterator state is kept
+    (orbax writes JSON items from process 0 only): gathered here, a collective."""
+    return {"kind": "per_process", "value": _gather_json(_encode_one(data_state))}
+
+
+def _decode_data_state(d, step: int):
+    if d["kind"] != "per_process":  # written by a single process before per-process states
+        return _decode_one(d)
+    states, n = d["value"], jax.process_count()
+    if len(states) != n:
+        raise ValueError(
+            f"checkpoint step {step} holds the data-iterator states of {len(states)} "
+            f"processes, this run has {n}: each process reads its own shard of the data, and "
+            "the shards change with the process count. Resume with the same number of hosts, "
+            "or start a new workdir from the weights (config.load_checkpoint_path)."
+        )
+    return _decode_one(states[jax.process_index()])
 
 
 class Checkpointer:
@@ -219,7 +254,7 @@ class Checkpointer:
             state=jax.tree.unflatten(treedef, restored),
             rng=rng,
             meta=dict(head["meta"]),
-            data_state=_decode_data_state(head["data"]),
+            data_state=_decode_data_state(head["data"], step),
         )
 
     def restore_latest(self, abstract_state, rng_sharding=None) -> Restored | None:

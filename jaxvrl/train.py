@@ -244,7 +244,7 @@ def resume(c, ckpt: Checkpointer, state, data, mesh):
 
 def check_rows(c, mesh) -> None:
     """The batch rows (every process's prompts_per_step x num_generations) are split evenly
-    over the mesh's data x fsdp devices."""
+    over the mesh's data x fsdp devices and into optim.micro_batches."""
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = c.prompts_per_step * c.rollout.num_generations
     if (rows * jax.process_count()) % shards:
@@ -253,6 +253,12 @@ def check_rows(c, mesh) -> None:
             f"({jax.process_count()} processes) do not split evenly over mesh.data x mesh.fsdp "
             f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
             "mesh.tensor"
+        )
+    m, total = c.optim.micro_batches, rows * jax.process_count()
+    if m < 1 or total % m:
+        raise ConfigError(
+            f"config.optim.micro_batches = {m} does not divide the {total} rows of a step "
+            f"(prompts_per_step x rollout.num_generations x {jax.process_count()} processes)"
         )
 
 

@@ -66,6 +66,32 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
 
 
+def metrics_across_processes(m: dict, weight: float, sums=()) -> dict:
+    """Every process's host-side metrics combined (a collective with several processes; the
+    same keys on every process): the keys in `sums` add up, the others are means weighted by
+    each process's `weight` (the number of items its values average), NaN values left out. A
+    key that is NaN everywhere is dropped. Values travel as float32 between processes."""
+    keys = sorted(m)
+    vals = np.asarray([float(m[k]) for k in keys] + [float(weight)], np.float64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        vals = np.asarray(multihost_utils.process_allgather(vals))
+    vals = vals.reshape(-1, len(keys) + 1)
+    w = vals[:, -1]
+    out = {}
+    for i, k in enumerate(keys):
+        x = vals[:, i]
+        ok = np.isfinite(x)
+        if not ok.any():
+            continue
+        if k in sums:
+            out[k] = float(np.sum(x[ok]))
+        else:
+            out[k] = float(np.sum(x[ok] * w[ok]) / max(np.sum(w[ok]), 1e-12))
+    return out
+
+
 def mesh_from_config(cfg, devices=None) -> Mesh:
     """Mesh (data, fsdp, tensor) from the `mesh` ConfigDict group; one size may be -1 (the
     rest of the devices). Raises ValueError naming the sizes and the device count when they

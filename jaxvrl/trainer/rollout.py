@@ -413,8 +413,8 @@ class RolloutPhase:
         )
 
     def _metrics(self, got: Collected, infos: list[dict], real: np.ndarray) -> dict:
-        """Means over every completion sampled this step (what the policy does), plus the
-        filtering counts."""
+        """Means over every completion sampled this step on every process (what the policy
+        does), plus the filtering counts."""
         sampled = got.sampled
         totals = np.concatenate([x.totals for x in sampled])
         lengths = np.concatenate([x.mask.sum(1) for x in sampled])
@@ -442,6 +442,9 @@ class RolloutPhase:
         att = [x.att for x in sampled if x.att]
         for k in att[0] if att else ():
             vals = np.concatenate([a[k] for a in att])
-            if np.isfinite(vals).any():
-                m[f"attn/{k}"] = float(np.nanmean(vals))
-        return m
+            finite = np.isfinite(vals)
+            m[f"attn/{k}"] = float(np.mean(vals[finite])) if finite.any() else float("nan")
+        # every process samples its own rows: log what all of them did, not process 0's share
+        sums = {"tokens_per_s", "replay/replaced", "replay/buffer_size"}
+        sums |= {k for k in m if k.endswith("_failures")}
+        return R.metrics_across_processes(m, weight=len(totals), sums=sums)

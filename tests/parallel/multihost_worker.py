@@ -84,7 +84,9 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     # cannot be); restored replicated over all devices (the default with several processes).
     rng = R.replicate(jax.random.key(9), mesh)
     assert rng.sharding.is_fully_replicated and not rng.is_fully_addressable
-    ckpt.save(2, state, rng, {"note": "multihost"}, force=True)
+    # each process's data iterator is at its own place in its own shard
+    data_state = {"shard": pid, "next_index": 7 + 3 * pid}
+    ckpt.save(2, state, rng, {"note": "multihost"}, data_state=data_state, force=True)
     ckpt.manager.wait_until_finished()
     restored = ckpt.restore_latest(state)
     rng_back = jax.random.key_data(restored.rng).addressable_data(0)
@@ -105,6 +107,14 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                 "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
                 "restored_sharding": same_sharding,
                 "restored_step": int(restored.step),
+                "data_state_equal": restored.data_state == data_state,
+                # host-side collectives of the rollout loop
+                "any_process": [R.any_process(pid == 1), R.any_process(False)],
+                "metrics": R.metrics_across_processes(
+                    {"a": pid + 1.0, "n_failures": 1.0, "attn/x": [float("nan"), 2.0][pid]},
+                    weight=pid + 1,
+                    sums={"n_failures"},
+                ),
                 "rng_equal": bool(
                     np.array_equal(rng_back, jax.random.key_data(jax.random.key(9)))
                     and restored.rng.sharding.is_fully_replicated

@@ -1,7 +1,8 @@
 """Multi-host on one machine: 2 processes x 4 simulated CPU devices joined by
 jax.distributed.initialize (from config). Each process passes only its own rows to
 `place_batch`; the 2-step losses and parameters equal one device's; an orbax checkpoint is
-written by both processes and restored by both into the sharded state.
+written by both processes and restored by both into the sharded state, each getting back its
+own data-iterator state.
 
 What a real pod adds and this cannot test: TPU/GPU interconnect collectives, the platform's
 auto-detected coordinator (TPU metadata, SLURM), a gs:// workdir shared by hosts, preemption.
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from jaxvrl.models import qwen2_5_vl as q
@@ -85,7 +87,10 @@ def test_two_processes_match_one_device(tmp_path):
     for r in results:
         np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
         assert r["restored_equal"] and r["restored_sharding"] and r["restored_step"] == 2
-        assert r["rng_equal"]
+        assert r["rng_equal"] and r["data_state_equal"]
+        assert r["any_process"] == [True, False]
+        want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
+        assert r["metrics"] == pytest.approx(want, rel=1e-6)
     got = np.load(tmp_path / "params.npz")
     for path, v in nnx.to_flat_state(state.params):
         np.testing.assert_allclose(got[".".join(map(str, path))], v.get_value(), atol=1e-6)

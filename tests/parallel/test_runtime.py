@@ -142,3 +142,12 @@ def test_sharded_train_state_equals_one_device_init(tmp_path, spec, overrides):
     )
     # every base matrix at least (LoRA adapters and their optimizer state are tiny: replicated)
     assert int(out.split("fsdp-sharded")[-1].split()[0]) >= 30, out[-500:]
+
+
+def test_metrics_across_one_process_keep_values_and_drop_all_nan_keys():
+    m = {"reward/total": 0.25, "tokens_per_s": 100.0, "attn/mdi": float("nan")}
+    assert R.metrics_across_processes(m, weight=16, sums={"tokens_per_s"}) == {
+        "reward/total": 0.25,
+        "tokens_per_s": 100.0,
+    }
+    assert R.any_process(True) and not R.any_process(False)

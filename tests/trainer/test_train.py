@@ -148,6 +148,23 @@ def test_config_overrides_and_errors(tmp_path):
         load_config("configs/nope.py")
 
 
+def test_rows_must_split_over_the_mesh_and_the_micro_batches():
+    from types import SimpleNamespace
+
+    from jaxvrl.train import check_rows
+
+    mesh = SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 1})
+    c = load_config(os.path.join(ROOT, "configs/grpo.py"), ["prompts_per_step=3"])
+    c.rollout.num_generations = 4
+    check_rows(c, mesh)  # 12 rows, 2 devices, 1 micro-batch
+    c.optim.micro_batches = 5
+    with pytest.raises(ConfigError, match=r"micro_batches = 5 does not divide the 12 rows"):
+        check_rows(c, mesh)
+    c.optim.micro_batches, c.rollout.num_generations = 1, 3
+    with pytest.raises(ConfigError, match=r"9 rows per process.*2 devices"):
+        check_rows(c, mesh)
+
+
 LABEL_REWARD = '''
 import json
 
