@@ -54,6 +54,11 @@ class SamplingConfig:
     # Decode steps between two checks of "every row is done" (a divisor of max_new_tokens is
     # used): fewer checks cost a few wasted steps at the end, save a host sync per token.
     check_every: int = 8
+    # How decode steps multiply by the text decoder's and LM head's weights: "model" (the
+    # stored [in, out] kernels), "transposed" ([out, in] copies made once per call, the weight
+    # as the matmul's row operand: 1.7-1.9x faster M = B matmuls on XLA's CPU backend, at the
+    # cost of a second copy of those weights during the call), "auto" (transposed on the CPU).
+    decode_layout: str = "auto"
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -137,6 +142,8 @@ def sample(
         state["vmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
         state["xmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
     start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # next position
+    if _transposed_decode(cfg):
+        model = _with_transposed_weights(model)  # prefill above used the stored kernels
     step = functools.partial(_decode_step, model, cfg, rng, start, pools)
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
     # once per chunk, which on GPUs saves a device-to-host sync per token.
@@ -181,7 +188,7 @@ def _decode_step(model, cfg: SamplingConfig, rng, start, pools, s: dict) -> dict
         pools=pools,
         return_logits=False,
     )
-    next_tok, next_lp = _pick(model.logits(out.hidden[:, 0]), jax.random.fold_in(rng, i + 1), cfg)
+    next_tok, next_lp = _pick(_logits(model, out.hidden[:, 0]), jax.random.fold_in(rng, i + 1), cfg)
     new = dict(
         s,
         i=i + 1,
@@ -198,6 +205,70 @@ def _decode_step(model, cfg: SamplingConfig, rng, start, pools, s: dict) -> dict
         new["vmass"] = s["vmass"].at[:, :, i].set(out.vision_mass[:, :, 0])
         new["xmass"] = s["xmass"].at[:, :, i].set(out.text_mass[:, :, 0])
     return new
+
+
+def _transposed_decode(cfg: SamplingConfig) -> bool:
+    if cfg.decode_layout not in ("auto", "model", "transposed"):
+        raise ValueError(f"decode_layout must be auto, model or transposed: {cfg.decode_layout!r}")
+    if cfg.decode_layout == "auto":
+        return jax.default_backend() == "cpu"
+    return cfg.decode_layout == "transposed"
+
+
+def _rows_by_weight(w_rows: jax.Array, x: jax.Array) -> jax.Array:
+    """x [..., K] times w_rows [N, K] -> [..., N] as (w_rows @ x^T)^T. The barrier keeps XLA
+    from folding the transpose back into an x-major matmul, which on the CPU re-packs the
+    whole weight every call and streams it at about half the speed."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jax.lax.optimization_barrier(w_rows @ x2.T).T
+    return y.reshape(x.shape[:-1] + (w_rows.shape[0],))
+
+
+class _RowsLinear(nnx.Module):
+    """An nnx.Linear for decode steps, its kernel held transposed ([out, in])."""
+
+    def __init__(self, lin: nnx.Linear):
+        self.dtype = lin.dtype or lin.kernel[...].dtype
+        self.kernel_t = nnx.Variable(lin.kernel[...].T.astype(self.dtype))
+        self.bias = lin.bias
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = _rows_by_weight(self.kernel_t[...], x.astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+def _with_transposed_weights(model):
+    """The model (merged inside the trace) with every plain nnx.Linear of the text decoder and
+    the LM head swapped for a `_RowsLinear`; adapters (LoRA) keep their own path, with their
+    base linear swapped."""
+
+    def swap(module):
+        if isinstance(module, nnx.List):
+            for c in module:
+                swap(c)
+            return
+        for name, child in list(vars(module).items()):
+            if type(child) is nnx.Linear:
+                setattr(module, name, _RowsLinear(child))
+            elif isinstance(child, nnx.Module):
+                swap(child)
+
+    swap(model.model)
+    if not model.config.tie_word_embeddings and type(model.lm_head) is nnx.Linear:
+        model.lm_head = _RowsLinear(model.lm_head)
+    model.transposed_decode = True
+    return model
+
+
+def _logits(model, hidden: jax.Array) -> jax.Array:
+    """float32[B, V] of a decode step: the tied embedding [V, D] is already row-major."""
+    if getattr(model, "transposed_decode", False) and model.config.tie_word_embeddings:
+        emb = model.model.embed_tokens
+        table = emb.embedding[...].astype(emb.dtype or hidden.dtype)
+        return _rows_by_weight(table, hidden.astype(table.dtype)).astype(jnp.float32)
+    return model.logits(hidden)
 
 
 @functools.lru_cache(maxsize=64)
@@ -260,13 +331,15 @@ def generate(
     pad_token_id: int = 0,
     pools=None,
     patch_bucket: int | None = None,
+    decode_layout: str = "auto",
 ) -> SampleOutput:
     """Sample completions for left-padded prompts int[B, P] (numpy or jax arrays).
 
     Greedy when temperature == 0. Image/video pad and vision start/end tokens are never
     sampled. Vision inputs are HF-processor style (packed pixel_values [N, C*T*P*P] with
     grid_thw [I, 3]); they are laid out per row and padded to a multiple of `patch_bucket`
-    patches per row, so calls with different images compile once per bucket.
+    patches per row, so calls with different images compile once per bucket. decode_layout:
+    see `SamplingConfig.decode_layout`.
     """
     cfg_m = model.config
     ids = np.asarray(input_ids)
@@ -296,6 +369,7 @@ def generate(
             cfg_m.vision_start_token_id,
             cfg_m.vision_end_token_id,
         ),
+        decode_layout=decode_layout,
     )
     graphdef, params = nnx.split(model)
     fn = make_sampler(graphdef, cfg)

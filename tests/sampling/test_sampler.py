@@ -270,3 +270,67 @@ def test_decode_attention_statistics(models):
     np.testing.assert_allclose(
         np.asarray(out.text_mass)[:, :, :3], np.asarray(ref.text_mass)[:, :, p : p + 3], atol=1e-5
     )
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied", "lora"])
+def test_transposed_decode_layout_equals_the_model_layout(models, tmp_path, variant):
+    """Decode steps with [out, in] weight copies (the CPU default) give the tokens and
+    log-probs of the stored [in, out] kernels: tied head, untied head, LoRA-wrapped linears."""
+    from flax import nnx
+
+    from jaxvrl.models import lora
+
+    model = models[1]
+    if variant == "tied":
+        T.build(tmp_path, seed=8, tie=True)
+        model = q.load(tmp_path)
+        assert model.config.tie_word_embeddings
+    elif variant == "lora":
+        T.build(tmp_path, seed=5)
+        model = q.load(tmp_path)
+        lora.apply_lora(model, rank=2, alpha=4.0, dropout=0.0, targets=("q_proj", "down_proj"))
+        state = nnx.state(model)
+        keys = iter(jax.random.split(jax.random.key(1), 64))
+        state = jax.tree.map_with_path(
+            lambda p, x: (
+                jax.random.normal(next(keys), x.shape, x.dtype) * 0.3
+                if "lora_b" in jax.tree_util.keystr(p)
+                else x
+            ),
+            state,
+        )
+        nnx.update(model, state)
+    rng = np.random.default_rng(9)
+    ids, mask = T.left_pad(
+        [T.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)), T.prompt(rng, text_len=(9, 12))]
+    )
+    grid = np.array([[1, 4, 4]])
+    pv = T.patches(rng, grid)
+    outs = [
+        generate(
+            model,
+            ids,
+            mask,
+            max_new_tokens=N,
+            temperature=1.0,
+            rng=jax.random.key(3),
+            pixel_values=pv,
+            image_grid_thw=grid,
+            decode_layout=layout,
+        )
+        for layout in ("model", "transposed")
+    ]
+    np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+    np.testing.assert_allclose(
+        np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs), atol=1e-5
+    )
+    if variant == "lora":  # the adapters take part: without them the tokens change
+        plain = generate(
+            q.load(tmp_path), ids, mask, max_new_tokens=N, temperature=0.0,
+            pixel_values=pv, image_grid_thw=grid,
+        )  # fmt: skip
+        ours = generate(
+            model, ids, mask, max_new_tokens=N, temperature=0.0, pixel_values=pv,
+            image_grid_thw=grid,
+        )  # fmt: skip
+        assert not np.array_equal(np.asarray(plain.logprobs), np.asarray(ours.logprobs))
