@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import os
 import signal
 import threading
@@ -101,24 +100,12 @@ def _decode_one(d):
     return d.get("value")
 
 
-def _gather_json(obj) -> list:
-    """Every process's JSON-serialisable `obj`, in process order (a collective)."""
-    if jax.process_count() == 1:
-        return [obj]
-    from jax.experimental import multihost_utils
-
-    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int64)))
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: raw.size] = raw
-    rows = np.asarray(multihost_utils.process_allgather(padded))
-    return [json.loads(bytes(r[: int(n)]).decode()) for r, n in zip(rows, sizes.reshape(-1))]
-
-
 def _encode_data_state(data_state):
     """Each process reads its own shard of the data, so every process's iterator state is kept
     (orbax writes JSON items from process 0 only): gathered here, a collective."""
-    return {"kind": "per_process", "value": _gather_json(_encode_one(data_state))}
+    from jaxvrl.parallel.runtime import gather_json
+
+    return {"kind": "per_process", "value": gather_json(_encode_one(data_state))}
 
 
 def _decode_data_state(d, step: int):

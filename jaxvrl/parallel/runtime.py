@@ -17,6 +17,7 @@ replicated, batch rows are split over (data, fsdp).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import jax
@@ -64,6 +65,21 @@ def any_process(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def gather_json(obj) -> list:
+    """Every process's JSON-serialisable `obj`, in process order (a collective when there are
+    several processes)."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int64)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(r[: int(n)]).decode()) for r, n in zip(rows, sizes.reshape(-1))]
 
 
 def metrics_across_processes(m: dict, weight: float, sums=()) -> dict:

@@ -188,7 +188,8 @@ def _decode_step(model, cfg: SamplingConfig, rng, start, pools, s: dict) -> dict
         pools=pools,
         return_logits=False,
     )
-    next_tok, next_lp = _pick(_logits(model, out.hidden[:, 0]), jax.random.fold_in(rng, i + 1), cfg)
+    logits = _logits(model, out.hidden[:, 0], _transposed_decode(cfg))
+    next_tok, next_lp = _pick(logits, jax.random.fold_in(rng, i + 1), cfg)
     new = dict(
         s,
         i=i + 1,
@@ -258,13 +259,13 @@ def _with_transposed_weights(model):
     swap(model.model)
     if not model.config.tie_word_embeddings and type(model.lm_head) is nnx.Linear:
         model.lm_head = _RowsLinear(model.lm_head)
-    model.transposed_decode = True
     return model
 
 
-def _logits(model, hidden: jax.Array) -> jax.Array:
-    """float32[B, V] of a decode step: the tied embedding [V, D] is already row-major."""
-    if getattr(model, "transposed_decode", False) and model.config.tie_word_embeddings:
+def _logits(model, hidden: jax.Array, transposed: bool) -> jax.Array:
+    """float32[B, V] of a decode step: with the transposed layout, the tied embedding [V, D]
+    is used as it is (already [out, in])."""
+    if transposed and model.config.tie_word_embeddings:
         emb = model.model.embed_tokens
         table = emb.embedding[...].astype(emb.dtype or hidden.dtype)
         return _rows_by_weight(table, hidden.astype(table.dtype)).astype(jnp.float32)

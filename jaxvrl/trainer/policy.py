@@ -64,12 +64,6 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
     return out.hidden[:, -n - 1 : -1], out
 
 
-def completion_logits(model, batch: RolloutBatch, *, images=None, pools=False):
-    """(logits float32[B, N, V] predicting each completion token, out)."""
-    hidden, out = completion_hidden(model, batch, images=images, pools=pools)
-    return model.logits(hidden), out
-
-
 # float32 logits one chunk of the head may hold: [B, chunk, V] stays near this size.
 _CHUNK_BYTES = 96 << 20
 
@@ -89,7 +83,8 @@ def completion_logprobs(
     chunk: int = 0,
 ):
     """(log pi(token) float32[B, N], entropy float32[B, N] or None) from final hidden states
-    [B, N, D], equal to `token_logprobs`/`token_entropy` of `model.logits(hidden)`.
+    [B, N, D], equal to log_softmax(model.logits(hidden) / temperature) at the tokens and its
+    entropy (`rl.token_entropy`).
 
     The vocabulary projection runs over chunks of `chunk` tokens (0: `head_chunk`) in a
     `lax.scan`, each under `jax.checkpoint`, so no [B, N, V] array exists in the forward or
@@ -118,18 +113,6 @@ def completion_logprobs(
     _, (logp, ent) = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, (hs, ts))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, c * k)[:, :n]  # noqa: E731
     return unchunk(logp), None if ent is None else unchunk(ent)
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
-    """log pi(token) under logits / temperature: float32[B, N]."""
-    logp = jax.nn.log_softmax(logits / max(temperature, 1e-6), axis=-1)
-    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-
-
-def token_entropy(logits: jax.Array, temperature: float) -> jax.Array:
-    """Entropy of the full next-token distribution: float32[B, N]."""
-    logp = jax.nn.log_softmax(logits / max(temperature, 1e-6), axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 def blacken_patches(images: VisionInputs, rng: jax.Array, prob: float) -> VisionInputs:

@@ -8,16 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs import grpo, ppo
 from jaxvrl import rl
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.trainer.build import init_train_state, step_config
-from jaxvrl.trainer.policy import completion_logits, token_logprobs
 from jaxvrl.trainer.step import make_train_step
 from tests.models import hf_tiny as T
-from tests.trainer.test_step import G, make_batch
+from tests.trainer.test_step import G, make_batch, reference_logp
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +76,7 @@ def test_kl_in_reward_advantages_and_adaptive_coefficient(ckpt):
     batch = make_batch(model, seed=4, rewards=np.array([1.0, 0.0, 0.0, 0.0]))
 
     def logp(params):
-        logits, _ = completion_logits(nnx.merge(graphdef, params), batch)
-        return token_logprobs(logits, batch.input_ids[:, -batch.completion_length :], 1.0)
+        return reference_logp(params, graphdef, batch, 1.0)[0]
 
     m = np.asarray(batch.completion_mask)
     old, ref_lp = np.asarray(logp(state.params)), np.asarray(logp(ref))
