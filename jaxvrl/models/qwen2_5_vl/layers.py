@@ -61,8 +61,13 @@ class GatedMLP(nnx.Module):
         self.down_proj = linear(hidden, dim, **kw)
         self.act = activation(act)
 
+    def gate_up(self, x):
+        """(gate(x), up(x)) (a decode step may fuse the two)."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
