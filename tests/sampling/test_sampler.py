@@ -334,3 +334,32 @@ def test_transposed_decode_layout_equals_the_model_layout(models, tmp_path, vari
             image_grid_thw=grid,
         )  # fmt: skip
         assert not np.array_equal(np.asarray(plain.logprobs), np.asarray(ours.logprobs))
+
+
+def test_decode_attention_forms_agree(models, monkeypatch):
+    """A decode step's cached attention as products and middle-axis reductions (the CPU form)
+    and as the batched matmuls (prefill, accelerators) give the same tokens and log-probs."""
+    from jaxvrl.models.qwen2_5_vl import text
+
+    model = models[1]
+    rng = np.random.default_rng(11)
+    ids, mask = T.left_pad(
+        [T.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)), T.prompt(rng, text_len=(9, 12))]
+    )
+    grid = np.array([[1, 4, 4]])
+    pv = T.patches(rng, grid)
+    kw = dict(max_new_tokens=N, temperature=1.0, rng=jax.random.key(4), pixel_values=pv,
+              image_grid_thw=grid)  # fmt: skip
+    make_sampler.cache_clear()
+    products = generate(model, ids, mask, **kw)
+    monkeypatch.setattr(text, "_products_for_one_query", lambda t: False)
+    make_sampler.cache_clear()
+    try:
+        matmuls = generate(model, ids, mask, **kw)
+    finally:
+        make_sampler.cache_clear()
+    assert int(np.asarray(products.mask).sum()) > 4
+    np.testing.assert_array_equal(np.asarray(products.tokens), np.asarray(matmuls.tokens))
+    np.testing.assert_allclose(
+        np.asarray(products.logprobs), np.asarray(matmuls.logprobs), atol=1e-5
+    )

@@ -48,12 +48,14 @@ def remat(method, policy: str):
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys/values [B, K, S, H], the valid-key mask and the next write position.
+    """Per-layer keys [B, K, H, S] and values [B, K, S, H], the valid-key mask and the next
+    write position.
 
     Rows share one write position: prompts are left-padded to a common length, so every row
-    writes its t-th new token at the same slot. Heads before slots: a decode step's attention
-    is then two batched matmuls over (B, K) that read the cache as it lies, where [B, S, K, H]
-    made XLA transpose each layer's whole cache every step.
+    writes its t-th new token at the same slot. The layout makes a decode step's two products
+    (q . keys over H, probabilities . values over S) read the cache as it lies, with the long
+    axis S contiguous in the first; [B, S, K, H] made XLA's CPU backend transpose each layer's
+    whole cache every step.
     """
 
     k: tuple[jax.Array, ...]
@@ -63,11 +65,10 @@ class KVCache:
 
     @classmethod
     def init(cls, cfg: TextConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
-        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        kv, hd, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
         return cls(
-            k=zeros,
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)),
+            k=tuple(jnp.zeros((batch, kv, hd, length), dtype) for _ in range(n)),
+            v=tuple(jnp.zeros((batch, kv, length, hd), dtype) for _ in range(n)),
             key_mask=jnp.zeros((batch, length), bool),
             index=jnp.zeros((), jnp.int32),
         )
@@ -107,7 +108,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, mask, kv=None, pools=None):
         """x: [B, T, D]; mask: bool[B, T, S]; kv: None or (k_cache, v_cache, index) to write the
-        new keys at `index` and attend over the whole cache ([B, K, S, H], see KVCache).
+        new keys at `index` and attend over the whole cache (see KVCache).
         Returns (out, (k, v), stats); k, v are the updated caches when kv is given."""
         b, t, _ = x.shape
         q, k, v = self.project(x)
@@ -118,27 +119,50 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", None))
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
+        scale = self.head_dim**-0.5
         if kv is None:
-            cached, out_axes = "BSKH", "BTKGH"
+            logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * scale
+            probs = masked_softmax(logits, mask[:, None, None])
+            stats = pool_masses(probs, pools) if pools is not None else None
+            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(x.dtype), v.astype(x.dtype))
+            return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
+        k_cache, v_cache, index = kv
+        k = jax.lax.dynamic_update_slice(
+            k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
+        )  # [B, K, H, S]
+        v = jax.lax.dynamic_update_slice(
+            v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
+        )  # [B, K, S, H]
+        # the cache stays split like the rows (and over kv heads with tensor parallelism)
+        k = constrain(k, ("batch", "heads", None, "length"))
+        v = constrain(v, ("batch", "heads", "length", None))
+        one_cpu_query = _products_for_one_query(t)
+        if one_cpu_query:
+            # a decode step on the CPU: products and reductions over a middle axis (in float32,
+            # like the matmuls' accumulation), which XLA's CPU backend runs about twice as fast
+            # as its batched M = G matmuls
+            q1 = qg[:, 0].astype(jnp.float32)  # [B, K, G, H]
+            logits = jnp.sum(q1[..., None] * k.astype(jnp.float32)[:, :, None], axis=3)
+            logits = logits[:, :, :, None].astype(q.dtype)
         else:
-            k_cache, v_cache, index = kv
-            k = k.transpose(0, 2, 1, 3).astype(k_cache.dtype)  # [B, K, T, H]
-            v = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
-            k = jax.lax.dynamic_update_slice(k_cache, k, (0, 0, index, 0))
-            v = jax.lax.dynamic_update_slice(v_cache, v, (0, 0, index, 0))
-            # the cache stays split like the rows (and over kv heads with tensor parallelism)
-            k = constrain(k, ("batch", "heads", "length", None))
-            v = constrain(v, ("batch", "heads", "length", None))
-            # out as [B, K, G, T, H]: asked for in [B, T, ...] order, XLA's CPU backend
-            # multiplied by the transposed cache, and a decode step's attention took 2.3x as long
-            cached, out_axes = "BKSH", "BKGTH"
-        logits = jnp.einsum(f"BTKGH,{cached}->BKGTS", qg, k.astype(q.dtype)) * self.head_dim**-0.5
-        probs = masked_softmax(logits, mask[:, None, None])
+            logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
+        probs = masked_softmax(logits * scale, mask[:, None, None])
         stats = pool_masses(probs, pools) if pools is not None else None
-        out = jnp.einsum(f"BKGTS,{cached}->{out_axes}", probs.astype(x.dtype), v.astype(x.dtype))
-        if out_axes != "BTKGH":
-            out = out.transpose(0, 3, 1, 2, 4)
+        pv, vv = probs.astype(x.dtype), v.astype(x.dtype)
+        if one_cpu_query:
+            prod = pv[:, :, :, 0, :, None].astype(jnp.float32) * vv.astype(jnp.float32)[:, :, None]
+            out = jnp.sum(prod, axis=3)[:, None].astype(x.dtype)
+        else:
+            # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU
+            # backend multiplied by the transposed cache, 2.3x slower
+            out = jnp.einsum("BKGTS,BKSH->BKGTH", pv, vv).transpose(0, 3, 1, 2, 4)
         return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
+
+
+def _products_for_one_query(t: int) -> bool:
+    """Whether a cached attention of t queries takes the product-and-reduce form (a decode
+    step on the CPU) rather than the batched matmuls (prefill, accelerators)."""
+    return t == 1 and jax.default_backend() == "cpu"
 
 
 class DecoderLayer(nnx.Module):
