@@ -117,7 +117,7 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
     from jaxvrl.data.prompts import special_token_ids
     from jaxvrl.models.qwen2_5_vl import load
     from jaxvrl.sampling import SamplingConfig, make_sampler
-    from jaxvrl.trainer.rollout import assemble
+    from jaxvrl.trainer.rollout import assemble_prompts
     from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
 
     jax.config.update("jax_default_matmul_precision", "highest")  # as jaxvrl.train does
@@ -174,17 +174,7 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
             for r, m in zip(tokens, mask)
         ]
         rewards = score(texts, [r["label_idx"] for r in batch["rows"]])
-        rb = assemble(
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["position_ids"],
-            batch["deltas"],
-            tokens,
-            mask,
-            rewards,
-            batch["has_image"],
-            images=batch["images"],
-        )
+        rb = assemble_prompts(batch, tokens, mask, rewards)
         t2 = time.perf_counter()
         state, metrics, _ = train_step(state, ref_params, jax.tree.map(jnp.asarray, rb), k_step)
         jax.block_until_ready(state.params)

@@ -77,7 +77,7 @@ def make_batch(args, tok, rows, mcfg):
     """Host RolloutBatch: P prompts x G rows, random completions of N tokens, random rewards."""
     from jaxvrl.data import synthetic
     from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
-    from jaxvrl.trainer.rollout import assemble
+    from jaxvrl.trainer.rollout import assemble_prompts
 
     opts = EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT, **rl_step.pixel_limits(args))
     examples, _ = encode_rows(rows[: args.prompts], tok, opts, source="builtin:train")
@@ -89,19 +89,7 @@ def make_batch(args, tok, rows, mcfg):
     tokens = rng.choice(ordinary, size=(b, n)).astype(np.int32)
     mask = np.ones((b, n), np.float32)
     rewards = rng.standard_normal(b).astype(np.float32)
-    rb = assemble(
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["position_ids"],
-        batch["deltas"],
-        tokens,
-        mask,
-        rewards,
-        batch["has_image"],
-        images=batch["images"],
-        pools=batch["pools"],
-    )
-    return rb
+    return assemble_prompts(batch, tokens, mask, rewards, with_pools=True)
 
 
 # ----------------------------------------------------------------------------- jaxvrl

@@ -27,6 +27,32 @@ from jaxvrl.trainer.policy import RolloutBatch
 OVERALL = "overall"  # a filter metric: the total (weighted) reward
 
 
+def assemble_prompts(
+    prompts: dict,
+    tokens: np.ndarray,
+    completion_mask: np.ndarray,
+    rewards: np.ndarray,
+    *,
+    with_pools: bool = False,
+    baseline: np.ndarray | None = None,
+) -> RolloutBatch:
+    """`assemble` over a collated prompt batch (the data loader's dict: input_ids,
+    attention_mask, position_ids, deltas, has_image, images and, with_pools, pools)."""
+    return assemble(
+        prompts["input_ids"],
+        prompts["attention_mask"],
+        prompts["position_ids"],
+        prompts["deltas"],
+        tokens,
+        completion_mask,
+        rewards,
+        prompts["has_image"],
+        images=prompts.get("images"),
+        pools=prompts["pools"] if with_pools else None,
+        baseline=baseline,
+    )
+
+
 def completion_positions(prompt_mask: np.ndarray, deltas: np.ndarray, n: int) -> np.ndarray:
     """int32[3, B, n]: the i-th completion token of row b sits at n_valid + delta + i."""
     start = prompt_mask.sum(axis=1) + deltas  # [B]
@@ -397,18 +423,12 @@ class RolloutPhase:
         return Rollout(batch, groups, real, metrics)
 
     def _assemble(self, groups: list[Group]) -> RolloutBatch:
-        prompts = self.collate([x.example for x in groups])
-        return assemble(
-            prompts["input_ids"],
-            prompts["attention_mask"],
-            prompts["position_ids"],
-            prompts["deltas"],
+        return assemble_prompts(
+            self.collate([x.example for x in groups]),
             np.concatenate([x.tokens for x in groups]),
             np.concatenate([x.mask for x in groups]),
             np.concatenate([x.totals for x in groups]),
-            prompts["has_image"],
-            images=prompts["images"],
-            pools=prompts["pools"] if self.with_pools else None,
+            with_pools=self.with_pools,
             baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
         )
 

@@ -6,6 +6,14 @@ import numpy as np
 
 IMAGE, VIDEO, VSTART, VEND = 290, 291, 292, 293
 IM_START, IM_END = 294, 295
+# `attention_pools` keyword arguments for prompts built by `prompt` (user header: 10, 11)
+POOL_IDS = dict(
+    im_start_id=IM_START,
+    im_end_id=IM_END,
+    user_header_ids=[10, 11],
+    special_ids=[IMAGE, VIDEO, VSTART, VEND, IM_START, IM_END],
+    vision_ids=[IMAGE, VIDEO],
+)
 
 
 def make_config(

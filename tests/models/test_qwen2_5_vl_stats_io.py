@@ -15,14 +15,6 @@ from safetensors.numpy import load_file, save_file
 from jaxvrl.models import qwen2_5_vl as q
 from tests.models import hf_tiny as T
 
-POOL_IDS = dict(
-    im_start_id=T.IM_START,
-    im_end_id=T.IM_END,
-    user_header_ids=[10, 11],
-    special_ids=[T.IMAGE, T.VIDEO, T.VSTART, T.VEND, T.IM_START, T.IM_END],
-    vision_ids=[T.IMAGE, T.VIDEO],
-)
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -35,7 +27,7 @@ def test_attention_pools_hand_case():
     # pad, im_start, user, \n, vstart, img, img, vend, 30, 31, im_end, im_start, asst, \n | 40 41
     ids = np.array([[0, 294, 10, 11, 292, 290, 290, 293, 30, 31, 295, 294, 12, 11, 40, 41]])
     mask = np.array([[0] + [1] * 15])
-    pools = q.attention_pools(ids, mask, prompt_length=14, **POOL_IDS)
+    pools = q.attention_pools(ids, mask, prompt_length=14, **T.POOL_IDS)
     vision = np.zeros(16, bool)
     vision[[5, 6]] = True
     text = np.zeros(16, bool)
@@ -70,7 +62,7 @@ def test_attention_statistics_match_hf_eager(tiny):
     ids, mask = T.left_pad(rows)
     prompt_len = ids.shape[1] - 1  # the last column is completion for row 2, 3 tokens for row 1
     pv = T.patches(rng, grids)
-    pools = q.attention_pools(ids, mask, prompt_len, **POOL_IDS)
+    pools = q.attention_pools(ids, mask, prompt_len, **T.POOL_IDS)
     out = model(ids, mask, pixel_values=pv, image_grid_thw=np.array(grids), pools=pools)
     with torch.no_grad():
         ref = hf(

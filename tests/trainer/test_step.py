@@ -19,13 +19,6 @@ from tests.models import hf_tiny as T
 
 G = 2
 N = 5
-POOL_IDS = dict(
-    im_start_id=T.IM_START,
-    im_end_id=T.IM_END,
-    user_header_ids=[10, 11],
-    special_ids=[T.IMAGE, T.VIDEO, T.VSTART, T.VEND, T.IM_START, T.IM_END],
-    vision_ids=[T.IMAGE, T.VIDEO],
-)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +47,7 @@ def make_batch(model, seed=0, rewards=None):
     comp[1, 3:] = 0  # an EOS at position 2 in row 1
     comp[3, 1:] = 0
     rewards = rng.normal(size=len(rows)) if rewards is None else rewards
-    pools = q.attention_pools(ids, mask, ids.shape[1], **POOL_IDS)
+    pools = q.attention_pools(ids, mask, ids.shape[1], **T.POOL_IDS)
     batch = assemble(
         ids,
         mask,
