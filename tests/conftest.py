@@ -1,8 +1,21 @@
-"""Shared pytest setup: float32 everywhere, quiet logs."""
+"""Shared pytest setup: float32 everywhere, quiet logs, one XLA compilation cache per session."""
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One persistent XLA cache for the whole session, inherited by the subprocesses the tests start
+# (multi-device and multi-process runs, the CLI): the same tiny programs are compiled again by
+# many tests (every train run builds its own jitted step). Compile counts in the tests come
+# from the jit caches, which a persistent-cache hit still fills.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _xla_cache = tempfile.mkdtemp(prefix="jaxvrl-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 
