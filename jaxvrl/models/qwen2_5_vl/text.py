@@ -119,37 +119,36 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", None))
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
-        scale = self.head_dim**-0.5
+        one_cpu_query = False
         if kv is None:
-            logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * scale
-            probs = masked_softmax(logits, mask[:, None, None])
-            stats = pool_masses(probs, pools) if pools is not None else None
-            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(x.dtype), v.astype(x.dtype))
-            return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
-        k_cache, v_cache, index = kv
-        k = jax.lax.dynamic_update_slice(
-            k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
-        )  # [B, K, H, S]
-        v = jax.lax.dynamic_update_slice(
-            v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
-        )  # [B, K, S, H]
-        # the cache stays split like the rows (and over kv heads with tensor parallelism)
-        k = constrain(k, ("batch", "heads", None, "length"))
-        v = constrain(v, ("batch", "heads", "length", None))
-        one_cpu_query = _products_for_one_query(t)
-        if one_cpu_query:
-            # a decode step on the CPU: products and reductions over a middle axis (in float32,
-            # like the matmuls' accumulation), which XLA's CPU backend runs about twice as fast
-            # as its batched M = G matmuls
-            q1 = qg[:, 0].astype(jnp.float32)  # [B, K, G, H]
-            logits = jnp.sum(q1[..., None] * k.astype(jnp.float32)[:, :, None], axis=3)
-            logits = logits[:, :, :, None].astype(q.dtype)
+            logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype))
         else:
-            logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
-        probs = masked_softmax(logits * scale, mask[:, None, None])
+            k_cache, v_cache, index = kv
+            k = jax.lax.dynamic_update_slice(
+                k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
+            )  # [B, K, H, S]
+            v = jax.lax.dynamic_update_slice(
+                v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
+            )  # [B, K, S, H]
+            # the cache stays split like the rows (and over kv heads with tensor parallelism)
+            k = constrain(k, ("batch", "heads", None, "length"))
+            v = constrain(v, ("batch", "heads", "length", None))
+            one_cpu_query = _products_for_one_query(t)
+            if one_cpu_query:
+                # a decode step on the CPU: products and reductions over a middle axis (in
+                # float32, like the matmuls' accumulation), which XLA's CPU backend runs about
+                # twice as fast as its batched M = G matmuls
+                q1 = qg[:, 0].astype(jnp.float32)  # [B, K, G, H]
+                logits = jnp.sum(q1[..., None] * k.astype(jnp.float32)[:, :, None], axis=3)
+                logits = logits[:, :, :, None].astype(q.dtype)
+            else:
+                logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
+        probs = masked_softmax(logits * self.head_dim**-0.5, mask[:, None, None])
         stats = pool_masses(probs, pools) if pools is not None else None
         pv, vv = probs.astype(x.dtype), v.astype(x.dtype)
-        if one_cpu_query:
+        if kv is None:
+            out = jnp.einsum("BKGTS,BSKH->BTKGH", pv, vv)
+        elif one_cpu_query:
             prod = pv[:, :, :, 0, :, None].astype(jnp.float32) * vv.astype(jnp.float32)[:, :, None]
             out = jnp.sum(prod, axis=3)[:, None].astype(x.dtype)
         else:
