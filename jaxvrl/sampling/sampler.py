@@ -21,7 +21,7 @@ from flax import nnx, struct
 from jaxvrl.models.qwen2_5_vl import KVCache, get_rope_index, stack_vision_inputs, vision_inputs
 from jaxvrl.models.qwen2_5_vl.layers import GatedMLP
 from jaxvrl.models.qwen2_5_vl.text import Attention
-from jaxvrl.sampling import rules
+from jaxvrl.sampling import cpu_kernels, rules
 from jaxvrl.sampling.rules import NEG_INF
 
 
@@ -145,7 +145,7 @@ def sample(
         state["xmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
     start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # next position
     if _transposed_decode(cfg):
-        model = _with_transposed_weights(model)  # prefill above used the stored kernels
+        model = _with_transposed_weights(model, b)  # prefill above used the stored kernels
     step = functools.partial(_decode_step, model, cfg, rng, start, pools)
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
     # once per chunk, which on GPUs saves a device-to-host sync per token.
@@ -190,7 +190,7 @@ def _decode_step(model, cfg: SamplingConfig, rng, start, pools, s: dict) -> dict
         pools=pools,
         return_logits=False,
     )
-    logits = _logits(model, out.hidden[:, 0], _transposed_decode(cfg))
+    logits = _logits(model, out.hidden[:, 0])
     next_tok, next_lp = _pick(logits, jax.random.fold_in(rng, i + 1), cfg)
     new = dict(
         s,
@@ -221,11 +221,13 @@ def _transposed_decode(cfg: SamplingConfig) -> bool:
 def _rows_by_weight(w_rows: jax.Array, x: jax.Array) -> jax.Array:
     """x [..., K] times w_rows [N, K] -> [..., N].
 
-    For K <= _PRODUCT_MAX_K: sum_k w_rows[n, k] * x[m, k] as a product and a reduction over
-    k, the middle axis of [N, K, M] (XLA's CPU backend runs it 1.2-1.4x faster than an M = B
-    matmul). Otherwise (w_rows @ x^T)^T. Either way a barrier keeps XLA from folding the
-    transpose back into the computation, which on the CPU re-packs the whole weight every call
-    (the matmul) or makes the reduction's output [M, N] (the product), both much slower.
+    XLA's forms, for where the CPU kernel does not apply: for K <= _PRODUCT_MAX_K, sum_k
+    w_rows[n, k] * x[m, k] as a product and a reduction over k, the middle axis of [N, K, M]
+    (XLA's CPU backend runs it 1.2-1.4x faster than an M = B matmul); above it (w_rows @
+    x^T)^T. Either way a barrier
+    keeps XLA from folding the transpose back into the computation, which on the CPU re-packs
+    the whole weight every call (the matmul) or makes the reduction's output [M, N] (the
+    product), both much slower.
     """
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[-1] <= _PRODUCT_MAX_K:
@@ -243,25 +245,39 @@ _PRODUCT_MAX_K = 384
 
 
 class _RowsLinear(nnx.Module):
-    """nnx.Linear layers that share their input, for decode steps: one matmul by their kernels
-    held transposed and stacked ([sum of outs, in]); returns the layers' outputs (a tuple when
-    there are several)."""
+    """A linear layer for decode steps with its weight as rows [out, in] (or, `packed`, in
+    the CPU kernel's panels: `cpu_kernels.pack`); `of(*lins)` stacks nnx.Linear layers that
+    share their input into one ([sum of outs, in]) and returns their outputs as a tuple."""
 
-    def __init__(self, *lins: nnx.Linear):
-        self.dtype = lins[0].dtype or lins[0].kernel[...].dtype
-        self.sizes = tuple(int(lin.kernel.shape[1]) for lin in lins)
-        self.kernel_t = nnx.Variable(
-            jnp.concatenate([lin.kernel[...].T for lin in lins]).astype(self.dtype)
-        )
-        biases = [
-            jnp.zeros((n,), self.dtype) if lin.bias is None else lin.bias[...]
-            for lin, n in zip(lins, self.sizes)
-        ]
-        has_bias = any(lin.bias is not None for lin in lins)
-        self.bias = nnx.Variable(jnp.concatenate(biases).astype(self.dtype)) if has_bias else None
+    def __init__(self, w_rows: jax.Array, bias=None, sizes=None, *, packed: bool = False):
+        self.dtype = w_rows.dtype
+        self.n_out = int(w_rows.shape[0])
+        self.sizes = tuple(sizes or (self.n_out,))
+        self.packed = packed
+        self.kernel = nnx.Variable(cpu_kernels.pack(w_rows) if packed else w_rows)
+        self.bias = None if bias is None else nnx.Variable(bias)
+
+    @classmethod
+    def of(cls, *lins: nnx.Linear, packed: bool = False):
+        dtype = lins[0].dtype or lins[0].kernel[...].dtype
+        sizes = tuple(int(lin.kernel.shape[1]) for lin in lins)
+        w_rows = jnp.concatenate([lin.kernel[...].T for lin in lins]).astype(dtype)
+        bias = None
+        if any(lin.bias is not None for lin in lins):
+            parts = [
+                jnp.zeros((n,), dtype) if lin.bias is None else lin.bias[...]
+                for lin, n in zip(lins, sizes)
+            ]
+            bias = jnp.concatenate(parts).astype(dtype)
+        return cls(w_rows, bias, sizes, packed=packed)
 
     def __call__(self, x: jax.Array):
-        y = _rows_by_weight(self.kernel_t[...], x.astype(self.dtype))
+        if self.packed:
+            x2 = x.reshape(-1, x.shape[-1])
+            y = cpu_kernels.rows_by_weight(self.kernel[...], x2, self.n_out)
+            y = y.reshape(x.shape[:-1] + (self.n_out,)).astype(self.dtype)
+        else:
+            y = _rows_by_weight(self.kernel[...], x.astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...]
         if len(self.sizes) == 1:
@@ -272,8 +288,8 @@ class _RowsLinear(nnx.Module):
 class _DecodeAttention(Attention):
     """An Attention whose q, k and v projections are one `_RowsLinear`."""
 
-    def __init__(self, attn: Attention):
-        self.qkv = _RowsLinear(attn.q_proj, attn.k_proj, attn.v_proj)
+    def __init__(self, attn: Attention, packed: bool):
+        self.qkv = _RowsLinear.of(attn.q_proj, attn.k_proj, attn.v_proj, packed=packed)
         self.o_proj = attn.o_proj  # swapped by `_with_transposed_weights`
         self.n_heads, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
 
@@ -284,8 +300,8 @@ class _DecodeAttention(Attention):
 class _DecodeMLP(GatedMLP):
     """A GatedMLP whose gate and up projections are one `_RowsLinear`."""
 
-    def __init__(self, mlp: GatedMLP):
-        self.gate_up_proj = _RowsLinear(mlp.gate_proj, mlp.up_proj)
+    def __init__(self, mlp: GatedMLP, packed: bool):
+        self.gate_up_proj = _RowsLinear.of(mlp.gate_proj, mlp.up_proj, packed=packed)
         self.down_proj = mlp.down_proj  # swapped by `_with_transposed_weights`
         self.act = mlp.act
 
@@ -297,11 +313,14 @@ def _plain(*mods) -> bool:
     return all(type(m) is nnx.Linear for m in mods)
 
 
-def _with_transposed_weights(model):
-    """The model (merged inside the trace) with the text decoder's and the LM head's plain
-    nnx.Linear layers swapped for `_RowsLinear`s: q/k/v and gate/up each fused into one matmul
-    where all of them are plain; adapters (LoRA) keep their own path, their base linear
-    swapped."""
+def _with_transposed_weights(model, rows: int):
+    """The model (merged inside the trace) with the text decoder's plain nnx.Linear layers
+    swapped for `_RowsLinear`s (q/k/v and gate/up each fused into one where all of them are
+    plain; adapters such as LoRA keep their own path, their base linear swapped) and a
+    `decode_head`: the LM head as a `_RowsLinear` (the tied embedding [V, D] is already rows).
+    With `rows` rows per decode step, the weights are packed for the CPU kernel where it
+    applies (`cpu_kernels.applies`)."""
+    packed = cpu_kernels.applies(rows, model.dtype or jnp.float32)
 
     def swap(module):
         if isinstance(module, nnx.List):
@@ -310,29 +329,32 @@ def _with_transposed_weights(model):
             return
         for name, child in list(vars(module).items()):
             if type(child) is nnx.Linear:
-                setattr(module, name, _RowsLinear(child))
+                setattr(module, name, _RowsLinear.of(child, packed=packed))
             elif isinstance(child, nnx.Module):
                 if type(child) is Attention and _plain(child.q_proj, child.k_proj, child.v_proj):
-                    child = _DecodeAttention(child)
+                    child = _DecodeAttention(child, packed)
                 elif type(child) is GatedMLP and _plain(child.gate_proj, child.up_proj):
-                    child = _DecodeMLP(child)
+                    child = _DecodeMLP(child, packed)
                 setattr(module, name, child)
                 swap(child)
 
     swap(model.model)
-    if not model.config.tie_word_embeddings and type(model.lm_head) is nnx.Linear:
-        model.lm_head = _RowsLinear(model.lm_head)
+    if model.config.tie_word_embeddings:
+        emb = model.model.embed_tokens
+        table = emb.embedding[...].astype(emb.dtype or emb.embedding[...].dtype)
+        model.decode_head = _RowsLinear(table, packed=packed)
+    elif type(model.lm_head) is nnx.Linear:
+        model.decode_head = _RowsLinear.of(model.lm_head, packed=packed)
     return model
 
 
-def _logits(model, hidden: jax.Array, transposed: bool) -> jax.Array:
-    """float32[B, V] of a decode step: with the transposed layout, the tied embedding [V, D]
-    is used as it is (already [out, in]; an untied head is a `_RowsLinear` by then)."""
-    if transposed and model.config.tie_word_embeddings:
-        emb = model.model.embed_tokens
-        table = emb.embedding[...].astype(emb.dtype or hidden.dtype)
-        return _rows_by_weight(table, hidden.astype(table.dtype)).astype(jnp.float32)
-    return model.logits(hidden)
+def _logits(model, hidden: jax.Array) -> jax.Array:
+    """float32[B, V] of a decode step: the `decode_head` where `_with_transposed_weights`
+    made one, else the model's own head."""
+    head = getattr(model, "decode_head", None)
+    if head is None:
+        return model.logits(hidden)
+    return head(hidden.astype(head.dtype)).astype(jnp.float32)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,136 @@
+"""A CPU kernel for the decode steps' skinny matmuls, built on first use.
+
+`rows_by_weight(pack(w), x, N)` = x @ w.T for float32 w [N, K] and a few rows x [M, K], as an
+XLA FFI custom call (`rows_kernel.cc`): the weights, packed once per `generate` call into
+panels of 8 rows, are streamed once per step with software prefetch, split between the caller
+and XLA's intra-op threads. XLA's own CPU dot reads such weights at about half the
+memory bandwidth, and a decode step is little else (bench/RESULTS.md).
+
+The shared library is compiled with the host's C++ compiler (`$CXX`, default g++) against
+jaxlib's FFI headers, `-march=native`, into `$JAXVRL_CACHE_DIR` (default
+`~/.cache/jaxvrl/kernels`), keyed by the source, jaxlib's version, the compiler and the CPU.
+Nothing is downloaded. Where it cannot be built (no compiler, a read-only cache) a warning says
+why, once, and callers fall back to XLA's dot; `JAXVRL_CPU_KERNELS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+_SOURCE = Path(__file__).with_name("rows_kernel.cc")
+_TARGET = "jaxvrl_rows_by_weight"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+# Above this many rows XLA's dot (a real GEMM, weights reused across row blocks) is used.
+MAX_ROWS = 32
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("JAXVRL_CACHE_DIR")
+    if base:
+        return Path(base) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "jaxvrl" / "kernels"
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernel (or find it already compiled); returns the shared library's path.
+    Raises OSError or subprocess.CalledProcessError (with the compiler's output) on failure."""
+    import jaxlib
+
+    cxx = os.environ.get("CXX", "g++")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, jaxlib.__version__.encode(), cxx.encode(), " ".join(_FLAGS).encode()]
+            + [_cpu_signature().encode(), platform.machine().encode()]
+        )
+    ).hexdigest()[:20]
+    out_dir = out_dir or _cache_dir()
+    lib = out_dir / f"rows_kernel-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, lib)  # atomic: concurrent builders each write their own temp file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `rows_by_weight` can run here (builds and registers the kernel once)."""
+    if os.environ.get("JAXVRL_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(
+            _TARGET, jax.ffi.pycapsule(lib.JaxvrlRowsByWeight), platform="cpu"
+        )
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        warnings.warn(
+            f"jaxvrl: the CPU decode kernel {_SOURCE.name} could not be built or loaded, "
+            f"decode steps use XLA's dot instead (set JAXVRL_CPU_KERNELS=0 to silence): "
+            f"{detail.strip()[-2000:]}",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+PANEL = 8  # output columns per packed panel (kPanel in rows_kernel.cc)
+
+
+def applies(rows: int, dtype) -> bool:
+    """Whether decode steps with `rows` rows of `dtype` use the kernel: CPU backend with one
+    device (no sharded operands), float32, at most MAX_ROWS rows, and the kernel built."""
+    return (
+        jax.default_backend() == "cpu"
+        and jax.device_count() == 1
+        and jnp.dtype(dtype) == jnp.float32
+        and rows <= MAX_ROWS
+        and available()
+    )
+
+
+def pack(w_rows: jax.Array) -> jax.Array:
+    """[N, K] weight rows -> panels [ceil(N / 8), K, 8] (zero rows pad N), the kernel's layout:
+    one copy, made once per `generate` call."""
+    n, k = w_rows.shape
+    pad = -n % PANEL
+    w = jnp.pad(w_rows.astype(jnp.float32), ((0, pad), (0, 0)))
+    return w.reshape(-1, PANEL, k).transpose(0, 2, 1)
+
+
+def rows_by_weight(w_packed: jax.Array, x: jax.Array, n: int) -> jax.Array:
+    """float32 [M, n] = x [M, K] @ w.T for w [n, K] given as `pack(w)` (check `applies`)."""
+    if w_packed.ndim != 3 or w_packed.shape[1:] != (x.shape[-1], PANEL) or x.ndim != 2:
+        raise ValueError(f"rows_by_weight: w {w_packed.shape} is not pack([N, {x.shape[-1]}])")
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(_TARGET, out)(w_packed, x.astype(jnp.float32))
