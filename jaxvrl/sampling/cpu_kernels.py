@@ -1,16 +1,18 @@
-"""A CPU kernel for the decode steps' skinny matmuls, built on first use.
+"""CPU kernels for decode steps, built on first use (XLA FFI custom calls, `decode_kernels.cc`).
 
-`rows_by_weight(pack(w), x, N)` = x @ w.T for float32 w [N, K] and a few rows x [M, K], as an
-XLA FFI custom call (`rows_kernel.cc`): the weights, packed once per `generate` call into
-panels of 8 rows, are streamed once per step with software prefetch, split between the caller
-and XLA's intra-op threads. XLA's own CPU dot reads such weights at about half the
-memory bandwidth, and a decode step is little else (bench/RESULTS.md).
+- `rows_by_weight(pack(w), x, N)` = x @ w.T for float32 w [N, K] and a few rows x [M, K]: the
+  weights, packed once per `generate` call into panels of 8 rows (`pack`, `pack_columns`), are
+  streamed once per step with software prefetch, split between the caller and XLA's intra-op
+  threads. XLA's own CPU dot reads such weights at about half the memory bandwidth, and a
+  decode step is little else (bench/RESULTS.md).
+- `greedy_pick(logits, suppress)`: each row's first maximum outside `suppress` and its
+  log-prob under the full softmax, in two vectorised passes (XLA: ~3 ms at B = 8, V = 152k).
 
 The shared library is compiled with the host's C++ compiler (`$CXX`, default g++) against
 jaxlib's FFI headers, `-march=native`, into `$JAXVRL_CACHE_DIR` (default
 `~/.cache/jaxvrl/kernels`), keyed by the source, jaxlib's version, the compiler and the CPU.
 Nothing is downloaded. Where it cannot be built (no compiler, a read-only cache) a warning says
-why, once, and callers fall back to XLA's dot; `JAXVRL_CPU_KERNELS=0` turns it off.
+why, once, and callers fall back to XLA; `JAXVRL_CPU_KERNELS=0` turns it off.
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-_SOURCE = Path(__file__).with_name("rows_kernel.cc")
-_TARGET = "jaxvrl_rows_by_weight"
+_SOURCE = Path(__file__).with_name("decode_kernels.cc")
+# FFI target name -> exported handler symbol
+_TARGETS = {
+    "jaxvrl_rows_by_weight": "JaxvrlRowsByWeight",
+    "jaxvrl_pack_rows": "JaxvrlPackRows",
+    "jaxvrl_pack_columns": "JaxvrlPackColumns",
+    "jaxvrl_greedy_pick": "JaxvrlGreedyPick",
+}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # Above this many rows XLA's dot (a real GEMM, weights reused across row blocks) is used.
 MAX_ROWS = 32
@@ -66,7 +74,7 @@ def build(out_dir: Path | None = None) -> Path:
         )
     ).hexdigest()[:20]
     out_dir = out_dir or _cache_dir()
-    lib = out_dir / f"rows_kernel-{key}.so"
+    lib = out_dir / f"decode_kernels-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,13 +97,13 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(
-            _TARGET, jax.ffi.pycapsule(lib.JaxvrlRowsByWeight), platform="cpu"
-        )
+        for target, symbol in _TARGETS.items():
+            handler = jax.ffi.pycapsule(getattr(lib, symbol))
+            jax.ffi.register_ffi_target(target, handler, platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         warnings.warn(
-            f"jaxvrl: the CPU decode kernel {_SOURCE.name} could not be built or loaded, "
+            f"jaxvrl: the CPU decode kernels {_SOURCE.name} could not be built or loaded, "
             f"decode steps use XLA's dot instead (set JAXVRL_CPU_KERNELS=0 to silence): "
             f"{detail.strip()[-2000:]}",
             stacklevel=2,
@@ -104,28 +112,34 @@ def available() -> bool:
     return True
 
 
-PANEL = 8  # output columns per packed panel (kPanel in rows_kernel.cc)
+PANEL = 8  # output columns per packed panel (kPanel in decode_kernels.cc)
+
+
+def usable() -> bool:
+    """Whether the kernels can run in the current programs: the CPU backend with one device
+    (no sharded operands) and the kernels built."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
 
 
 def applies(rows: int, dtype) -> bool:
-    """Whether decode steps with `rows` rows of `dtype` use the kernel: CPU backend with one
-    device (no sharded operands), float32, at most MAX_ROWS rows, and the kernel built."""
-    return (
-        jax.default_backend() == "cpu"
-        and jax.device_count() == 1
-        and jnp.dtype(dtype) == jnp.float32
-        and rows <= MAX_ROWS
-        and available()
-    )
+    """Whether decode steps with `rows` rows of `dtype` use `rows_by_weight`: `usable()`,
+    float32, at most MAX_ROWS rows."""
+    return jnp.dtype(dtype) == jnp.float32 and rows <= MAX_ROWS and usable()
 
 
 def pack(w_rows: jax.Array) -> jax.Array:
     """[N, K] weight rows -> panels [ceil(N / 8), K, 8] (zero rows pad N), the kernel's layout:
     one copy, made once per `generate` call."""
     n, k = w_rows.shape
-    pad = -n % PANEL
-    w = jnp.pad(w_rows.astype(jnp.float32), ((0, pad), (0, 0)))
-    return w.reshape(-1, PANEL, k).transpose(0, 2, 1)
+    out = jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), jnp.float32)
+    return jax.ffi.ffi_call("jaxvrl_pack_rows", out)(w_rows.astype(jnp.float32))
+
+
+def pack_columns(w_cols: jax.Array) -> jax.Array:
+    """`pack(w_cols.T)` for a weight held [K, N] (an nnx.Linear kernel), without the transpose."""
+    k, n = w_cols.shape
+    out = jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), jnp.float32)
+    return jax.ffi.ffi_call("jaxvrl_pack_columns", out)(w_cols.astype(jnp.float32))
 
 
 def rows_by_weight(w_packed: jax.Array, x: jax.Array, n: int) -> jax.Array:
@@ -133,4 +147,15 @@ def rows_by_weight(w_packed: jax.Array, x: jax.Array, n: int) -> jax.Array:
     if w_packed.ndim != 3 or w_packed.shape[1:] != (x.shape[-1], PANEL) or x.ndim != 2:
         raise ValueError(f"rows_by_weight: w {w_packed.shape} is not pack([N, {x.shape[-1]}])")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(w_packed, x.astype(jnp.float32))
+    return jax.ffi.ffi_call("jaxvrl_rows_by_weight", out)(w_packed, x.astype(jnp.float32))
+
+
+def greedy_pick(logits: jax.Array, suppress=()) -> tuple[jax.Array, jax.Array]:
+    """(int32[B], float32[B]): each row's first maximum among the ids not in `suppress`, and
+    its log-prob under softmax over all V logits (the suppressed ones included), like
+    `rules.first_argmax` on the suppressed logits and `rules.token_logprob` with them kept
+    aside. float32 logits [B, V] (check `available`)."""
+    b = logits.shape[0]
+    out = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32))
+    ids = jnp.asarray(tuple(suppress), jnp.int32).reshape(-1)
+    return jax.ffi.ffi_call("jaxvrl_greedy_pick", out)(logits.astype(jnp.float32), ids)

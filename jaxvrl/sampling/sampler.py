@@ -71,10 +71,13 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
 def _pick(logits, key, cfg: SamplingConfig):
     """Sample (or argmax) one token per row; returns (tokens int32[B], logprobs float32[B]).
 
-    Suppressed ids are masked by a scatter of B x |ids| entries rather than a pass over V
+    Greedy picks on one CPU device are one kernel (`cpu_kernels.greedy_pick`). Otherwise
+    suppressed ids are masked by a scatter of B x |ids| entries rather than a pass over V
     (the CPU decode step is a handful of passes over [B, V] besides the LM head); their
     logits are kept aside so that the log-prob's normaliser still covers them.
     """
+    if cfg.temperature <= 0 and logits.dtype == jnp.float32 and cpu_kernels.usable():
+        return cpu_kernels.greedy_pick(logits, cfg.suppress_token_ids)
     temp = cfg.temperature if cfg.temperature > 0 else 1.0
     x = logits / temp if temp != 1.0 else logits
     masked = None
@@ -249,19 +252,26 @@ class _RowsLinear(nnx.Module):
     the CPU kernel's panels: `cpu_kernels.pack`); `of(*lins)` stacks nnx.Linear layers that
     share their input into one ([sum of outs, in]) and returns their outputs as a tuple."""
 
-    def __init__(self, w_rows: jax.Array, bias=None, sizes=None, *, packed: bool = False):
-        self.dtype = w_rows.dtype
-        self.n_out = int(w_rows.shape[0])
+    def __init__(self, w, bias=None, sizes=None, *, packed: bool = False, columns=False):
+        """w: the weight as rows [out, in], or as columns [in, out] (an nnx.Linear kernel)
+        with `columns`."""
+        self.dtype = w.dtype
+        self.n_out = int(w.shape[1] if columns else w.shape[0])
         self.sizes = tuple(sizes or (self.n_out,))
         self.packed = packed
-        self.kernel = nnx.Variable(cpu_kernels.pack(w_rows) if packed else w_rows)
+        if packed:
+            w = cpu_kernels.pack_columns(w) if columns else cpu_kernels.pack(w)
+        elif columns:
+            w = w.T
+        self.kernel = nnx.Variable(w)
         self.bias = None if bias is None else nnx.Variable(bias)
 
     @classmethod
     def of(cls, *lins: nnx.Linear, packed: bool = False):
         dtype = lins[0].dtype or lins[0].kernel[...].dtype
         sizes = tuple(int(lin.kernel.shape[1]) for lin in lins)
-        w_rows = jnp.concatenate([lin.kernel[...].T for lin in lins]).astype(dtype)
+        kernels = [lin.kernel[...].astype(dtype) for lin in lins]
+        w = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=1)
         bias = None
         if any(lin.bias is not None for lin in lins):
             parts = [
@@ -269,7 +279,7 @@ class _RowsLinear(nnx.Module):
                 for lin, n in zip(lins, sizes)
             ]
             bias = jnp.concatenate(parts).astype(dtype)
-        return cls(w_rows, bias, sizes, packed=packed)
+        return cls(w, bias, sizes, packed=packed, columns=True)
 
     def __call__(self, x: jax.Array):
         if self.packed:

@@ -1,6 +1,7 @@
-"""The CPU decode kernel (jaxvrl/sampling/rows_kernel.cc): x @ w.T against a float64
-reference on odd shapes, its gate, the fallback when it cannot be built, and the sampler's
-tokens and log-probs with and without it."""
+"""The CPU decode kernels (jaxvrl/sampling/decode_kernels.cc): x @ w.T against a float64
+reference on odd shapes, packing, the greedy pick against the XLA rules, the gate, the
+fallback when they cannot be built, and the sampler's tokens and log-probs with and without
+them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxvrl.sampling import cpu_kernels, generate, make_sampler
+from jaxvrl.sampling import cpu_kernels, generate, make_sampler, rules
 from tests.models import hf_tiny as T
 
 needs_kernel = pytest.mark.skipif(
@@ -41,6 +42,60 @@ def test_rows_by_weight_matches_float64(m, k, n):
     np.testing.assert_array_equal(got, np.asarray(f(packed, jnp.asarray(x), n)))
 
 
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(1, 3), (13, 5), (64, 7)])
+def test_pack_from_rows_and_from_columns(n, k):
+    w = np.random.default_rng(n).standard_normal((n, k), np.float32)
+    want = np.zeros((-(-n // 8) * 8, k), np.float32)
+    want[:n] = w
+    want = want.reshape(-1, 8, k).transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.pack)(jnp.asarray(w))), want)
+    cols = jax.jit(cpu_kernels.pack_columns)(jnp.asarray(w.T.copy()))
+    np.testing.assert_array_equal(np.asarray(cols), want)
+
+
+def _xla_greedy(x, suppress):
+    ids = jnp.asarray(suppress, jnp.int32)
+    masked = x[:, ids] if suppress else None
+    y = x.at[:, ids].set(rules.NEG_INF) if suppress else x
+    tok = rules.first_argmax(y)
+    return tok, rules.token_logprob(y, tok, 1.0, masked)
+
+
+@needs_kernel
+@pytest.mark.parametrize("v", [1, 9, 8 * 1000, 151936 + 3])
+def test_greedy_pick_matches_the_rules(v):
+    """First maximum (ties inside and across vector lanes), a suppressed id holding the row's
+    maximum (it still counts in the normaliser), logits far below the maximum (exp
+    underflow), a vocabulary that is not a multiple of 8."""
+    rng = np.random.default_rng(v)
+    b = 6
+    x = rng.standard_normal((b, v)).astype(np.float32) * 4
+    top = x.max() + 1
+    suppress = (0, v - 1) if v > 1 else ()
+    if v >= 20:
+        x[1, [3, 11, 19]] = top  # ties: the first wins
+        x[2, v - 1] = top + 5  # a suppressed id is the maximum
+        x[2, [5, 6]] = top  # the pick among the rest: 5
+        x[3, :] = -200.0
+        x[3, 7] = 50.0  # every other entry underflows exp(x - max)
+        x[4, v // 2 :] = top  # ties across the second half
+    if v == 9:
+        suppress = (2, 2)  # repeated ids: each entry still counts once in the normaliser
+    tok, lp = jax.jit(cpu_kernels.greedy_pick, static_argnums=1)(jnp.asarray(x), suppress)
+    want_tok, _ = _xla_greedy(jnp.asarray(x), tuple(sorted(set(suppress))))
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+    x64 = x.astype(np.float64)
+    t = np.asarray(tok)
+    ref_lp = (
+        x64[np.arange(b), t] - np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1)) - x64.max(1)
+    )
+    np.testing.assert_allclose(np.asarray(lp), ref_lp, rtol=0, atol=2e-6 * max(1, np.log(v)))
+    if v >= 20:
+        assert t[1] == 3 and t[2] == 5 and t[3] == 7 and t[4] == v // 2
+        assert abs(float(lp[3])) < 1e-6
+
+
 def test_rows_by_weight_rejects_an_unpacked_weight():
     with pytest.raises(ValueError, match="is not pack"):
         cpu_kernels.rows_by_weight(jnp.zeros((16, 8)), jnp.zeros((2, 8)), 16)
@@ -60,7 +115,7 @@ def test_build_failure_warns_and_falls_back(tmp_path, monkeypatch):
     try:
         with pytest.warns(UserWarning, match="could not be built or loaded"):
             assert not cpu_kernels.available()
-        assert not cpu_kernels.applies(2, jnp.float32)
+        assert not cpu_kernels.applies(2, jnp.float32) and not cpu_kernels.usable()
         assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
     finally:
         monkeypatch.undo()
@@ -90,6 +145,7 @@ def test_sampler_with_and_without_the_kernel(tmp_path, monkeypatch):
         if name == "xla":
             assert traced  # the kernel was in the first runs' programs
             monkeypatch.setattr(cpu_kernels, "applies", lambda rows, dtype: False)
+            monkeypatch.setattr(cpu_kernels, "usable", lambda: False)
         make_sampler.cache_clear()
         runs[name] = [
             generate(model, ids, mask, temperature=t, rng=jax.random.key(2), **kw)
