@@ -1,6 +1,7 @@
 // CPU kernels for decode steps (XLA FFI custom calls, float32):
 // - RowsByWeight: the skinny matmul y[m, n] = sum_k x[m, k] * w[n, k], w packed in panels of 8
 //   rows (PackRows from [N, K], PackColumns from an nnx.Linear kernel [K, N]);
+// - DecodeAttention: one query per row over the KV cache (the model's masked softmax);
 // - GreedyPick: each row's first maximum (suppressed ids excluded) and its log-prob, in two
 //   vectorised passes over the logits (XLA's CPU backend takes ~3 ms for this at V = 152k).
 //
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -295,6 +297,76 @@ ffi::Error GreedyPick(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   return ffi::Error::Success();
 }
 
+// One decode query per row over a float32 KV cache, for one (row, kv head): q [G, H] (the G
+// query heads sharing the kv head), keys [H, S], values [S, H], mask [S] -> out [G, H]. Like
+// the model's masked_softmax: scores * scale, masked keys excluded, softmax in float32, a
+// fully masked row gives zeros.
+void AttendOne(const float* q, const float* keys, const float* values, const bool* mask,
+               float* out, int64_t g, int64_t h, int64_t s, float scale) {
+  std::vector<float> scores(g * s, 0.0f);
+  for (int64_t hh = 0; hh < h; ++hh) {
+    const float* krow = keys + hh * s;
+    for (int64_t gg = 0; gg < g; ++gg) {
+      const float qv = q[gg * h + hh];
+      float* sc = scores.data() + gg * s;
+      for (int64_t j = 0; j < s; ++j) sc[j] += qv * krow[j];
+    }
+  }
+  for (int64_t gg = 0; gg < g; ++gg) {
+    float* sc = scores.data() + gg * s;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < s; ++j)
+      if (mask[j]) top = std::max(top, sc[j] * scale);
+    double total = 0.0;
+    for (int64_t j = 0; j < s; ++j) {
+      float e = 0.0f;
+      if (mask[j]) {
+        Vec one = Vec{} - std::numeric_limits<float>::infinity();
+        one[0] = sc[j] * scale - top;
+        e = Exp(one)[0];
+      }
+      sc[j] = e;
+      total += e;
+    }
+    const float inv = total > 0.0 ? static_cast<float>(1.0 / total) : 0.0f;
+    float* o = out + gg * h;
+    for (int64_t hh = 0; hh < h; ++hh) o[hh] = 0.0f;
+    for (int64_t j = 0; j < s; ++j) {
+      const float p = sc[j] * inv;
+      if (p == 0.0f) continue;
+      const float* vrow = values + j * h;
+      for (int64_t hh = 0; hh < h; ++hh) o[hh] += p * vrow[hh];
+    }
+  }
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask,
+                           ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions();  // [B, K, G, H]
+  const auto kd = k.dimensions();  // [B, K, H, S]
+  const auto vd = v.dimensions();  // [B, K, S, H]
+  const auto md = mask.dimensions();  // [B, S]
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 2 || kd[0] != qd[0] ||
+      kd[1] != qd[1] || kd[2] != qd[3] || vd[0] != qd[0] || vd[1] != qd[1] || vd[2] != kd[3] ||
+      vd[3] != qd[3] || md[0] != qd[0] || md[1] != kd[3])
+    return ffi::Error::InvalidArgument(
+        "decode_attention: expected q [B, K, G, H], keys [B, K, H, S], values [B, K, S, H], "
+        "mask [B, S]");
+  const int64_t b = qd[0], kv = qd[1], g = qd[2], h = qd[3], s = kd[3];
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  ParallelFor(pool, b * kv, [=](int64_t i) {
+    const int64_t row = i / kv;
+    AttendOne(qp + i * g * h, kp + i * h * s, vp + i * s * h, mp + row * s, op + i * g * h, g, h,
+              s, scale);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlRowsByWeight, RowsByWeight,
@@ -323,3 +395,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlGreedyPick, GreedyPick,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));

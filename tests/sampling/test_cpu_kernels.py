@@ -96,6 +96,34 @@ def test_greedy_pick_matches_the_rules(v):
         assert abs(float(lp[3])) < 1e-6
 
 
+@needs_kernel
+@pytest.mark.parametrize("b,kv,g,h,s", [(3, 2, 7, 64, 37), (1, 1, 1, 5, 1), (8, 2, 2, 16, 300)])
+def test_decode_attention_matches_masked_softmax(b, kv, g, h, s):
+    """Against a float64 masked softmax; a fully masked row gives zeros, like the model's."""
+    rng = np.random.default_rng(s)
+    q = rng.standard_normal((b, kv, g, h)).astype(np.float32)
+    keys = rng.standard_normal((b, kv, h, s)).astype(np.float32)
+    values = rng.standard_normal((b, kv, s, h)).astype(np.float32)
+    mask = rng.random((b, s)) < 0.7
+    mask[0, -1] = True
+    if b > 1:
+        mask[1] = False
+    scale = h**-0.5
+    got = np.asarray(jax.jit(cpu_kernels.decode_attention, static_argnums=4)(
+        jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(mask), scale
+    ))  # fmt: skip
+    sc = np.einsum("bkgh,bkhs->bkgs", q.astype(np.float64), keys) * scale
+    sc = np.where(mask[:, None, None], sc, -np.inf)
+    top = np.max(sc, axis=-1, keepdims=True)
+    e = np.where(mask[:, None, None], np.exp(sc - np.where(np.isfinite(top), top, 0)), 0.0)
+    tot = e.sum(-1, keepdims=True)
+    p = np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0.0)
+    want = np.einsum("bkgs,bksh->bkgh", p, values)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(s))
+    if b > 1:
+        assert not got[1].any()
+
+
 def test_rows_by_weight_rejects_an_unpacked_weight():
     with pytest.raises(ValueError, match="is not pack"):
         cpu_kernels.rows_by_weight(jnp.zeros((16, 8)), jnp.zeros((2, 8)), 16)
@@ -109,8 +137,9 @@ def test_gate():
 
 
 def test_build_failure_warns_and_falls_back(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXVRL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JAXVRL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_kernels, "_LOADED", [])  # as in a process that has not loaded it
     cpu_kernels.available.cache_clear()
     try:
         with pytest.warns(UserWarning, match="could not be built or loaded"):

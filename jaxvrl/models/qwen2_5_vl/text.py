@@ -134,6 +134,11 @@ class Attention(nnx.Module):
             k = constrain(k, ("batch", "heads", None, "length"))
             v = constrain(v, ("batch", "heads", "length", None))
             one_cpu_query = _products_for_one_query(t)
+            if one_cpu_query and pools is None and _attention_kernel(q, k):
+                out = _kernels().decode_attention(
+                    qg[:, 0], k, v, mask[:, 0], self.head_dim**-0.5
+                )  # [B, K, G, H]
+                return self.o_proj(out.reshape(b, t, -1).astype(x.dtype)), (k, v), None
             if one_cpu_query:
                 # a decode step on the CPU: products and reductions over a middle axis (in
                 # float32, like the matmuls' accumulation), which XLA's CPU backend runs about
@@ -156,6 +161,20 @@ class Attention(nnx.Module):
             # backend multiplied by the transposed cache, 2.3x slower
             out = jnp.einsum("BKGTS,BKSH->BKGTH", pv, vv).transpose(0, 3, 1, 2, 4)
         return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
+
+
+def _kernels():
+    # imported on use: jaxvrl.sampling imports this package
+    from jaxvrl.sampling import cpu_kernels
+
+    return cpu_kernels
+
+
+def _attention_kernel(q: jax.Array, k_cache: jax.Array) -> bool:
+    """Whether a CPU decode step's cached attention runs as the kernel
+    (`cpu_kernels.decode_attention`): float32 queries and cache, one CPU device, kernels built.
+    Callers keep XLA's form when attention statistics are asked for."""
+    return q.dtype == jnp.float32 and k_cache.dtype == jnp.float32 and _kernels().usable()
 
 
 def _products_for_one_query(t: int) -> bool:
