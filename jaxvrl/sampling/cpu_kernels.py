@@ -126,6 +126,13 @@ def available() -> bool:
 PANEL = 8  # output columns per packed panel (kPanel in decode_kernels.cc)
 
 
+def _call(target: str, out):
+    """jax.ffi.ffi_call for one of the kernels, after making sure they are registered."""
+    if not available():
+        raise RuntimeError(f"jaxvrl: {target} needs the CPU decode kernels, which are not built")
+    return jax.ffi.ffi_call(target, out)
+
+
 def usable() -> bool:
     """Whether the kernels can run in the current programs: the CPU backend with one device
     (no sharded operands) and the kernels built."""
@@ -143,14 +150,14 @@ def pack(w_rows: jax.Array) -> jax.Array:
     one copy, made once per `generate` call."""
     n, k = w_rows.shape
     out = jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), jnp.float32)
-    return jax.ffi.ffi_call("jaxvrl_pack_rows", out)(w_rows.astype(jnp.float32))
+    return _call("jaxvrl_pack_rows", out)(w_rows.astype(jnp.float32))
 
 
 def pack_columns(w_cols: jax.Array) -> jax.Array:
     """`pack(w_cols.T)` for a weight held [K, N] (an nnx.Linear kernel), without the transpose."""
     k, n = w_cols.shape
     out = jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), jnp.float32)
-    return jax.ffi.ffi_call("jaxvrl_pack_columns", out)(w_cols.astype(jnp.float32))
+    return _call("jaxvrl_pack_columns", out)(w_cols.astype(jnp.float32))
 
 
 def rows_by_weight(w_packed: jax.Array, x: jax.Array, n: int) -> jax.Array:
@@ -158,7 +165,7 @@ def rows_by_weight(w_packed: jax.Array, x: jax.Array, n: int) -> jax.Array:
     if w_packed.ndim != 3 or w_packed.shape[1:] != (x.shape[-1], PANEL) or x.ndim != 2:
         raise ValueError(f"rows_by_weight: w {w_packed.shape} is not pack([N, {x.shape[-1]}])")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call("jaxvrl_rows_by_weight", out)(w_packed, x.astype(jnp.float32))
+    return _call("jaxvrl_rows_by_weight", out)(w_packed, x.astype(jnp.float32))
 
 
 def greedy_pick(logits: jax.Array, suppress=()) -> tuple[jax.Array, jax.Array]:
@@ -169,7 +176,7 @@ def greedy_pick(logits: jax.Array, suppress=()) -> tuple[jax.Array, jax.Array]:
     b = logits.shape[0]
     out = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32))
     ids = jnp.asarray(tuple(suppress), jnp.int32).reshape(-1)
-    return jax.ffi.ffi_call("jaxvrl_greedy_pick", out)(logits.astype(jnp.float32), ids)
+    return _call("jaxvrl_greedy_pick", out)(logits.astype(jnp.float32), ids)
 
 
 def decode_attention(q, keys, values, mask, scale: float) -> jax.Array:
@@ -178,7 +185,7 @@ def decode_attention(q, keys, values, mask, scale: float) -> jax.Array:
     [B, K, S, H], mask bool [B, S]; a fully masked row gives zeros (check `usable`)."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     f32 = jnp.float32
-    call = jax.ffi.ffi_call("jaxvrl_decode_attention", out)
+    call = _call("jaxvrl_decode_attention", out)
     return call(
         q.astype(f32),
         keys.astype(f32),
