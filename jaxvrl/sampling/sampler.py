@@ -131,7 +131,9 @@ def sample(
     )
     # token 0 is picked from the prefill's last logits; each decode step then feeds token i
     # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
-    tok, lp = _pick(model.logits(out.hidden[:, -1]), jax.random.fold_in(rng, 0), cfg)
+    if _transposed_decode(cfg):
+        model = _with_transposed_weights(model, b)  # the prefill above used the stored kernels
+    tok, lp = _pick(_logits(model, out.hidden[:, -1]), jax.random.fold_in(rng, 0), cfg)
     state = dict(
         i=jnp.zeros((), jnp.int32),
         cache=out.cache,
@@ -147,8 +149,6 @@ def sample(
         state["vmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
         state["xmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
     start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # next position
-    if _transposed_decode(cfg):
-        model = _with_transposed_weights(model, b)  # prefill above used the stored kernels
     step = functools.partial(_decode_step, model, cfg, rng, start, pools)
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
     # once per chunk, which on GPUs saves a device-to-host sync per token.
