@@ -155,10 +155,11 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer
                 bool columns) {
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
+  const char* expected = "pack: expected w [N, K] (or [K, N]) -> [ceil(N/8), K, 8]";
+  if (wd.size() != 2 || od.size() != 3) return ffi::Error::InvalidArgument(expected);
   const int64_t n = columns ? wd[1] : wd[0], k = columns ? wd[0] : wd[1];
-  if (wd.size() != 2 || od.size() != 3 || od[1] != k || od[2] != kPanel ||
-      od[0] != (n + kPanel - 1) / kPanel)
-    return ffi::Error::InvalidArgument("pack: expected w [N, K] (or [K, N]) -> [ceil(N/8), K, 8]");
+  if (od[1] != k || od[2] != kPanel || od[0] != (n + kPanel - 1) / kPanel)
+    return ffi::Error::InvalidArgument(expected);
   const float* src = w.typed_data();
   float* dst = out->typed_data();
   const int64_t n_panels = od[0], chunk = PanelsPerChunk(k);
@@ -213,6 +214,14 @@ inline Vec Exp(Vec x) {
   Vec scale;
   __builtin_memcpy(&scale, &bits, sizeof(Vec));
   return tiny > 0.0f ? Vec{} : y * scale;
+}
+
+// Exp of one value (lane 0 of a vector whose other lanes give 0): the same polynomial as the
+// vector passes, for tails and masked entries.
+inline float Exp1(float x) {
+  Vec one = Vec{} - std::numeric_limits<float>::infinity();
+  one[0] = x;
+  return Exp(one)[0];
 }
 
 inline float LaneSum(Vec v) {
@@ -271,11 +280,7 @@ void GreedyRow(const float* x, int64_t v, const int32_t* suppress, int64_t n_sup
     if (i < b1) acc0 += Exp(Load(x + i) - row_max);
     total += LaneSum(acc0 + acc1);
   }
-  for (int64_t i = vv; i < v; ++i) {
-    Vec one = Vec{} - std::numeric_limits<float>::infinity();
-    one[0] = x[i] - row_max;
-    total += Exp(one)[0];
-  }
+  for (int64_t i = vv; i < v; ++i) total += Exp1(x[i] - row_max);
   *tok = static_cast<int32_t>(arg);
   *lp = static_cast<float>(x[arg] - row_max - std::log(total));
 }
@@ -317,17 +322,19 @@ void AttendOne(const float* q, const float* keys, const float* values, const boo
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < s; ++j)
       if (mask[j]) top = std::max(top, sc[j] * scale);
-    double total = 0.0;
-    for (int64_t j = 0; j < s; ++j) {
-      float e = 0.0f;
-      if (mask[j]) {
-        Vec one = Vec{} - std::numeric_limits<float>::infinity();
-        one[0] = sc[j] * scale - top;
-        e = Exp(one)[0];
-      }
-      sc[j] = e;
-      total += e;
+    // exp(score * scale - top), masked keys at -inf (exp 0), kPanel keys at a time; the
+    // normaliser is summed key by key in double
+    const int64_t sv = s - s % kPanel;
+    for (int64_t j = 0; j < sv; j += kPanel) {
+      Vec z = Load(sc + j) * scale - top;
+      for (int l = 0; l < kPanel; ++l)
+        if (!mask[j + l]) z[l] = -std::numeric_limits<float>::infinity();
+      const Vec e = Exp(z);
+      __builtin_memcpy(sc + j, &e, sizeof(Vec));
     }
+    for (int64_t j = sv; j < s; ++j) sc[j] = mask[j] ? Exp1(sc[j] * scale - top) : 0.0f;
+    double total = 0.0;
+    for (int64_t j = 0; j < s; ++j) total += sc[j];
     const float inv = total > 0.0 ? static_cast<float>(1.0 / total) : 0.0f;
     float* o = out + gg * h;
     for (int64_t hh = 0; hh < h; ++hh) o[hh] = 0.0f;

@@ -227,10 +227,9 @@ def _rows_by_weight(w_rows: jax.Array, x: jax.Array) -> jax.Array:
     XLA's forms, for where the CPU kernel does not apply: for K <= _PRODUCT_MAX_K, sum_k
     w_rows[n, k] * x[m, k] as a product and a reduction over k, the middle axis of [N, K, M]
     (XLA's CPU backend runs it 1.2-1.4x faster than an M = B matmul); above it (w_rows @
-    x^T)^T. Either way a barrier
-    keeps XLA from folding the transpose back into the computation, which on the CPU re-packs
-    the whole weight every call (the matmul) or makes the reduction's output [M, N] (the
-    product), both much slower.
+    x^T)^T. Either way a barrier keeps XLA from folding the transpose back into the
+    computation, which on the CPU re-packs the whole weight every call (the matmul) or makes
+    the reduction's output [M, N] (the product), both much slower.
     """
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[-1] <= _PRODUCT_MAX_K:
