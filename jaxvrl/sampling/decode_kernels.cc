@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -149,6 +151,17 @@ ffi::Error RowsByWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buff
   return ffi::Error::Success();
 }
 
+// A fresh output buffer of many MiB faults in 4 KiB at a time (~40k faults for the 155 MB LM
+// head, most of the packing time); asking for transparent huge pages on its 2 MiB-aligned
+// interior before the first write cuts that ~500-fold where THP is in "madvise" mode. Only
+// advice: nothing changes where the kernel ignores it.
+void AdviseHugePages(void* p, size_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
 // Packs a weight into panels: from rows w [N, K] (columns = false) or from columns w [K, N]
 // (columns = true, an nnx.Linear kernel) to wp [ceil(N / 8), K, 8], zero-padded.
 ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
@@ -162,6 +175,7 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer
     return ffi::Error::InvalidArgument(expected);
   const float* src = w.typed_data();
   float* dst = out->typed_data();
+  AdviseHugePages(dst, out->element_count() * sizeof(float));
   const int64_t n_panels = od[0], chunk = PanelsPerChunk(k);
   ParallelFor(pool, (n_panels + chunk - 1) / chunk, [=](int64_t c) {
     for (int64_t p = c * chunk; p < std::min(n_panels, (c + 1) * chunk); ++p) {
