@@ -1,9 +1,10 @@
 """CPU kernels for decode steps, built on first use (XLA FFI custom calls, `decode_kernels.cc`).
 
-- `rows_by_weight(pack(w), x, N)` = x @ w.T for float32 w [N, K] and a few rows x [M, K]: the
-  weights, packed once per `generate` call into panels of 8 rows (`pack`, `pack_columns`), are
-  streamed once per step with software prefetch, split between the caller and XLA's intra-op
-  threads. XLA's own CPU dot reads such weights at about half the memory bandwidth, and a
+- `rows_by_weight(buf, x, N, offset)` = x @ w.T for float32 w [N, K] and a few rows x [M, K]:
+  the weights, packed once per `generate` call into panels of 8 rows at their offsets of one
+  flat buffer (`pack_into`, in place, so that the sampler reuses one buffer from call to call
+  rather than faulting in fresh pages for a copy of the weights every call), are streamed once
+  per step with software prefetch, split between the caller and XLA's intra-op threads. XLA's own CPU dot reads such weights at about half the memory bandwidth, and a
   decode step is little else (bench/RESULTS.md).
 - `decode_attention(q, keys, values, mask, scale)`: a decode step's attention over the cache
   (the model's masked softmax), where XLA's CPU backend spends ~4 us per cached position
@@ -40,6 +41,7 @@ _TARGETS = {
     "jaxvrl_rows_by_weight": "JaxvrlRowsByWeight",
     "jaxvrl_pack_rows": "JaxvrlPackRows",
     "jaxvrl_pack_columns": "JaxvrlPackColumns",
+    "jaxvrl_empty": "JaxvrlEmpty",
     "jaxvrl_greedy_pick": "JaxvrlGreedyPick",
     "jaxvrl_decode_attention": "JaxvrlDecodeAttention",
 }
@@ -126,11 +128,11 @@ def available() -> bool:
 PANEL = 8  # output columns per packed panel (kPanel in decode_kernels.cc)
 
 
-def _call(target: str, out):
+def _call(target: str, out, **kw):
     """jax.ffi.ffi_call for one of the kernels, after making sure they are registered."""
     if not available():
         raise RuntimeError(f"jaxvrl: {target} needs the CPU decode kernels, which are not built")
-    return jax.ffi.ffi_call(target, out)
+    return jax.ffi.ffi_call(target, out, **kw)
 
 
 def usable() -> bool:
@@ -145,27 +147,50 @@ def applies(rows: int, dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and rows <= MAX_ROWS and usable()
 
 
+def packed_size(n: int, k: int) -> int:
+    """Floats that a weight of n rows of k takes packed: ceil(n / 8) panels of [k, 8]."""
+    return -(-n // PANEL) * PANEL * k
+
+
+def empty(size: int) -> jax.Array:
+    """float32 [size], uninitialised (nothing is written): a buffer to pack into."""
+    return _call("jaxvrl_empty", jax.ShapeDtypeStruct((size,), jnp.float32))()
+
+
+def pack_into(buf: jax.Array, w: jax.Array, offset: int, *, columns: bool = False) -> jax.Array:
+    """`buf` float32 [S] with w packed at `offset`: panels [ceil(N / 8), K, 8] (zero rows pad
+    N) of w [N, K], or of w [K, N] (an nnx.Linear kernel) with `columns`, without the
+    transpose. In place: where `buf` is not used afterwards (donated, or made inside the same
+    program) XLA writes into it rather than into a copy."""
+    k, n = w.shape if columns else w.shape[::-1]
+    if buf.ndim != 1 or offset < 0 or offset + packed_size(n, k) > buf.shape[0]:
+        raise ValueError(f"pack_into: {w.shape} at {offset} does not fit in {buf.shape}")
+    target = "jaxvrl_pack_columns" if columns else "jaxvrl_pack_rows"
+    call = _call(target, jax.ShapeDtypeStruct(buf.shape, jnp.float32), input_output_aliases={0: 0})
+    return call(buf, w.astype(jnp.float32), offset=np.int64(offset))
+
+
 def pack(w_rows: jax.Array) -> jax.Array:
-    """[N, K] weight rows -> panels [ceil(N / 8), K, 8] (zero rows pad N), the kernel's layout:
-    one copy, made once per `generate` call."""
+    """[N, K] weight rows -> the kernel's layout on their own, flat float32 [packed_size]."""
     n, k = w_rows.shape
-    out = jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), jnp.float32)
-    return _call("jaxvrl_pack_rows", out)(w_rows.astype(jnp.float32))
+    return pack_into(empty(packed_size(n, k)), w_rows, 0)
 
 
 def pack_columns(w_cols: jax.Array) -> jax.Array:
     """`pack(w_cols.T)` for a weight held [K, N] (an nnx.Linear kernel), without the transpose."""
     k, n = w_cols.shape
-    out = jax.ShapeDtypeStruct((-(-n // PANEL), k, PANEL), jnp.float32)
-    return _call("jaxvrl_pack_columns", out)(w_cols.astype(jnp.float32))
+    return pack_into(empty(packed_size(n, k)), w_cols, 0, columns=True)
 
 
-def rows_by_weight(w_packed: jax.Array, x: jax.Array, n: int) -> jax.Array:
-    """float32 [M, n] = x [M, K] @ w.T for w [n, K] given as `pack(w)` (check `applies`)."""
-    if w_packed.ndim != 3 or w_packed.shape[1:] != (x.shape[-1], PANEL) or x.ndim != 2:
-        raise ValueError(f"rows_by_weight: w {w_packed.shape} is not pack([N, {x.shape[-1]}])")
+def rows_by_weight(buf: jax.Array, x: jax.Array, n: int, offset: int = 0) -> jax.Array:
+    """float32 [M, n] = x [M, K] @ w.T for w [n, K] packed at `offset` of `buf` (`pack_into`;
+    check `applies`)."""
+    if buf.ndim != 1 or x.ndim != 2 or offset + packed_size(n, x.shape[1]) > buf.shape[0]:
+        raise ValueError(
+            f"rows_by_weight: no packed [{n}, {x.shape[-1]}] weight at {offset} of {buf.shape}"
+        )
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return _call("jaxvrl_rows_by_weight", out)(w_packed, x.astype(jnp.float32))
+    return _call("jaxvrl_rows_by_weight", out)(buf, x.astype(jnp.float32), offset=np.int64(offset))
 
 
 def greedy_pick(logits: jax.Array, suppress=()) -> tuple[jax.Array, jax.Array]:

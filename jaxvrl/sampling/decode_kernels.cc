@@ -1,6 +1,7 @@
 // CPU kernels for decode steps (XLA FFI custom calls, float32):
 // - RowsByWeight: the skinny matmul y[m, n] = sum_k x[m, k] * w[n, k], w packed in panels of 8
-//   rows (PackRows from [N, K], PackColumns from an nnx.Linear kernel [K, N]);
+//   rows at an offset of a flat buffer (PackRows from [N, K], PackColumns from an nnx.Linear
+//   kernel [K, N], both in place);
 // - DecodeAttention: one query per row over the KV cache (the model's masked softmax);
 // - GreedyPick: each row's first maximum (suppressed ids excluded) and its log-prob, in two
 //   vectorised passes over the logits (XLA's CPU backend takes ~3 ms for this at V = 152k).
@@ -24,8 +25,6 @@
 #include <memory>
 #include <thread>
 #include <vector>
-
-#include <sys/mman.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -131,19 +130,21 @@ int64_t PanelsPerChunk(int64_t k) {
   return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(k * kPanel, 1));
 }
 
-ffi::Error RowsByWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  const auto wd = w.dimensions();
+// Weights live in one flat float32 buffer, each packed at its own offset (in floats): the
+// sampler packs every decode weight into one buffer that it reuses from call to call.
+ffi::Error RowsByWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> x,
+                        ffi::ResultBuffer<ffi::F32> y, int64_t offset) {
   const auto xd = x.dimensions();
   const auto yd = y->dimensions();
-  if (wd.size() != 3 || wd[2] != kPanel || xd.size() != 2 || wd[1] != xd[1] || yd.size() != 2 ||
-      yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
-    return ffi::Error::InvalidArgument(
-        "rows_by_weight: expected packed w [ceil(N / 8), K, 8], x [M, K] and y [M, N]");
-  const float* wp = w.typed_data();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0])
+    return ffi::Error::InvalidArgument("rows_by_weight: expected x [M, K] and y [M, N]");
+  const int64_t m = xd[0], k = xd[1], n = yd[1];
+  const int64_t n_panels = (n + kPanel - 1) / kPanel;
+  if (offset < 0 || offset + n_panels * k * kPanel > static_cast<int64_t>(buf.element_count()))
+    return ffi::Error::InvalidArgument("rows_by_weight: the packed weight runs past its buffer");
+  const float* wp = buf.typed_data() + offset;
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  const int64_t m = xd[0], k = wd[1], n = yd[1], n_panels = wd[0];
   const int64_t chunk = PanelsPerChunk(k);
   ParallelFor(pool, (n_panels + chunk - 1) / chunk, [=](int64_t c) {
     Panels(wp, xp, yp, m, k, n, c * chunk, std::min(n_panels, (c + 1) * chunk));
@@ -151,32 +152,20 @@ ffi::Error RowsByWeight(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buff
   return ffi::Error::Success();
 }
 
-// A fresh output buffer of many MiB faults in 4 KiB at a time (~40k faults for the 155 MB LM
-// head, most of the packing time); asking for transparent huge pages on its 2 MiB-aligned
-// interior before the first write cuts that ~500-fold where THP is in "madvise" mode. Only
-// advice: nothing changes where the kernel ignores it.
-void AdviseHugePages(void* p, size_t bytes) {
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-}
-
-// Packs a weight into panels: from rows w [N, K] (columns = false) or from columns w [K, N]
-// (columns = true, an nnx.Linear kernel) to wp [ceil(N / 8), K, 8], zero-padded.
+// Packs a weight into panels at `offset` of the buffer (in place: the output is the input
+// buffer, aliased): from rows w [N, K] (columns = false) or from columns w [K, N] (columns =
+// true, an nnx.Linear kernel) to [ceil(N / 8), K, 8], zero-padded.
 ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
-                bool columns) {
+                int64_t offset, bool columns) {
   const auto wd = w.dimensions();
-  const auto od = out->dimensions();
-  const char* expected = "pack: expected w [N, K] (or [K, N]) -> [ceil(N/8), K, 8]";
-  if (wd.size() != 2 || od.size() != 3) return ffi::Error::InvalidArgument(expected);
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("pack: expected w [N, K] (or [K, N])");
   const int64_t n = columns ? wd[1] : wd[0], k = columns ? wd[0] : wd[1];
-  if (od[1] != k || od[2] != kPanel || od[0] != (n + kPanel - 1) / kPanel)
-    return ffi::Error::InvalidArgument(expected);
+  const int64_t n_panels = (n + kPanel - 1) / kPanel;
+  if (offset < 0 || offset + n_panels * k * kPanel > static_cast<int64_t>(out->element_count()))
+    return ffi::Error::InvalidArgument("pack: the packed weight runs past its buffer");
   const float* src = w.typed_data();
-  float* dst = out->typed_data();
-  AdviseHugePages(dst, out->element_count() * sizeof(float));
-  const int64_t n_panels = od[0], chunk = PanelsPerChunk(k);
+  float* dst = out->typed_data() + offset;
+  const int64_t chunk = PanelsPerChunk(k);
   ParallelFor(pool, (n_panels + chunk - 1) / chunk, [=](int64_t c) {
     for (int64_t p = c * chunk; p < std::min(n_panels, (c + 1) * chunk); ++p) {
       float* panel = dst + p * k * kPanel;
@@ -197,14 +186,19 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer
   return ffi::Error::Success();
 }
 
-ffi::Error PackRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
-  return Pack(pool, w, out, false);
+ffi::Error PackRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> out, int64_t offset) {
+  return Pack(pool, w, out, offset, false);
 }
 
-ffi::Error PackColumns(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w,
-                       ffi::ResultBuffer<ffi::F32> out) {
-  return Pack(pool, w, out, true);
+ffi::Error PackColumns(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t offset) {
+  return Pack(pool, w, out, offset, true);
 }
+
+// An uninitialised buffer (XLA allocates the output; nothing is written): the packing
+// buffer when the caller passes none.
+ffi::Error Empty(ffi::ResultBuffer<ffi::F32> out) { return ffi::Error::Success(); }
 
 typedef int32_t IVec __attribute__((vector_size(kPanel * sizeof(int32_t))));
 
@@ -395,19 +389,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlRowsByWeight, RowsByWeight,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("offset"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlPackRows, PackRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("offset"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlPackColumns, PackColumns,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlEmpty, Empty,
+                              ffi::Ffi::Bind().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlGreedyPick, GreedyPick,
                               ffi::Ffi::Bind()

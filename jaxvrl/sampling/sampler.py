@@ -31,7 +31,9 @@ class SampleOutput:
     under logits / temperature (the full distribution, before top-k/top-p; temperature 0
     uses 1); mask float32[B, N] 1 up to and including the first EOS; truncated bool[B] (no
     EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given; steps
-    int32[]: decode steps run (< N when every row ended early)."""
+    int32[]: decode steps run (< N when every row ended early); decode_buffer: the flat
+    buffer the decode weights were packed into for the CPU kernels (`make_sampler` keeps it
+    for the next call and returns None here)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -40,6 +42,7 @@ class SampleOutput:
     steps: jax.Array | None = None
     vision_mass: jax.Array | None = None
     text_mass: jax.Array | None = None
+    decode_buffer: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +110,15 @@ def sample(
     images=None,
     videos=None,
     pools=None,
+    decode_buffer=None,
 ) -> SampleOutput:
     """Traceable sampling core (jit it with `cfg` static; see `make_sampler`).
 
     input_ids, attention_mask: int[B, P] left-padded; position_ids int32[3, B, P] and deltas
     int32[B] from `get_rope_index`; images/videos: VisionInputs (packed or per row);
-    pools: optional {"vision","text","prompt"} bool[B, P] for per-token attention masses.
+    pools: optional {"vision","text","prompt"} bool[B, P] for per-token attention masses;
+    decode_buffer: float32[`decode_buffer_size`] to pack the decode weights into (donate it:
+    its contents are overwritten), or None (a fresh one, returned in the output).
     """
     model = nnx.merge(graphdef, params)
     b, p = input_ids.shape
@@ -131,8 +137,10 @@ def sample(
     )
     # token 0 is picked from the prefill's last logits; each decode step then feeds token i
     # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
+    packer = None
     if _transposed_decode(cfg):
-        model = _with_transposed_weights(model, b)  # the prefill above used the stored kernels
+        packer = _Packer(b, model.dtype, decode_buffer)
+        model = _with_transposed_weights(model, packer)  # the prefill above used the stored kernels
     tok, lp = _pick(_logits(model, out.hidden[:, -1]), jax.random.fold_in(rng, 0), cfg)
     state = dict(
         i=jnp.zeros((), jnp.int32),
@@ -166,6 +174,7 @@ def sample(
         steps=s["i"],
         vision_mass=s.get("vmass"),
         text_mass=s.get("xmass"),
+        decode_buffer=None if packer is None else packer.buf,
     )
 
 
@@ -246,27 +255,66 @@ def _rows_by_weight(w_rows: jax.Array, x: jax.Array) -> jax.Array:
 _PRODUCT_MAX_K = 384
 
 
-class _RowsLinear(nnx.Module):
-    """A linear layer for decode steps with its weight as rows [out, in] (or, `packed`, in
-    the CPU kernel's panels: `cpu_kernels.pack`); `of(*lins)` stacks nnx.Linear layers that
-    share their input into one ([sum of outs, in]) and returns their outputs as a tuple."""
+class _Packer:
+    """Where decode weights go for the CPU kernel: one after another into one flat float32
+    buffer (`cpu_kernels.pack_into`), given (`buf`, reused from call to call) or made here.
+    `enabled` is False where the kernel does not apply (`cpu_kernels.applies`); with `plan`
+    nothing is packed, only `size` counted."""
 
-    def __init__(self, w, bias=None, sizes=None, *, packed: bool = False, columns=False):
+    def __init__(self, rows: int, dtype, buf=None, *, plan: bool = False):
+        self.enabled = cpu_kernels.applies(rows, dtype or jnp.float32)
+        self.plan = plan
+        self.size = 0
+        self.pending = []  # (w, offset, columns) until `buf` is first asked for
+        self._buf = buf
+
+    def add(self, w, columns: bool) -> int:
+        """The offset of w (rows [N, K], or columns [K, N] with `columns`) in `buf`."""
+        k, n = w.shape if columns else w.shape[::-1]
+        offset = self.size
+        self.size += cpu_kernels.packed_size(n, k)
+        if not self.plan:
+            self.pending.append((w, offset, columns))
+        return offset
+
+    @property
+    def buf(self):
+        """The buffer with every weight added so far packed in it."""
+        if self.pending:
+            if self._buf is None:
+                self._buf = cpu_kernels.empty(self.size)
+            elif self._buf.shape != (self.size,):
+                raise ValueError(
+                    f"decode_buffer {self._buf.shape} does not hold the decode weights "
+                    f"({self.size} floats; see decode_buffer_size)"
+                )
+            for w, offset, columns in self.pending:
+                self._buf = cpu_kernels.pack_into(self._buf, w, offset, columns=columns)
+            self.pending = []
+        return self._buf
+
+
+class _RowsLinear(nnx.Module):
+    """A linear layer for decode steps with its weight as rows [out, in], or in the CPU
+    kernel's panels at its offset of `packer`'s buffer; `of(*lins)` stacks nnx.Linear layers
+    that share their input into one ([sum of outs, in]) and returns their outputs as a tuple."""
+
+    def __init__(self, w, bias=None, sizes=None, *, packer: _Packer | None = None, columns=False):
         """w: the weight as rows [out, in], or as columns [in, out] (an nnx.Linear kernel)
         with `columns`."""
         self.dtype = w.dtype
         self.n_out = int(w.shape[1] if columns else w.shape[0])
         self.sizes = tuple(sizes or (self.n_out,))
-        self.packed = packed
-        if packed:
-            w = cpu_kernels.pack_columns(w) if columns else cpu_kernels.pack(w)
-        elif columns:
-            w = w.T
-        self.kernel = nnx.Variable(w)
+        self.packer = packer if packer is not None and packer.enabled else None
+        if self.packer is not None:
+            self.offset = self.packer.add(w, columns)
+            self.kernel = None
+        else:
+            self.kernel = nnx.Variable(w.T if columns else w)
         self.bias = None if bias is None else nnx.Variable(bias)
 
     @classmethod
-    def of(cls, *lins: nnx.Linear, packed: bool = False):
+    def of(cls, *lins: nnx.Linear, packer: _Packer | None = None):
         dtype = lins[0].dtype or lins[0].kernel[...].dtype
         sizes = tuple(int(lin.kernel.shape[1]) for lin in lins)
         kernels = [lin.kernel[...].astype(dtype) for lin in lins]
@@ -278,12 +326,12 @@ class _RowsLinear(nnx.Module):
                 for lin, n in zip(lins, sizes)
             ]
             bias = jnp.concatenate(parts).astype(dtype)
-        return cls(w, bias, sizes, packed=packed, columns=True)
+        return cls(w, bias, sizes, packer=packer, columns=True)
 
     def __call__(self, x: jax.Array):
-        if self.packed:
+        if self.packer is not None:
             x2 = x.reshape(-1, x.shape[-1])
-            y = cpu_kernels.rows_by_weight(self.kernel[...], x2, self.n_out)
+            y = cpu_kernels.rows_by_weight(self.packer.buf, x2, self.n_out, self.offset)
             y = y.reshape(x.shape[:-1] + (self.n_out,)).astype(self.dtype)
         else:
             y = _rows_by_weight(self.kernel[...], x.astype(self.dtype))
@@ -297,8 +345,8 @@ class _RowsLinear(nnx.Module):
 class _DecodeAttention(Attention):
     """An Attention whose q, k and v projections are one `_RowsLinear`."""
 
-    def __init__(self, attn: Attention, packed: bool):
-        self.qkv = _RowsLinear.of(attn.q_proj, attn.k_proj, attn.v_proj, packed=packed)
+    def __init__(self, attn: Attention, packer: _Packer):
+        self.qkv = _RowsLinear.of(attn.q_proj, attn.k_proj, attn.v_proj, packer=packer)
         self.o_proj = attn.o_proj  # swapped by `_with_transposed_weights`
         self.n_heads, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
 
@@ -309,8 +357,8 @@ class _DecodeAttention(Attention):
 class _DecodeMLP(GatedMLP):
     """A GatedMLP whose gate and up projections are one `_RowsLinear`."""
 
-    def __init__(self, mlp: GatedMLP, packed: bool):
-        self.gate_up_proj = _RowsLinear.of(mlp.gate_proj, mlp.up_proj, packed=packed)
+    def __init__(self, mlp: GatedMLP, packer: _Packer):
+        self.gate_up_proj = _RowsLinear.of(mlp.gate_proj, mlp.up_proj, packer=packer)
         self.down_proj = mlp.down_proj  # swapped by `_with_transposed_weights`
         self.act = mlp.act
 
@@ -322,14 +370,12 @@ def _plain(*mods) -> bool:
     return all(type(m) is nnx.Linear for m in mods)
 
 
-def _with_transposed_weights(model, rows: int):
+def _with_transposed_weights(model, packer: _Packer):
     """The model (merged inside the trace) with the text decoder's plain nnx.Linear layers
     swapped for `_RowsLinear`s (q/k/v and gate/up each fused into one where all of them are
     plain; adapters such as LoRA keep their own path, their base linear swapped) and a
     `decode_head`: the LM head as a `_RowsLinear` (the tied embedding [V, D] is already rows).
-    With `rows` rows per decode step, the weights are packed for the CPU kernel where it
-    applies (`cpu_kernels.applies`)."""
-    packed = cpu_kernels.applies(rows, model.dtype or jnp.float32)
+    The weights are packed for the CPU kernel into `packer`'s buffer where it is enabled."""
 
     def swap(module):
         if isinstance(module, nnx.List):
@@ -338,12 +384,12 @@ def _with_transposed_weights(model, rows: int):
             return
         for name, child in list(vars(module).items()):
             if type(child) is nnx.Linear:
-                setattr(module, name, _RowsLinear.of(child, packed=packed))
+                setattr(module, name, _RowsLinear.of(child, packer=packer))
             elif isinstance(child, nnx.Module):
                 if type(child) is Attention and _plain(child.q_proj, child.k_proj, child.v_proj):
-                    child = _DecodeAttention(child, packed)
+                    child = _DecodeAttention(child, packer)
                 elif type(child) is GatedMLP and _plain(child.gate_proj, child.up_proj):
-                    child = _DecodeMLP(child, packed)
+                    child = _DecodeMLP(child, packer)
                 setattr(module, name, child)
                 swap(child)
 
@@ -351,9 +397,9 @@ def _with_transposed_weights(model, rows: int):
     if model.config.tie_word_embeddings:
         emb = model.model.embed_tokens
         table = emb.embedding[...].astype(emb.dtype or emb.embedding[...].dtype)
-        model.decode_head = _RowsLinear(table, packed=packed)
+        model.decode_head = _RowsLinear(table, packer=packer)
     elif type(model.lm_head) is nnx.Linear:
-        model.decode_head = _RowsLinear.of(model.lm_head, packed=packed)
+        model.decode_head = _RowsLinear.of(model.lm_head, packer=packer)
     return model
 
 
@@ -368,9 +414,82 @@ def _logits(model, hidden: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=64)
 def make_sampler(graphdef, cfg: SamplingConfig):
-    """A jitted `sample` for one model structure and sampling config; it compiles once per
-    (batch, prompt length, patch bucket) shape."""
-    return jax.jit(functools.partial(sample, graphdef, cfg=cfg))
+    """`sample` jitted for one model structure and sampling config: call it like `sample`
+    without graphdef and cfg. It compiles once per (batch, prompt length, patch bucket) shape;
+    where decode steps use the CPU kernels, the buffer their weights are packed into is kept
+    from one call to the next (`release_decode_buffer`)."""
+    return _Sampler(graphdef, cfg)
+
+
+class _Sampler:
+    def __init__(self, graphdef, cfg: SamplingConfig):
+        self.graphdef, self.cfg = graphdef, cfg
+        self.fn = jax.jit(
+            functools.partial(sample, graphdef, cfg=cfg), donate_argnames="decode_buffer"
+        )
+        self.sizes = {}  # (rows, parameter shapes) -> decode_buffer_size
+
+    def __call__(self, params, input_ids, *args, **kwargs):
+        size = self._buffer_size(params, input_ids.shape[0])
+        out = self.fn(params, input_ids, *args, decode_buffer=_take_buffer(size), **kwargs)
+        if out.decode_buffer is None:
+            return out
+        _SPARE[:] = [out.decode_buffer]
+        return out.replace(decode_buffer=None)
+
+    def _buffer_size(self, params, rows: int) -> int:
+        key = (rows, tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)))
+        if key not in self.sizes:
+            self.sizes[key] = decode_buffer_size(self.graphdef, params, rows, self.cfg)
+        return self.sizes[key]
+
+    def _cache_size(self) -> int:
+        return self.fn._cache_size()
+
+
+# The decode buffer kept between sampler calls (at most one: the last call's). Packing the
+# decode weights into a fresh buffer faults in its pages every call (4 KiB each: 40-60 ms for
+# the 155 MB LM head of a 152k x 256 model, about 1 s for Qwen2.5-0.5B's 2 GB); a donated
+# buffer that already has its pages costs only the copy. The price: one copy of the text
+# decoder's weights stays allocated between calls.
+_SPARE: list = []
+
+
+def release_decode_buffer() -> None:
+    """Free the decode buffer that samplers keep between calls (one copy of the decoder's
+    float32 weights, on the CPU only)."""
+    _SPARE.clear()
+
+
+def _take_buffer(size: int):
+    if not size:
+        return None
+    if _SPARE and _SPARE[0].shape == (size,):
+        return _SPARE.pop()
+    _SPARE.clear()  # never hold two
+    return _empty(size)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _empty(size: int):
+    return cpu_kernels.empty(size)
+
+
+def decode_buffer_size(graphdef, params, rows: int, cfg: SamplingConfig) -> int:
+    """Floats of the buffer that `sample` packs the decode weights into for `rows` rows per
+    step (0 where the CPU kernels do not apply); traces the packing, runs nothing."""
+    if not _transposed_decode(cfg):
+        return 0
+    size = []
+
+    def plan(params):
+        model = nnx.merge(graphdef, params)
+        packer = _Packer(rows, model.dtype, plan=True)
+        _with_transposed_weights(model, packer)
+        size.append(packer.size if packer.enabled else 0)
+
+    jax.eval_shape(plan, params)
+    return size[0]
 
 
 def row_vision_inputs(pixel_values, grid_thw, input_ids, token_id, cfg, patch_bucket=None):

@@ -30,7 +30,7 @@ def test_rows_by_weight_matches_float64(m, k, n):
     w = rng.standard_normal((n, k), np.float32)
     x = rng.standard_normal((m, k), np.float32)
     packed = cpu_kernels.pack(jnp.asarray(w))
-    assert packed.shape == (-(-n // 8), k, 8)
+    assert packed.shape == (-(-n // 8) * k * 8,)
     f = jax.jit(cpu_kernels.rows_by_weight, static_argnums=2)
     got = np.asarray(f(packed, jnp.asarray(x), n))
     ref = x.astype(np.float64) @ w.astype(np.float64).T
@@ -48,10 +48,41 @@ def test_pack_from_rows_and_from_columns(n, k):
     w = np.random.default_rng(n).standard_normal((n, k), np.float32)
     want = np.zeros((-(-n // 8) * 8, k), np.float32)
     want[:n] = w
-    want = want.reshape(-1, 8, k).transpose(0, 2, 1)
+    want = want.reshape(-1, 8, k).transpose(0, 2, 1).reshape(-1)
     np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.pack)(jnp.asarray(w))), want)
     cols = jax.jit(cpu_kernels.pack_columns)(jnp.asarray(w.T.copy()))
     np.testing.assert_array_equal(np.asarray(cols), want)
+
+
+@needs_kernel
+def test_weights_packed_at_offsets_of_one_donated_buffer():
+    """Two weights (one from rows, one from columns) at their offsets of one buffer, in place
+    (the donated buffer's memory is the result's), each product read from its own offset;
+    what the buffer held before does not matter."""
+    rng = np.random.default_rng(3)
+    w1 = rng.standard_normal((13, 5), np.float32)  # rows [N, K]
+    w2 = rng.standard_normal((7, 20), np.float32)  # columns [K, N]
+    x1, x2 = rng.standard_normal((3, 5), np.float32), rng.standard_normal((3, 7), np.float32)
+    at = cpu_kernels.packed_size(13, 5)
+    size = at + cpu_kernels.packed_size(20, 7)
+
+    def f(buf):
+        buf = cpu_kernels.pack_into(buf, w1, 0)
+        buf = cpu_kernels.pack_into(buf, w2, at, columns=True)
+        return (
+            buf,
+            cpu_kernels.rows_by_weight(buf, x1, 13),
+            cpu_kernels.rows_by_weight(buf, x2, 20, at),
+        )
+
+    buf = jnp.full((size,), np.nan, jnp.float32)
+    where = buf.unsafe_buffer_pointer()
+    out, y1, y2 = jax.jit(f, donate_argnums=0)(buf)
+    assert out.unsafe_buffer_pointer() == where and buf.is_deleted()
+    np.testing.assert_allclose(np.asarray(y1), x1.astype(np.float64) @ w1.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y2), x2.astype(np.float64) @ w2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.pack_into(jnp.zeros((size,)), w2, at + 1, columns=True)
 
 
 def _xla_greedy(x, suppress):
@@ -124,8 +155,10 @@ def test_decode_attention_matches_masked_softmax(b, kv, g, h, s):
         assert not got[1].any()
 
 
-def test_rows_by_weight_rejects_an_unpacked_weight():
-    with pytest.raises(ValueError, match="is not pack"):
+def test_rows_by_weight_rejects_a_weight_past_its_buffer():
+    with pytest.raises(ValueError, match="no packed"):
+        cpu_kernels.rows_by_weight(jnp.zeros((16 * 8,)), jnp.zeros((2, 8)), 16, offset=8)
+    with pytest.raises(ValueError, match="no packed"):
         cpu_kernels.rows_by_weight(jnp.zeros((16, 8)), jnp.zeros((2, 8)), 16)
 
 
@@ -167,9 +200,7 @@ def test_sampler_with_and_without_the_kernel(tmp_path, monkeypatch):
     kw = dict(max_new_tokens=10, pixel_values=T.patches(rng, grid), image_grid_thw=grid)
     runs, traced = {}, []
     real = cpu_kernels.rows_by_weight
-    monkeypatch.setattr(
-        cpu_kernels, "rows_by_weight", lambda w, x, n: traced.append(n) or real(w, x, n)
-    )
+    monkeypatch.setattr(cpu_kernels, "rows_by_weight", lambda *a: traced.append(a[2]) or real(*a))
     for name in ("kernel", "xla"):
         if name == "xla":
             assert traced  # the kernel was in the first runs' programs
@@ -184,3 +215,40 @@ def test_sampler_with_and_without_the_kernel(tmp_path, monkeypatch):
     for a, b in zip(runs["kernel"], runs["xla"]):
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
         np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
+        assert a.decode_buffer is None  # kept by the sampler, not handed out
+
+
+@needs_kernel
+def test_sampler_keeps_one_decode_buffer_between_calls(tmp_path):
+    """The packed weights' buffer is donated to the next call (same memory), the weights
+    are packed afresh each call (a changed model gives its own tokens), a call without the
+    kernels leaves it alone, and it can be released."""
+    from flax import nnx
+
+    from jaxvrl.models import qwen2_5_vl as q
+    from jaxvrl.sampling import sampler as S
+
+    T.build(tmp_path, seed=9, tie=False)
+    model = q.load(tmp_path)
+    rng = np.random.default_rng(5)
+    ids, mask = T.left_pad([T.prompt(rng, text_len=(4, 7)) for _ in range(3)])
+    kw = dict(max_new_tokens=6, temperature=0.0)
+    S.release_decode_buffer()
+    first = generate(model, ids, mask, **kw)
+    (buf,) = S._SPARE
+    graphdef, params = nnx.split(model)
+    assert buf.shape == (S.decode_buffer_size(graphdef, params, 3, S.SamplingConfig(6)),)
+    where = buf.unsafe_buffer_pointer()
+    again = generate(model, ids, mask, **kw)
+    assert S._SPARE[0].unsafe_buffer_pointer() == where and buf.is_deleted()
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(first.tokens))
+    # new weights: packed again into the same buffer
+    model.lm_head.kernel[...] = -model.lm_head.kernel[...]
+    flipped = generate(model, ids, mask, **kw)
+    assert S._SPARE[0].unsafe_buffer_pointer() == where
+    want = generate(model, ids, mask, decode_layout="model", **kw)  # no kernels, no buffer
+    assert S._SPARE[0].unsafe_buffer_pointer() == where
+    np.testing.assert_array_equal(np.asarray(flipped.tokens), np.asarray(want.tokens))
+    assert not np.array_equal(np.asarray(flipped.tokens), np.asarray(first.tokens))
+    S.release_decode_buffer()
+    assert not S._SPARE
