@@ -10,6 +10,7 @@ full length: HF with min_new_tokens = max_new_tokens, jaxvrl with no EOS ids.
     python bench/sampler.py --configs small --new-tokens 64,256
     python bench/sampler.py --device cuda --dtype bfloat16   # GPU (JAX default backend + torch cuda)
     python bench/sampler.py --configs small --repeats 3      # best of 3 timed calls each (noisy VMs)
+    python bench/sampler.py --configs small --temperature 1  # plain sampling (RL rollouts)
 
 Decode step time is taken from the difference of the two lengths' runs, so prefill cancels:
 step = (t(N2) - t(N1)) / (N2 - N1). The bandwidth bound of a decode step is the bytes of the
@@ -180,7 +181,7 @@ def weight_read_seconds(model) -> float:
     return min(_timed(lambda: jax.block_until_ready(f(ws))) for _ in range(5))
 
 
-def run_hf(hf, inputs, n, device, threads=1, repeats=1):
+def run_hf(hf, inputs, n, device, threads=1, repeats=1, temperature=0.0):
     import torch
 
     ids, mask, pv, grid = inputs
@@ -194,6 +195,8 @@ def run_hf(hf, inputs, n, device, threads=1, repeats=1):
         image_grid_thw=torch.tensor(grid, device=device),
     )
     gen = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=sp["im_end"])
+    if temperature > 0:  # plain sampling: HF's default top_k = 50 off
+        gen.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     gen.update(
         pad_token_id=0, suppress_tokens=[sp[k] for k in ("image", "video", "vstart", "vend")]
     )
@@ -213,7 +216,7 @@ def run_hf(hf, inputs, n, device, threads=1, repeats=1):
     return out[:, ids.shape[1] :].cpu().numpy(), dt
 
 
-def run_jax(model, inputs, n, repeats=1):
+def run_jax(model, inputs, n, repeats=1, temperature=0.0):
     import jax
 
     from jaxvrl.sampling import generate
@@ -221,7 +224,7 @@ def run_jax(model, inputs, n, repeats=1):
     ids, mask, pv, grid = inputs
     kw = dict(
         max_new_tokens=n,
-        temperature=0.0,
+        temperature=temperature,
         eos_token_ids=(),
         pixel_values=pv,
         image_grid_thw=grid,
@@ -256,7 +259,8 @@ def bench_size(name: str, size: Size, args) -> list[str]:
     b, p = inputs[0].shape
     lines = [
         f"## {name}: {n_params / 1e6:.1f}M params, {size}, batch {b}, prompt {p} "
-        f"(one 224x224 image per row), {args.dtype}, greedy"
+        f"(one 224x224 image per row), {args.dtype}, "
+        + (f"sampled at temperature {args.temperature}" if args.temperature > 0 else "greedy")
     ]
     lines.append("| new tokens | HF s | HF tok/s | jaxvrl s | jaxvrl tok/s | ratio | "
                  "jaxvrl compile s | same tokens |")  # fmt: skip
@@ -265,16 +269,20 @@ def bench_size(name: str, size: Size, args) -> list[str]:
     for n in args.new_tokens:
         # every thread count at the first length, then the fastest of them
         threads = [] if args.no_hf else args.hf_threads if best is None else [best]
-        runs = {th: run_hf(hf, inputs, n, args.device, th, args.repeats) for th in threads}
+        runs = {
+            th: run_hf(hf, inputs, n, args.device, th, args.repeats, args.temperature)
+            for th in threads
+        }
         runs = runs or {0: (np.zeros((b, n), np.int64), float("nan"))}
         best = min(runs, key=lambda th: runs[th][1])
         ref, t_hf = runs[best]
-        toks, t_jx, t_c = run_jax(model, inputs, n, args.repeats)
+        toks, t_jx, t_c = run_jax(model, inputs, n, args.repeats, args.temperature)
         jax_times[n], hf_times[n] = t_jx, t_hf
         same = float(np.mean(np.cumprod(toks == ref, axis=1)))  # common greedy prefix
+        same = f"{same:.0%}" if args.temperature <= 0 else "sampled"
         lines.append(
             f"| {n} | {t_hf:.2f} ({best} thr) | {b * n / t_hf:.0f} | {t_jx:.2f} | {b * n / t_jx:.0f} | "
-            f"{t_hf / t_jx:.1f}x | {t_c:.1f} | {same:.0%} |"
+            f"{t_hf / t_jx:.1f}x | {t_c:.1f} | {same} |"
         )
         print(lines[-1], flush=True)
     if len(jax_times) < 2:
@@ -318,6 +326,9 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="time jaxvrl only")
     ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
     ap.add_argument("--bound-all", action="store_true", help="bandwidth bound for every config")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="> 0: plain sampling (no top-k/top-p)"
+    )
     ap.add_argument(
         "--repeats", type=int, default=1, help="timed calls per system and length (best kept)"
     )

@@ -6,7 +6,16 @@ from jaxvrl.sampling.sampler import (
     filter_logits,
     generate,
     make_sampler,
+    release_decode_buffer,
     sample,
 )
 
-__all__ = ["SampleOutput", "SamplingConfig", "filter_logits", "generate", "make_sampler", "sample"]
+__all__ = [
+    "SampleOutput",
+    "SamplingConfig",
+    "filter_logits",
+    "generate",
+    "make_sampler",
+    "release_decode_buffer",
+    "sample",
+]

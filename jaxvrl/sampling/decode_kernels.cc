@@ -4,7 +4,9 @@
 //   kernel [K, N], both in place);
 // - DecodeAttention: one query per row over the KV cache (the model's masked softmax);
 // - GreedyPick: each row's first maximum (suppressed ids excluded) and its log-prob, in two
-//   vectorised passes over the logits (XLA's CPU backend takes ~3 ms for this at V = 152k).
+//   vectorised passes over the logits (XLA's CPU backend takes ~3 ms for this at V = 152k);
+// - CategoricalPick: the same for a draw from softmax(logits / temperature) by inverse CDF
+//   with one given uniform number per row (rules.categorical's method).
 //
 // A decode step multiplies a few rows (M = batch) by large weights held [N, K] (the LM head's
 // 151936 x D table, the decoder's projections transposed). XLA's CPU dot reads such weights at
@@ -240,10 +242,20 @@ inline float LaneSum(Vec v) {
   return a[0];
 }
 
-// Greedy pick for one row of logits x [V]: the first maximum among the ids not in
-// `suppress`, and its log-prob under softmax over all V entries (suppressed ones included).
-void GreedyRow(const float* x, int64_t v, const int32_t* suppress, int64_t n_suppress,
-               int32_t* tok, float* lp) {
+inline bool IsSuppressed(int64_t i, const int32_t* suppress, int64_t n_suppress) {
+  bool hit = false;
+  for (int64_t s = 0; s < n_suppress; ++s) hit |= suppress[s] == i;
+  return hit;
+}
+
+// A row's maximum over every entry, and its first maximum among the ids not in `suppress`.
+struct RowTop {
+  float row_max;  // over all V entries
+  float top;      // over the ids that may be picked
+  int64_t arg;    // the first of those holding `top`
+};
+
+RowTop FindTop(const float* x, int64_t v, const int32_t* suppress, int64_t n_suppress) {
   const int64_t vv = v - v % kPanel;
   Vec best = Vec{} - std::numeric_limits<float>::infinity();
   IVec where = IVec{};
@@ -261,36 +273,94 @@ void GreedyRow(const float* x, int64_t v, const int32_t* suppress, int64_t n_sup
     if (best[l] > top || (best[l] == top && where[l] < arg)) top = best[l], arg = where[l];
   for (int64_t i = vv; i < v; ++i)
     if (x[i] > top) top = x[i], arg = i;
-  const float row_max = top;  // the normaliser's shift: over every entry
-  bool hit = false;
-  for (int64_t s = 0; s < n_suppress; ++s) hit |= suppress[s] == arg;
-  if (hit) {  // rare: a suppressed id holds the maximum; rescan without the suppressed ids
+  const float row_max = top;
+  if (IsSuppressed(arg, suppress, n_suppress)) {
+    // rare: a suppressed id holds the maximum; rescan without the suppressed ids
     top = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < v; ++i) {
-      bool skip = false;
-      for (int64_t s = 0; s < n_suppress; ++s) skip |= suppress[s] == i;
-      if (!skip && x[i] > top) top = x[i], arg = i;
-    }
+    for (int64_t i = 0; i < v; ++i)
+      if (!IsSuppressed(i, suppress, n_suppress) && x[i] > top) top = x[i], arg = i;
   }
-  // sum of exp(x - row_max): float32 partial sums over blocks of kBlock vectors (two
-  // interleaved accumulators), the blocks added in double, so that the error does not grow
-  // with V (a plain running float sum over 152k entries is off by ~2e-5 relative)
-  constexpr int64_t kBlock = 64 * kPanel;
-  double total = 0.0;
-  for (int64_t b0 = 0; b0 < vv; b0 += kBlock) {
-    const int64_t b1 = std::min(vv, b0 + kBlock);
-    Vec acc0 = Vec{}, acc1 = Vec{};
-    int64_t i = b0;
-    for (; i + 2 * kPanel <= b1; i += 2 * kPanel) {
-      acc0 += Exp(Load(x + i) - row_max);
-      acc1 += Exp(Load(x + i + kPanel) - row_max);
-    }
-    if (i < b1) acc0 += Exp(Load(x + i) - row_max);
-    total += LaneSum(acc0 + acc1);
+  return {row_max, top, arg};
+}
+
+// Sums of exp(x / temp - shift) over blocks of kBlock entries: float32 partial sums per block
+// (two interleaved vector accumulators), so that the error does not grow with V (a plain
+// running float sum over 152k entries is off by ~2e-5 relative).
+constexpr int64_t kBlock = 64 * kPanel;
+
+inline float BlockExpSum(const float* x, float temp, float shift) {
+  Vec acc0 = Vec{}, acc1 = Vec{};
+  for (int64_t i = 0; i < kBlock; i += 2 * kPanel) {
+    acc0 += Exp(Load(x + i) / temp - shift);
+    acc1 += Exp(Load(x + i + kPanel) / temp - shift);
   }
-  for (int64_t i = vv; i < v; ++i) total += Exp1(x[i] - row_max);
-  *tok = static_cast<int32_t>(arg);
-  *lp = static_cast<float>(x[arg] - row_max - std::log(total));
+  return LaneSum(acc0 + acc1);
+}
+
+// Greedy pick for one row of logits x [V]: the first maximum among the ids not in
+// `suppress`, and its log-prob under softmax over all V entries (suppressed ones included).
+void GreedyRow(const float* x, int64_t v, const int32_t* suppress, int64_t n_suppress,
+               int32_t* tok, float* lp) {
+  const RowTop t = FindTop(x, v, suppress, n_suppress);
+  double total = 0.0;  // the normaliser's shift: the maximum over every entry
+  int64_t i = 0;
+  for (; i + kBlock <= v; i += kBlock) total += BlockExpSum(x + i, 1.0f, t.row_max);
+  for (; i < v; ++i) total += Exp1(x[i] - t.row_max);
+  *tok = static_cast<int32_t>(t.arg);
+  *lp = static_cast<float>(x[t.arg] - t.row_max - std::log(total));
+}
+
+// Sampled pick for one row: a draw from softmax(x / temp) over the ids not in `suppress`, by
+// inverse CDF with the row's uniform number u in [0, 1) (block masses, then the entries of the
+// chosen block, in double), and its log-prob under softmax(x / temp) over all V entries (the
+// suppressed ones included, as the teacher-forced pass computes it).
+void SampleRow(const float* x, int64_t v, float temp, float u, const int32_t* suppress,
+               int64_t n_suppress, int32_t* tok, float* lp) {
+  const RowTop t = FindTop(x, v, suppress, n_suppress);
+  const float shift = t.top / temp;  // = max of x / temp over the pickable ids
+  const int64_t n_blocks = (v + kBlock - 1) / kBlock;
+  std::vector<double> mass(n_blocks);  // per block, over the pickable ids
+  double total = 0.0, others = 0.0;    // others: the suppressed ids (normaliser only)
+  int64_t last = -1;                   // the last block with mass
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t b0 = b * kBlock, b1 = std::min(v, b0 + kBlock);
+    bool plain = b1 - b0 == kBlock;
+    for (int64_t s = 0; s < n_suppress; ++s) plain &= suppress[s] < b0 || suppress[s] >= b1;
+    double m = 0.0;
+    if (plain) {
+      m = BlockExpSum(x + b0, temp, shift);
+    } else {
+      for (int64_t i = b0; i < b1; ++i) {
+        if (IsSuppressed(i, suppress, n_suppress))  // may exceed the shift: double exp
+          others += std::exp(static_cast<double>(x[i] / temp) - shift);
+        else
+          m += Exp1(x[i] / temp - shift);
+      }
+    }
+    mass[b] = m;
+    total += m;
+    if (m > 0.0) last = b;
+  }
+  const double target = static_cast<double>(u) * total;
+  double before = 0.0;
+  int64_t b = 0;
+  for (; b < last; before += mass[b], ++b)
+    if (mass[b] > 0.0 && before + mass[b] > target) break;
+  // within block b: the first id whose running mass passes the target; float rounding (the
+  // block's vector sum against this scalar one) can leave it just short: the block's last
+  // id with mass then
+  int64_t pick = t.arg;
+  double run = before;
+  for (int64_t i = b * kBlock; i < std::min(v, (b + 1) * kBlock); ++i) {
+    if (IsSuppressed(i, suppress, n_suppress)) continue;
+    const float e = Exp1(x[i] / temp - shift);
+    if (e <= 0.0f) continue;
+    pick = i;
+    run += e;
+    if (run > target) break;
+  }
+  *tok = static_cast<int32_t>(pick);
+  *lp = static_cast<float>(static_cast<double>(x[pick] / temp) - shift - std::log(total + others));
 }
 
 ffi::Error GreedyPick(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
@@ -307,6 +377,29 @@ ffi::Error GreedyPick(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   int32_t* t = tok->typed_data();
   float* l = lp->typed_data();
   ParallelFor(pool, ld[0], [=](int64_t b) { GreedyRow(x + b * v, v, sup, n_sup, t + b, l + b); });
+  return ffi::Error::Success();
+}
+
+ffi::Error CategoricalPick(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
+                           ffi::Buffer<ffi::F32> uniform, ffi::Buffer<ffi::S32> suppress,
+                           ffi::ResultBuffer<ffi::S32> tok, ffi::ResultBuffer<ffi::F32> lp,
+                           float temperature) {
+  const auto ld = logits.dimensions();
+  if (ld.size() != 2 || suppress.dimensions().size() != 1 ||
+      static_cast<int64_t>(uniform.element_count()) != ld[0] ||
+      static_cast<int64_t>(tok->element_count()) != ld[0] ||
+      static_cast<int64_t>(lp->element_count()) != ld[0] || !(temperature > 0.0f))
+    return ffi::Error::InvalidArgument(
+        "categorical_pick: expected logits [B, V], uniform [B], suppress [S], temperature > 0");
+  const float* x = logits.typed_data();
+  const float* u = uniform.typed_data();
+  const int32_t* sup = suppress.typed_data();
+  const int64_t n_sup = suppress.element_count(), v = ld[1];
+  int32_t* t = tok->typed_data();
+  float* l = lp->typed_data();
+  ParallelFor(pool, ld[0], [=](int64_t b) {
+    SampleRow(x + b * v, v, temperature, u[b], sup, n_sup, t + b, l + b);
+  });
   return ffi::Error::Success();
 }
 
@@ -418,6 +511,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlGreedyPick, GreedyPick,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlCategoricalPick, CategoricalPick,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("temperature"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxvrlDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()

@@ -96,6 +96,11 @@ def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(probs >= thr, logits, NEG_INF)
 
 
+def uniform_per_row(key: jax.Array, rows: int) -> jax.Array:
+    """float32[rows] in [0, 1): the one uniform number per row that `categorical` draws with."""
+    return jax.random.uniform(key, (rows, 1))[:, 0]
+
+
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """int32[B]: one sample per row from softmax(logits), by two-level inverse-CDF sampling
     (block masses, then within the chosen block) with one uniform number per row. Entries at
@@ -106,7 +111,7 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     p = jnp.pad(p, ((0, 0), (0, _BLOCKS * size - v))).reshape(b, _BLOCKS, size)
     block_mass = jnp.sum(p, axis=-1)  # [B, blocks]
     cum = jnp.cumsum(block_mass, axis=-1)
-    u = jax.random.uniform(key, (b, 1)) * cum[:, -1:]
+    u = uniform_per_row(key, b)[:, None] * cum[:, -1:]
     blk = _first_above(cum, u, block_mass > 0)
     inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]  # [B, size]
     before = jnp.take_along_axis(cum - block_mass, blk[:, None], axis=1)

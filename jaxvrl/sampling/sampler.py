@@ -71,16 +71,27 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return rules.top_p_filter(rules.top_k_filter(logits, top_k), top_p)
 
 
+def _filters(cfg: SamplingConfig, vocab: int) -> bool:
+    """Whether top-k or top-p filtering changes the distribution."""
+    return 0 < cfg.top_k < vocab or cfg.top_p < 1.0
+
+
 def _pick(logits, key, cfg: SamplingConfig):
     """Sample (or argmax) one token per row; returns (tokens int32[B], logprobs float32[B]).
 
-    Greedy picks on one CPU device are one kernel (`cpu_kernels.greedy_pick`). Otherwise
-    suppressed ids are masked by a scatter of B x |ids| entries rather than a pass over V
-    (the CPU decode step is a handful of passes over [B, V] besides the LM head); their
-    logits are kept aside so that the log-prob's normaliser still covers them.
+    On one CPU device, greedy picks and unfiltered draws (no top-k, top-p) are one kernel
+    each (`cpu_kernels.greedy_pick`, `categorical_pick`: the same inverse-CDF method and
+    uniform numbers as `rules.categorical`). Otherwise suppressed ids are masked by a scatter
+    of B x |ids| entries rather than a pass over V (the CPU decode step is a handful of
+    passes over [B, V] besides the LM head); their logits are kept aside so that the
+    log-prob's normaliser still covers them.
     """
-    if cfg.temperature <= 0 and logits.dtype == jnp.float32 and cpu_kernels.usable():
-        return cpu_kernels.greedy_pick(logits, cfg.suppress_token_ids)
+    if logits.dtype == jnp.float32 and cpu_kernels.usable():
+        if cfg.temperature <= 0:
+            return cpu_kernels.greedy_pick(logits, cfg.suppress_token_ids)
+        if not _filters(cfg, logits.shape[-1]):
+            u = rules.uniform_per_row(key, logits.shape[0])
+            return cpu_kernels.categorical_pick(logits, u, cfg.suppress_token_ids, cfg.temperature)
     temp = cfg.temperature if cfg.temperature > 0 else 1.0
     x = logits / temp if temp != 1.0 else logits
     masked = None

@@ -127,6 +127,70 @@ def test_greedy_pick_matches_the_rules(v):
         assert abs(float(lp[3])) < 1e-6
 
 
+def _inverse_cdf(x, u, suppress, temp):
+    """float64 reference: (first id whose running mass passes u * total, the running masses,
+    log-softmax over every id)."""
+    z = (x / np.float32(temp)).astype(np.float64)
+    keep = np.ones(z.shape, bool)
+    keep[:, list(suppress)] = False
+    top = np.max(np.where(keep, z, -np.inf), axis=1, keepdims=True)
+    p = np.where(keep, np.exp(z - top), 0.0)
+    cum = np.cumsum(p, axis=1)
+    target = u.astype(np.float64) * cum[:, -1]
+    ids = np.array([np.searchsorted(c, t, side="right") for c, t in zip(cum, target)])
+    full = np.max(z, axis=1, keepdims=True)
+    logsm = z - full - np.log(np.sum(np.exp(z - full), axis=1, keepdims=True))
+    return ids, cum, target, logsm
+
+
+@needs_kernel
+@pytest.mark.parametrize("v,temp", [(1, 1.0), (9, 0.5), (8 * 1000, 1.0), (151936 + 3, 0.7)])
+def test_categorical_pick_inverts_the_cdf(v, temp):
+    """Against a float64 inverse CDF: each row's draw for its uniform number (an adjacent id
+    only where the target sits within float rounding of a boundary), never a suppressed id
+    (one holding a far larger logit than the rest included: the log-prob's normaliser still
+    has it), entries that underflow, u at both ends, V not a multiple of the blocks."""
+    rng = np.random.default_rng(v)
+    b = 12
+    x = (rng.standard_normal((b, v)) * 4).astype(np.float32)
+    suppress = (0, v - 1) if v > 2 else ()
+    if v >= 20:
+        x[1, v - 1] = 300.0  # a suppressed id far above the rest
+        x[2, :] = -200.0
+        x[2, [4, 9]] = 0.0  # two ids share the mass, the rest underflows
+    u = rng.uniform(0, 1, b).astype(np.float32)
+    u[3], u[4] = 0.0, np.nextafter(np.float32(1), np.float32(0))
+    f = jax.jit(cpu_kernels.categorical_pick, static_argnums=(2, 3))
+    tok, lp = (np.asarray(a) for a in f(jnp.asarray(x), jnp.asarray(u), suppress, temp))
+    want, cum, target, logsm = _inverse_cdf(x, u, suppress, temp)
+    for r in range(b):
+        assert tok[r] not in suppress
+        if tok[r] != want[r]:  # only at a boundary: the target within rounding of cum
+            near = np.min(np.abs(cum[r, max(want[r] - 1, 0) : want[r] + 1] - target[r]))
+            assert near <= 1e-5 * cum[r, -1], (r, tok[r], want[r])
+        np.testing.assert_allclose(lp[r], logsm[r, tok[r]], rtol=0, atol=2e-5)
+    if v >= 20:
+        assert tok[2] in (4, 9)
+
+
+@needs_kernel
+def test_categorical_pick_frequencies_are_the_softmax():
+    """Evenly spaced uniform numbers over many rows of the same logits: each id is drawn in
+    proportion to its probability (suppressed ids taken out and the rest renormalised), to
+    within one draw."""
+    n = 4000
+    logits = np.array([0.5, -1.0, 2.0, 3.0, -30.0, 1.0, 0.0], np.float32)
+    x = np.tile(logits, (n, 1))
+    u = ((np.arange(n) + 0.5) / n).astype(np.float32)
+    tok, _ = cpu_kernels.categorical_pick(jnp.asarray(x), jnp.asarray(u), (3,), 1.5)
+    counts = np.bincount(np.asarray(tok), minlength=7)
+    p = np.exp(logits.astype(np.float64) / 1.5)
+    p[3] = 0.0
+    np.testing.assert_allclose(counts, n * p / p.sum(), atol=1.01)
+    with pytest.raises(ValueError, match="temperature"):
+        cpu_kernels.categorical_pick(jnp.asarray(x), jnp.asarray(u), (), 0.0)
+
+
 @needs_kernel
 @pytest.mark.parametrize("b,kv,g,h,s", [(3, 2, 7, 64, 37), (1, 1, 1, 5, 1), (8, 2, 2, 16, 300)])
 def test_decode_attention_matches_masked_softmax(b, kv, g, h, s):
