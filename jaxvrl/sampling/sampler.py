@@ -441,7 +441,10 @@ class _Sampler:
         self.sizes = {}  # (rows, parameter shapes) -> decode_buffer_size
 
     def __call__(self, params, input_ids, *args, **kwargs):
-        size = self._buffer_size(params, input_ids.shape[0])
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, input_ids))):
+            # inside the caller's own jit: no buffer to donate or keep (the program makes one)
+            return self.fn(params, input_ids, *args, **kwargs).replace(decode_buffer=None)
+        size = self._buffer_size(params, np.shape(input_ids)[0])
         out = self.fn(params, input_ids, *args, decode_buffer=_take_buffer(size), **kwargs)
         if out.decode_buffer is None:
             return out

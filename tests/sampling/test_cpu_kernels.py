@@ -314,5 +314,16 @@ def test_sampler_keeps_one_decode_buffer_between_calls(tmp_path):
     assert S._SPARE[0].unsafe_buffer_pointer() == where
     np.testing.assert_array_equal(np.asarray(flipped.tokens), np.asarray(want.tokens))
     assert not np.array_equal(np.asarray(flipped.tokens), np.asarray(first.tokens))
+    # called inside the caller's own jit: same tokens, the kept buffer untouched
+    from jaxvrl.models.qwen2_5_vl import get_rope_index
+
+    pos, deltas = get_rope_index(ids, mask, model.config, None, None, None)
+    graphdef, params = nnx.split(model)
+    fn = make_sampler(graphdef, S.SamplingConfig(6, 0.0))
+    args = (jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(pos), jnp.asarray(deltas))
+    direct = fn(params, *args, jax.random.key(0)).tokens
+    traced = jax.jit(lambda p, *a: fn(p, *a, jax.random.key(0)).tokens)(params, *args)
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(direct))
+    assert S._SPARE[0].unsafe_buffer_pointer() == where
     S.release_decode_buffer()
     assert not S._SPARE
