@@ -4,8 +4,9 @@
   the weights, packed once per `generate` call into panels of 8 rows at their offsets of one
   flat buffer (`pack_into`, in place, so that the sampler reuses one buffer from call to call
   rather than faulting in fresh pages for a copy of the weights every call), are streamed once
-  per step with software prefetch, split between the caller and XLA's intra-op threads. XLA's own CPU dot reads such weights at about half the memory bandwidth, and a
-  decode step is little else (bench/RESULTS.md).
+  per step with software prefetch, split between the caller and XLA's intra-op threads.
+  XLA's own CPU dot reads such weights at about half the memory bandwidth, and a decode step
+  is little else (bench/RESULTS.md).
 - `categorical_pick(logits, u, suppress, temperature)`: a draw from softmax(logits /
   temperature) outside `suppress` by inverse CDF with one uniform number per row, and its
   log-prob, in three passes (XLA: ~3.5 ms per step at B = 8, V = 152k).

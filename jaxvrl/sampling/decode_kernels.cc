@@ -188,6 +188,7 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer
   return ffi::Error::Success();
 }
 
+// `buf` is the operand that XLA aliases to `out` (input_output_aliases): written through `out`.
 ffi::Error PackRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> buf, ffi::Buffer<ffi::F32> w,
                     ffi::ResultBuffer<ffi::F32> out, int64_t offset) {
   return Pack(pool, w, out, offset, false);
@@ -302,7 +303,7 @@ inline float BlockExpSum(const float* x, float temp, float shift) {
 void GreedyRow(const float* x, int64_t v, const int32_t* suppress, int64_t n_suppress,
                int32_t* tok, float* lp) {
   const RowTop t = FindTop(x, v, suppress, n_suppress);
-  double total = 0.0;  // the normaliser's shift: the maximum over every entry
+  double total = 0.0;  // sum of exp(x - row_max): the normaliser, shifted by the maximum
   int64_t i = 0;
   for (; i + kBlock <= v; i += kBlock) total += BlockExpSum(x + i, 1.0f, t.row_max);
   for (; i < v; ++i) total += Exp1(x[i] - t.row_max);

@@ -269,12 +269,11 @@ _PRODUCT_MAX_K = 384
 class _Packer:
     """Where decode weights go for the CPU kernel: one after another into one flat float32
     buffer (`cpu_kernels.pack_into`), given (`buf`, reused from call to call) or made here.
-    `enabled` is False where the kernel does not apply (`cpu_kernels.applies`); with `plan`
-    nothing is packed, only `size` counted."""
+    `enabled` is False where the kernel does not apply (`cpu_kernels.applies`). Nothing is
+    packed until `buf` is first asked for, so tracing the swap only counts `size`."""
 
-    def __init__(self, rows: int, dtype, buf=None, *, plan: bool = False):
+    def __init__(self, rows: int, dtype, buf=None):
         self.enabled = cpu_kernels.applies(rows, dtype or jnp.float32)
-        self.plan = plan
         self.size = 0
         self.pending = []  # (w, offset, columns) until `buf` is first asked for
         self._buf = buf
@@ -284,8 +283,7 @@ class _Packer:
         k, n = w.shape if columns else w.shape[::-1]
         offset = self.size
         self.size += cpu_kernels.packed_size(n, k)
-        if not self.plan:
-            self.pending.append((w, offset, columns))
+        self.pending.append((w, offset, columns))
         return offset
 
     @property
@@ -498,9 +496,9 @@ def decode_buffer_size(graphdef, params, rows: int, cfg: SamplingConfig) -> int:
 
     def plan(params):
         model = nnx.merge(graphdef, params)
-        packer = _Packer(rows, model.dtype, plan=True)
+        packer = _Packer(rows, model.dtype)
         _with_transposed_weights(model, packer)
-        size.append(packer.size if packer.enabled else 0)
+        size.append(packer.size)  # 0 where not enabled: nothing was added
 
     jax.eval_shape(plan, params)
     return size[0]
