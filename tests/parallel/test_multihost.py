@@ -85,7 +85,8 @@ def test_two_processes_match_one_device(tmp_path):
 
     # float32, only the reduction order differs (see test_mesh_train.py)
     for r in results:
-        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
+        # token means of +-A (order one) plus KL: tolerance on the terms' scale
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5, atol=1e-5)
         assert r["restored_equal"] and r["restored_sharding"] and r["restored_step"] == 2
         assert r["rng_equal"] and r["data_state_equal"]
         assert r["any_process"] == [True, False]
