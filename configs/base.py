@@ -44,6 +44,9 @@ def get_config(arg=None):
 
     c.model = ml_collections.ConfigDict()
     c.model.path = placeholder(str)  # HF checkpoint dir; None = the embedded tiny checkpoint
+    # a published config without weights (qwen2.5-vl-3b | 7b | 32b | 72b): shapes for
+    # `python -m jaxvrl.aot` only; training needs model.path
+    c.model.preset = placeholder(str)
     c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"  # master weights (float32 with bfloat16 compute)
     # gradient checkpointing of every decoder layer and vision block: none | full |

@@ -109,6 +109,11 @@ def load_model(c):
     """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one."""
     from transformers import AutoTokenizer
 
+    if c.model.preset and not c.model.path:
+        raise ConfigError(
+            f"config.model.preset={c.model.preset!r} has shapes but no weights (it is for "
+            "python -m jaxvrl.aot); set config.model.path to a checkpoint to train"
+        )
     path = localize_dir(c.model.path or EMBEDDED)  # gs://: copied into a local cache once
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
@@ -120,13 +125,13 @@ def load_model(c):
     return model, tokenizer
 
 
-def make_samplers(graph, mcfg, tokenizer, c):
-    """-> (sampler, greedy): jitted rollout sampler and the greedy one for validation, for the
-    model graph `graph` (after init: with LoRA adapters) with config `mcfg`."""
+def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
+    """The rollout's SamplingConfig for model config `mcfg`: EOS from the model config (else
+    the tokenizer's), pad from the tokenizer (0 without one), vision tokens suppressed."""
     if mcfg.eos_token_id is not None:
         eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
     else:
-        eos = (tokenizer.eos_token_id,)
+        eos = (tokenizer.eos_token_id,) if tokenizer is not None else ()
     suppress = (
         mcfg.image_token_id,
         mcfg.video_token_id,
@@ -134,15 +139,14 @@ def make_samplers(graph, mcfg, tokenizer, c):
         mcfg.vision_end_token_id,
     )
     r = c.rollout
-    cfg = SamplingConfig(
-        r.max_new_tokens,
-        r.temperature,
-        r.top_p,
-        r.top_k,
-        eos,
-        tokenizer.pad_token_id or 0,
-        suppress,
-    )
+    pad = (tokenizer.pad_token_id if tokenizer is not None else 0) or 0
+    return SamplingConfig(r.max_new_tokens, r.temperature, r.top_p, r.top_k, eos, pad, suppress)
+
+
+def make_samplers(graph, mcfg, tokenizer, c):
+    """-> (sampler, greedy): jitted rollout sampler and the greedy one for validation, for the
+    model graph `graph` (after init: with LoRA adapters) with config `mcfg`."""
+    cfg = sampling_config(c, mcfg, tokenizer)
     return make_sampler(graph, cfg), make_sampler(graph, dataclasses.replace(cfg, temperature=0.0))
 
 
@@ -242,23 +246,25 @@ def resume(c, ckpt: Checkpointer, state, data, mesh):
     return r.step, r.state, r.rng, int(r.meta.get("nonfinite_streak", 0))
 
 
-def check_rows(c, mesh) -> None:
+def check_rows(c, mesh, processes: int | None = None) -> None:
     """The batch rows (every process's prompts_per_step x num_generations) are split evenly
-    over the mesh's data x fsdp devices and into optim.micro_batches."""
+    over the mesh's data x fsdp devices and into optim.micro_batches. processes: the number
+    of hosts (default: this run's)."""
+    processes = jax.process_count() if processes is None else processes
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = c.prompts_per_step * c.rollout.num_generations
-    if (rows * jax.process_count()) % shards:
+    if (rows * processes) % shards:
         raise ConfigError(
             f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
-            f"({jax.process_count()} processes) do not split evenly over mesh.data x mesh.fsdp "
+            f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp "
             f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
             "mesh.tensor"
         )
-    m, total = c.optim.micro_batches, rows * jax.process_count()
+    m, total = c.optim.micro_batches, rows * processes
     if m < 1 or total % m:
         raise ConfigError(
             f"config.optim.micro_batches = {m} does not divide the {total} rows of a step "
-            f"(prompts_per_step x rollout.num_generations x {jax.process_count()} processes)"
+            f"(prompts_per_step x rollout.num_generations x {processes} processes)"
         )
 
 

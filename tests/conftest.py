@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The tests run on the CPU. With libtpu installed (the test extra has it, for the ahead-of-time
+# TPU compiles of tests/aot) jax would otherwise try to start a TPU backend in every process.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA cache for the whole session, inherited by the subprocesses the tests start
 # (multi-device and multi-process runs, the CLI): the same tiny programs are compiled again by
 # many tests (every train run builds its own jitted step). Compile counts in the tests come

@@ -216,6 +216,35 @@ def sharded_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
 
     graph0, values = nnx.split(model)
     values = put_on_mesh(values, param_shardings(values, mesh))
+    fn, seen = _init_fn(init, graph0, args)
+    (state, ref), (state_sh, ref_sh) = sharded_init(fn, mesh, values)
+    return ShardedInit(
+        seen["graphdef"], seen["tx"], state, ref, state_sh, ref_sh, seen["model_graphdef"]
+    )
+
+
+def abstract_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
+    """What `sharded_train_state` makes, as shapes only: the state and reference params are
+    `jax.ShapeDtypeStruct`s carrying their shardings on `mesh`, nothing is computed or
+    allocated. `model` may itself be abstract (`nnx.eval_shape`): the ahead-of-time compile
+    (`jaxvrl.aot`) builds the train state of a 7B model this way on a CPU host."""
+    from flax import nnx
+
+    graph0, values = nnx.split(model)
+    fn, seen = _init_fn(init, graph0, args)
+    abstract = jax.eval_shape(fn, values)
+    shardings = state_shardings(abstract, mesh)
+    state, ref = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    return ShardedInit(seen["graphdef"], seen["tx"], state, ref, *shardings, seen["model_graphdef"])
+
+
+def _init_fn(init, graph0, args):
+    """values -> init(model, *args)'s (state, ref), recording the graphs and optimizer that
+    init leaves behind in the returned dict."""
+    from flax import nnx
+
     seen = {}
 
     def fn(values):
@@ -224,10 +253,7 @@ def sharded_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
         seen.update(graphdef=graphdef, tx=tx, model_graphdef=nnx.graphdef(m))
         return state, ref
 
-    (state, ref), (state_sh, ref_sh) = sharded_init(fn, mesh, values)
-    return ShardedInit(
-        seen["graphdef"], seen["tx"], state, ref, state_sh, ref_sh, seen["model_graphdef"]
-    )
+    return fn, seen
 
 
 def batch_shardings(batch, mesh: Mesh, rows: int | None = None):

@@ -124,6 +124,27 @@ def logical_to_spec(axes, shape, mesh: Mesh, rules=LOGICAL_RULES) -> PartitionSp
     return PartitionSpec(*spec)
 
 
+def target_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices the program being traced is compiled
+    for: the mesh set with `jax.set_mesh` / `use_abstract_mesh`, else the default devices.
+
+    Implementation choices (CPU-only kernels and forms) follow this, never the process's
+    default backend: a TPU program compiled ahead of time on a CPU host (`jaxvrl.aot`) must
+    be the program a TPU host runs."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None:
+            return device.platform
+    return jax.default_backend()
+
+
+def target_device_count() -> int:
+    """Devices of the program being traced: the mesh's size, else every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.device_count() if mesh.empty else mesh.size
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical axis names under the mesh set with `jax.set_mesh`.
 

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvrl.parallel import sharding
+
 _SOURCE = Path(__file__).with_name("decode_kernels.cc")
 # FFI target name -> exported handler symbol
 _TARGETS = {
@@ -141,9 +143,11 @@ def _call(target: str, out, **kw):
 
 
 def usable() -> bool:
-    """Whether the kernels can run in the current programs: the CPU backend with one device
-    (no sharded operands) and the kernels built."""
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
+    """Whether the kernels can run in the program being traced: compiled for one CPU device
+    (no sharded operands; the mesh in context decides, see `sharding.target_platform`) and
+    the kernels built."""
+    one_cpu = sharding.target_platform() == "cpu" and sharding.target_device_count() == 1
+    return one_cpu and available()
 
 
 def applies(rows: int, dtype) -> bool:

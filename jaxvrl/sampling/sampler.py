@@ -21,6 +21,7 @@ from flax import nnx, struct
 from jaxvrl.models.qwen2_5_vl import KVCache, get_rope_index, stack_vision_inputs, vision_inputs
 from jaxvrl.models.qwen2_5_vl.layers import GatedMLP
 from jaxvrl.models.qwen2_5_vl.text import Attention
+from jaxvrl.parallel import sharding
 from jaxvrl.sampling import cpu_kernels, rules
 from jaxvrl.sampling.rules import NEG_INF
 
@@ -62,7 +63,8 @@ class SamplingConfig:
     # How decode steps multiply by the text decoder's and LM head's weights: "model" (the
     # stored [in, out] kernels), "transposed" ([out, in] copies made once per call, the weight
     # as the matmul's row operand: 1.7-1.9x faster M = B matmuls on XLA's CPU backend, at the
-    # cost of a second copy of those weights during the call), "auto" (transposed on the CPU).
+    # cost of a second copy of those weights during the call), "auto" (transposed in programs
+    # compiled for the CPU: the mesh in context decides, not the host).
     decode_layout: str = "auto"
 
 
@@ -153,20 +155,8 @@ def sample(
         packer = _Packer(b, model.dtype, decode_buffer)
         model = _with_transposed_weights(model, packer)  # the prefill above used the stored kernels
     tok, lp = _pick(_logits(model, out.hidden[:, -1]), jax.random.fold_in(rng, 0), cfg)
-    state = dict(
-        i=jnp.zeros((), jnp.int32),
-        cache=out.cache,
-        next_tok=tok,
-        next_lp=lp,
-        done=jnp.zeros((b,), bool),
-        tokens=jnp.full((b, n), cfg.pad_token_id, jnp.int32),
-        logprobs=jnp.zeros((b, n), jnp.float32),
-        mask=jnp.zeros((b, n), jnp.float32),
-    )
-    if pools is not None:
-        n_layers = model.config.text.num_hidden_layers
-        state["vmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
-        state["xmass"] = jnp.zeros((n_layers, b, n), jnp.float32)
+    layers = model.config.text.num_hidden_layers if pools is not None else 0
+    state = _loop_state(out.cache, tok, lp, n, cfg, layers)
     start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # next position
     step = functools.partial(_decode_step, model, cfg, rng, start, pools)
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
@@ -187,6 +177,47 @@ def sample(
         text_mass=s.get("xmass"),
         decode_buffer=None if packer is None else packer.buf,
     )
+
+
+def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0) -> dict:
+    """The decode loop's carry after the prefill: the cache, the picked first token and its
+    log-prob [B], and the outputs so far; with `layers`, the attention masses [L, B, N]."""
+    b = tok.shape[0]
+    state = dict(
+        i=jnp.zeros((), jnp.int32),
+        cache=cache,
+        next_tok=tok,
+        next_lp=lp,
+        done=jnp.zeros((b,), bool),
+        tokens=jnp.full((b, n), cfg.pad_token_id, jnp.int32),
+        logprobs=jnp.zeros((b, n), jnp.float32),
+        mask=jnp.zeros((b, n), jnp.float32),
+    )
+    if layers:
+        state["vmass"] = jnp.zeros((layers, b, n), jnp.float32)
+        state["xmass"] = jnp.zeros((layers, b, n), jnp.float32)
+    return state
+
+
+def abstract_loop_state(model_config, rows: int, prompt_len: int, cfg: SamplingConfig, dtype):
+    """Shapes of the decode loop's carry for `rows` prompts of `prompt_len` tokens (the cache
+    holds prompt_len + max_new_tokens positions), for `decode_step`."""
+    n = cfg.max_new_tokens
+
+    def make():
+        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype)
+        tok, lp = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.float32)
+        return _loop_state(cache, tok, lp, n, cfg)
+
+    return jax.eval_shape(make)
+
+
+def decode_step(graphdef, params, state: dict, start, rng, *, cfg: SamplingConfig) -> dict:
+    """One decode step of `sample`'s loop as a program of its own (feed a token, write the
+    cache, pick the next), with the stored weights: for pricing a step ahead of time
+    (`jaxvrl.aot`); `sample` runs the same `_decode_step` inside its loop."""
+    model = nnx.merge(graphdef, params)
+    return _decode_step(model, cfg, rng, start, None, state)
 
 
 def _chunk(n: int, most: int) -> int:
@@ -237,7 +268,7 @@ def _transposed_decode(cfg: SamplingConfig) -> bool:
     if cfg.decode_layout not in ("auto", "model", "transposed"):
         raise ValueError(f"decode_layout must be auto, model or transposed: {cfg.decode_layout!r}")
     if cfg.decode_layout == "auto":
-        return jax.default_backend() == "cpu"
+        return sharding.target_platform() == "cpu"
     return cfg.decode_layout == "transposed"
 
 
@@ -457,6 +488,11 @@ class _Sampler:
 
     def _cache_size(self) -> int:
         return self.fn._cache_size()
+
+    def lower(self, params, input_ids, *args, **kwargs):
+        """The sampling program lowered for these (abstract) arguments, without running or
+        keeping anything: for compiling it ahead of time (`jaxvrl.aot`)."""
+        return self.fn.lower(params, input_ids, *args, **kwargs)
 
 
 # The decode buffer kept between sampler calls (at most one: the last call's). Packing the

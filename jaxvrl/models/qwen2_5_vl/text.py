@@ -20,7 +20,7 @@ from jaxvrl.models.qwen2_5_vl.layers import (
     masked_softmax,
     pool_masses,
 )
-from jaxvrl.parallel.sharding import constrain
+from jaxvrl.parallel.sharding import constrain, target_platform
 
 # logical axes of the residual stream [B, T, D]
 RESIDUAL = ("batch", "length", "act_embed")
@@ -180,7 +180,7 @@ def _attention_kernel(q: jax.Array, k_cache: jax.Array) -> bool:
 def _products_for_one_query(t: int) -> bool:
     """Whether a cached attention of t queries takes the product-and-reduce form (a decode
     step on the CPU) rather than the batched matmuls (prefill, accelerators)."""
-    return t == 1 and jax.default_backend() == "cpu"
+    return t == 1 and target_platform() == "cpu"
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,113 @@
+"""Compile the main job's programs for a TPU slice ahead of time, on any machine.
+
+    python -m jaxvrl.aot --config configs/tprl.py --topology=v5p-16 \
+        --config.model.preset=qwen2.5-vl-7b [--config.key=value ...] [--suggest]
+
+Builds what `jaxvrl.train` builds, as shapes only (no weights are read: a `model.path` holding
+just a `config.json`, or `model.preset`, is enough), on a mesh (`config.mesh`) over the slice's
+abstract devices, and compiles with the XLA TPU compiler (`libtpu`, `pip install -e '.[tpu]'`):
+- `train_step`: the jitted, donated train step with the run's batch shapes (every process's
+  prompts_per_step x num_generations rows, prompts of data.max_prompt_length holding one image
+  of data.max_pixels, completions of rollout.max_new_tokens), micro-batches, remat, dtypes,
+  LoRA, critic, reference and perturbed-image passes as configured;
+- `sampler`: the rollout sampler (prefill + the whole decode loop) on the same rows;
+- `decode_step`: one decode step alone, to price it against the bytes it must read.
+
+For each it prints the compile time, HBM per device against the chip's, the XLA cost model's
+FLOPs and time, the model FLOP utilisation that time implies, and the largest temporaries;
+a last line holds the same numbers as JSON. Exit status 1 when a program does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from jaxvrl.aot.report import KNOBS, format_report, with_decode_steps
+
+PROGRAMS = ("train_step", "sampler", "decode_step")
+
+
+def _split_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """Our flags (--topology, --suggest, --programs) apart from the config's."""
+    ours, rest, i = {}, [], 0
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name in ("--topology", "--programs"):
+            if "=" in a:
+                ours[name[2:]] = a.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                ours[name[2:]], i = argv[i + 1], i + 1
+            else:
+                raise SystemExit(f"{name} needs a value")
+        elif a == "--suggest":
+            ours["suggest"] = True
+        else:
+            rest.append(a)
+        i += 1
+    if "topology" not in ours:
+        raise SystemExit("missing --topology, e.g. --topology=v5p-16")
+    return ours, rest
+
+
+def main(argv=None) -> int:
+    import jax
+
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")  # the host only traces; programs are TPU's
+    from jaxvrl.aot.plan import Plan
+    from jaxvrl.config import ConfigError, load_config, parse_argv
+
+    ours, rest = _split_args(sys.argv[1:] if argv is None else argv)
+    try:
+        path, overrides = parse_argv(rest)
+        c = load_config(path, overrides)
+        plan = Plan.build(c, ours["topology"])
+    except (ConfigError, ValueError, RuntimeError) as e:
+        print(f"jaxvrl.aot: {e}", file=sys.stderr)
+        return 2
+    programs = tuple(ours.get("programs", ",".join(PROGRAMS)).split(","))
+    if set(programs) - set(PROGRAMS):
+        print(f"jaxvrl.aot: --programs takes {', '.join(PROGRAMS)}", file=sys.stderr)
+        return 2
+    print(plan.describe(), flush=True)
+    reports = []
+    for name in programs:
+        r = plan.compile(name)
+        print(format_report(r), flush=True)
+        reports.append(r)
+    by_name = {r.name: r for r in reports}
+    if "sampler" in by_name and "decode_step" in by_name and not by_name["sampler"].error:
+        steps = plan.c.rollout.max_new_tokens
+        r = with_decode_steps(by_name["sampler"], by_name["decode_step"], steps, plan.slice)
+        reports[reports.index(by_name["sampler"])] = r
+        print(
+            f"sampler with {steps} decode steps: estimated {r.estimate_s * 1e3:.1f} ms, MFU {100 * r.mfu:.1f}%"
+        )
+    failed = [r.name for r in reports if not r.fits]
+    suggestion = None
+    if failed:
+        print(f"does not fit: {', '.join(failed)}. Knobs that help: " + "; ".join(KNOBS))
+        if ours.get("suggest") and "train_step" in failed:
+            step = next(r for r in reports if r.name == "train_step")
+            suggestion = plan.suggest_micro_batches(step)
+            if suggestion:
+                print(f"suggest: --config.optim.micro_batches={suggestion} fits")
+            else:
+                print("suggest: no micro-batch count fits on this mesh")
+    out = {
+        "topology": plan.slice.name,
+        "mesh": dict(plan.mesh.shape),
+        "fits": not failed,
+        "programs": {r.name: r.as_json() for r in reports},
+    }
+    if suggestion:
+        out["suggest"] = {"optim.micro_batches": suggestion}
+    print(json.dumps(out), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

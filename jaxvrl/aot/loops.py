@@ -1,0 +1,217 @@
+"""Matmul FLOPs of an optimized HLO module with its loops counted as often as they run.
+
+XLA's cost analysis (`compiled.cost_analysis()`) prices a while loop's body once, whatever its
+trip count: a train step that scans over 4 micro-batches, or a sampler that loops over 1,024
+decode steps, is priced as if each loop ran once. This module reads the compiled module's text
+and counts the FLOPs of its dot and convolution instructions, multiplying a loop body by its
+trip count (the bound of the loop condition's `compare` against a constant, minus the
+induction variable's constant start, when both are constants; else 1), so that the cost
+model's time can be scaled by how much of the work it left out (`loop_factor`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OP = re.compile(r"\s*([\w\-]+)\((.*)$")
+_SHAPE = re.compile(r"^\(?\w+\[([\d,]*)\]")
+_PARAM = re.compile(r"%?([\w.\-]+):\s*\w+\[([\d,]*)\]")
+
+
+def _closing(text: str, i: int) -> int:
+    """Index just past the bracket group opening at text[i] ('(' or '{')."""
+    pairs = {"(": ")", "{": "}"}
+    depth, close = 0, pairs[text[i]]
+    for j in range(i, len(text)):
+        if text[j] == text[i]:
+            depth += 1
+        elif text[j] == close:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return len(text)
+
+
+def _instruction(line: str):
+    """'%n = f32[2,3]{1,0} dot(%a, %b), ...' -> (name, result type, op, text after '(')."""
+    m = _NAME.match(line)
+    if not m:
+        return None
+    i = m.end()
+    if i < len(line) and line[i] == "(":  # a tuple type
+        j = _closing(line, i)
+    else:
+        j = i
+        while j < len(line) and line[j] not in " {":
+            j += 1
+    result = line[i:j]
+    if j < len(line) and line[j] == "{":  # its layout
+        j = _closing(line, j)
+    op = _OP.match(line, j)
+    return (m.group(1), result, op.group(1), op.group(2)) if op else None
+
+
+def _dims(text: str) -> list[int] | None:
+    m = _SHAPE.match(text)
+    return [int(d) for d in m.group(1).split(",") if d] if m else None
+
+
+def _operands(rest: str) -> list[str]:
+    head = rest.split(")", 1)[0]
+    return [a.strip().lstrip("%").split(" ")[-1].lstrip("%") for a in head.split(",") if a.strip()]
+
+
+def _attr(rest: str, key: str) -> str | None:
+    """An attribute's value: a name (`calls=%f`), a word (`direction=LT`), a `{...}` list."""
+    m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.\-]+(?:->[\w]+)?)", rest)
+    return m.group(1).lstrip("%") if m else None
+
+
+def _parse(text: str) -> dict[str, list[tuple]]:
+    """computation -> [(name, result text, op, rest)] with parameter shapes as ("param")."""
+    comps, cur = {}, None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            cur = h.group(1)
+            comps[cur] = [(n, f"x[{d}]", "param", "") for n, d in _PARAM.findall(h.group(2))]
+            continue
+        instr = _instruction(line) if cur else None
+        if instr:
+            comps[cur].append(instr)
+    return comps
+
+
+def _dot_flops(result: str, op: str, rest: str, shapes: dict) -> float:
+    out = _dims(result)
+    ops = _operands(rest)
+    if out is None or not ops or ops[0] not in shapes:
+        return 0.0
+    lhs = shapes[ops[0]]
+    if op == "dot":
+        idx = _attr(rest, "lhs_contracting_dims")
+        contract = [int(i) for i in re.findall(r"\d+", idx or "")]
+        k = math.prod(lhs[i] for i in contract if i < len(lhs))
+    else:  # convolution: contracting = the lhs feature dimension(s) times the window
+        labels = _attr(rest, "dim_labels") or ""
+        lhs_labels = labels.split("_")[0] if "_" in labels else ""
+        k = math.prod(lhs[i] for i, c in enumerate(lhs_labels) if c == "f" and i < len(lhs))
+        window = re.search(r"window=\{size=([\dx]+)", rest)
+        if window:
+            k *= math.prod(int(s) for s in window.group(1).split("x"))
+    return 2.0 * math.prod(out) * k
+
+
+def _step(comps, body: str, index: int) -> int | None:
+    """The constant the body adds to tuple element `index` (the induction variable), or None
+    where the update is anything else (e.g. advanced by an inner loop)."""
+    instrs = comps.get(body, [])
+    if not instrs or instrs[-1][2] != "tuple":
+        return None
+    defs = {n: (r, o, rest) for n, r, o, rest in instrs}
+    elems = _operands(instrs[-1][3])
+    if index >= len(elems) or elems[index] not in defs:
+        return None
+    _, op, rest = defs[elems[index]]
+    if op != "add":
+        return None
+    a, b = (_operands(rest) + ["", ""])[:2]
+    for x, y in ((a, b), (b, a)):
+        while x in defs and defs[x][1] in ("copy", "bitcast"):  # the counter, moved
+            x = _operands(defs[x][2])[0]
+        if x in defs and defs[x][1] == "get-tuple-element":
+            if int(_attr(defs[x][2], "index") or -1) == index:
+                return _constant_value(y, defs)
+    return None
+
+
+def _trip_count(comps, cond: str, body: str, init_tuple: list[str], defs: dict) -> int:
+    """(bound - start) / step for a loop whose condition compares an induction variable with
+    a constant bound, starts it from a constant and adds a constant step in the body; 1 where
+    any of them cannot be read (the count is then a lower bound)."""
+    consts, gte_index = {}, {}
+    for name, _r, op, rest in comps.get(cond, []):
+        if op == "constant":
+            consts[name] = (
+                int(re.match(r"(-?\d+)", rest).group(1)) if re.match(r"-?\d", rest) else None
+            )
+        elif op == "get-tuple-element":
+            gte_index[name] = int(_attr(rest, "index") or 0)
+    for _n, _r, op, rest in comps.get(cond, []):
+        if op != "compare":
+            continue
+        a, b = (_operands(rest) + ["", ""])[:2]
+        direction = _attr(rest, "direction")
+        if b in consts and a in gte_index and direction in ("LT", "LE", "NE"):
+            i = gte_index[a]
+            step = _step(comps, body, i)
+            start = _constant_value(init_tuple[i], defs) if i < len(init_tuple) else None
+            if not step or step <= 0 or start is None or consts[b] is None:
+                return 1
+            bound = consts[b] + (1 if direction == "LE" else 0)
+            return max(1, -(-(bound - start) // step))
+    return 1
+
+
+def _constant_value(name: str, defs: dict):
+    seen = 0
+    while name in defs and seen < 8:
+        result, op, rest = defs[name]
+        if op == "constant":
+            m = re.match(r"(-?\d+)", rest)
+            return int(m.group(1)) if m else None
+        if op != "copy":
+            return None
+        name = _operands(rest)[0]
+        seen += 1
+    return None
+
+
+def matmul_flops(text: str, loops: bool = True) -> float:
+    """Dot/convolution FLOPs of the module's entry computation, loop bodies times their trip
+    count (`loops`), or once each (`loops=False`, what XLA's cost analysis assumes)."""
+    comps = _parse(text)
+    entry = None
+    for line in text.splitlines():
+        if line.lstrip().startswith("ENTRY"):
+            entry = _HEADER.match(line).group(1)
+            break
+    memo = {}
+
+    def total(comp: str, depth: int = 0) -> float:
+        if comp in memo or depth > 64:
+            return memo.get(comp, 0.0)
+        instrs = comps.get(comp, [])
+        shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
+        defs = {n: (r, o, rest) for n, r, o, rest in instrs}
+        flops = 0.0
+        for _name, result, op, rest in instrs:
+            if op in ("dot", "convolution"):
+                flops += _dot_flops(result, op, rest, shapes)
+            elif op == "fusion" or op == "call":
+                callee = _attr(rest, "calls") or _attr(rest, "to_apply")
+                if callee:
+                    flops += total(callee, depth + 1)
+            elif op == "while":
+                body, cond = _attr(rest, "body"), _attr(rest, "condition")
+                init = _operands(rest)[0] if _operands(rest) else ""
+                tup = _operands(defs[init][2]) if init in defs and defs[init][1] == "tuple" else []
+                n = _trip_count(comps, cond, body, tup, defs) if loops else 1
+                flops += n * total(body, depth + 1)
+            elif op == "conditional":
+                branches = re.findall(r"%([\w.\-]+)", (_attr(rest, "branch_computations") or ""))
+                flops += max((total(b, depth + 1) for b in branches), default=0.0)
+        memo[comp] = flops
+        return flops
+
+    return total(entry) if entry else 0.0
+
+
+def loop_factor(text: str) -> float:
+    """How many times more matmul FLOPs the module runs than XLA's cost analysis counts (>= 1;
+    1 without loops or where no matmul is found)."""
+    once = matmul_flops(text, loops=False)
+    return max(1.0, matmul_flops(text) / once) if once else 1.0

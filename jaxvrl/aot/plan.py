@@ -1,0 +1,348 @@
+"""The main job's programs as shapes on a TPU slice's mesh, ready to compile.
+
+`Plan.build(config, "v5p-16")` makes what `jaxvrl.train` makes — the model (abstract: no
+weights), the sharded train state (`runtime.abstract_train_state`), the jitted train step
+(`runtime.jit_train_step`), the rollout sampler (`train.sampling_config`, `make_sampler`) —
+and the run's batch shapes, on a mesh (`config.mesh`) over the slice's abstract devices.
+`Plan.compile(name)` lowers and compiles one program with the XLA TPU compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxvrl.aot.report import (
+    Report,
+    analyse,
+    out_of_memory,
+    per_device_bytes,
+    temporaries_from_dump,
+)
+from jaxvrl.config import ConfigError
+from jaxvrl.data.processor import smart_resize
+from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
+from jaxvrl.parallel import runtime as R
+from jaxvrl.parallel import topology as T
+from jaxvrl.sampling import make_sampler
+from jaxvrl.sampling import sampler as sampler_lib
+from jaxvrl.trainer.build import init_train_state, step_config
+from jaxvrl.trainer.rollout import assemble
+
+PRESETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "presets")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def preset_names() -> list[str]:
+    return sorted(f[: -len(".json")] for f in os.listdir(PRESETS) if f.endswith(".json"))
+
+
+def model_config(c) -> tuple[str, Qwen2_5_VLConfig]:
+    """(name, config) of `model.preset` (a published config.json shipped with the package) or
+    of `model.path`'s config.json (no weights are read)."""
+    preset = c.model.get("preset")
+    if preset:
+        path = os.path.join(PRESETS, f"{preset.lower()}.json")
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"config.model.preset={preset!r}: unknown; known: {', '.join(preset_names())}"
+            )
+        with open(path) as f:
+            return preset, Qwen2_5_VLConfig.from_hf_dict(json.load(f), source=path)
+    if not c.model.path:
+        from jaxvrl.train import EMBEDDED
+
+        return "embedded tiny model", Qwen2_5_VLConfig.from_pretrained(EMBEDDED)
+    return c.model.path, Qwen2_5_VLConfig.from_pretrained(c.model.path)
+
+
+TEXT_ROOM = 32  # prompt tokens left for text beside the image
+
+
+def image_grid(c, vcfg) -> np.ndarray:
+    """grid_thw [1, 3] of the largest image a row may hold: a square of data.max_image_side
+    pixels resized like the processor (so within data.max_pixels), smaller where its tokens
+    would leave less than TEXT_ROOM tokens of data.max_prompt_length for text (longer
+    prompts are skipped by the data pipeline, never trained on)."""
+    factor = vcfg.patch_size * vcfg.spatial_merge_size
+    side = c.data.max_image_side
+    while True:
+        h, w = smart_resize(side, side, factor, c.data.min_pixels, c.data.max_pixels)
+        tokens = (h // factor) * (w // factor)
+        if tokens + TEXT_ROOM <= c.data.max_prompt_length or h <= factor:
+            break
+        side = min(h, w) - factor
+    if tokens + TEXT_ROOM > c.data.max_prompt_length:
+        raise ConfigError(
+            f"data.max_prompt_length={c.data.max_prompt_length} cannot hold an image "
+            f"({tokens} tokens at the least) and {TEXT_ROOM} tokens of text"
+        )
+    return np.array([[1, h // vcfg.patch_size, w // vcfg.patch_size]])
+
+
+def _abstract(x, sharding=None):
+    dtype = {np.dtype(np.int64): jnp.int32, np.dtype(np.float64): jnp.float32}.get(
+        np.dtype(x.dtype), x.dtype
+    )
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+
+
+def _with_shardings(tree, mesh, rows: int):
+    """ShapeDtypeStructs of `tree` carrying the batch's shardings (rows over data x fsdp)."""
+    shardings = R.batch_shardings(tree, mesh, rows=rows)
+    return jax.tree.map(lambda x, s: _abstract(x, s), tree, shardings)
+
+
+@dataclasses.dataclass
+class Plan:
+    c: object
+    slice: T.Slice
+    mesh: jax.sharding.Mesh
+    model_name: str
+    model: Qwen2_5_VL  # abstract
+    init: R.ShardedInit  # abstract state and reference params with their shardings
+    rows: int  # global rows of a step: prompts_per_step x G x hosts
+    grid: np.ndarray
+
+    @classmethod
+    def build(cls, c, topology: str) -> Plan:
+        from jaxvrl.train import check_rows
+
+        s = T.parse(topology)
+        mesh = R.mesh_from_config(c.mesh, devices=T.tpu_devices(s))
+        check_rows(c, mesh, processes=s.hosts)
+        name, mcfg = model_config(c)
+        dtype, param_dtype = DTYPES[c.model.dtype], DTYPES[c.model.param_dtype]
+        model = nnx.eval_shape(
+            lambda: Qwen2_5_VL(mcfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+        )
+        model.set_remat_policy(c.model.remat_policy)
+        init = R.abstract_train_state(init_train_state, model, mesh, c)
+        rows = c.prompts_per_step * c.rollout.num_generations * s.hosts
+        return cls(c, s, mesh, name, model, init, rows, image_grid(c, mcfg.vision))
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def prompt_len(self) -> int:
+        b = self.c.data.prompt_bucket
+        return -(-self.c.data.max_prompt_length // b) * b
+
+    @property
+    def new_tokens(self) -> int:
+        return self.c.rollout.max_new_tokens
+
+    @functools.cached_property
+    def params_count(self) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.init.state.params))
+
+    def _images(self):
+        vcfg = self.model.config.vision
+        patches = int(np.prod(self.grid))
+        pv = np.zeros((patches, vcfg.patch_dim), np.float32)
+        row = vision_inputs(pv, self.grid, vcfg, num_patches=patches)
+        return jax.tree.map(lambda x: np.broadcast_to(x, (self.rows,) + x.shape), row)
+
+    def _pools(self, length: int) -> dict:
+        return {k: np.zeros((self.rows, length), bool) for k in ("vision", "text", "prompt")}
+
+    def prompts(self, pools: bool) -> dict:
+        """The sampler's inputs: the collated prompt batch's arrays, abstract and sharded."""
+        b, p = self.rows, self.prompt_len
+        tree = dict(
+            input_ids=np.zeros((b, p), np.int32),
+            attention_mask=np.ones((b, p), np.int32),
+            position_ids=np.zeros((3, b, p), np.int32),
+            deltas=np.zeros((b,), np.int32),
+            images=self._images(),
+            pools=self._pools(p) if pools else None,
+        )
+        return _with_shardings(tree, self.mesh, self.rows)
+
+    def batch(self):
+        """The train step's RolloutBatch, abstract and sharded."""
+        b, p, n = self.rows, self.prompt_len, self.new_tokens
+        batch = assemble(
+            np.zeros((b, p), np.int32),
+            np.ones((b, p), np.int32),
+            np.zeros((3, b, p), np.int32),
+            np.zeros((b,), np.int32),
+            np.zeros((b, n), np.int32),
+            np.ones((b, n), np.float32),
+            np.zeros((b,), np.float32),
+            np.ones((b,), bool),
+            pools=self._pools(p) if step_config(self.c).token_weights else None,
+        )
+        batch = dataclasses.replace(batch, images=self._images())
+        return _with_shardings(batch, self.mesh, self.rows)
+
+    def _rng(self):
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=R.replicated(self.mesh))
+
+    def sampling_config(self):
+        from jaxvrl.train import sampling_config
+
+        return sampling_config(self.c, self.model.config)
+
+    # ------------------------------------------------------------------ programs
+    def compile(self, name: str) -> Report:
+        builders = {
+            "train_step": self._train_step,
+            "sampler": self._sampler,
+            "decode_step": self._decode_step,
+        }
+        if name not in builders:
+            raise ValueError(f"unknown program {name!r}; known: {', '.join(builders)}")
+        lower, model_flops, breakdown, bound = builders[name]()
+        return self._compile(name, lower, model_flops / self.mesh.size, breakdown, bound)
+
+    def _compile(self, name, lower, model_flops, breakdown, bound=None) -> Report:
+        """Compile with XLA's buffer assignment dumped to a scratch directory (the only place
+        that names the temporaries when the compiler runs out of HBM)."""
+        with tempfile.TemporaryDirectory(prefix="jaxvrl-aot-") as dump:
+            opts = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"}
+            t0 = time.perf_counter()
+            try:
+                compiled = lower().compile(compiler_options=opts)
+            except Exception as e:  # jax raises JaxRuntimeError; OOM is RESOURCE_EXHAUSTED
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                secs = time.perf_counter() - t0
+                largest = temporaries_from_dump(dump)
+                return out_of_memory(
+                    name, str(e), secs, self.slice, model_flops, breakdown, largest
+                )
+            secs = time.perf_counter() - t0
+        return analyse(name, compiled, secs, self.slice, model_flops, breakdown, bound)
+
+    def _train_step(self, micro_batches: int | None = None):
+        cfg = step_config(self.c)
+        if micro_batches:
+            cfg = dataclasses.replace(cfg, micro_batches=micro_batches)
+        i = self.init
+        step = R.jit_train_step(
+            i.graphdef, i.tx, cfg, self.mesh, i.state_shardings, i.ref_shardings
+        )
+        batch = self.batch()
+        st = i.state
+        breakdown = {
+            "params": per_device_bytes(st.params),
+            "optimizer": per_device_bytes(st.opt_state),
+            "critic": per_device_bytes((st.critic_params, st.critic_opt_state)),
+            "reference": per_device_bytes(i.ref_params),
+            "batch": per_device_bytes(batch),
+        }
+        tokens = self.rows * (self.prompt_len + self.new_tokens)
+        flops = 6.0 * self.params_count * tokens
+        lower = lambda: step.lower(st, i.ref_params, batch, self._rng())  # noqa: E731
+        return lower, flops, breakdown, None
+
+    def _sampler(self):
+        cfg = self.sampling_config()
+        sampler = make_sampler(self.init.model_graphdef, cfg)
+        pools = "mdi" in self.c.reward.funcs or step_config(self.c).token_weights
+        p = self.prompts(pools)
+        params = self.init.state.params
+
+        def lower():
+            with jax.set_mesh(self.mesh):
+                return sampler.lower(
+                    params,
+                    p["input_ids"],
+                    p["attention_mask"],
+                    p["position_ids"],
+                    p["deltas"],
+                    self._rng(),
+                    images=p["images"],
+                    pools=p["pools"],
+                )
+
+        breakdown = {"params": per_device_bytes(params), "prompts": per_device_bytes(p)}
+        flops = 2.0 * self.params_count * self.rows * (self.prompt_len + self.new_tokens)
+        return lower, flops, breakdown, None
+
+    def _decode_step(self):
+        cfg = self.sampling_config()
+        dtype = DTYPES[self.c.model.dtype]
+        state = sampler_lib.abstract_loop_state(
+            self.model.config, self.rows, self.prompt_len, cfg, dtype
+        )
+        state = _with_shardings(state, self.mesh, self.rows)
+        start = _with_shardings(np.zeros((self.rows,), np.int32), self.mesh, self.rows)
+        params = self.init.state.params
+        fn = jax.jit(functools.partial(sampler_lib.decode_step, self.init.model_graphdef, cfg=cfg))
+
+        def lower():
+            with jax.set_mesh(self.mesh):
+                return fn.lower(params, state, start, self._rng())
+
+        cache = per_device_bytes(state["cache"])
+        weights = self._decoder_weight_bytes(dtype)
+        bound = (weights + cache) / T.bandwidth(self.slice)
+        breakdown = {"params": per_device_bytes(params), "kv_cache": cache}
+        flops = 2.0 * self._decoder_params() * self.rows
+        return lower, flops, breakdown, bound
+
+    def _decoder_params(self) -> int:
+        """Parameters a decode step multiplies by: the text decoder's layers and the LM head
+        (an embedding lookup reads only the fed tokens' rows)."""
+        cfg = self.model.config.text
+        total = 0
+        for path, x in nnx.to_flat_state(nnx.state(self.model, nnx.Param)):
+            names = [str(p) for p in path]
+            if names[0] == "visual" or ("embed_tokens" in names and not self._tied()):
+                continue
+            total += math.prod(x.get_value().shape)
+        del cfg
+        return total
+
+    def _tied(self) -> bool:
+        return bool(self.model.config.tie_word_embeddings)
+
+    def _decoder_weight_bytes(self, dtype) -> float:
+        """Bytes of weights one chip reads per decode step: the whole decoder in the compute
+        dtype (FSDP gathers every layer's weights), split only by the tensor axis."""
+        return self._decoder_params() * jnp.dtype(dtype).itemsize / self.mesh.shape["tensor"]
+
+    def suggest_micro_batches(self, failed: Report) -> int | None:
+        """The smallest optim.micro_batches whose train step fits, trying first the count at
+        which the temporaries of `failed` (the configured step), shrinking with the rows per
+        micro-batch, would leave room beside the arguments; then larger ones."""
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        m0 = self.c.optim.micro_batches
+        room = max(failed.hbm_bytes - failed.argument_bytes - failed.output_bytes, 1)
+        start = max(m0 + 1, math.ceil(m0 * failed.temp_bytes / room))
+        for m in range(start, self.rows + 1):
+            if self.rows % m or (self.rows // m) % shards:
+                continue
+            lower, flops, breakdown, _ = self._train_step(micro_batches=m)
+            r = self._compile("train_step", lower, flops / self.mesh.size, breakdown)
+            print(f"  micro_batches={m}: {r.peak_bytes / 2**30:.2f} GiB per device", flush=True)
+            if r.fits:
+                return m
+        return None
+
+    def describe(self) -> str:
+        m = self.model.config
+        shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
+        return (
+            f"{T.describe(self.slice)}; mesh {shape}\n"
+            f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
+            f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "
+            f"{self.c.model.remat_policy}), text {m.text.num_hidden_layers} layers\n"
+            f"step: {self.rows} rows ({self.c.prompts_per_step} prompts x "
+            f"{self.c.rollout.num_generations} x {self.slice.hosts} hosts), prompt "
+            f"{self.prompt_len} tokens holding an image of grid {self.grid[0].tolist()} "
+            f"({int(np.prod(self.grid)) // m.vision.merge_unit} tokens), completion "
+            f"{self.new_tokens}, {self.c.optim.micro_batches} micro-batch(es)"
+        )

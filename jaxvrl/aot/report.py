@@ -1,0 +1,284 @@
+"""Per-device figures of a compiled program: HBM, the XLA cost model's FLOPs and time (scaled
+for loops, see `loops.py`), MFU, the largest arrays; and how `python -m jaxvrl.aot` prints
+them."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+
+import numpy as np
+
+from jaxvrl.aot.loops import loop_factor, matmul_flops
+
+GiB = 2**30
+FIT_FRACTION = 1.0  # of HBM; the compiler's own figures already include its reserves
+KNOBS = (
+    "mesh.fsdp (split parameters and optimizer state over more chips)",
+    "model.remat_policy=full (recompute activations in the backward pass)",
+    "optim.micro_batches (fewer rows per forward/backward)",
+    "rollout.max_new_tokens / data.max_prompt_length (shorter rows)",
+)
+
+
+@dataclasses.dataclass
+class Report:
+    """One compiled program's figures, per device."""
+
+    name: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    hbm_bytes: int
+    flops: float  # XLA cost model, per device
+    bytes_accessed: float
+    optimal_s: float | None  # the cost model's time; None where it cannot price the program
+    # the cost model's time (or, unpriced, the roofline max(flops / peak, bytes / bandwidth))
+    # times loop_factor
+    estimate_s: float
+    model_flops: float  # per device: 6 (train) or 2 (sampling) x params x tokens / devices
+    mfu: float
+    largest: list  # [(shape, bytes, op)], the five largest arrays the program materialises
+    breakdown: dict  # argument bytes per device by part (params, optimizer, batch, ...)
+    bound_s: float | None = None  # decode step: weights + cache bytes over HBM bandwidth
+    error: str | None = None  # the compiler's refusal (out of HBM)
+    # matmul FLOPs with loop bodies counted per iteration, over those counted once (XLA's
+    # cost analysis prices a loop body once: micro-batches, decode steps)
+    loop_factor: float = 1.0
+    matmul_flops: float = 0.0  # per device, loops counted
+    decode_steps: int = 0  # sampler: estimate = prefill + this many decode steps
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= FIT_FRACTION * self.hbm_bytes
+
+    def as_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(peak_bytes=self.peak_bytes, fits=self.fits)
+        d["largest"] = [{"shape": s, "bytes": b, "op": o} for s, b, o in self.largest]
+        return d
+
+
+# ----------------------------------------------------------------------------- analysis
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\w+)\[([\d,]*)\][^ ]*\s+([\w\-]+)\(")
+_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_NO_BUFFER = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all"}
+
+
+def largest_arrays(hlo_text: str, k: int = 5) -> list[tuple[str, int, str]]:
+    """The k largest arrays an optimized HLO module materialises: instruction results outside
+    fusion bodies (a fusion's insides live in registers/VMEM), parameters and views left out.
+    Returns [(shape like 'f32[1,4,7,4096,4096]', bytes, op)], largest first, one per shape."""
+    fused = set()
+    for line in hlo_text.splitlines():
+        if " fusion(" in line:
+            fused.update(_CALLS.findall(line))
+    out, comp = {}, None
+    for line in hlo_text.splitlines():
+        h = _HEADER.match(line)
+        if h and "=" not in line.split("(")[0]:
+            comp = h.group(1)
+            continue
+        if comp in fused:
+            continue
+        m = _INSTR.match(line)
+        if not m or m.group(3) in _NO_BUFFER or m.group(1) not in _DTYPE_BYTES:
+            continue
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        size = int(math.prod(dims) * _DTYPE_BYTES[m.group(1)])
+        shape = f"{m.group(1)}[{m.group(2)}]"
+        if size > out.get(shape, (0, ""))[0]:
+            out[shape] = (size, m.group(3))
+    ranked = sorted(out.items(), key=lambda kv: -kv[1][0])[:k]
+    return [(shape, size, op) for shape, (size, op) in ranked]
+
+
+_ALLOC = re.compile(r"^allocation \d+: size (\d+)(.*):\s*$")
+_VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+)[^>]*> \(size=(\d+),offset=\d+\): (\w+\[[\d,]*\])")
+
+
+def temporaries_from_dump(dump_dir: str, k: int = 5) -> list[tuple[str, int, str]]:
+    """The k largest temporaries of a compile, from the buffer assignment XLA dumps with
+    `xla_dump_to` (written for a program that ran out of memory too): values held in HBM
+    allocations that are not parameters or constants. [(shape, bytes, instruction)]."""
+    files = sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations-buffer-assignment.txt")))
+    if not files:
+        return []
+    out, skip = {}, True
+    with open(files[-1]) as f:
+        for line in f:
+            a = _ALLOC.match(line)
+            if a:
+                attrs = a.group(2)
+                skip = any(w in attrs for w in ("parameter", "constant", "color "))
+                continue
+            v = None if skip else _VALUE.match(line)
+            if v:
+                shape, size = v.group(3), int(v.group(2))
+                if size > out.get(shape, (0, ""))[0]:
+                    out[shape] = (size, v.group(1))
+    ranked = sorted(out.items(), key=lambda kv: -kv[1][0])[:k]
+    return [(shape, size, name) for shape, (size, name) in ranked]
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of ShapeDtypeStructs with shardings."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize if shape else 0
+    return int(total)
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
+def out_of_memory(name, error: str, compile_s, chip_slice, model_flops, breakdown, largest):
+    """A Report for a program the compiler refused for lack of HBM: the temporaries it asked
+    for (from its message) and the largest of them (`temporaries_from_dump`)."""
+    from jaxvrl.parallel import topology as T
+
+    m = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", error)
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    temp = int(float(m.group(1)) * scale[m.group(2)]) if m else 0
+    args = sum(breakdown.values())
+    return Report(
+        name=name,
+        compile_s=compile_s,
+        argument_bytes=args,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=max(temp, T.hbm_bytes(chip_slice) - args + 1),
+        code_bytes=0,
+        hbm_bytes=T.hbm_bytes(chip_slice),
+        flops=0.0,
+        bytes_accessed=0.0,
+        optimal_s=None,
+        estimate_s=0.0,
+        model_flops=model_flops,
+        mfu=0.0,
+        largest=largest,
+        breakdown=breakdown,
+        error=error.strip().splitlines()[0][:500],
+    )
+
+
+def analyse(
+    name, compiled, compile_s, chip_slice, model_flops, breakdown, bound_s=None, largest=None
+):
+    """A Report from a compiled program (per-device figures); `largest` defaults to the
+    largest arrays of its optimized HLO."""
+    from jaxvrl.parallel import topology as T
+
+    mem = compiled.memory_analysis()
+    cost = _cost(compiled)
+    text = compiled.as_text()
+    # XLA prices each loop body once: scale its figures by the loops' real matmul work
+    factor = loop_factor(text)
+    flops = float(cost.get("flops", 0.0))
+    accessed = float(cost.get("bytes accessed", 0.0))
+    optimal = float(cost.get("optimal_seconds", -1.0))
+    roofline = max(flops / T.peak_flops(chip_slice), accessed / T.bandwidth(chip_slice))
+    estimate = factor * (optimal if optimal > 0 else roofline)
+    mfu = model_flops / (estimate * T.peak_flops(chip_slice)) if estimate > 0 else 0.0
+    return Report(
+        name=name,
+        compile_s=compile_s,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        code_bytes=int(mem.generated_code_size_in_bytes),
+        hbm_bytes=T.hbm_bytes(chip_slice),
+        flops=flops,
+        bytes_accessed=accessed,
+        optimal_s=optimal if optimal > 0 else None,
+        estimate_s=estimate,
+        model_flops=model_flops,
+        mfu=mfu,
+        largest=largest or largest_arrays(text),
+        loop_factor=factor,
+        matmul_flops=matmul_flops(text),
+        breakdown=breakdown,
+        bound_s=bound_s,
+    )
+
+
+def with_decode_steps(sampler: Report, decode: Report, steps: int, chip_slice) -> Report:
+    """The sampler's time as its prefill plus `steps` decode steps: XLA prices the program
+    with its decode loop's body once (one step), so add the other steps - 1 at the decode
+    step program's own estimate (every row running to max_new_tokens: the worst case)."""
+    from jaxvrl.parallel import topology as T
+
+    once = sampler.estimate_s / sampler.loop_factor
+    estimate = once + (steps - 1) * decode.estimate_s
+    mfu = sampler.model_flops / (estimate * T.peak_flops(chip_slice)) if estimate > 0 else 0.0
+    return dataclasses.replace(sampler, estimate_s=estimate, mfu=mfu, decode_steps=steps)
+
+
+# ----------------------------------------------------------------------------- printing
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f} GiB"
+
+
+def format_report(r: Report) -> str:
+    if r.error:
+        big = "; ".join(f"{s} {_gib(b)} ({o})" for s, b, o in r.largest)
+        return (
+            f"{r.name}: DOES NOT FIT (compiler gave up after {r.compile_s:.1f} s): {r.error}\n"
+            f"  arguments per device {_gib(r.argument_bytes)} ("
+            + ", ".join(f"{k} {_gib(v)}" for k, v in r.breakdown.items() if v)
+            + f"); largest temporaries: {big or 'not reported'}"
+        )
+    lines = [f"{r.name}: compiled in {r.compile_s:.1f} s"]
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in r.breakdown.items() if v)
+    lines.append(
+        f"  HBM per device: {_gib(r.peak_bytes)} of {_gib(r.hbm_bytes)} "
+        f"({'fits' if r.fits else 'DOES NOT FIT'}): arguments {_gib(r.argument_bytes)}"
+        f"{f' ({parts})' if parts else ''}, temporaries {_gib(r.temp_bytes)}, outputs "
+        f"{_gib(r.output_bytes)}, aliased {_gib(r.alias_bytes)}"
+    )
+    how = "cost model" if r.optimal_s else "roofline of FLOPs and bytes: unpriced by the cost model"
+    lines.append(
+        f"  XLA cost analysis (each loop body once): {r.flops:.3e} FLOPs, "
+        f"{r.bytes_accessed:.3e} bytes accessed per device; matmul FLOPs with loops counted "
+        f"{r.matmul_flops:.3e} ({r.loop_factor:.2f}x those counted once)"
+    )
+    if r.decode_steps:
+        how = f"the program once, plus {r.decode_steps - 1} more decode steps at decode_step's estimate"
+    else:
+        how = f"{how}, times {r.loop_factor:.2f}"
+    lines.append(f"  estimated {r.estimate_s * 1e3:.2f} ms ({how})")
+    lines.append(
+        f"  model FLOPs per device {r.model_flops:.3e}: MFU {100 * r.mfu:.1f}% at that estimate"
+    )
+    if r.bound_s is not None:
+        lines.append(
+            f"  HBM-bandwidth bound (weights + KV cache read once): {r.bound_s * 1e3:.3f} ms; "
+            f"estimate / bound = {r.estimate_s / r.bound_s:.2f}"
+        )
+    big = "; ".join(f"{s} {_gib(b)} ({o})" for s, b, o in r.largest)
+    lines.append(f"  largest arrays: {big}")
+    return "\n".join(lines)

@@ -1,0 +1,260 @@
+"""Ahead-of-time TPU compiles on this CPU host: topology names, the report's numbers, the
+programs' implementation following the mesh (no CPU kernels in a TPU program), presets."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxvrl.aot import loops
+from jaxvrl.aot import report as rep
+from jaxvrl.aot.__main__ import main
+from jaxvrl.aot.plan import PRESETS, Plan, preset_names
+from jaxvrl.config import load_config
+from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig
+from jaxvrl.parallel import topology as T
+
+pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
+
+
+@pytest.mark.parametrize(
+    "name,chips,topology,hosts",
+    [
+        ("v5p-16", 8, "v5p:2x2x2", 2),
+        ("v5p-8", 4, "v5p:2x2x1", 1),
+        ("v4-8", 4, "v4:2x2x1", 1),
+        ("v5litepod-8", 8, "v5e:2x4", 1),
+        ("v5e-16", 16, "v5e:4x4", 4),
+        ("v6e-8", 8, "v6e:2x4", 1),
+        ("V6E-256", 256, "v6e:16x16", 64),
+    ],
+)
+def test_accelerator_types_map_to_slices(name, chips, topology, hosts):
+    s = T.parse(name)
+    assert (s.chips, s.topology, s.hosts) == (chips, topology, hosts)
+
+
+@pytest.mark.parametrize("name", ["v5p-7", "v7-8", "v5e-12", "tpu"])
+def test_unknown_topology_lists_the_known_ones(name):
+    with pytest.raises(ValueError, match="v5p-16.*v6e-8|v5e-4") as e:
+        T.parse(name)
+    assert name.lower() in str(e.value).lower()
+
+
+def test_slice_devices_are_chips():
+    for name in ("v4-8", "v5p-16", "v5e-8"):
+        s = T.parse(name)
+        devices = T.tpu_devices(s)
+        assert len(devices) == s.chips and devices[0].platform == "tpu"
+        assert len({d.process_index for d in devices}) == s.hosts
+
+
+def test_missing_tpu_compiler_says_how_to_install(monkeypatch):
+    from jax.experimental import topologies
+
+    def fail(*a, **k):
+        raise RuntimeError("no libtpu")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", fail)
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[tpu\]'"):
+        T.tpu_devices(T.parse("v5e-4"))
+
+
+def test_largest_arrays_reads_buffers_outside_fusions():
+    hlo = """HloModule m
+
+%fused_computation.1 (p: f32[8,128]) -> f32[64,64,64] {
+  %p = f32[8,128]{1,0} parameter(0)
+  %big = f32[64,64,64]{2,1,0} broadcast(%p), dimensions={}
+}
+
+ENTRY %main.5 (a: f32[1024,1024]) -> f32[8,8] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %s = bf16[4,7,4096,4096]{3,2,1,0} fusion(%a), kind=kLoop, calls=%fused_computation.1
+  %d = f32[512,512]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %b = f32[512,512]{1,0} bitcast(%d)
+  ROOT %r = f32[8,8]{1,0} slice(%d), slice={[0:8], [0:8]}
+}
+"""
+    got = rep.largest_arrays(hlo, k=3)
+    assert got == [
+        ("bf16[4,7,4096,4096]", 4 * 7 * 4096 * 4096 * 2, "fusion"),
+        ("f32[512,512]", 512 * 512 * 4, "dot"),
+        ("f32[8,8]", 256, "slice"),
+    ]
+
+
+def _published_params(d, layers, heads, kv, inter, vocab, tied, v_inter):
+    """Qwen2.5-VL parameter count by hand: text decoder (q/k/v with bias, o, gated MLP, two
+    RMSNorms per layer, embeddings and untied head, final norm) and the vision tower (32
+    blocks of width 1280 with 16 heads: qkv and proj with bias, gated MLP with bias, two
+    norms; 3 x 2 x 14 x 14 patch embedding; 2 x 2 merger into the text width)."""
+    kvd = kv * (d // heads)
+    layer = (d * d + d) + 2 * (d * kvd + kvd) + d * d + 3 * d * inter + 2 * d
+    text = layers * layer + vocab * d * (1 if tied else 2) + d
+    h, m = 1280, 1280 * 4
+    block = (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * v_inter + v_inter) + (v_inter * h + h)
+    vision = 3 * 2 * 14 * 14 * h + 32 * (block + 2 * h) + h + (m * m + m) + (m * d + d)
+    return text + vision
+
+
+PUBLISHED = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied, vision MLP
+    "qwen2.5-vl-3b": (2048, 36, 16, 2, 11008, 151936, True, 3420),
+    "qwen2.5-vl-7b": (3584, 28, 28, 4, 18944, 152064, False, 3420),
+    "qwen2.5-vl-32b": (5120, 64, 40, 8, 27648, 152064, False, 3456),
+    "qwen2.5-vl-72b": (8192, 80, 64, 8, 29568, 152064, False, 3456),
+}
+
+
+def test_presets_have_the_published_parameter_counts():
+    want = {k: _published_params(*v) for k, v in PUBLISHED.items()}
+    assert round(want["qwen2.5-vl-7b"] / 1e9, 2) == 8.29  # the model card's 8.29B
+    assert set(want) == set(preset_names())
+    for name, n in want.items():
+        with open(f"{PRESETS}/{name}.json") as f:
+            cfg = Qwen2_5_VLConfig.from_hf_dict(json.load(f))
+        model = nnx.eval_shape(lambda c=cfg: Qwen2_5_VL(c, rngs=nnx.Rngs(0)))
+        got = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert got == n, name
+
+
+def _json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+ARGS = [
+    "--config",
+    "configs/vgr.py:runlocal",
+    "--topology=v5e-4",
+    "--config.model.dtype=bfloat16",
+    "--config.optim.micro_batches=2",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_report():
+    """The tiny model's VGR train step (attention statistics), sampler and decode step,
+    compiled for a v5e-4 slice through the command line's own entry point."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(ARGS)
+    return code, buf.getvalue()
+
+
+def test_tiny_model_compiles_for_a_tpu_slice(tiny_report):
+    code, out = tiny_report
+    assert code == 0, out
+    r = _json(out)
+    assert r["topology"] == "v5e-4" and r["fits"] and r["mesh"]["fsdp"] == 4
+    assert set(r["programs"]) == {"train_step", "sampler", "decode_step"}
+    for name, p in r["programs"].items():
+        assert p["compile_s"] > 0 and p["flops"] > 0 and p["bytes_accessed"] > 0, name
+        assert p["argument_bytes"] > 0 and p["estimate_s"] > 0 and p["model_flops"] > 0, name
+        assert 0 < p["peak_bytes"] <= p["hbm_bytes"] == 16 * 2**30, name
+        assert p["largest"] and p["largest"][0]["bytes"] > 0, name
+        assert f"{name}: compiled in" in out
+        peak, bw = 197e12, 819e9  # v5e
+        assert p["loop_factor"] >= 1.0 and p["matmul_flops"] > 0, name
+        if p["optimal_s"] is None and not p["decode_steps"]:
+            want = p["loop_factor"] * max(p["flops"] / peak, p["bytes_accessed"] / bw)
+            assert p["estimate_s"] == pytest.approx(want, rel=1e-9), name
+        assert p["mfu"] == pytest.approx(p["model_flops"] / (p["estimate_s"] * peak)), name
+    step = r["programs"]["train_step"]
+    assert step["breakdown"]["params"] > 0 and step["breakdown"]["optimizer"] > 0
+    assert step["alias_bytes"] > 0  # the state is donated
+    decode, sampler = r["programs"]["decode_step"], r["programs"]["sampler"]
+    assert decode["bound_s"] > 0
+    steps = sampler["decode_steps"]  # the sampler's time: its prefill and every decode step
+    assert steps == 8 and sampler["estimate_s"] > (steps - 1) * decode["estimate_s"]
+    # the VGR step scans over 2 micro-batches: XLA's count of one loop body is scaled up
+    assert step["loop_factor"] > 1.5
+
+
+def test_programs_compiled_for_a_tpu_use_no_cpu_kernels():
+    """A decode step for one CPU device runs the CPU kernels (custom calls `jaxvrl_*`); the
+    same step traced on this CPU host for a TPU mesh must be the TPU program, without them."""
+    import functools
+
+    from jaxvrl.sampling import cpu_kernels
+    from jaxvrl.sampling import sampler as S
+
+    plan = Plan.build(load_config("configs/grpo.py:runlocal", []), "v5e-4")
+    lower, *_ = plan._decode_step()
+    assert "jaxvrl_" not in lower().as_text()
+    if cpu_kernels.available():  # the same step for this host's CPU does use them
+        cfg = plan.sampling_config()
+        state = S.abstract_loop_state(plan.model.config, 2, 8, cfg, np.float32)
+        fn = jax.jit(functools.partial(S.decode_step, plan.init.model_graphdef, cfg=cfg))
+        params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.init.state.params
+        )
+        start = jax.ShapeDtypeStruct((2,), np.int32)
+        text = fn.lower(params, state, start, jax.random.key(0)).as_text()
+        assert "jaxvrl_" in text
+
+
+def test_a_program_that_does_not_fit_names_the_knobs(monkeypatch, capsys):
+    tiny = T.Chip("TPU v5e", 1e-4, 197, 819, cores_in_name=1, single_host=8)
+    monkeypatch.setitem(T.CHIPS, "v5e", tiny)
+    code = main(ARGS[:2] + ["--topology=v5e-4", "--programs=decode_step"])
+    out = capsys.readouterr().out
+    assert code == 1 and "DOES NOT FIT" in out
+    assert "mesh.fsdp" in out and "optim.micro_batches" in out
+    assert _json(out)["fits"] is False
+
+
+def _loop_programs():
+    x = jax.ShapeDtypeStruct((256, 256), np.float32)
+    y = jax.ShapeDtypeStruct((64, 256), np.float32)
+    n = jax.ShapeDtypeStruct((), np.int32)
+    mm = 2 * 256**3
+
+    def scan(x):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ x), None), x, None, length=10)[0]
+
+    def nested(x):
+        inner = lambda c: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ x), c)  # noqa: E731
+        return jax.lax.scan(lambda c, _: (inner(c), None), x, None, length=5)[0]
+
+    def rect(x, y):
+        return jax.lax.fori_loop(0, 7, lambda i, c: jnp.tanh(c @ x), y)
+
+    def dynamic(x, n):  # a data-dependent trip count cannot be read: counted once
+        body = lambda s: (jnp.tanh(s[0] @ x), s[1] + 1)  # noqa: E731
+        return jax.lax.while_loop(lambda s: s[1] < n, body, (x, 0))[0]
+
+    return [
+        (lambda x: jnp.tanh(x @ x), (x,), mm),
+        (scan, (x,), 10 * mm),
+        (nested, (x,), 15 * mm),
+        (rect, (x, y), 7 * mm // 4),
+        (dynamic, (x, n), mm),
+    ]
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_matmul_flops_count_loop_bodies_per_iteration(i):
+    """XLA's cost analysis counts a loop body once; the HLO reading counts it per iteration."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    fn, args, want = _loop_programs()[i]
+    mesh = Mesh(np.array(T.tpu_devices(T.parse("v5e-1"))), ("d",))
+    args = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+        for a in args
+    ]
+    compiled = jax.jit(fn).lower(*args).compile()
+    text = compiled.as_text()
+    assert loops.matmul_flops(text) == want
+    once = rep._cost(compiled)["flops"]
+    assert loops.loop_factor(text) == pytest.approx(want / loops.matmul_flops(text, loops=False))
+    assert once < 1.01 * loops.matmul_flops(text, loops=False) + 1e7  # what XLA prices
