@@ -169,3 +169,49 @@ def test_clipping_binds_after_the_first_update_and_sampler_equals_recompute(mode
     adv = np.asarray(rl.group_advantages(batch.rewards, G))[:, None] * mask
     assert_reduction_close(float(s["loss"]), float(r["loss"]), term_scale(adv, mask), rtol=1e-3)
     assert abs(float(s["clip_frac_last"]) - float(r["clip_frac_last"])) <= 1.01 / mask.sum()
+
+
+def test_recompute_with_token_rollout_correction_weighs_the_loss(model):
+    """old_logprobs=recompute, rollout_is=token: the loss's per-token terms carry
+    min(exp(recomputed - sampler), 2), and the two's difference is logged."""
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.5)
+    cfg = StepConfig(
+        group_size=G,
+        temperature=TEMP,
+        loss_agg_mode="token-mean",
+        old_logprobs="recompute",
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+    )
+    plain = make_batch(model, seed=6)
+    state = init_state(model, tx)
+    p0 = jax.tree.map(jnp.array, state.params)
+    logp0, _ = reference_logp(p0, graphdef, plain, TEMP)
+    mask = plain.completion_mask
+    noise = 0.5 * jax.random.normal(jax.random.key(2), logp0.shape) * mask
+    batch = dataclasses.replace(plain, old_logprobs=logp0 - noise)
+    w = jnp.minimum(jnp.exp(noise), 2.0)
+    adv = jnp.asarray(metrics_adv(batch).reshape(-1, 1), jnp.float32)
+
+    def loss(params):  # on-policy (old = recomputed = current): ratio 1, its gradient grad logp
+        logp, _ = reference_logp(params, graphdef, batch, TEMP)
+        r = jnp.exp(logp - jax.lax.stop_gradient(logp))
+        return jnp.sum(-adv * r * w * mask) / jnp.sum(mask)
+
+    grads = jax.grad(loss)(p0)
+    new_state, metrics, _ = make_train_step(graphdef, tx, cfg)(
+        state, None, batch, jax.random.key(0)
+    )
+    m = np.asarray(mask) > 0
+    np.testing.assert_allclose(
+        float(metrics["rollout/logprob_abs_diff_max"]),
+        np.abs(np.asarray(noise))[m].max(),
+        rtol=1e-3,
+    )
+    np.testing.assert_allclose(
+        float(metrics["rollout/is_weight_mean"]), np.asarray(w)[m].mean(), rtol=1e-4
+    )
+    expect = jax.tree.map(lambda p, g: p - 0.5 * g, p0, grads)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(new_state.params), nnx.to_flat_state(expect)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=2e-6, err_msg=str(path))
