@@ -2,8 +2,11 @@
 
 An iteration: sample G completions for each of P prompts (temperature 1), decode and score them
 (mc_idx x 4 + think_format x 1, the built-in task's rewards), compute the old-policy and
-reference log-probs, and take one AdamW step on the GRPO loss with a low-variance KL term
-(beta 0.04). The model is the small random-init Qwen2.5-VL of bench/sampler.py (hidden 256,
+reference log-probs, and take U AdamW steps (`--updates`, default 1) on the GRPO loss with a
+low-variance KL term (beta 0.04), each on a mini-batch of P x G / U rows: jaxvrl's
+actor.global_batch_size = P / U, TRL's steps_per_generation = U with per_device_train_batch_size
+= P x G / U (one generation feeds U optimizer steps; TRL then recomputes the old log-probs with
+a forward pass). jaxvrl's old log-probs are the sampler's unless `--old-logprobs recompute`. The model is the small random-init Qwen2.5-VL of bench/sampler.py (hidden 256,
 4 layers, vision depth 4, Qwen's vocabulary) made in transformers, saved, and loaded by both;
 the data is the built-in task (jaxvrl.data.synthetic) rendered with the shipped tokenizer and
 its chat template; images go through each system's own Qwen2.5-VL image processor with the
@@ -21,10 +24,12 @@ when other work shares the cores. With a
 random-init model over a 152k vocabulary the end-of-sequence token is practically never drawn,
 so both sides generate all N tokens (the mean completion length is printed to show it).
 
-What each side computes: jaxvrl's step always runs the old-policy pass (it also gives the
-entropy); TRL skips it when generation and optimisation are aligned (num_iterations = 1, one
-optimiser step per generation batch) and reuses the detached current log-probs, so TRL does
-one forward pass less per iteration than jaxvrl here.
+What each side computes: with one update both take the old log-probs from the loss pass
+(detached current log-probs, no old-policy pass); with several, TRL runs an old-policy forward
+pass over the generation batch and jaxvrl reads the sampler's log-probs (or recomputes them
+with `--old-logprobs recompute`: the pass the sampler's log-probs save).
+
+    python bench/rl_step.py --prompts 4 --updates 4 --iters 4   # 4 updates per rollout batch
 """
 
 from __future__ import annotations
@@ -141,6 +146,8 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
     sampler = make_sampler(nnx.graphdef(model), scfg)
     step_cfg = StepConfig(
         group_size=args.group,
+        mini_batches=args.updates,
+        old_logprobs=args.old_logprobs,
         loss_agg_mode="seq-mean-token-mean",
         use_kl_loss=True,
         kl_loss_coef=KL_COEF,
@@ -174,7 +181,7 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
             for r, m in zip(tokens, mask)
         ]
         rewards = score(texts, [r["label_idx"] for r in batch["rows"]])
-        rb = assemble_prompts(batch, tokens, mask, rewards)
+        rb = assemble_prompts(batch, tokens, mask, rewards, old_logprobs=out.logprobs)
         t2 = time.perf_counter()
         state, metrics, _ = train_step(state, ref_params, jax.tree.map(jnp.asarray, rb), k_step)
         jax.block_until_ready(state.params)
@@ -253,10 +260,12 @@ def run_trl(args, ckpt: str, tok, rows) -> dict:
     )
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32)
     out_dir = tempfile.mkdtemp(prefix="trl_bench_")
+    u = args.updates
     config = GRPOConfig(
         output_dir=out_dir,
-        per_device_train_batch_size=args.prompts * args.group,  # completions per device step
+        per_device_train_batch_size=args.prompts * args.group // u,  # rows per optimizer step
         gradient_accumulation_steps=1,
+        steps_per_generation=u,  # one generation of P x G rows feeds u optimizer steps
         num_generations=args.group,
         max_completion_length=args.new_tokens,
         temperature=1.0,
@@ -268,7 +277,7 @@ def run_trl(args, ckpt: str, tok, rows) -> dict:
         beta=KL_COEF,
         loss_type="grpo",
         reward_weights=[REWARD_WEIGHTS["mc_idx"], REWARD_WEIGHTS["think_format"]],
-        max_steps=args.iters,
+        max_steps=args.iters * u,
         num_train_epochs=1,
         logging_steps=1,
         save_strategy="no",
@@ -290,7 +299,7 @@ def run_trl(args, ckpt: str, tok, rows) -> dict:
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t)
             cpu.append(time.process_time() - self.c)
-            print(f"  TRL iteration {len(times) - 1}: {times[-1]:.2f} s", flush=True)
+            print(f"  TRL optimizer step {len(times) - 1}: {times[-1]:.2f} s", flush=True)
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
@@ -307,7 +316,8 @@ def run_trl(args, ckpt: str, tok, rows) -> dict:
     torch.set_num_threads(args.threads)
     trainer.train()
     length = float(np.mean(lengths)) if lengths else float("nan")
-    return dict(times=times, cpu=cpu, length=length)
+    per_rollout = lambda xs: [sum(xs[i : i + u]) for i in range(0, len(xs), u)]  # noqa: E731
+    return dict(times=per_rollout(times), cpu=per_rollout(cpu), length=length)
 
 
 def summary(times: list[float]) -> tuple[float, float]:
@@ -328,6 +338,8 @@ def main(argv=None):
     ap.add_argument("--min-pixels", type=int, default=56 * 56)
     ap.add_argument("--max-pixels", type=int, default=28 * 28 * 256)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--updates", type=int, default=1, help="policy updates per rollout batch")
+    ap.add_argument("--old-logprobs", default="sampler", choices=["sampler", "recompute"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--only", choices=["jaxvrl", "trl"], default=None)
     args = ap.parse_args(argv)
@@ -356,7 +368,8 @@ def main(argv=None):
         print(
             f"# model: {args.size} ({n_params / 1e6:.1f}M params), P={args.prompts} prompts x "
             f"G={args.group} = {args.prompts * args.group} rows, {args.new_tokens} new tokens, "
-            f"{args.image_size}px images, float32",
+            f"{args.image_size}px images, float32, {args.updates} update(s) per rollout batch "
+            f"(jaxvrl old log-probs: {args.old_logprobs})",
             flush=True,
         )
         if args.only in (None, "jaxvrl"):

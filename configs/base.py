@@ -92,8 +92,23 @@ def get_config(arg=None):
     c.algorithm.kl_ctrl.kl_coef = 0.001
     c.algorithm.kl_ctrl.target_kl = 0.1
     c.algorithm.kl_ctrl.horizon = 10000
+    # verl's rollout correction, with actor.old_logprobs=recompute: the loss's per-token terms
+    # times min(exp(recomputed - sampler), threshold), per token or per sequence (exp of the
+    # row's summed difference); null = off. For sampling in other numerics (bf16) than training
+    c.algorithm.rollout_is = placeholder(str)  # null | token | sequence
+    c.algorithm.rollout_is_threshold = 2.0
 
     c.actor = ml_collections.ConfigDict()
+    # Policy updates per rollout batch: each of ppo_epochs epochs walks the batch in
+    # prompts_per_step / global_batch_size mini-batches (rows = global_batch_size x
+    # num_generations, shuffled between epochs), one optimizer update each; optim.micro_batches
+    # splits each mini-batch. null = prompts_per_step (one mini-batch)
+    c.actor.global_batch_size = placeholder(int)
+    c.actor.ppo_epochs = 1
+    # the ratio's old log-probs: sampler (those the rollout returned; no extra pass) or
+    # recompute (a no-grad pass before the first update; logs rollout/logprob_abs_diff_*).
+    # With one update per batch the loss pass's own (detached) log-probs are exact and used
+    c.actor.old_logprobs = "sampler"
     c.actor.loss_agg_mode = "seq-mean-token-mean"
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     c.actor.clip_ratio_low = 0.2

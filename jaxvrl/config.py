@@ -41,6 +41,8 @@ CHOICES = {
         "seq-mean-token-sum-norm",
     ),
     "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
+    "actor.old_logprobs": ("sampler", "recompute"),
+    "algorithm.rollout_is": (None, "token", "sequence"),
     "tprl.entropy_filter_scope": ("sequence", "batch"),
     "vgr.layer_set": ("all", "early", "middle", "late"),
     "optim.schedule": ("constant", "cosine"),
@@ -229,11 +231,19 @@ def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None
     for key, allowed in CHOICES.items():
         if key in keys and get(key) not in allowed:
             raise ConfigError(
-                f"config.{key}={get(key)!r} in {source}: expected one of {', '.join(allowed)}"
+                f"config.{key}={get(key)!r} in {source}: expected one of "
+                f"{', '.join('null' if a is None else a for a in allowed)}"
             )
     for key, (lo, hi) in FRACTIONS.items():
         if key in keys and not lo < get(key) <= hi:
             raise ConfigError(f"config.{key}={get(key)!r} in {source}: expected in ({lo}, {hi}]")
+    if {"algorithm.rollout_is", "actor.old_logprobs"} <= keys and get("algorithm.rollout_is"):
+        if get("actor.old_logprobs") != "recompute":
+            raise ConfigError(
+                f"config.algorithm.rollout_is={get('algorithm.rollout_is')!r} in {source} "
+                "weighs the recomputed old log-probs against the sampler's: set "
+                "config.actor.old_logprobs=recompute"
+            )
     if {"reward.funcs", "reward.weights"} <= keys:
         n = len(get("reward.funcs"))
         if len(get("reward.weights")) != n:

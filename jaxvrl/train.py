@@ -248,8 +248,9 @@ def resume(c, ckpt: Checkpointer, state, data, mesh):
 
 def check_rows(c, mesh, processes: int | None = None) -> None:
     """The batch rows (every process's prompts_per_step x num_generations) are split evenly
-    over the mesh's data x fsdp devices and into optim.micro_batches. processes: the number
-    of hosts (default: this run's)."""
+    over the mesh's data x fsdp devices, into mini-batches of actor.global_batch_size
+    prompts (each split evenly over the devices too) and each into optim.micro_batches.
+    processes: the number of hosts (default: this run's)."""
     processes = jax.process_count() if processes is None else processes
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = c.prompts_per_step * c.rollout.num_generations
@@ -260,11 +261,27 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
             f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
             "mesh.tensor"
         )
-    m, total = c.optim.micro_batches, rows * processes
+    gbs = c.actor.global_batch_size
+    if gbs is not None and (gbs < 1 or c.prompts_per_step % gbs):
+        raise ConfigError(
+            f"config.actor.global_batch_size = {gbs} prompts per update does not divide "
+            f"config.prompts_per_step = {c.prompts_per_step}: the rollout batch must split "
+            "into whole mini-batches"
+        )
+    if c.actor.ppo_epochs < 1:
+        raise ConfigError(f"config.actor.ppo_epochs = {c.actor.ppo_epochs}: expected >= 1")
+    updates = c.prompts_per_step // (gbs or c.prompts_per_step)
+    m, total = c.optim.micro_batches, rows * processes // updates
     if m < 1 or total % m:
         raise ConfigError(
-            f"config.optim.micro_batches = {m} does not divide the {total} rows of a step "
-            f"(prompts_per_step x rollout.num_generations x {processes} processes)"
+            f"config.optim.micro_batches = {m} does not divide the {total} rows of a "
+            f"{'mini-batch' if updates > 1 else 'step'} (actor.global_batch_size or "
+            f"prompts_per_step x rollout.num_generations x {processes} processes)"
+        )
+    if updates > 1 and total % shards:
+        raise ConfigError(
+            f"config.actor.global_batch_size = {gbs}: a mini-batch's {total} rows do not "
+            f"split evenly over mesh.data x mesh.fsdp = {shards} devices"
         )
 
 

@@ -181,6 +181,7 @@ class Plan:
             np.zeros((b,), np.float32),
             np.ones((b,), bool),
             pools=self._pools(p) if step_config(self.c).token_weights else None,
+            old_logprobs=np.zeros((b, n), np.float32),  # the sampler's, as the rollout gives
         )
         batch = dataclasses.replace(batch, images=self._images())
         return _with_shardings(batch, self.mesh, self.rows)

@@ -39,6 +39,7 @@ from jaxvrl.rl.losses import (
     kl_in_reward,
     kl_penalty,
     policy_loss,
+    rollout_correction,
     value_loss,
 )
 from jaxvrl.rl.masks import (
@@ -78,6 +79,7 @@ __all__ = [
     "per_token_vgr",
     "policy_loss",
     "reinforce_plus_plus",
+    "rollout_correction",
     "rewards",
     "sequence_mdi",
     "soft_overlong_punishment",

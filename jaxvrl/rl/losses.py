@@ -115,6 +115,41 @@ def policy_loss(
     return loss, metrics
 
 
+def rollout_correction(
+    old_logp: jax.Array,
+    sampler_logp: jax.Array,
+    mask: jax.Array,
+    level: str | None = None,
+    threshold: float = 2.0,
+) -> tuple[jax.Array | None, dict]:
+    """Truncated importance weights for sampling in other numerics than training (verl's
+    rollout_is). old_logp: the recomputed old policy's log-probs, sampler_logp: the sampler's,
+    mask: [B, T]. With d = old - sampler: level "token" w_t = min(exp(d_t), threshold);
+    "sequence" w = min(exp(sum_t m d_t), threshold) on every token of the row; None: no
+    weights. Exponents are clamped to +-20.
+
+    Returns (weights float32[B, T] or None (the loss multiplies its per-token terms by them),
+    metrics): logprob_abs_diff_mean / _max of |d| over the mask, is_weight_mean (token mean
+    of w, with weights)."""
+    m = (mask > 0).astype(jnp.float32)
+    d = (old_logp.astype(jnp.float32) - sampler_logp.astype(jnp.float32)) * m
+    metrics = {
+        "logprob_abs_diff_mean": agg_loss(jnp.abs(d), m, "token-mean"),
+        "logprob_abs_diff_max": jnp.max(jnp.abs(d)),
+    }
+    if level is None:
+        return None, metrics
+    if level == "token":
+        log_w = d
+    elif level == "sequence":
+        log_w = jnp.broadcast_to(jnp.sum(d, axis=-1, keepdims=True), d.shape)
+    else:
+        raise ValueError(f"unknown rollout_is level {level!r} (token | sequence | None)")
+    w = jnp.minimum(jnp.exp(jnp.clip(log_w, -20.0, 20.0)), threshold) * m
+    metrics["is_weight_mean"] = agg_loss(w, m, "token-mean")
+    return jax.lax.stop_gradient(w), metrics
+
+
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "low_var_kl") -> jax.Array:
     """Per-token KL estimate, float32[B, T], with x = logp - ref_logp: kl x, abs |x|,
     mse x^2 / 2, low_var_kl clip(exp(-x) + x - 1, -10, 10) with the exponent -x clamped to

@@ -11,7 +11,13 @@ from flax import nnx
 
 from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
-from jaxvrl.trainer.step import StepConfig, TrainState, split_trainable
+from jaxvrl.trainer.state import StepConfig, TrainState, split_trainable
+
+
+def mini_batches(c) -> int:
+    """Policy updates per epoch: prompts_per_step / actor.global_batch_size (None: one)."""
+    gbs = c.actor.global_batch_size
+    return 1 if gbs is None else max(1, c.prompts_per_step // gbs)
 
 
 def step_config(c) -> StepConfig:
@@ -20,6 +26,11 @@ def step_config(c) -> StepConfig:
         group_size=c.rollout.num_generations,
         temperature=c.rollout.temperature if c.rollout.temperature > 0 else 1.0,
         micro_batches=c.optim.micro_batches,
+        mini_batches=mini_batches(c),
+        epochs=p.ppo_epochs,
+        old_logprobs=p.old_logprobs,
+        rollout_is=a.rollout_is,
+        rollout_is_threshold=a.rollout_is_threshold,
         adv_estimator=a.adv_estimator,
         norm_adv_by_std=a.norm_adv_by_std,
         clip_ratio_low=p.clip_ratio_low,
@@ -64,10 +75,19 @@ def step_config(c) -> StepConfig:
     )
 
 
-def learning_rate(o, total_steps: int):
-    """The policy's learning rate per optimizer update: linear warm-up from 0 over
-    `warmup_steps`, then constant, or cosine decay to `lr * min_lr_ratio` at `total_steps`."""
+def learning_rate(o, total_steps: int, updates_per_step: int = 1):
+    """The policy's learning rate by optimizer update count: linear warm-up from 0 over
+    `warmup_steps`, then constant, or cosine decay to `lr * min_lr_ratio` at `total_steps`.
+    Steps are rollout steps: with several updates per step, the schedule reads the update
+    count // updates_per_step (verl steps its scheduler once per rollout batch)."""
     warm = int(o.warmup_steps)
+    per_step = _schedule(o, total_steps, warm)
+    if updates_per_step == 1 or not callable(per_step):
+        return per_step
+    return lambda count: per_step(count // updates_per_step)
+
+
+def _schedule(o, total_steps: int, warm: int):
     if o.schedule == "constant":
         return optax.linear_schedule(0.0, o.lr, warm) if warm else o.lr
     if o.schedule == "cosine":
@@ -81,12 +101,15 @@ def learning_rate(o, total_steps: int):
     raise ValueError(f"optim.schedule={o.schedule!r}: expected 'constant' or 'cosine'")
 
 
-def make_optimizer(o, total_steps: int = 1) -> optax.GradientTransformation:
+def make_optimizer(
+    o, total_steps: int = 1, updates_per_step: int = 1
+) -> optax.GradientTransformation:
     """o: the `optim` ConfigDict group: clip by global norm, then AdamW with `betas`."""
     b1, b2 = (float(b) for b in o.betas)
+    lr = learning_rate(o, total_steps, updates_per_step)
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip),
-        optax.adamw(learning_rate(o, total_steps), b1=b1, b2=b2, weight_decay=o.weight_decay),
+        optax.adamw(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),
     )
 
 
@@ -119,7 +142,7 @@ def init_train_state(model, c):
     KL coefficient."""
     cfg = step_config(c)
     apply_lora(model, c)
-    tx = make_optimizer(c.optim, c.total_steps)
+    tx = make_optimizer(c.optim, c.total_steps, cfg.updates)
     graphdef, params = nnx.split(model, nnx.Param)
     ref_params = None
     if cfg.needs_ref and not cfg.lora:

@@ -49,11 +49,12 @@ def evaluate(
 
 
 def step_scalars(rollout: Rollout, step_metrics: dict, step_time_s: float) -> dict:
-    """The scalars of one step: the rollout's, the train step's under `train/` and the SPEC
-    names (loss, kl, entropy, perception_token_fraction, ...) at the top level."""
+    """The scalars of one step: the rollout's, the train step's under `train/` (unless
+    already grouped, e.g. rollout/logprob_abs_diff_mean) and the SPEC names (loss, kl, entropy, perception_token_fraction, ...) at the top level."""
     m = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
     out = dict(rollout.metrics)
-    out.update({f"train/{k}": v for k, v in m.items()})
+    # names with a group of their own (rollout/logprob_abs_diff_mean) keep it
+    out.update({(k if "/" in k else f"train/{k}"): v for k, v in m.items()})
     out.update(
         loss=m["loss"],
         kl=m.get("kl", 0.0),

@@ -29,6 +29,8 @@ class RolloutBatch:
     pools:           {"vision","text","prompt"} bool[B, L] key pools for attention masses.
     has_image:       bool[B].
     baseline:        float32[B] greedy-completion reward (remax) or zeros.
+    old_logprobs:    float32[B, N] the sampler's log-probs of the completion tokens under
+                     logits / rollout temperature (0 on padding), or None.
     """
 
     input_ids: jax.Array
@@ -41,10 +43,38 @@ class RolloutBatch:
     images: VisionInputs | None = None
     videos: VisionInputs | None = None
     pools: dict | None = None
+    old_logprobs: jax.Array | None = None
 
     @property
     def completion_length(self) -> int:
         return self.completion_mask.shape[1]
+
+
+def split_rows(tree, m: int):
+    """[B, ...] -> [m, B/m, ...] on every array of `tree` (each leading axis is the row)."""
+    return jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), tree)
+
+
+def take_rows(tree, idx: jax.Array):
+    """The rows idx int32[b] of every array of `tree` (each leading axis is the row)."""
+    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0), tree)
+
+
+def _rows_first(batch: RolloutBatch) -> RolloutBatch:
+    """position_ids [3, B, L] -> [B, 3, L]: then every leaf's leading axis is the row."""
+    return batch.replace(position_ids=jnp.moveaxis(batch.position_ids, 1, 0))
+
+
+def micro_split(batch: RolloutBatch, m: int) -> RolloutBatch:
+    """A batch of m micro-batches: leaves [m, B/m, ...] (position_ids [m, 3, B/m, L])."""
+    rows = split_rows(_rows_first(batch), m)
+    return rows.replace(position_ids=jnp.moveaxis(rows.position_ids, 2, 1))
+
+
+def batch_rows(batch: RolloutBatch, idx: jax.Array) -> RolloutBatch:
+    """The rows idx int32[b] of a batch, as a batch of b rows."""
+    rows = take_rows(_rows_first(batch), idx)
+    return rows.replace(position_ids=jnp.moveaxis(rows.position_ids, 0, 1))
 
 
 def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):

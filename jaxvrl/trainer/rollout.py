@@ -35,6 +35,7 @@ def assemble_prompts(
     *,
     with_pools: bool = False,
     baseline: np.ndarray | None = None,
+    old_logprobs: np.ndarray | None = None,
 ) -> RolloutBatch:
     """`assemble` over a collated prompt batch (the data loader's dict: input_ids,
     attention_mask, position_ids, deltas, has_image, images and, with_pools, pools)."""
@@ -50,6 +51,7 @@ def assemble_prompts(
         images=prompts.get("images"),
         pools=prompts["pools"] if with_pools else None,
         baseline=baseline,
+        old_logprobs=old_logprobs,
     )
 
 
@@ -73,10 +75,12 @@ def assemble(
     images=None,
     pools: dict | None = None,
     baseline: np.ndarray | None = None,
+    old_logprobs: np.ndarray | None = None,
 ) -> RolloutBatch:
     """Concatenate prompt [B, P] and completion [B, N] into one RolloutBatch (numpy arrays).
 
     Completion tokens after the first EOS get attention_mask 0; they never influence a loss.
+    old_logprobs: the sampler's log-probs of the completion tokens float32[B, N], or None.
     """
     n = tokens.shape[1]
     comp_mask = completion_mask.astype(np.int32)
@@ -96,6 +100,7 @@ def assemble(
         baseline=np.zeros(len(tokens), np.float32) if baseline is None else baseline,
         images=images,
         pools=pools,
+        old_logprobs=None if old_logprobs is None else np.asarray(old_logprobs, np.float32),
     )
 
 
@@ -123,7 +128,8 @@ class Group:
     """One prompt's G completions (host numpy).
 
     tokens int32[G, N]; mask float32[G, N] the loss mask (completion incl. EOS, truncated rows
-    zeroed when masked); truncated bool[G]; totals float64[G] the weighted total reward after
+    zeroed when masked); logprobs float32[G, N] the sampler's log-probs of the tokens (under
+    the policy that sampled them: for a replayed group, an earlier one); truncated bool[G]; totals float64[G] the weighted total reward after
     the overlong punishment; parts {reward name: float64[G]} unweighted; texts G strings;
     att {name: float32[G]} per-row attention metrics (empty without statistics); baseline
     float64[G] the prompt's greedy-completion reward (remax), else zeros.
@@ -138,10 +144,13 @@ class Group:
     texts: list
     att: dict
     baseline: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
 
     def __post_init__(self):
         if self.baseline is None:
             self.baseline = np.zeros(len(self.totals))
+        if self.logprobs is None:
+            self.logprobs = np.zeros(self.tokens.shape, np.float32)
 
     def metric(self, name: str) -> np.ndarray:
         return self.totals if name == OVERALL else self.parts[name]
@@ -354,6 +363,7 @@ class RolloutPhase:
                     texts=texts[s],
                     att={k: v[s] for k, v in att.items()},
                     baseline=baseline[s],
+                    logprobs=np.asarray(out.logprobs[s], np.float32),
                 )
             )
         info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
@@ -430,6 +440,7 @@ class RolloutPhase:
             np.concatenate([x.totals for x in groups]),
             with_pools=self.with_pools,
             baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
+            old_logprobs=np.concatenate([x.logprobs for x in groups]),
         )
 
     def _metrics(self, got: Collected, infos: list[dict], real: np.ndarray) -> dict:

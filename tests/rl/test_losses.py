@@ -249,6 +249,25 @@ def test_kl_in_reward_hand_values():
     np.testing.assert_allclose(float(m["kl"]), (0.0 + -1.0) / 2, rtol=1e-6)
 
 
+def test_rollout_correction_hand_values():
+    old = jnp.array([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    # recomputed - sampler: 0.5, -0.25, (padding) | 1.0, 0.5, 0.0
+    sampler = old - jnp.array([[0.5, -0.25, 7.0], [1.0, 0.5, 0.0]])
+    mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+    w, m = rl.rollout_correction(old, sampler, mask)
+    assert w is None
+    np.testing.assert_allclose(float(m["logprob_abs_diff_mean"]), 2.25 / 5, rtol=1e-6)
+    np.testing.assert_allclose(float(m["logprob_abs_diff_max"]), 1.0, rtol=1e-6)
+    w, m = rl.rollout_correction(old, sampler, mask, "token", 2.0)
+    e = math.exp
+    want = [[e(0.5), e(-0.25), 0.0], [2.0, e(0.5), 1.0]]  # e^1 truncated to 2
+    np.testing.assert_allclose(np.asarray(w), want, rtol=1e-6)
+    np.testing.assert_allclose(float(m["is_weight_mean"]), np.sum(want) / 5, rtol=1e-6)
+    w, _ = rl.rollout_correction(old, sampler, mask, "sequence", 2.0)
+    # row sums 0.25 and 1.5: e^0.25 and e^1.5 -> 2 on every token of the row
+    np.testing.assert_allclose(np.asarray(w), [[e(0.25)] * 2 + [0.0], [2.0] * 3], rtol=1e-6)
+
+
 def test_entropy_terms_hand_values():
     h = jnp.array([[1.0, 3.0, 9.0], [2.0, 9.0, 9.0]])
     mask = jnp.array([[1, 1, 0], [1, 0, 0]])

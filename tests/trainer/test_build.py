@@ -20,7 +20,7 @@ from jaxvrl.train import run
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.step import make_train_step
 from tests.models import hf_tiny as T
-from tests.trainer.test_step import G, make_batch
+from tests.trainer.test_step import G, N, make_batch
 from tests.trainer.test_train import ROOT, tiny_config
 
 
@@ -96,7 +96,8 @@ def _step_bytes(ckpt, **lora):
         c.lora.update(lora)  # lora.quantize is not in configs/base.py yet
     model = q.load(ckpt)
     graphdef, tx, state, ref = init_train_state(model, c)
-    batch = make_batch(model, seed=0)
+    # tprl's 2 updates per batch read the sampler's log-probs
+    batch = make_batch(model, seed=0, old_logprobs=np.zeros((2 * G, N), np.float32))
     step = make_train_step(graphdef, tx, step_config(c))
     mem = step.lower(state, ref, batch, jax.random.key(0)).compile().memory_analysis()
     sizes = {

@@ -29,9 +29,9 @@ def model(tmp_path_factory):
     return q.load(path)
 
 
-def make_batch(model, seed=0, rewards=None):
-    """2 prompts x G completions, each row with its own image (per-row vision layout)."""
-    rng = np.random.default_rng(seed)
+def make_prompts(model, rng):
+    """2 prompts x G rows, each row with its own image (per-row vision layout): a dict of
+    input_ids, attention_mask, position_ids, deltas, images, pools (numpy)."""
     grids = [[[1, 4, 4]], [[1, 2, 6]]]
     rows, vis = [], []
     for g in grids:
@@ -43,23 +43,36 @@ def make_batch(model, seed=0, rewards=None):
     ids, mask = T.left_pad(rows, length=26)  # one prompt bucket for every seed
     grid_all = np.concatenate([g for g in grids for _ in range(G)])
     pos, deltas = q.get_rope_index(ids, mask, model.config, grid_all)
-    tokens = rng.integers(20, 280, (len(rows), N))
-    comp = np.ones((len(rows), N), np.float32)
+    pools = q.attention_pools(ids, mask, ids.shape[1], **T.POOL_IDS)
+    images = q.stack_vision_inputs(vis)
+    return dict(
+        input_ids=ids, attention_mask=mask, position_ids=pos, deltas=deltas, images=images,
+        pools=pools,
+    )  # fmt: skip
+
+
+def make_batch(model, seed=0, rewards=None, old_logprobs=None):
+    """2 prompts x G random completions of N tokens (rows 1 and 3 end early)."""
+    rng = np.random.default_rng(seed)
+    p = make_prompts(model, rng)
+    b = len(p["input_ids"])
+    tokens = rng.integers(20, 280, (b, N))
+    comp = np.ones((b, N), np.float32)
     comp[1, 3:] = 0  # an EOS at position 2 in row 1
     comp[3, 1:] = 0
-    rewards = rng.normal(size=len(rows)) if rewards is None else rewards
-    pools = q.attention_pools(ids, mask, ids.shape[1], **T.POOL_IDS)
+    rewards = rng.normal(size=b) if rewards is None else rewards
     batch = assemble(
-        ids,
-        mask,
-        pos,
-        deltas,
+        p["input_ids"],
+        p["attention_mask"],
+        p["position_ids"],
+        p["deltas"],
         tokens,
         comp,
         rewards,
-        np.ones(len(rows), bool),
-        images=q.stack_vision_inputs(vis),
-        pools=pools,
+        np.ones(b, bool),
+        images=p["images"],
+        pools=p["pools"],
+        old_logprobs=old_logprobs,
     )
     return jax.tree.map(jnp.asarray, batch)
 
@@ -110,12 +123,16 @@ def test_grpo_update_matches_independent_formula(model):
     tx = optax.sgd(0.5)
     cfg = StepConfig(group_size=G, temperature=0.7, loss_agg_mode="token-mean")
     step = make_train_step(graphdef, tx, cfg)
-    batch = make_batch(model)
+    # with one update per batch the old policy is the current one: the sampler's log-probs
+    # (here far off) do not enter, and no token is clipped
+    batch = make_batch(model, old_logprobs=np.full((2 * G, N), -3.0, np.float32))
     state = init_state(model, tx)
     p0 = jax.tree.map(np.array, state.params)
     grads = jax.grad(reference_grpo_loss)(jax.tree.map(jnp.asarray, p0), graphdef, batch, 0.7)
     new_state, metrics, _ = step(state, None, batch, jax.random.key(0))
     assert int(new_state.step) == 1 and int(new_state.skipped) == 0
+    assert int(metrics["updates"]) == 1 and float(metrics["clip_frac"]) == 0.0
+    assert float(metrics["ratio_max"]) == 1.0
     expect = jax.tree.map(lambda p, g: p - 0.5 * g, p0, grads)
     for (path, a), (_, b) in zip(
         nnx.to_flat_state(new_state.params), nnx.to_flat_state(jax.tree.map(jnp.asarray, expect))

@@ -163,6 +163,23 @@ def test_rows_must_split_over_the_mesh_and_the_micro_batches():
     c.optim.micro_batches, c.rollout.num_generations = 1, 3
     with pytest.raises(ConfigError, match=r"9 rows per process.*2 devices"):
         check_rows(c, mesh)
+    c = load_config(os.path.join(ROOT, "configs/grpo.py"), ["prompts_per_step=6"])
+    c.rollout.num_generations = 2
+    c.actor.global_batch_size = 3  # 2 mini-batches of 6 rows
+    check_rows(c, mesh)
+    c.actor.global_batch_size = 4
+    with pytest.raises(ConfigError, match=r"global_batch_size = 4 .*prompts_per_step = 6"):
+        check_rows(c, mesh)
+    c.actor.global_batch_size, c.optim.micro_batches = 3, 4
+    with pytest.raises(
+        ConfigError, match=r"micro_batches = 4 does not divide the 6 rows of a mini"
+    ):
+        check_rows(c, mesh)
+    c.optim.micro_batches, c.prompts_per_step, c.actor.global_batch_size = 1, 4, 1
+    with pytest.raises(ConfigError, match=r"global_batch_size = 1: a mini-batch's 2 rows"):
+        check_rows(c, SimpleNamespace(shape={"data": 1, "fsdp": 4, "tensor": 1}))
+    with pytest.raises(ConfigError, match=r"rollout_is='token'.*old_logprobs=recompute"):
+        load_config(os.path.join(ROOT, "configs/grpo.py"), ["algorithm.rollout_is=token"])
 
 
 LABEL_REWARD = '''

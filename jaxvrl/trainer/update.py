@@ -1,0 +1,342 @@
+"""The update phase of the train step: `epochs` x `mini_batches` policy updates over one rollout
+batch, with its experience (old log-probs, advantages, masks, weights) held fixed.
+
+The updates run as one `lax.scan` inside the step's program. Each reads its rows of the batch
+(`update_order`), accumulates the gradient of the loss over `micro_batches` with the
+mini-batch's own denominators (so the micro-batch losses add up to the mini-batch's), then
+applies optax; the critic's clipped value loss is minimised on the same rows. With LoRA only
+the adapters are differentiated and updated. A non-finite loss or gradient skips that update
+(counted in metrics).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxvrl import rl
+from jaxvrl.models import lora
+from jaxvrl.trainer import critic as critic_lib
+from jaxvrl.trainer.experience import Experience, shaping
+from jaxvrl.trainer.policy import (
+    RolloutBatch,
+    batch_rows,
+    completion_hidden,
+    completion_logprobs,
+    micro_split,
+    split_rows,
+    take_rows,
+)
+from jaxvrl.trainer.state import StepConfig, TrainState, join, split_trainable
+
+
+def update_order(rng, rows: int, epochs: int, mini_batches: int) -> jax.Array:
+    """int32[epochs * mini_batches, rows // mini_batches]: the batch rows each update reads,
+    in update order, for the step's `rng`.
+
+    The first epoch walks the rows in order (mini-batches of whole groups); each later epoch e
+    walks a permutation of the rows drawn from fold_in(fold_in(rng, 2), e). Rows, not groups,
+    are shuffled: advantages and every group statistic are fixed before the first update.
+    With one mini-batch every epoch reads all rows in order (the order would only change the
+    float rounding)."""
+    key = jax.random.fold_in(rng, 2)
+    ident = jnp.arange(rows, dtype=jnp.int32)
+    perms = [ident]
+    for e in range(1, epochs):
+        shuffled = jax.random.permutation(jax.random.fold_in(key, e), rows).astype(jnp.int32)
+        perms.append(ident if mini_batches == 1 else shuffled)
+    return jnp.stack(perms).reshape(epochs * mini_batches, rows // mini_batches)
+
+
+def _denominator(mode: str, mask, weights):
+    """What `mode` divides by on these rows; micro-batch losses are rescaled by their share of
+    the mini-batch's denominator, so their sum is exactly the mini-batch's loss."""
+    if mode == "token-mean":
+        return jnp.sum(mask if weights is None else mask * weights)
+    return jnp.sum(jnp.any(mask > 0, axis=-1)).astype(jnp.float32)
+
+
+def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig, head=None):
+    """Loss of one micro-batch, already scaled by its share of the mini-batch's denominator.
+    With `head` (critic on the shared backbone) plus value_loss_coef * the clipped value loss.
+    Metrics: token means scaled by the share (they add up), "max" (combined by max),
+    "old_sums" (token sums for the entropy and KL metrics when no old-policy pass ran)."""
+    model = nnx.merge(graphdef, join(trainable, frozen))
+    if "dropout_key" in aux:  # LoRA dropout, in the gradient pass only
+        lora.set_dropout_key(model, aux["dropout_key"])
+    tokens = mb.input_ids[:, -mb.completion_length :]
+    in_loss = cfg.shaping_in_loss
+    hidden, out = completion_hidden(model, mb, pools=in_loss and cfg.token_weights)
+    want_entropy = cfg.entropy_coef or not cfg.old_pass
+    logp, entropy = completion_logprobs(
+        model,
+        hidden,
+        tokens,
+        cfg.temperature,
+        entropy=("grad" if cfg.entropy_coef else "value") if want_entropy else "none",
+    )
+    mask = mb.completion_mask
+    sg = jax.lax.stop_gradient
+    # one update without an old-policy pass: the old policy is this one, exactly
+    old_logp = aux["old_logp"] if "old_logp" in aux else sg(logp)
+    adv, token_mask, weights = aux["advantages"], aux.get("token_mask"), aux.get("token_weights")
+    shaping_metrics = {}
+    if in_loss:  # the whole batch is here: shape it from this pass's own quantities
+        local = {"old_logp": old_logp, "entropy": sg(entropy)}
+        if "aug_logp" in aux:
+            local["aug_logp"] = aux["aug_logp"]
+        if cfg.token_weights:
+            n = mb.completion_length
+            local["vision_mass"] = sg(out.vision_mass[:, :, -n - 1 : -1])
+            local["text_mass"] = sg(out.text_mass[:, :, -n - 1 : -1])
+        adv, token_mask, weights, shaping_metrics = shaping(mb, local, cfg, adv)
+    if "is_weights" in aux:  # rollout correction: on the per-token terms, like the token mask
+        token_mask = aux["is_weights"] if token_mask is None else token_mask * aux["is_weights"]
+    loss, metrics = rl.policy_loss(
+        logp,
+        old_logp,
+        adv,
+        mask,
+        clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_dual=cfg.clip_ratio_dual,
+        loss_agg_mode=cfg.loss_agg_mode,
+        token_mask=token_mask,
+        token_weights=weights,
+    )
+    metrics = {"pg_loss": loss, **metrics}
+    agg = lambda x: rl.agg_loss(x, mask, cfg.loss_agg_mode)  # noqa: E731
+    if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
+        kl = rl.kl_penalty(logp, aux["ref_logp"], cfg.kl_loss_type)
+        metrics["kl_loss"] = agg(kl)
+        loss = loss + cfg.kl_loss_coef * metrics["kl_loss"]
+    if cfg.entropy_coef:
+        metrics["entropy_loss"] = agg(entropy)
+        loss = loss - cfg.entropy_coef * metrics["entropy_loss"]
+    if cfg.use_entropy_penalty:
+        metrics["entropy_penalty"] = agg(-logp)
+        loss = loss + cfg.entropy_penalty_coef * metrics["entropy_penalty"]
+    scale = aux["share"]
+    loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
+    log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
+    metrics["max"] = {"ratio_max": jnp.max(jnp.where(mask > 0, jnp.exp(log_ratio), 0.0))}
+    if in_loss:  # one micro-batch: share = 1, nothing to rescale
+        metrics.update(shaping_metrics)
+        metrics["extras"] = {"advantages": adv, "token_weights": weights}
+    if not cfg.old_pass:  # token sums of what the old pass would have given, for the metrics
+        metrics["old_sums"] = {"entropy": jnp.sum(sg(entropy) * mask)}
+        if "ref_logp" in aux:
+            kl = rl.kl_penalty(sg(logp), aux["ref_logp"], cfg.kl_loss_type)
+            metrics["old_sums"]["kl"] = jnp.sum(kl * mask)
+    if head is not None:
+        vf, vmets = critic_lib.value_loss_terms(
+            critic_lib.head_values(hidden, head), aux, mask, cfg.cliprange_value
+        )
+        loss = loss + cfg.value_loss_coef * vf
+        metrics.update(vmets)
+    return loss, metrics
+
+
+def _accumulate(grad_fn, params, micro_xs):
+    """Sum of (loss, metrics) and gradients of grad_fn(params, *xs) over the micro-batches;
+    metrics under "max" are combined by their maximum."""
+    first = jax.tree.map(lambda x: x[0], micro_xs)
+    mets0 = jax.eval_shape(lambda: grad_fn(params, *first)[0][1])
+    mets0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), mets0)
+
+    def combine(acc, new):
+        return {
+            k: jax.tree.map(jnp.maximum if k == "max" else jnp.add, acc[k], new[k]) for k in acc
+        }
+
+    def body(carry, xs):
+        (loss, mets), grads = grad_fn(params, *xs)
+        g_acc, l_acc, m_acc = carry
+        return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, combine(m_acc, mets)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss, mets), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), mets0), micro_xs)
+    return grads, loss, mets
+
+
+def _apply(tx, grads, opt_state, params, ok):
+    """optax update where `ok`, else the old params and optimizer state."""
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    return pick(new_params, params), pick(new_opt, opt_state)
+
+
+def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: dict, cfg):
+    """Critic gradient over the micro-batches of these rows and its optax update (skipped if
+    non-finite)."""
+    m = cfg.micro_batches
+    total = jnp.sum(mb.completion_mask > 0).astype(jnp.float32)
+    aux = split_rows({"old_values": rows["old_values"], "returns": rows["returns"]}, m)
+
+    def fn(cp, mb, a):
+        return critic_lib.loss(
+            cp, frozen, graphdef, mb, a, cfg.cliprange_value, cfg.value_loss_coef, total
+        )
+
+    grad_fn = jax.value_and_grad(fn, has_aux=True)
+    grads, loss, mets = _accumulate(grad_fn, cparams, (micro_split(mb, m), aux))
+    norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(norm)
+    ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+    cparams, copt = _apply(ctx, grads, copt, cparams, ok)
+    mets = dict(mets, critic_grad_norm=norm, critic_nonfinite=(~ok).astype(jnp.int32))
+    return cparams, copt, mets
+
+
+def _head_update(cparams, copt, g_head, cfg: StepConfig):
+    """The shared-backbone critic: only the value head is the critic optimizer's."""
+    norm = optax.tree.norm(g_head)
+    ok = jnp.isfinite(norm)
+    ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+    head, opt = _apply(ctx, {"head": g_head}, copt, cparams, ok)
+    return head, opt, {"critic_grad_norm": norm, "critic_nonfinite": (~ok).astype(jnp.int32)}
+
+
+def _policy_grads(graphdef, step, trainable, frozen, xs, head, cfg: StepConfig):
+    """(grads of the trainable params, grads of the shared value head or None, loss,
+    metrics) over the micro-batches xs = (batch, aux). A separate critic's warm-up (before
+    step `critic_warmup_steps`) skips the computation."""
+    if head is not None:
+        grad_fn = jax.value_and_grad(
+            lambda p, mb, a: _loss(p[0], frozen, graphdef, mb, a, cfg, head=p[1]), has_aux=True
+        )
+        (grads, g_head), loss, mets = _accumulate(grad_fn, (trainable, head), xs)
+        return grads, g_head, loss, mets
+    grad_fn = jax.value_and_grad(
+        lambda p, mb, a: _loss(p, frozen, graphdef, mb, a, cfg), has_aux=True
+    )
+    run = lambda: _accumulate(grad_fn, trainable, xs)  # noqa: E731
+    if not (cfg.critic and cfg.critic_warmup_steps > 0):
+        grads, loss, mets = run()
+        return grads, None, loss, mets
+    # during the warm-up the policy's loss and metrics read 0 (policy_updated = 0)
+    shapes = jax.eval_shape(run)
+    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)  # noqa: E731
+    grads, loss, mets = jax.lax.cond(step >= cfg.critic_warmup_steps, run, zeros)
+    return grads, None, loss, mets
+
+
+def _micro_aux(mb: RolloutBatch, rows: dict, keys, cfg: StepConfig) -> dict:
+    """The loss's per-micro-batch inputs [m, b/m, ...]: the experience rows, each micro-batch's
+    share of the mini-batch's denominator, LoRA dropout keys, the shared critic's targets."""
+    m, mode = cfg.micro_batches, cfg.loss_agg_mode
+    mask, weights = mb.completion_mask, rows.get("token_weights")
+    critic_rows = ("old_values", "returns")
+    aux = split_rows({k: v for k, v in rows.items() if k not in critic_rows}, m)
+    micro_w = None if weights is None else split_rows(weights, m)
+    shares = jax.vmap(lambda mk, w: _denominator(mode, mk, w))(split_rows(mask, m), micro_w)
+    aux["share"] = shares / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
+    if keys is not None:
+        aux["dropout_key"] = keys
+    if cfg.critic and cfg.critic_share_backbone:
+        aux.update(split_rows({k: rows[k] for k in critic_rows}, m))
+        aux["vf_total"] = jnp.full((m,), jnp.sum(mask > 0), jnp.float32)
+    return aux
+
+
+def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepConfig):
+    """The scan body: carry {trainable, opt, critic, critic_opt}, xs (rows int32[b], LoRA
+    dropout keys [m] or None) -> (carry, (metrics, extras or None))."""
+    shared = cfg.critic and cfg.critic_share_backbone
+
+    def body(carry, xs):
+        idx, keys = xs
+        if cfg.mini_batches == 1:  # every update reads the whole batch: no gather
+            mb, rows = batch, exp.rows
+        else:
+            mb, rows = batch_rows(batch, idx), take_rows(exp.rows, idx)
+        aux = _micro_aux(mb, rows, keys, cfg)
+        head = carry["critic"]["head"] if shared else None
+        xs = (micro_split(mb, cfg.micro_batches), aux)
+        grads, g_head, loss, mets = _policy_grads(
+            graphdef, step, carry["trainable"], frozen, xs, head, cfg
+        )
+        extras = mets.pop("extras", None)
+        old_sums = mets.pop("old_sums", None)
+        mets.update(mets.pop("max"))
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        ok = finite & (step >= cfg.critic_warmup_steps) if cfg.critic else finite
+        trainable, opt = _apply(tx, grads, carry["opt"], carry["trainable"], ok)
+        carry = dict(carry, trainable=trainable, opt=opt)
+        mets.update(
+            loss=loss,
+            grad_norm=grad_norm,
+            nonfinite=(~finite).astype(jnp.int32),
+            applied=ok.astype(jnp.int32),
+        )
+        if old_sums is not None:  # no old-policy pass: this update's pass reports them
+            tokens = jnp.maximum(mb.completion_mask.sum(), 1)
+            mets.update({k: v / tokens for k, v in old_sums.items()})
+        if shared:
+            cp, copt, cmets = _head_update(carry["critic"], carry["critic_opt"], g_head, cfg)
+        elif cfg.critic:
+            cp, copt, cmets = _critic_update(
+                graphdef, carry["critic"], carry["critic_opt"], frozen, mb, rows, cfg
+            )
+        if cfg.critic:
+            carry = dict(carry, critic=cp, critic_opt=copt)
+            mets.update(cmets)
+        return carry, (mets, extras)
+
+    return body
+
+
+def _combine(per: dict) -> dict:
+    """Metrics of the updates [U] -> the step's: means over the updates, except clip_frac_last
+    (the last update's), ratio_max (the largest), nonfinite and critic_nonfinite (counts),
+    updates (policy updates applied) and policy_updated (whether any was)."""
+    applied = per.pop("applied")
+    out = {k: jnp.mean(v.astype(jnp.float32)) for k, v in per.items()}
+    out.update(
+        clip_frac_last=per["clip_frac"][-1],
+        ratio_max=jnp.max(per["ratio_max"]),
+        nonfinite=jnp.sum(per["nonfinite"]),
+        updates=jnp.sum(applied),
+    )
+    if "critic_nonfinite" in per:
+        out["critic_nonfinite"] = jnp.sum(per["critic_nonfinite"])
+        out["policy_updated"] = jnp.max(applied)
+    return out
+
+
+def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch, rng, cfg):
+    """All policy (and critic) updates of one step -> (state, metrics, extras or None: the
+    in-loss shaping's advantages and token weights). `rng` orders the rows (`update_order`)
+    and draws LoRA dropout (fold_in(rng, 1), then per update u > 0 fold_in(that, u))."""
+    trainable, frozen = split_trainable(state.params, cfg)
+    u, m = cfg.updates, cfg.micro_batches
+    order = update_order(rng, batch.completion_mask.shape[0], cfg.epochs, cfg.mini_batches)
+    keys = None
+    if cfg.lora:
+        k_drop = jax.random.fold_in(rng, 1)
+        per_update = [k_drop] + [jax.random.fold_in(k_drop, i) for i in range(1, u)]
+        keys = jnp.stack([jax.random.split(k, m) for k in per_update])
+    carry = {
+        "trainable": trainable,
+        "opt": state.opt_state,
+        "critic": state.critic_params,
+        "critic_opt": state.critic_opt_state,
+    }
+    body = _one_update(graphdef, tx, state.step, frozen, batch, exp, cfg)
+    carry, (per, extras) = jax.lax.scan(body, carry, (order, keys))
+    metrics = _combine(per)
+    new_state = state.replace(
+        params=join(carry["trainable"], frozen),
+        opt_state=carry["opt"],
+        step=state.step + 1,
+        skipped=state.skipped + metrics["nonfinite"],
+        critic_params=carry["critic"],
+        critic_opt_state=carry["critic_opt"],
+    )
+    if extras is not None:  # shaping inside the loss pass: one update
+        extras = jax.tree.map(lambda x: x[0], extras)
+    return new_state, metrics, extras
