@@ -43,8 +43,8 @@ def _row(config, preset, topology, prompts, micro, extra=""):
 ROWS = [
     _row("tprl", "qwen2.5-vl-7b", "v5p-16", 4, 4),
     _row("tprl", "qwen2.5-vl-3b", "v5e-16", 2, 8),
-    _row("grpo", "qwen2.5-vl-7b", "v5p-16", 4, 4),
     _row("vgr", "qwen2.5-vl-7b", "v5p-16", 4, 4),
+    _row("grpo", "qwen2.5-vl-7b", "v5p-16", 4, 4),
     _row("grpo", "qwen2.5-vl-3b", "v5e-16", 2, 8),
     _row("vgr", "qwen2.5-vl-3b", "v5e-16", 2, 8),
     _row("tprl", "qwen2.5-vl-3b", "v6e-8", 8, 8),

@@ -14,12 +14,20 @@ abstract devices, and compiles with the XLA TPU compiler (`libtpu`, `pip install
 - `decode_step`: one decode step alone, to price it against the bytes it must read.
 
 For each it prints the compile time, HBM per device against the chip's, the XLA cost model's
-FLOPs and time, the model FLOP utilisation that time implies, and the largest temporaries;
-a last line holds the same numbers as JSON. Exit status 1 when a program does not fit.
+FLOPs and time (scaled for loop trip counts), the model FLOP utilisation that time implies,
+and the largest arrays; a last line holds the same numbers as JSON. Exit status 1 when a
+program does not fit (with the knobs that help), 2 for a bad argument or no TPU compiler.
+
+Flags besides --config: --topology=NAME (a Cloud TPU accelerator type: v4-8, v5e-16 or
+v5litepod-16, v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step (a subset),
+--jobs=N (programs compiled at once, default: the host's cores),
+--suggest (when the train step does not fit: compile it with more micro-batches until one
+does). Larger meshes: --config.mesh.data / fsdp / tensor as for training.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -35,7 +43,7 @@ def _split_args(argv: list[str]) -> tuple[dict, list[str]]:
     while i < len(argv):
         a = argv[i]
         name = a.split("=", 1)[0]
-        if name in ("--topology", "--programs"):
+        if name in ("--topology", "--programs", "--jobs"):
             if "=" in a:
                 ours[name[2:]] = a.split("=", 1)[1]
             elif i + 1 < len(argv):
@@ -60,7 +68,11 @@ def main(argv=None) -> int:
     from jaxvrl.aot.plan import Plan
     from jaxvrl.config import ConfigError, load_config, parse_argv
 
-    ours, rest = _split_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return 0
+    ours, rest = _split_args(argv)
     try:
         path, overrides = parse_argv(rest)
         c = load_config(path, overrides)
@@ -73,11 +85,13 @@ def main(argv=None) -> int:
         print(f"jaxvrl.aot: --programs takes {', '.join(PROGRAMS)}", file=sys.stderr)
         return 2
     print(plan.describe(), flush=True)
-    reports = []
-    for name in programs:
-        r = plan.compile(name)
+    # The TPU compiler runs mostly on one thread and releases the GIL: programs compile side
+    # by side, one per core
+    jobs = max(1, min(len(programs), int(ours.get("jobs", os.cpu_count() or 1))))
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        reports = list(pool.map(plan.compile, programs))
+    for r in reports:
         print(format_report(r), flush=True)
-        reports.append(r)
     by_name = {r.name: r for r in reports}
     if "sampler" in by_name and "decode_step" in by_name and not by_name["sampler"].error:
         steps = plan.c.rollout.max_new_tokens

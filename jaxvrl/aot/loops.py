@@ -66,7 +66,7 @@ def _operands(rest: str) -> list[str]:
 
 def _attr(rest: str, key: str) -> str | None:
     """An attribute's value: a name (`calls=%f`), a word (`direction=LT`), a `{...}` list."""
-    m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.\-]+(?:->[\w]+)?)", rest)
+    m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.]+(?:->\w+)?|%?[\w.\-]+)", rest)
     return m.group(1).lstrip("%") if m else None
 
 
@@ -99,9 +99,14 @@ def _dot_flops(result: str, op: str, rest: str, shapes: dict) -> float:
         labels = _attr(rest, "dim_labels") or ""
         lhs_labels = labels.split("_")[0] if "_" in labels else ""
         k = math.prod(lhs[i] for i, c in enumerate(lhs_labels) if c == "f" and i < len(lhs))
-        window = re.search(r"window=\{size=([\dx]+)", rest)
-        if window:
-            k *= math.prod(int(s) for s in window.group(1).split("x"))
+        window = re.search(r"window=\{([^}]*)\}", rest)
+        if window:  # taps that meet the input: a dilated lhs (how XLA writes a batched
+            # matmul's batch dimension, or a gradient) leaves one in `lhs_dilate`
+            size = re.search(r"size=([\dx]+)", window.group(1))
+            dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
+            sizes = [int(x) for x in size.group(1).split("x")] if size else [1]
+            dil = [int(x) for x in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+            k *= math.prod(-(-s // d) for s, d in zip(sizes, dil))
     return 2.0 * math.prod(out) * k
 
 
