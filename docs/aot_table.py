@@ -1,7 +1,9 @@
 """The TPU tables of docs/scaling.md, from the TPU compiler (`python -m jaxvrl.aot`).
 
-    python docs/aot_table.py run [--only SUBSTRING]   # compile each row, keep its JSON
-    python docs/aot_table.py render                   # the markdown tables docs/scaling.md holds
+    python docs/aot_table.py run [--only SUBSTRING]   # compile the rows not stored yet (or
+                                                      # those matching), keep their JSON
+    python docs/aot_table.py render                   # the markdown table docs/scaling.md holds
+    python docs/aot_table.py write                    # ... put into docs/scaling.md
 
 `run` compiles every row's programs for its slice on this machine (no TPU needed, minutes per
 row for a 7B model) and stores the tool's JSON line per row in docs/aot_results.jsonl;
@@ -30,25 +32,28 @@ WORKLOAD = (
 )
 
 
-def _row(config, preset, topology, prompts, micro, extra=""):
+def _row(config, preset, topology, prompts, micro):
     cmd = (
         f"python -m jaxvrl.aot --config configs/{config}.py --topology={topology} "
         f"--config.model.preset={preset} --config.prompts_per_step={prompts} "
-        f"--config.optim.micro_batches={micro} {WORKLOAD} {extra}"
-    ).strip()
-    return {"key": f"{preset} {config} {topology}", "cmd": cmd}
+        f"--config.optim.micro_batches={micro} {WORKLOAD}"
+    )
+    key = f"{preset} {config} {topology} m{micro}"
+    return dict(key=key, cmd=cmd, model=preset, config=config, topology=topology, micro=micro)
 
 
-# prompts_per_step is per host: 8 prompts per step in all over the slice's hosts
+# prompts_per_step is per host: 8 prompts x 8 samples per step over the slice's hosts; tprl,
+# dapo and vgr make 2 policy updates per step (32 rows each), split into `micro` micro-batches
 ROWS = [
     _row("tprl", "qwen2.5-vl-7b", "v5p-16", 4, 4),
-    _row("tprl", "qwen2.5-vl-3b", "v5e-16", 2, 8),
+    _row("tprl", "qwen2.5-vl-3b", "v5e-16", 2, 8),  # 4-row micro-batches on 16 chips: no fit
+    _row("tprl", "qwen2.5-vl-3b", "v5e-16", 2, 2),
     _row("vgr", "qwen2.5-vl-7b", "v5p-16", 4, 4),
     _row("grpo", "qwen2.5-vl-7b", "v5p-16", 4, 4),
-    _row("grpo", "qwen2.5-vl-3b", "v5e-16", 2, 8),
-    _row("vgr", "qwen2.5-vl-3b", "v5e-16", 2, 8),
-    _row("tprl", "qwen2.5-vl-3b", "v6e-8", 8, 8),
-    _row("tprl", "qwen2.5-vl-7b", "v6e-16", 2, 8),
+    _row("grpo", "qwen2.5-vl-3b", "v5e-16", 2, 2),
+    _row("vgr", "qwen2.5-vl-3b", "v5e-16", 2, 2),
+    _row("tprl", "qwen2.5-vl-3b", "v6e-8", 8, 4),
+    _row("tprl", "qwen2.5-vl-7b", "v6e-16", 2, 2),
 ]
 
 
@@ -66,8 +71,8 @@ def load() -> dict:
 def run(only: str | None) -> None:
     results = load()
     for row in ROWS:
-        if only and only not in row["key"]:
-            continue
+        if (only and only not in row["key"]) or (not only and row["key"] in results):
+            continue  # a row already stored is compiled again only when named by --only
         print(f"== {row['key']}: {row['cmd']}", flush=True)
         env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
         p = subprocess.run(row["cmd"].split(), capture_output=True, text=True, env=env)
@@ -93,9 +98,10 @@ def _ms(x) -> str:
 def render() -> str:
     results = load()
     head = (
-        "| model | config | slice | mesh | train step: HBM / chip (GiB) | compile (s) | "
-        "est. step (ms) | MFU | sampler: HBM (GiB) | compile (s) | est. (ms) | decode step: "
-        "est. / bound (ms) | command |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| model | config | slice | mesh | micro-batches | train step: HBM / chip (GiB) | "
+        "compile (s) | est. step (ms) | MFU | sampler: HBM (GiB) | compile (s) | est. (ms) | "
+        "decode step: est. / bound (ms) | command |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
     for row in ROWS:
@@ -105,8 +111,7 @@ def render() -> str:
         rep = r["report"]
         p = rep["programs"]
         mesh = " x ".join(f"{k} {v}" for k, v in rep["mesh"].items() if v > 1) or "1"
-        model, config, topology = row["key"].split()
-        cells = [model, config, topology, mesh]
+        cells = [row["model"], row["config"], row["topology"], mesh, str(row["micro"])]
         t = p.get("train_step")
         if t:
             fit = "" if t["fits"] else " **does not fit**"
@@ -130,9 +135,25 @@ def render() -> str:
     return "\n".join(rows) + "\n"
 
 
+def write() -> None:
+    """Put the current rendering into docs/scaling.md in place of the table there."""
+    path = os.path.join(HERE, "scaling.md")
+    with open(path) as f:
+        lines = f.read().split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| model | config | slice"))
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    lines[start:end] = render().rstrip("\n").split("\n")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "run":
         only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
         run(only)
+    elif len(sys.argv) > 1 and sys.argv[1] == "write":
+        write()
     else:
         sys.stdout.write(render())

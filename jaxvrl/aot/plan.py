@@ -36,7 +36,7 @@ from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel import topology as T
 from jaxvrl.sampling import make_sampler
 from jaxvrl.sampling import sampler as sampler_lib
-from jaxvrl.trainer.build import init_train_state, step_config
+from jaxvrl.trainer.build import init_train_state, mini_batches, step_config
 from jaxvrl.trainer.rollout import assemble
 
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "presets")
@@ -336,6 +336,17 @@ class Plan:
     def describe(self) -> str:
         m = self.model.config
         shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
+        cfg = step_config(self.c)
+        updates = mini_batches(self.c)  # per epoch; each reads rows / updates rows
+        micro_rows = self.rows // updates // cfg.micro_batches
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        warn = ""
+        if micro_rows % shards:
+            warn = (
+                f"\nwarning: a micro-batch of {micro_rows} rows does not split over the "
+                f"{shards} chips of mesh.data x mesh.fsdp, so each chip computes all of them: "
+                "fewer optim.micro_batches (or more rows) put fewer rows on each chip"
+            )
         return (
             f"{T.describe(self.slice)}; mesh {shape}\n"
             f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
@@ -345,5 +356,6 @@ class Plan:
             f"{self.c.rollout.num_generations} x {self.slice.hosts} hosts), prompt "
             f"{self.prompt_len} tokens holding an image of grid {self.grid[0].tolist()} "
             f"({int(np.prod(self.grid)) // m.vision.merge_unit} tokens), completion "
-            f"{self.new_tokens}, {self.c.optim.micro_batches} micro-batch(es)"
-        )
+            f"{self.new_tokens}; {updates} mini-batch(es) x {self.c.actor.ppo_epochs} epoch(s) "
+            f"of updates, {self.c.optim.micro_batches} micro-batch(es) of {micro_rows} rows each"
+        ) + warn

@@ -206,7 +206,7 @@ def test_programs_compiled_for_a_tpu_use_no_cpu_kernels():
 def test_a_program_that_does_not_fit_names_the_knobs(monkeypatch, capsys):
     tiny = T.Chip("TPU v5e", 1e-4, 197, 819, cores_in_name=1, single_host=8)
     monkeypatch.setitem(T.CHIPS, "v5e", tiny)
-    code = main(ARGS[:2] + ["--topology=v5e-4", "--programs=decode_step"])
+    code = main(ARGS + ["--programs=decode_step"])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out
     assert "mesh.fsdp" in out and "optim.micro_batches" in out
