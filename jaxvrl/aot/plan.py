@@ -291,29 +291,26 @@ class Plan:
         weights = self._decoder_weight_bytes(dtype)
         bound = (weights + cache) / T.bandwidth(self.slice)
         breakdown = {"params": per_device_bytes(params), "kv_cache": cache}
-        flops = 2.0 * self._decoder_params() * self.rows
+        flops = 2.0 * self._decoder_params * self.rows
         return lower, flops, breakdown, bound
 
+    @functools.cached_property
     def _decoder_params(self) -> int:
         """Parameters a decode step multiplies by: the text decoder's layers and the LM head
-        (an embedding lookup reads only the fed tokens' rows)."""
-        cfg = self.model.config.text
+        (an embedding lookup reads only the fed tokens' rows; a tied table is the head)."""
+        tied = bool(self.model.config.tie_word_embeddings)
         total = 0
         for path, x in nnx.to_flat_state(nnx.state(self.model, nnx.Param)):
             names = [str(p) for p in path]
-            if names[0] == "visual" or ("embed_tokens" in names and not self._tied()):
+            if names[0] == "visual" or ("embed_tokens" in names and not tied):
                 continue
             total += math.prod(x.get_value().shape)
-        del cfg
         return total
-
-    def _tied(self) -> bool:
-        return bool(self.model.config.tie_word_embeddings)
 
     def _decoder_weight_bytes(self, dtype) -> float:
         """Bytes of weights one chip reads per decode step: the whole decoder in the compute
         dtype (FSDP gathers every layer's weights), split only by the tensor axis."""
-        return self._decoder_params() * jnp.dtype(dtype).itemsize / self.mesh.shape["tensor"]
+        return self._decoder_params * jnp.dtype(dtype).itemsize / self.mesh.shape["tensor"]
 
     def suggest_micro_batches(self, failed: Report) -> int | None:
         """The smallest optim.micro_batches whose train step fits, trying first the count at

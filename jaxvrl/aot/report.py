@@ -185,11 +185,9 @@ def out_of_memory(name, error: str, compile_s, chip_slice, model_flops, breakdow
     )
 
 
-def analyse(
-    name, compiled, compile_s, chip_slice, model_flops, breakdown, bound_s=None, largest=None
-):
-    """A Report from a compiled program (per-device figures); `largest` defaults to the
-    largest arrays of its optimized HLO."""
+def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound_s=None):
+    """A Report from a compiled program (per-device figures); the largest arrays are read
+    from its optimized HLO."""
     from jaxvrl.parallel import topology as T
 
     mem = compiled.memory_analysis()
@@ -218,7 +216,7 @@ def analyse(
         estimate_s=estimate,
         model_flops=model_flops,
         mfu=mfu,
-        largest=largest or largest_arrays(text),
+        largest=largest_arrays(text),
         loop_factor=factor,
         matmul_flops=matmul_flops(text),
         breakdown=breakdown,
