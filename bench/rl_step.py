@@ -125,7 +125,6 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
     from jaxvrl.trainer.rollout import assemble_prompts
     from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
 
-    jax.config.update("jax_default_matmul_precision", "highest")  # as jaxvrl.train does
     model = load(ckpt)
     mcfg = model.config
     opts = EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT, **pixel_limits(args))

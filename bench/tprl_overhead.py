@@ -119,7 +119,6 @@ def run_jaxvrl(args, model, rb) -> dict:
 
     from jaxvrl.trainer.step import TrainState, build_train_step
 
-    jax.config.update("jax_default_matmul_precision", "highest")  # as jaxvrl.train does
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
     batch = jax.tree.map(jnp.asarray, rb)

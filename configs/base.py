@@ -52,6 +52,11 @@ def get_config(arg=None):
     # gradient checkpointing of every decoder layer and vision block: none | full |
     # dots_saveable | dots_with_no_batch_dims_saveable (docs/scaling.md: full beyond toy sizes)
     c.model.remat_policy = "none"
+    # float32 matmuls of the programs a run builds: default (the backend's own: full float32
+    # on the CPU, TF32 on recent NVIDIA GPUs, one bfloat16 pass on TPUs) | high (3 bfloat16
+    # passes on TPUs, TF32 on GPUs) | highest (full float32 everywhere, several times slower
+    # on TPUs). bfloat16 compute is unaffected.
+    c.model.matmul_precision = "default"
 
     c.data = ml_collections.ConfigDict()
     c.data.train_files = placeholder(str)  # comma-separated JSONL / parquet; None = built-in

@@ -26,6 +26,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxvrl.parallel import runtime
+
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the restore target."""
@@ -103,9 +105,7 @@ def _decode_one(d):
 def _encode_data_state(data_state):
     """Each process reads its own shard of the data, so every process's iterator state is kept
     (orbax writes JSON items from process 0 only): gathered here, a collective."""
-    from jaxvrl.parallel.runtime import gather_json
-
-    return {"kind": "per_process", "value": gather_json(_encode_one(data_state))}
+    return {"kind": "per_process", "value": runtime.gather_json(_encode_one(data_state))}
 
 
 def _decode_data_state(d, step: int):
@@ -302,6 +302,4 @@ def install_preemption_handler(signals=(signal.SIGTERM,)) -> PreemptionFlag:
 def stop_requested_everywhere(flag: PreemptionFlag) -> bool:
     """True on every process when any process got the signal (call at the same step on all
     processes: a preempted host must not save alone)."""
-    from jaxvrl.parallel.runtime import any_process
-
-    return any_process(flag.requested)
+    return runtime.any_process(flag.requested)

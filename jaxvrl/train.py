@@ -47,7 +47,7 @@ from jaxvrl.sampling import SamplingConfig, make_sampler
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
-from jaxvrl.trainer.step import make_train_step
+from jaxvrl.trainer.step import build_train_step
 
 log = logging.getLogger("jaxvrl")
 EMBEDDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
@@ -309,14 +309,29 @@ def _short(metrics: dict) -> str:
     return ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
 
 
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+def matmul_precision(name: str):
+    """The context under which a run traces its programs: float32 matmuls at `name` (the
+    config's `model.matmul_precision`), for those programs only, not the process."""
+    if name not in MATMUL_PRECISIONS:
+        raise ConfigError(f"model.matmul_precision={name!r}: expected one of {MATMUL_PRECISIONS}")
+    return jax.default_matmul_precision(name)
+
+
 def run(c) -> dict:
     """Train (or only validate) per config `c`; returns the last step's scalars plus the
-    compile counts (`compiles/*`)."""
+    compile counts (`compiles/*`). Programs are traced at `model.matmul_precision`."""
+    with matmul_precision(c.model.matmul_precision):
+        return _run(c)
+
+
+def _run(c) -> dict:
     R.initialize_distributed(c.distributed)  # a no-op unless distributed.enable
     t_start = time.time()
     mesh = R.mesh_from_config(c.mesh)
     check_rows(c, mesh)
-    jax.config.update("jax_default_matmul_precision", "highest")
     primary = jax.process_index() == 0
     # checkpoints go to the workdir itself (orbax writes gs://); logs are written locally and
     # mirrored to a remote workdir by process 0
@@ -332,11 +347,10 @@ def run(c) -> dict:
     s = R.sharded_train_state(init_train_state, model, mesh, c)
     state, ref_params = s.state, s.ref_params
     step_cfg = step_config(c)
-    # state donated, metrics replicated; make_train_step is the (jitted) step it wraps, looked
-    # up here so that tests can wrap it
-    train_step = R.jit_train_step(
-        s.graphdef, s.tx, step_cfg, mesh, s.state_shardings, s.ref_shardings, build=make_train_step
-    )
+    # state donated, metrics replicated (build_train_step is looked up here, so that tests can
+    # wrap the step function)
+    step_fn = build_train_step(s.graphdef, s.tx, step_cfg)
+    train_step = R.jit_train_step(step_fn, mesh, s.state_shardings, s.ref_shardings)
     sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c)
     # make_sampler is cached per (model, config) across runs in one process: count new entries
     compiled_before = sampler._cache_size(), greedy._cache_size()
@@ -404,7 +418,7 @@ def run(c) -> dict:
         logs.close()
         if mirror:
             mirror.push(force=True)
-    metrics["compiles/train_step"] = train_step._cache_size()
+    metrics["compiles/train_step"] = R.compiles(train_step)
     metrics["compiles/sampler"] = sampler._cache_size() - compiled_before[0]
     metrics["compiles/greedy_sampler"] = greedy._cache_size() - compiled_before[1]
     return metrics

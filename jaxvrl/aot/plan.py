@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxvrl import train
 from jaxvrl.aot.report import (
     Report,
     analyse,
@@ -38,6 +39,7 @@ from jaxvrl.sampling import make_sampler
 from jaxvrl.sampling import sampler as sampler_lib
 from jaxvrl.trainer.build import init_train_state, mini_batches, step_config
 from jaxvrl.trainer.rollout import assemble
+from jaxvrl.trainer.step import build_train_step
 
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "presets")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -60,9 +62,7 @@ def model_config(c) -> tuple[str, Qwen2_5_VLConfig]:
         with open(path) as f:
             return preset, Qwen2_5_VLConfig.from_hf_dict(json.load(f), source=path)
     if not c.model.path:
-        from jaxvrl.train import EMBEDDED
-
-        return "embedded tiny model", Qwen2_5_VLConfig.from_pretrained(EMBEDDED)
+        return "embedded tiny model", Qwen2_5_VLConfig.from_pretrained(train.EMBEDDED)
     return c.model.path, Qwen2_5_VLConfig.from_pretrained(c.model.path)
 
 
@@ -116,11 +116,9 @@ class Plan:
 
     @classmethod
     def build(cls, c, topology: str) -> Plan:
-        from jaxvrl.train import check_rows
-
         s = T.parse(topology)
         mesh = R.mesh_from_config(c.mesh, devices=T.tpu_devices(s))
-        check_rows(c, mesh, processes=s.hosts)
+        train.check_rows(c, mesh, processes=s.hosts)
         name, mcfg = model_config(c)
         dtype, param_dtype = DTYPES[c.model.dtype], DTYPES[c.model.param_dtype]
         model = nnx.eval_shape(
@@ -191,9 +189,7 @@ class Plan:
         return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=R.replicated(self.mesh))
 
     def sampling_config(self):
-        from jaxvrl.train import sampling_config
-
-        return sampling_config(self.c, self.model.config)
+        return train.sampling_config(self.c, self.model.config)
 
     # ------------------------------------------------------------------ programs
     def compile(self, name: str) -> Report:
@@ -214,7 +210,9 @@ class Plan:
             opts = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"}
             t0 = time.perf_counter()
             try:
-                compiled = lower().compile(compiler_options=opts)
+                with train.matmul_precision(self.c.model.matmul_precision):  # as the run traces it
+                    lowered = lower()
+                compiled = lowered.compile(compiler_options=opts)
             except Exception as e:  # jax raises JaxRuntimeError; OOM is RESOURCE_EXHAUSTED
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
@@ -232,7 +230,7 @@ class Plan:
             cfg = dataclasses.replace(cfg, micro_batches=micro_batches)
         i = self.init
         step = R.jit_train_step(
-            i.graphdef, i.tx, cfg, self.mesh, i.state_shardings, i.ref_shardings
+            build_train_step(i.graphdef, i.tx, cfg), self.mesh, i.state_shardings, i.ref_shardings
         )
         batch = self.batch()
         st = i.state

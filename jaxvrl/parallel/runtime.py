@@ -3,8 +3,8 @@
     initialize_distributed(c.distributed)          # before anything touches a device
     mesh = mesh_from_config(c.mesh)
     s = sharded_train_state(init_train_state, model, mesh, c)   # state born sharded
-    train_step = jit_train_step(s.graphdef, s.tx, step_cfg, mesh, s.state_shardings,
-                                s.ref_shardings)
+    step = build_train_step(s.graphdef, s.tx, step_cfg)   # trainer.step, not jitted
+    train_step = jit_train_step(step, mesh, s.state_shardings, s.ref_shardings)
     batch = place_batch(host_batch, mesh)          # this process's rows -> global arrays
     state, metrics, extras = train_step(state, ref_params, batch, rng)
     rows = host_local(sampler_output)              # this process's rows back as numpy
@@ -328,27 +328,13 @@ def place_state(state, shardings):
     return put_on_mesh(state, shardings)
 
 
-def jit_train_step(
-    graphdef,
-    tx,
-    step_cfg,
-    mesh: Mesh,
-    state_shardings,
-    ref_shardings=None,
-    *,
-    build=None,
-):
-    """The train step jitted for `mesh`: step(state, ref_params, batch, rng) -> (state,
-    metrics, extras) with the state donated, the state's shardings in and out, the batch's
-    taken from its arrays (see `place_batch`), metrics replicated (they are logged).
-
-    build: the step factory (default `trainer.step.build_train_step(graphdef, tx, step_cfg)`).
-    The step is traced under the mesh (`use_abstract_mesh`), which turns on the model's activation
-    constraints (`sharding.constrain`).
+def jit_train_step(step, mesh: Mesh, state_shardings, ref_shardings=None):
+    """`step` (state, ref_params, batch, rng) -> (state, metrics, extras), not jitted (e.g.
+    `trainer.step.build_train_step(...)`), jitted for `mesh`: the state donated, the state's
+    shardings in and out, the batch's taken from its arrays (see `place_batch`), metrics
+    replicated (they are logged). The step is traced under the mesh (`use_abstract_mesh`),
+    which turns on the model's activation constraints (`sharding.constrain`).
     """
-    if build is None:
-        from jaxvrl.trainer.step import build_train_step as build
-    step = build(graphdef, tx, step_cfg)
 
     def on_mesh(state, ref_params, batch, rng):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -361,6 +347,12 @@ def jit_train_step(
         out_shardings=(state_shardings, rep, None),
         donate_argnums=(0,),
     )
+
+
+def compiles(fn) -> int:
+    """Programs a jitted function has compiled so far in this process (one per distinct
+    argument shape, dtype and sharding): a run logs it to show that steps do not recompile."""
+    return fn._cache_size()
 
 
 def on_mesh(fn, mesh: Mesh):

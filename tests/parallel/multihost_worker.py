@@ -42,7 +42,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     from jaxvrl.checkpoint import Checkpointer
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.parallel import sharding as S
-    from jaxvrl.trainer.step import StepConfig, TrainState
+    from jaxvrl.trainer.step import StepConfig, TrainState, build_train_step
     from tests.parallel.common import G, make_batch
 
     assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
@@ -59,7 +59,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     mesh = R.mesh_from_config(ml_collections.ConfigDict(dict(data=2, fsdp=4, tensor=1)))
     params = R.put_on_mesh(host, S.param_shardings(host, mesh))
     (state, ref), (ssh, rsh) = R.sharded_init(init, mesh, params)
-    step = R.jit_train_step(graphdef, tx, step_cfg, mesh, ssh, rsh)
+    step = R.jit_train_step(build_train_step(graphdef, tx, step_cfg), mesh, ssh, rsh)
     losses = []
     for seed in range(2):
         batch = make_batch(model, prompts=4, seed=seed)

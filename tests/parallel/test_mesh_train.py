@@ -27,7 +27,7 @@ from flax import nnx
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.parallel import runtime as R, sharding as S
 from jaxvrl.sampling import SamplingConfig, make_sampler
-from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
+from jaxvrl.trainer.step import StepConfig, TrainState, build_train_step, make_train_step
 from tests.models import hf_tiny as T
 from tests.parallel.common import G, make_batch, make_prompts
 
@@ -80,7 +80,7 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
     psh = S.param_shardings(host, mesh)
     params = R.put_on_mesh(host, psh)
     (state, ref), (ssh, rsh) = R.sharded_init(init, mesh, params)
-    step = R.jit_train_step(graphdef, tx, cfg, mesh, ssh, rsh)
+    step = R.jit_train_step(build_train_step(graphdef, tx, cfg), mesh, ssh, rsh)
     losses = []
     for b, k in zip(batches, keys):
         batch = R.place_batch(b, mesh)

@@ -310,7 +310,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_clear_message(
 
     import jaxvrl.train as train
 
-    real = train.make_train_step
+    real = train.build_train_step
 
     def poisoned(graphdef, tx, cfg):
         step = real(graphdef, tx, cfg)
@@ -318,10 +318,9 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_clear_message(
         def nan_rewards(state, ref, batch, key):
             return step(state, ref, batch.replace(rewards=batch.rewards * jnp.nan), key)
 
-        nan_rewards._cache_size = step._cache_size
         return nan_rewards
 
-    monkeypatch.setattr(train, "make_train_step", poisoned)
+    monkeypatch.setattr(train, "build_train_step", poisoned)
     cfg = tiny_config(
         "configs/grpo.py", tmp_path, "total_steps=10", "val_freq=100", "max_nonfinite_steps=3"
     )
@@ -411,3 +410,22 @@ def test_bad_rows_in_a_data_file_are_skipped_counted_and_training_goes_on(tmp_pa
     assert np.isfinite(metrics["loss"])
     assert metrics["data/skipped_missing_label"] == 1
     assert metrics["data/skipped_missing_image"] == 1
+
+
+def test_matmul_precision_is_a_context_of_the_run_not_a_process_flag():
+    import jax
+    import jax.numpy as jnp
+
+    import jaxvrl.train as train
+    from jaxvrl.config import ConfigError
+
+    before = jax.config.jax_default_matmul_precision
+    x = jnp.ones((4, 4))
+    texts = {}
+    for name in ("default", "highest"):
+        with train.matmul_precision(name):
+            texts[name] = jax.jit(jnp.matmul).lower(x, x).as_text()
+    assert "HIGHEST" in texts["highest"] and "HIGHEST" not in texts["default"]
+    assert jax.config.jax_default_matmul_precision == before
+    with pytest.raises(ConfigError, match="matmul_precision='fast'"):
+        train.matmul_precision("fast")

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES, checkpoint_policy
+
 _ACTS = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -102,3 +104,23 @@ def pool_masses(probs: jax.Array, pools: dict) -> tuple[jax.Array, jax.Array]:
     a_x = jnp.einsum("BTS,BS->BT", p, pools["text"].astype(f32))
     safe = jnp.where(tot > 0, tot, 1.0)
     return jnp.where(tot > 0, a_v / safe, 0.0), jnp.where(tot > 0, a_x / safe, 0.0)
+
+
+def remat(method, policy: str):
+    """`method` (a Module method, called with the module first) under jax.checkpoint with the
+    named policy, or unchanged for "none". Only differentiation sees a difference.
+
+    The module is split into graph and state and merged inside the checkpoint (a pure
+    function of arrays), so it also works on modules merged inside an outer jit/grad.
+    """
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy {policy!r} is not one of {REMAT_POLICIES}")
+    if policy == "none":
+        return method
+
+    def call(module, *args):
+        graphdef, state = nnx.split(module)
+        pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
+        return jax.checkpoint(pure, policy=checkpoint_policy(policy))(state, *args)
+
+    return call

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES, TextConfig, checkpoint_policy
+from jaxvrl.models.qwen2_5_vl.config import TextConfig
 from jaxvrl.models.qwen2_5_vl.layers import (
     GatedMLP,
     RMSNorm,
@@ -19,31 +19,12 @@ from jaxvrl.models.qwen2_5_vl.layers import (
     linear,
     masked_softmax,
     pool_masses,
+    remat,
 )
 from jaxvrl.parallel.sharding import constrain, target_platform
 
 # logical axes of the residual stream [B, T, D]
 RESIDUAL = ("batch", "length", "act_embed")
-
-
-def remat(method, policy: str):
-    """`method` (a Module method, called with the module first) under jax.checkpoint with the
-    named policy, or unchanged for "none". Only differentiation sees a difference.
-
-    The module is split into graph and state and merged inside the checkpoint (a pure
-    function of arrays), so it also works on modules merged inside an outer jit/grad.
-    """
-    if policy not in REMAT_POLICIES:
-        raise ValueError(f"remat_policy {policy!r} is not one of {REMAT_POLICIES}")
-    if policy == "none":
-        return method
-
-    def call(module, *args):
-        graphdef, state = nnx.split(module)
-        pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
-        return jax.checkpoint(pure, policy=checkpoint_policy(policy))(state, *args)
-
-    return call
 
 
 @struct.dataclass

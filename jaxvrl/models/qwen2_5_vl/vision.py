@@ -14,8 +14,14 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxvrl.models.qwen2_5_vl.config import VisionConfig
-from jaxvrl.models.qwen2_5_vl.layers import GatedMLP, RMSNorm, apply_rope, linear, masked_softmax
-from jaxvrl.models.qwen2_5_vl.text import remat
+from jaxvrl.models.qwen2_5_vl.layers import (
+    GatedMLP,
+    RMSNorm,
+    apply_rope,
+    linear,
+    masked_softmax,
+    remat,
+)
 
 
 @struct.dataclass
