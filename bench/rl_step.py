@@ -121,7 +121,7 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
     from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
     from jaxvrl.data.prompts import special_token_ids
     from jaxvrl.models.qwen2_5_vl import load
-    from jaxvrl.sampling import SamplingConfig, make_sampler
+    from jaxvrl.sampling import Sampler, SamplingConfig
     from jaxvrl.trainer.rollout import assemble_prompts
     from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
 
@@ -142,7 +142,8 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
             mcfg.vision_end_token_id,
         ),
     )
-    sampler = make_sampler(nnx.graphdef(model), scfg)
+    sampler = Sampler(nnx.graphdef(model), scfg)
+    kept = {}  # the decode weights, packed into the same buffer every iteration
     step_cfg = StepConfig(
         group_size=args.group,
         mini_batches=args.updates,
@@ -164,6 +165,8 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
         batch = collate(chunk, args.group, mcfg, tok, with_pools=False)
         rng, k_sample, k_step = jax.random.split(rng, 3)
         t0 = time.perf_counter()
+        rows = batch["input_ids"].shape[0]
+        kept["w"] = sampler.decode_weights(state.params, rows, reuse=kept.pop("w", None))
         out = sampler(
             state.params,
             jnp.asarray(batch["input_ids"]),
@@ -172,6 +175,7 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
             jnp.asarray(batch["deltas"]),
             k_sample,
             images=jax.tree.map(jnp.asarray, batch["images"]),
+            decode_weights=kept["w"],
         )
         tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
         t1 = time.perf_counter()

@@ -217,25 +217,41 @@ def run_hf(hf, inputs, n, device, threads=1, repeats=1, temperature=0.0):
 
 
 def run_jax(model, inputs, n, repeats=1, temperature=0.0):
+    """A rollout's call as the trainer makes it: one Sampler kept across calls, and the
+    decode weights prepared for the parameters before each call (packed into the buffer of
+    the previous call's: `Sampler.decode_weights`), timed together."""
     import jax
+    from flax import nnx
 
-    from jaxvrl.sampling import generate
+    from jaxvrl.sampling import Sampler, generate
+    from jaxvrl.sampling.sampler import generation_config
 
     ids, mask, pv, grid = inputs
+    cfg = generation_config(model.config, max_new_tokens=n, temperature=temperature)
+    graphdef, params = nnx.split(model)
+    sampler = Sampler(graphdef, cfg)
     kw = dict(
         max_new_tokens=n,
         temperature=temperature,
         eos_token_ids=(),
         pixel_values=pv,
         image_grid_thw=grid,
+        sampler=sampler,
     )
+    weights = None
+
+    def call():
+        nonlocal weights
+        weights = sampler.decode_weights(params, ids.shape[0], reuse=weights)
+        return generate(model, ids, mask, decode_weights=weights, **kw)
+
     t = time.perf_counter()
-    jax.block_until_ready(generate(model, ids, mask, **kw).tokens)
+    jax.block_until_ready(call().tokens)
     compile_s = time.perf_counter() - t
     dt = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        out = generate(model, ids, mask, **kw)
+        out = call()
         toks = np.asarray(jax.block_until_ready(out.tokens))
         dt = min(dt, time.perf_counter() - t)
     return toks, dt, compile_s

@@ -43,7 +43,7 @@ from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime as R
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn
-from jaxvrl.sampling import SamplingConfig, make_sampler
+from jaxvrl.sampling import Sampler, SamplingConfig
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
@@ -143,11 +143,12 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
     return SamplingConfig(r.max_new_tokens, r.temperature, r.top_p, r.top_k, eos, pad, suppress)
 
 
-def make_samplers(graph, mcfg, tokenizer, c):
-    """-> (sampler, greedy): jitted rollout sampler and the greedy one for validation, for the
-    model graph `graph` (after init: with LoRA adapters) with config `mcfg`."""
+def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
+    """-> (sampler, greedy): the rollout sampler and the greedy one for validation, for the
+    model graph `graph` (after init: with LoRA adapters) with config `mcfg`, run on `mesh`."""
     cfg = sampling_config(c, mcfg, tokenizer)
-    return make_sampler(graph, cfg), make_sampler(graph, dataclasses.replace(cfg, temperature=0.0))
+    greedy = dataclasses.replace(cfg, temperature=0.0)
+    return Sampler(graph, cfg, mesh), Sampler(graph, greedy, mesh)
 
 
 def make_rollout_phase(
@@ -201,9 +202,10 @@ def make_rollout_phase(
     )
 
 
-def make_validate(c, examples, greedy, model_config, tokenizer, mesh=None):
+def make_validate(c, examples, greedy, model_config, tokenizer, mesh=None, decode=None):
     """-> validate(params): greedy val/accuracy and val/format on the held-out examples, in
-    batches of the rollout's row count."""
+    batches of the rollout's row count (`decode`: where the rollout keeps its decode
+    weights, reused here)."""
     val_collate = functools.partial(
         collate,
         repeat=1,
@@ -213,7 +215,9 @@ def make_validate(c, examples, greedy, model_config, tokenizer, mesh=None):
         with_pools=False,
     )
     rows = c.prompts_per_step * c.rollout.num_generations
-    return lambda params: evaluate(examples, greedy, params, val_collate, tokenizer, rows, mesh)
+    return lambda params: evaluate(
+        examples, greedy, params, val_collate, tokenizer, rows, mesh, decode
+    )
 
 
 def load_start_params(path: str, state, ref_params, ref_shardings):
@@ -351,15 +355,10 @@ def _run(c) -> dict:
     # wrap the step function)
     step_fn = build_train_step(s.graphdef, s.tx, step_cfg)
     train_step = R.jit_train_step(step_fn, mesh, s.state_shardings, s.ref_shardings)
-    sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c)
-    # make_sampler is cached per (model, config) across runs in one process: count new entries
-    compiled_before = sampler._cache_size(), greedy._cache_size()
-    on_mesh = functools.partial(R.on_mesh, mesh=mesh)
-    phase = make_rollout_phase(
-        c, on_mesh(sampler), on_mesh(greedy), tokenizer, model.config, step_cfg, mesh
-    )
+    sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh)
+    phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, mesh)
     examples = val_examples(c, tokenizer)
-    validate = make_validate(c, examples, on_mesh(greedy), model.config, tokenizer, mesh)
+    validate = make_validate(c, examples, greedy, model.config, tokenizer, mesh, phase.decode)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = R.place_state(state, s.state_shardings)  # the restore target's shardings
     start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh)
@@ -419,8 +418,8 @@ def _run(c) -> dict:
         if mirror:
             mirror.push(force=True)
     metrics["compiles/train_step"] = R.compiles(train_step)
-    metrics["compiles/sampler"] = sampler._cache_size() - compiled_before[0]
-    metrics["compiles/greedy_sampler"] = greedy._cache_size() - compiled_before[1]
+    metrics["compiles/sampler"] = sampler.compiles()
+    metrics["compiles/greedy_sampler"] = greedy.compiles()
     return metrics
 
 

@@ -2,7 +2,7 @@
 
 `Plan.build(config, "v5p-16")` makes what `jaxvrl.train` makes — the model (abstract: no
 weights), the sharded train state (`runtime.abstract_train_state`), the jitted train step
-(`runtime.jit_train_step`), the rollout sampler (`train.sampling_config`, `make_sampler`) —
+(`runtime.jit_train_step`), the rollout sampler (`train.sampling_config`, `Sampler`) —
 and the run's batch shapes, on a mesh (`config.mesh`) over the slice's abstract devices.
 `Plan.compile(name)` lowers and compiles one program with the XLA TPU compiler.
 """
@@ -35,7 +35,7 @@ from jaxvrl.data.processor import smart_resize
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
 from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel import topology as T
-from jaxvrl.sampling import make_sampler
+from jaxvrl.sampling import Sampler
 from jaxvrl.sampling import sampler as sampler_lib
 from jaxvrl.trainer.build import init_train_state, mini_batches, step_config
 from jaxvrl.trainer.rollout import assemble
@@ -248,7 +248,7 @@ class Plan:
 
     def _sampler(self):
         cfg = self.sampling_config()
-        sampler = make_sampler(self.init.model_graphdef, cfg)
+        sampler = Sampler(self.init.model_graphdef, cfg)
         pools = "mdi" in self.c.reward.funcs or step_config(self.c).token_weights
         p = self.prompts(pools)
         params = self.init.state.params

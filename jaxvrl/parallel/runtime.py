@@ -355,17 +355,6 @@ def compiles(fn) -> int:
     return fn._cache_size()
 
 
-def on_mesh(fn, mesh: Mesh):
-    """`fn` called under `jax.set_mesh(mesh)` (for the sampler: activation constraints and the
-    KV cache then follow the rows' sharding)."""
-
-    def call(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return fn(*args, **kwargs)
-
-    return call
-
-
 def _on_cpu_backend(x: jax.Array, sharding) -> bool:
     """x sits in host memory (the CPU backend) while the mesh is on accelerators."""
     src = next(iter(x.sharding.device_set)).platform

@@ -2,20 +2,18 @@
 
 from jaxvrl.sampling.sampler import (
     SampleOutput,
+    Sampler,
     SamplingConfig,
     filter_logits,
     generate,
-    make_sampler,
-    release_decode_buffer,
     sample,
 )
 
 __all__ = [
     "SampleOutput",
+    "Sampler",
     "SamplingConfig",
     "filter_logits",
     "generate",
-    "make_sampler",
-    "release_decode_buffer",
     "sample",
 ]

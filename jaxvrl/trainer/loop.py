@@ -20,31 +20,49 @@ from jaxvrl.logging import (
     rollout_section,
     token_weight_section,
 )
-from jaxvrl.trainer.rollout import Rollout, decode_completions, sample_completions
+from jaxvrl.trainer.rollout import (
+    DecodeWeights,
+    Rollout,
+    decode_completions,
+    sample_completions,
+)
 
 
 def evaluate(
-    examples: list, greedy, params, collate, tokenizer, rows_per_batch: int, mesh=None
+    examples: list,
+    greedy,
+    params,
+    collate,
+    tokenizer,
+    rows_per_batch: int,
+    mesh=None,
+    decode: DecodeWeights | None = None,
 ) -> dict:
     """Greedy accuracy (mc_idx) and think-format rate on held-out examples.
 
     collate(examples) -> a prompt batch with one row per example; batches are padded to
     `rows_per_batch` rows (one compiled shape) and the padding rows are not counted. mesh:
     where the prompts go (`sample_completions`); on a pod every process evaluates all the
-    examples as its rows of the global batch (the same figures on every process)."""
+    examples as its rows of the global batch (the same figures on every process). decode:
+    where the decode weights are kept (the rollout phase's: the same row count)."""
     if not examples:
         return {}
     correct, fmt, n = 0.0, 0.0, 0
-    for i in range(0, len(examples), rows_per_batch):
-        chunk = examples[i : i + rows_per_batch]
-        k = len(chunk)
-        chunk = chunk + [chunk[-1]] * (rows_per_batch - k)
-        out = sample_completions(greedy, params, collate(chunk), jax.random.key(0), mesh=mesh)
-        texts = decode_completions(tokenizer, out.tokens, out.mask)[:k]
-        labels = [ex.get("label_idx", ex.get("answer")) for ex in chunk[:k]]
-        correct += sum(rl.rewards.mc_idx_reward(texts, labels))
-        fmt += sum(rl.rewards.think_format_reward(texts))
-        n += k
+    try:
+        for i in range(0, len(examples), rows_per_batch):
+            chunk = examples[i : i + rows_per_batch]
+            k = len(chunk)
+            chunk = chunk + [chunk[-1]] * (rows_per_batch - k)
+            key = jax.random.key(0)
+            out = sample_completions(greedy, params, collate(chunk), key, None, mesh, decode)
+            texts = decode_completions(tokenizer, out.tokens, out.mask)[:k]
+            labels = [ex.get("label_idx", ex.get("answer")) for ex in chunk[:k]]
+            correct += sum(rl.rewards.mc_idx_reward(texts, labels))
+            fmt += sum(rl.rewards.think_format_reward(texts))
+            n += k
+    finally:
+        if decode is not None:
+            decode.end_phase()
     return {"val/accuracy": correct / n, "val/format": fmt / n}
 
 

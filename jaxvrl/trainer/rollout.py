@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxvrl import rl
 from jaxvrl.parallel import runtime as R
+from jaxvrl.sampling import Sampler
 from jaxvrl.trainer.policy import RolloutBatch
 
 OVERALL = "overall"  # a filter metric: the total (weighted) reward
@@ -266,13 +267,38 @@ class Rollout:
     metrics: dict
 
 
-def sample_completions(sampler, params, batch: dict, key, pools=None, mesh=None):
+@dataclasses.dataclass
+class DecodeWeights:
+    """The samplers' decode weights (`Sampler.decode_weights`: on the CPU, the decoder's
+    weights as rows or packed for the CPU kernels), prepared once per rollout phase for its
+    parameters and row count and shared by the sampler and the greedy sampler. Packed ones
+    are kept for the next phase, whose parameters are packed into the same buffer."""
+
+    current: dict = dataclasses.field(default_factory=dict)  # rows -> this phase's
+    kept: dict = dataclasses.field(default_factory=dict)  # rows -> the last phase's, packed
+
+    def get(self, sampler, params, rows: int):
+        if rows not in self.current:
+            reuse = self.kept.pop(rows, None)
+            self.current[rows] = sampler.decode_weights(params, rows, reuse=reuse)
+        return self.current[rows]
+
+    def end_phase(self) -> None:
+        """Forget this phase's parameters; keep the packed buffers for the next phase."""
+        self.kept = {r: w for r, w in self.current.items() if w is not None and w.packed}
+        self.current = {}
+
+
+def sample_completions(
+    sampler, params, batch: dict, key, pools=None, mesh=None, decode: DecodeWeights | None = None
+):
     """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays.
 
     mesh: None puts the inputs on the default device. With a mesh the prompt arrays become
     global arrays with rows split over (data, fsdp) (`runtime.place_batch`: on a pod each
     process passes its own rows), the key is replicated, and the outputs come back as this
-    process's rows (`runtime.host_local`; np.asarray fails on a pod)."""
+    process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
+    decode weights of `params` are kept (None: the sampler prepares its own each call)."""
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")}
     inputs.update(images=batch["images"], pools=pools)
     if mesh is None:
@@ -280,6 +306,9 @@ def sample_completions(sampler, params, batch: dict, key, pools=None, mesh=None)
     else:
         inputs = R.place_batch(inputs, mesh)
         key = R.replicate(key, mesh)
+    weights = None
+    if decode is not None:
+        weights = decode.get(sampler, params, int(inputs["input_ids"].shape[0]))
     out = sampler(
         params,
         inputs["input_ids"],
@@ -289,6 +318,7 @@ def sample_completions(sampler, params, batch: dict, key, pools=None, mesh=None)
         key,
         images=inputs["images"],
         pools=inputs["pools"],
+        decode_weights=weights,
     )
     return R.host_local(out)
 
@@ -312,7 +342,7 @@ class RolloutPhase:
     (reward columns only: the MDI reward sees no attention statistics there and gives 0).
     """
 
-    sampler: Callable
+    sampler: Sampler
     tokenizer: object
     collate: Callable[[list], dict]
     rewards: dict  # {name: SafeReward}
@@ -322,8 +352,9 @@ class RolloutPhase:
     with_pools: bool = False
     mdi_balance_ratio: float = 2.0
     replay: rl.ReplayBuffer | None = None
-    greedy: Callable | None = None
+    greedy: Sampler | None = None
     mesh: Mesh | None = None  # where the sampler's inputs go (None: the default device)
+    decode: DecodeWeights = dataclasses.field(default_factory=DecodeWeights)
 
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""
@@ -332,7 +363,7 @@ class RolloutPhase:
         pools = None
         if self.attention is not None:
             pools = batch["pools"]
-        out = sample_completions(self.sampler, params, batch, key, pools, self.mesh)
+        out = sample_completions(self.sampler, params, batch, key, pools, self.mesh, self.decode)
         t_sample = time.time() - t0
         texts = decode_completions(self.tokenizer, out.tokens, out.mask)
         att = self._attention(out, batch)
@@ -385,7 +416,8 @@ class RolloutPhase:
         """float64[B]: the total reward of each prompt's greedy completion, on its G rows.
         The greedy sampler runs on the whole batch (the validation shape: no new program)."""
         g = self.opts.group_size
-        out = sample_completions(self.greedy, params, batch, jax.random.key(0), mesh=self.mesh)
+        key = jax.random.key(0)
+        out = sample_completions(self.greedy, params, batch, key, None, self.mesh, self.decode)
         texts = decode_completions(self.tokenizer, out.tokens[::g], out.mask[::g])
         cols = {k: (v[::g] if isinstance(v, list) else v) for k, v in columns.items()}
         cols["mdi"] = None
@@ -421,7 +453,10 @@ class RolloutPhase:
             infos.append(info)
             return groups
 
-        got = collect_groups(generate, self.opts, replay=self.replay, max_prompts=max_prompts)
+        try:
+            got = collect_groups(generate, self.opts, replay=self.replay, max_prompts=max_prompts)
+        finally:
+            self.decode.end_phase()
         real = np.array([x is not None for x in got.slots])
         n = self.opts.max_new_tokens
         groups = [

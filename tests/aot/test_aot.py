@@ -185,8 +185,8 @@ def test_programs_compiled_for_a_tpu_use_no_cpu_kernels():
     same step traced on this CPU host for a TPU mesh must be the TPU program, without them."""
     import functools
 
-    from jaxvrl.sampling import cpu_kernels
     from jaxvrl.sampling import sampler as S
+    from jaxvrl.sampling.cpu import kernels as cpu_kernels
 
     plan = Plan.build(load_config("configs/grpo.py:runlocal", []), "v5e-4")
     lower, *_ = plan._decode_step()

@@ -26,7 +26,7 @@ import ml_collections
 from flax import nnx
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.parallel import runtime as R, sharding as S
-from jaxvrl.sampling import SamplingConfig, make_sampler
+from jaxvrl.sampling import Sampler, SamplingConfig
 from jaxvrl.trainer.step import StepConfig, TrainState, build_train_step, make_train_step
 from tests.models import hf_tiny as T
 from tests.parallel.common import G, make_batch, make_prompts
@@ -41,7 +41,7 @@ cfg = StepConfig(group_size=G, use_kl_loss=True, kl_loss_coef=0.1)
 batches = [make_batch(model, prompts=4, seed=s) for s in range(3)]  # 8 rows each
 keys = [jax.random.key(s) for s in range(3)]
 prompts = make_prompts(model, prompts=4, seed=7)
-greedy = make_sampler(
+greedy = Sampler(
     nnx.graphdef(model),
     SamplingConfig(6, temperature=0.0, eos_token_ids=(T.IM_END,),
                    suppress_token_ids=(T.IMAGE, T.VIDEO, T.VSTART, T.VEND)),

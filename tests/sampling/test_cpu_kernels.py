@@ -1,16 +1,19 @@
-"""The CPU decode kernels (jaxvrl/sampling/decode_kernels.cc): x @ w.T against a float64
+"""The CPU decode kernels (jaxvrl/sampling/cpu/decode_kernels.cc): x @ w.T against a float64
 reference on odd shapes, packing, the greedy pick against the XLA rules, the gate, the
 fallback when they cannot be built, and the sampler's tokens and log-probs with and without
-them."""
+them, and the decode weights that reuse their buffer."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxvrl.sampling import cpu_kernels, generate, make_sampler, rules
+from jaxvrl.sampling import Sampler, generate, rules
+from jaxvrl.sampling.cpu import kernels as cpu_kernels
 from tests.models import hf_tiny as T
 
 needs_kernel = pytest.mark.skipif(
@@ -236,16 +239,13 @@ def test_gate():
 def test_build_failure_warns_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXVRL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(cpu_kernels, "_LOADED", [])  # as in a process that has not loaded it
-    cpu_kernels.available.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="could not be built or loaded"):
-            assert not cpu_kernels.available()
-        assert not cpu_kernels.applies(2, jnp.float32) and not cpu_kernels.usable()
-        assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
-    finally:
-        monkeypatch.undo()
-        cpu_kernels.available.cache_clear()
+    # as in a process that has not loaded it (undone: the loaded library comes back)
+    fresh = functools.cache(cpu_kernels._library.__wrapped__)
+    monkeypatch.setattr(cpu_kernels, "_library", fresh)
+    with pytest.warns(UserWarning, match="could not be built or loaded"):
+        assert not cpu_kernels.available()
+    assert not cpu_kernels.applies(2, jnp.float32) and not cpu_kernels.usable()
+    assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 
 @needs_kernel
@@ -270,60 +270,55 @@ def test_sampler_with_and_without_the_kernel(tmp_path, monkeypatch):
             assert traced  # the kernel was in the first runs' programs
             monkeypatch.setattr(cpu_kernels, "applies", lambda rows, dtype: False)
             monkeypatch.setattr(cpu_kernels, "usable", lambda: False)
-        make_sampler.cache_clear()
         runs[name] = [
             generate(model, ids, mask, temperature=t, rng=jax.random.key(2), **kw)
             for t in (0.0, 1.0)
         ]
-    make_sampler.cache_clear()
     for a, b in zip(runs["kernel"], runs["xla"]):
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
         np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
-        assert a.decode_buffer is None  # kept by the sampler, not handed out
 
 
 @needs_kernel
-def test_sampler_keeps_one_decode_buffer_between_calls(tmp_path):
-    """The packed weights' buffer is donated to the next call (same memory), the weights
-    are packed afresh each call (a changed model gives its own tokens), a call without the
-    kernels leaves it alone, and it can be released."""
+def test_decode_weights_are_packed_into_the_buffer_they_reuse(tmp_path):
+    """The decode weights are an explicit pytree the caller keeps: prepared again with
+    `reuse`, new weights go into the same memory and give their own tokens; a call without
+    them prepares its own (same tokens); weights prepared for another row count are refused;
+    inside the caller's own jit the sampler gives the same tokens."""
     from flax import nnx
 
     from jaxvrl.models import qwen2_5_vl as q
-    from jaxvrl.sampling import sampler as S
+    from jaxvrl.models.qwen2_5_vl import get_rope_index
+    from jaxvrl.sampling.sampler import generation_config
 
     T.build(tmp_path, seed=9, tie=False)
     model = q.load(tmp_path)
     rng = np.random.default_rng(5)
     ids, mask = T.left_pad([T.prompt(rng, text_len=(4, 7)) for _ in range(3)])
-    kw = dict(max_new_tokens=6, temperature=0.0)
-    S.release_decode_buffer()
-    first = generate(model, ids, mask, **kw)
-    (buf,) = S._SPARE
     graphdef, params = nnx.split(model)
-    assert buf.shape == (S.decode_buffer_size(graphdef, params, 3, S.SamplingConfig(6)),)
-    where = buf.unsafe_buffer_pointer()
-    again = generate(model, ids, mask, **kw)
-    assert S._SPARE[0].unsafe_buffer_pointer() == where and buf.is_deleted()
-    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(first.tokens))
-    # new weights: packed again into the same buffer
+    sampler = Sampler(graphdef, generation_config(model.config, max_new_tokens=6, temperature=0))
+    kw = dict(max_new_tokens=6, temperature=0.0, sampler=sampler)
+    weights = sampler.decode_weights(params, 3)
+    assert weights.packed and weights.buf.ndim == 1 and not weights.rows
+    first = generate(model, ids, mask, decode_weights=weights, **kw)
+    own = generate(model, ids, mask, **kw)
+    np.testing.assert_array_equal(np.asarray(own.tokens), np.asarray(first.tokens))
+    where = weights.buf.unsafe_buffer_pointer()
     model.lm_head.kernel[...] = -model.lm_head.kernel[...]
-    flipped = generate(model, ids, mask, **kw)
-    assert S._SPARE[0].unsafe_buffer_pointer() == where
-    want = generate(model, ids, mask, decode_layout="model", **kw)  # no kernels, no buffer
-    assert S._SPARE[0].unsafe_buffer_pointer() == where
+    params = nnx.state(model)
+    again = sampler.decode_weights(params, 3, reuse=weights)
+    assert weights.buf.is_deleted() and again.buf.unsafe_buffer_pointer() == where
+    flipped = generate(model, ids, mask, decode_weights=again, **kw)
+    want = generate(model, ids, mask, max_new_tokens=6, temperature=0.0, decode_layout="model")
     np.testing.assert_array_equal(np.asarray(flipped.tokens), np.asarray(want.tokens))
     assert not np.array_equal(np.asarray(flipped.tokens), np.asarray(first.tokens))
-    # called inside the caller's own jit: same tokens, the kept buffer untouched
-    from jaxvrl.models.qwen2_5_vl import get_rope_index
-
+    many = sampler.decode_weights(params, cpu_kernels.MAX_ROWS + 1)
+    assert not many.packed and many.buf is None and many.rows
+    with pytest.raises(ValueError, match="prepared for more than 32 rows, this call has 3"):
+        generate(model, ids, mask, decode_weights=many, **kw)
     pos, deltas = get_rope_index(ids, mask, model.config, None, None, None)
-    graphdef, params = nnx.split(model)
-    fn = make_sampler(graphdef, S.SamplingConfig(6, 0.0))
     args = (jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(pos), jnp.asarray(deltas))
-    direct = fn(params, *args, jax.random.key(0)).tokens
-    traced = jax.jit(lambda p, *a: fn(p, *a, jax.random.key(0)).tokens)(params, *args)
+    direct = sampler(params, *args, jax.random.key(0), decode_weights=again).tokens
+    traced = jax.jit(lambda p, *a: sampler(p, *a, jax.random.key(0)).tokens)(params, *args)
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(direct))
-    assert S._SPARE[0].unsafe_buffer_pointer() == where
-    S.release_decode_buffer()
-    assert not S._SPARE
+    np.testing.assert_array_equal(np.asarray(direct), np.asarray(flipped.tokens))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.sampling import SamplingConfig, generate, make_sampler
+from jaxvrl.sampling import Sampler, SamplingConfig, generate
+from jaxvrl.sampling.sampler import generation_config
 from tests.models import hf_tiny as T
 
 EOS = T.IM_END
@@ -150,6 +151,10 @@ def test_one_compilation_per_shape_with_images(models):
     """Different prompts and images of one (batch, prompt length, patch bucket) shape."""
     _, model = models
     rng = np.random.default_rng(8)
+    from flax import nnx
+
+    cfg = generation_config(model.config, max_new_tokens=5, temperature=1.0, eos_token_ids=EOS)
+    sampler = Sampler(nnx.graphdef(model), cfg)
     counts = []
     for grids in ([[1, 4, 4], [1, 2, 6]], [[1, 6, 2], [1, 2, 2]], [[1, 2, 4], [1, 4, 2]]):
         rows = [T.prompt(rng, images=[g], text_len=(4, 7)) for g in grids]
@@ -165,28 +170,13 @@ def test_one_compilation_per_shape_with_images(models):
             pixel_values=T.patches(rng, grids),
             image_grid_thw=np.array(grids),
             patch_bucket=16,
+            sampler=sampler,
         )
         assert out.tokens.shape == (2, 5)
-        counts.append(sampler_cache_size(model, 5))
+        counts.append(sampler.compiles())
     assert counts == [1, 1, 1]
-
-
-def sampler_cache_size(model, n):
-    from flax import nnx
-
-    cfg = model.config
-    scfg = SamplingConfig(
-        max_new_tokens=n,
-        temperature=1.0,
-        eos_token_ids=(EOS,),
-        suppress_token_ids=(
-            cfg.image_token_id,
-            cfg.video_token_id,
-            cfg.vision_start_token_id,
-            cfg.vision_end_token_id,
-        ),
-    )
-    return make_sampler(nnx.split(model)[0], scfg)._cache_size()
+    with pytest.raises(ValueError, match="the sampler was made for"):
+        generate(model, ids, mask, max_new_tokens=4, temperature=1.0, sampler=sampler)
 
 
 def test_one_compilation_per_shape_and_early_stop(models):
@@ -197,7 +187,7 @@ def test_one_compilation_per_shape_and_early_stop(models):
     cfg = SamplingConfig(
         max_new_tokens=N, temperature=1.0, eos_token_ids=tuple(range(300)), check_every=1
     )
-    fn = make_sampler(graphdef, cfg)
+    fn = Sampler(graphdef, cfg)
     rng = np.random.default_rng(5)
     for seed in range(3):
         ids = rng.integers(20, 280, (2, 9))
@@ -207,7 +197,7 @@ def test_one_compilation_per_shape_and_early_stop(models):
         # every token is an EOS: each row ends after one token and the loop stops
         np.testing.assert_array_equal(np.asarray(out.mask).sum(1), [1, 1])
         assert int(out.steps) == 1
-    assert fn._cache_size() == 1
+    assert fn.compiles() == 1
 
 
 def test_top_k_one_is_greedy(models):
@@ -339,7 +329,7 @@ def test_transposed_decode_layout_equals_the_model_layout(models, tmp_path, vari
 def test_decode_attention_forms_agree(models, monkeypatch):
     """A decode step's cached attention as products and middle-axis reductions (the CPU form)
     and as the batched matmuls (prefill, accelerators) give the same tokens and log-probs."""
-    from jaxvrl.models.qwen2_5_vl import text
+    from jaxvrl.sampling.cpu import decode
 
     model = models[1]
     rng = np.random.default_rng(11)
@@ -350,14 +340,9 @@ def test_decode_attention_forms_agree(models, monkeypatch):
     pv = T.patches(rng, grid)
     kw = dict(max_new_tokens=N, temperature=1.0, rng=jax.random.key(4), pixel_values=pv,
               image_grid_thw=grid)  # fmt: skip
-    make_sampler.cache_clear()
     products = generate(model, ids, mask, **kw)
-    monkeypatch.setattr(text, "_products_for_one_query", lambda t: False)
-    make_sampler.cache_clear()
-    try:
-        matmuls = generate(model, ids, mask, **kw)
-    finally:
-        make_sampler.cache_clear()
+    monkeypatch.setattr(decode, "attention", None)  # the model's own cached attention
+    matmuls = generate(model, ids, mask, **kw)
     assert int(np.asarray(products.mask).sum()) > 4
     np.testing.assert_array_equal(np.asarray(products.tokens), np.asarray(matmuls.tokens))
     np.testing.assert_allclose(

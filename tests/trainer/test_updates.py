@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxvrl import rl
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.sampling import SamplingConfig, make_sampler
+from jaxvrl.sampling import Sampler, SamplingConfig
 from jaxvrl.trainer.rollout import assemble
 from jaxvrl.trainer.step import StepConfig, make_train_step, update_order
 from tests.models import hf_tiny as T
@@ -117,7 +117,7 @@ def sampled_batch(model, seed):
     p = make_prompts(model, rng)
     graphdef, params = nnx.split(model, nnx.Param)
     suppress = (T.IMAGE, T.VIDEO, T.VSTART, T.VEND)
-    sampler = make_sampler(graphdef, SamplingConfig(N, TEMP, suppress_token_ids=suppress))
+    sampler = Sampler(graphdef, SamplingConfig(N, TEMP, suppress_token_ids=suppress))
     args = [jnp.asarray(p[k]) for k in ("input_ids", "attention_mask", "position_ids", "deltas")]
     images = jax.tree.map(jnp.asarray, p["images"])
     out = sampler(params, *args, jax.random.key(seed), images=images)

@@ -64,12 +64,16 @@ class GatedMLP(nnx.Module):
         self.act = activation(act)
 
     def gate_up(self, x):
-        """(gate(x), up(x)) (a decode step may fuse the two)."""
+        """(gate(x), up(x))."""
         return self.gate_proj(x), self.up_proj(x)
 
-    def __call__(self, x):
-        gate, up = self.gate_up(x)
-        return self.down_proj(self.act(gate) * up)
+    def __call__(self, x, forms=None):
+        """forms: None, or a decode step's replacements (attributes gate_up, down: callables
+        or None for this module's own; see `TextDecoder.__call__`)."""
+        own = forms is None
+        gate, up = self.gate_up(x) if own or forms.gate_up is None else forms.gate_up(x)
+        down = self.down_proj if own or forms.down is None else forms.down
+        return down(self.act(gate) * up)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:

@@ -109,14 +109,17 @@ class Qwen2_5_VL(nnx.Module):
         cache: KVCache | None = None,
         pools: dict | None = None,
         return_logits: bool = True,
+        forms=None,
     ) -> ModelOutput:
         """input_ids int[B, T]; attention_mask int[B, T]; position_ids int[3, B, T].
 
         pools: optional {"vision", "text", "prompt"} bool[B, S] key masks (S = T, or the cache
         length with a cache) to return per-layer attention masses (see `attention_pools`).
+        forms: a decode step's replacements for the text layers' projections and cached
+        attention (see `TextDecoder.__call__`), or None.
         """
         x = self.embed(input_ids, images, videos)
-        hidden, new_cache, stats = self.model(x, position_ids, attention_mask, cache, pools)
+        hidden, new_cache, stats = self.model(x, position_ids, attention_mask, cache, pools, forms)
         return ModelOutput(
             logits=self.logits(hidden) if return_logits else None,
             hidden=hidden,

@@ -21,7 +21,7 @@ from jaxvrl.models.qwen2_5_vl.layers import (
     pool_masses,
     remat,
 )
-from jaxvrl.parallel.sharding import constrain, target_platform
+from jaxvrl.parallel.sharding import constrain
 
 # logical axes of the residual stream [B, T, D]
 RESIDUAL = ("batch", "length", "act_embed")
@@ -87,12 +87,16 @@ class Attention(nnx.Module):
         """q [B, T, N*H], k and v [B, T, K*H] (a decode step may fuse the three)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x, cos, sin, mask, kv=None, pools=None):
+    def __call__(self, x, cos, sin, mask, kv=None, pools=None, forms=None):
         """x: [B, T, D]; mask: bool[B, T, S]; kv: None or (k_cache, v_cache, index) to write the
-        new keys at `index` and attend over the whole cache (see KVCache).
+        new keys at `index` and attend over the whole cache (see KVCache); forms: what a
+        decode step's caller supplies in place of this layer's own projections and cached
+        attention (see `TextDecoder.__call__`), or None.
         Returns (out, (k, v), stats); k, v are the updated caches when kv is given."""
         b, t, _ = x.shape
-        q, k, v = self.project(x)
+        own = forms is None
+        q, k, v = self.project(x) if own or forms.qkv is None else forms.qkv(x)
+        o_proj = self.o_proj if own or forms.o is None else forms.o
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv, self.head_dim)
         v = v.reshape(b, t, self.n_kv, self.head_dim)
@@ -100,7 +104,7 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", None))
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
-        one_cpu_query = False
+        scale = self.head_dim**-0.5
         if kv is None:
             logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype))
         else:
@@ -114,54 +118,20 @@ class Attention(nnx.Module):
             # the cache stays split like the rows (and over kv heads with tensor parallelism)
             k = constrain(k, ("batch", "heads", None, "length"))
             v = constrain(v, ("batch", "heads", "length", None))
-            one_cpu_query = _products_for_one_query(t)
-            if one_cpu_query and pools is None and _attention_kernel(q, k):
-                out = _kernels().decode_attention(
-                    qg[:, 0], k, v, mask[:, 0], self.head_dim**-0.5
-                )  # [B, K, G, H]
-                return self.o_proj(out.reshape(b, t, -1).astype(x.dtype)), (k, v), None
-            if one_cpu_query:
-                # a decode step on the CPU: products and reductions over a middle axis (in
-                # float32, like the matmuls' accumulation), which XLA's CPU backend runs about
-                # twice as fast as its batched M = G matmuls
-                q1 = qg[:, 0].astype(jnp.float32)  # [B, K, G, H]
-                logits = jnp.sum(q1[..., None] * k.astype(jnp.float32)[:, :, None], axis=3)
-                logits = logits[:, :, :, None].astype(q.dtype)
-            else:
-                logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
-        probs = masked_softmax(logits * self.head_dim**-0.5, mask[:, None, None])
+            if not own and forms.attention is not None:
+                out, stats = forms.attention(qg, k, v, mask, scale, pools, x.dtype)
+                return o_proj(out.reshape(b, t, -1)), (k, v), stats
+            logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
+        probs = masked_softmax(logits * scale, mask[:, None, None])
         stats = pool_masses(probs, pools) if pools is not None else None
         pv, vv = probs.astype(x.dtype), v.astype(x.dtype)
         if kv is None:
             out = jnp.einsum("BKGTS,BSKH->BTKGH", pv, vv)
-        elif one_cpu_query:
-            prod = pv[:, :, :, 0, :, None].astype(jnp.float32) * vv.astype(jnp.float32)[:, :, None]
-            out = jnp.sum(prod, axis=3)[:, None].astype(x.dtype)
         else:
             # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU
             # backend multiplied by the transposed cache, 2.3x slower
             out = jnp.einsum("BKGTS,BKSH->BKGTH", pv, vv).transpose(0, 3, 1, 2, 4)
-        return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
-
-
-def _kernels():
-    # imported on use: jaxvrl.sampling imports this package
-    from jaxvrl.sampling import cpu_kernels
-
-    return cpu_kernels
-
-
-def _attention_kernel(q: jax.Array, k_cache: jax.Array) -> bool:
-    """Whether a CPU decode step's cached attention runs as the kernel
-    (`cpu_kernels.decode_attention`): float32 queries and cache, one CPU device, kernels built.
-    Callers keep XLA's form when attention statistics are asked for."""
-    return q.dtype == jnp.float32 and k_cache.dtype == jnp.float32 and _kernels().usable()
-
-
-def _products_for_one_query(t: int) -> bool:
-    """Whether a cached attention of t queries takes the product-and-reduce form (a decode
-    step on the CPU) rather than the batched matmuls (prefill, accelerators)."""
-    return t == 1 and target_platform() == "cpu"
+        return o_proj(out.reshape(b, t, -1)), (k, v), stats
 
 
 class DecoderLayer(nnx.Module):
@@ -176,10 +146,10 @@ class DecoderLayer(nnx.Module):
             cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, **kw
         )
 
-    def __call__(self, x, cos, sin, mask, kv=None, pools=None):
-        h, new_kv, stats = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, pools)
+    def __call__(self, x, cos, sin, mask, kv=None, pools=None, forms=None):
+        h, new_kv, stats = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, pools, forms)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), forms)
         return constrain(x, RESIDUAL), new_kv, stats
 
 
@@ -200,13 +170,21 @@ class TextDecoder(nnx.Module):
         self.dtype = dtype
         self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
 
-    def __call__(self, x, position_ids, attention_mask, cache: KVCache | None = None, pools=None):
+    def __call__(
+        self, x, position_ids, attention_mask, cache: KVCache | None = None, pools=None, forms=None
+    ):
         """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T].
 
         Without a cache, queries attend causally over the T given tokens. With a cache, the T
         tokens are written at `cache.index` and attend over every valid cached key up to their
         own slot. Returns (hidden [B, T, D], new cache or None, stats or None) where stats is
         (A_V, A_X), each float32[L, B, T].
+
+        forms: None, or what a decode step's caller (the sampler) supplies in place of the
+        layers' own modules: `forms.layer(i)` has attributes qkv(x) -> (q, k, v), o(x),
+        gate_up(x) -> (gate, up), down(x) and attention(qg, k, v, mask, scale, pools, dtype)
+        -> (out [B, T, K, G, H], stats) over the cache, each a callable or None (the layer's
+        own). The sampler's CPU forms (packed weights, a CPU kernel) live there, not here.
         """
         b, t, _ = x.shape
         cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
@@ -224,7 +202,10 @@ class TextDecoder(nnx.Module):
         call = remat(DecoderLayer.__call__, self.remat_policy)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-            x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
+            if forms is None:
+                x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
+            else:  # decode steps only: nothing to differentiate
+                x, (k, v), stats = layer(x, cos, sin, mask, kv, pools, forms.layer(i))
             ks.append(k)
             vs.append(v)
             if stats is not None:

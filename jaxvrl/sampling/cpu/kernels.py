@@ -1,9 +1,10 @@
 """CPU kernels for decode steps, built on first use (XLA FFI custom calls, `decode_kernels.cc`).
 
 - `rows_by_weight(buf, x, N, offset)` = x @ w.T for float32 w [N, K] and a few rows x [M, K]:
-  the weights, packed once per `generate` call into panels of 8 rows at their offsets of one
-  flat buffer (`pack_into`, in place, so that the sampler reuses one buffer from call to call
-  rather than faulting in fresh pages for a copy of the weights every call), are streamed once
+  the weights, packed once per set of parameters into panels of 8 rows at their offsets of
+  one flat buffer (`pack_into`, in place, so that the sampler's caller reuses one buffer from
+  call to call rather than faulting in fresh pages for a copy of the weights every call; see
+  `decode.prepare`), are streamed once
   per step with software prefetch, split between the caller and XLA's intra-op threads.
   XLA's own CPU dot reads such weights at about half the memory bandwidth, and a decode step
   is little else (bench/RESULTS.md).
@@ -102,18 +103,13 @@ def build(out_dir: Path | None = None) -> Path:
     return lib
 
 
-# The library registered in this process: XLA keeps one handler per target name for the life
-# of the process, so a library is loaded and registered at most once.
-_LOADED: list = []
-
-
 @functools.cache
-def available() -> bool:
-    """Whether the kernels can run here (builds, loads and registers them once)."""
+def _library():
+    """The kernels' library, built, loaded and registered with XLA once per process (XLA keeps
+    one handler per target name for the life of the process), or None where it cannot be
+    built or loaded (a warning says why)."""
     if os.environ.get("JAXVRL_CPU_KERNELS", "1") == "0":
-        return False
-    if _LOADED:
-        return True
+        return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         for target, symbol in _TARGETS.items():
@@ -125,11 +121,15 @@ def available() -> bool:
             f"jaxvrl: the CPU decode kernels {_SOURCE.name} could not be built or loaded, "
             f"decode steps use XLA instead (set JAXVRL_CPU_KERNELS=0 to silence): "
             f"{detail.strip()[-2000:]}",
-            stacklevel=2,
+            stacklevel=3,
         )
-        return False
-    _LOADED.append(lib)
-    return True
+        return None
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels can run here (builds, loads and registers them on first use)."""
+    return _library() is not None
 
 
 PANEL = 8  # output columns per packed panel (kPanel in decode_kernels.cc)

@@ -1,0 +1,132 @@
+"""The package's shape: layers import only downward (import-linter's contracts in
+pyproject.toml, which the test command runs; here shown to catch a cycle), and no module
+holds mutable state (no globals rebound or mutated, no caches on functions but the one that
+loads the CPU kernels' library)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "jaxvrl"
+# functions allowed a process-wide cache, and why
+CACHED = {
+    ("jaxvrl/sampling/cpu/kernels.py", "_library"): "XLA registers a custom call once per process",
+}
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update",
+            "setdefault", "add", "discard", "appendleft", "extendleft"}  # fmt: skip
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text())
+
+
+def _module_names(tree) -> dict:
+    """Names bound at module level to a list, dict or set (a display or a constructor call)."""
+    names = {}
+    for node in tree.body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp))
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+            mutable |= value.func.id in {"list", "dict", "set", "defaultdict", "deque"}
+        for t in targets:
+            if mutable and isinstance(t, ast.Name):
+                names[t.id] = node.lineno
+    return names
+
+
+def _findings(path: str, tree) -> list[str]:
+    out = []
+    names = _module_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            out.append(f"{path}:{node.lineno}: global {', '.join(node.names)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            obj = node.func.value
+            if isinstance(obj, ast.Name) and obj.id in names and node.func.attr in MUTATORS:
+                out.append(
+                    f"{path}:{node.lineno}: {obj.id}.{node.func.attr}() mutates module state"
+                )
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if isinstance(node, ast.Delete):
+            targets = node.targets
+        for t in targets:
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                if t.value.id in names:
+                    out.append(f"{path}:{node.lineno}: {t.value.id}[...] mutates module state")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                f = d.func if isinstance(d, ast.Call) else d
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name in {"cache", "lru_cache"} and (path, node.name) not in CACHED:
+                    out.append(f"{path}:{node.lineno}: @{name} on {node.name}")
+    return out
+
+
+def test_no_module_level_mutable_state():
+    findings = [f for path, tree in _modules() for f in _findings(path, tree)]
+    assert not findings, "\n".join(findings)
+
+
+def test_the_state_check_finds_what_it_looks_for():
+    bad = ast.parse(
+        "import functools\n_SPARE: list = []\nCOUNTS = {}\n"
+        "def f(x):\n    _SPARE[:] = [x]\n    COUNTS.setdefault(x, 0)\n    global N\n"
+        "@functools.lru_cache(maxsize=8)\ndef g(x):\n    return x\n"
+    )
+    found = _findings("bad.py", bad)
+    assert len(found) == 4, found
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(root))
+    exe = shutil.which("lint-imports") or pytest.skip("lint-imports is not installed")
+    return subprocess.run(
+        [exe, "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module, line",
+    [
+        ("jaxvrl/models/qwen2_5_vl/text.py", "from jaxvrl.sampling import sampler"),
+        ("jaxvrl/parallel/runtime.py", "from jaxvrl.trainer import step"),
+    ],
+)
+def test_the_layering_contracts_catch_an_upward_import(tmp_path, module, line):
+    shutil.copytree(PACKAGE, tmp_path / "jaxvrl", ignore=shutil.ignore_patterns("assets"))
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n{line}  # noqa\n")
+    broken = _lint(tmp_path)
+    assert broken.returncode != 0, broken.stdout
+    assert "BROKEN" in broken.stdout
+    (tmp_path / module).write_text((PACKAGE.parent / module).read_text())
+    kept = _lint(tmp_path)
+    assert kept.returncode == 0, kept.stdout
+
+
+def test_the_main_job_touches_no_private_attribute_of_another_module():
+    tree = ast.parse((PACKAGE / "train.py").read_text())
+    private = [
+        f"train.py:{n.lineno}: .{n.attr}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr.startswith("_")
+        and not n.attr.startswith("__")
+        and not (isinstance(n.value, ast.Name) and n.value.id == "self")
+    ]
+    assert not private, private
