@@ -1,22 +1,22 @@
 """Multi-head attention behind one function, `attend`, with implementations chosen by name.
 
 Decision: the model calls `attend(q, k, v, *, scale, key_valid, q_positions, k_positions,
-q_segments, k_segments, causal, pools, implementation, block_q, block_k)` and never builds a
-[T, S] mask. Who may see whom is given by O(T + S) arrays, from which every implementation
-builds its own mask, block by block where it works in blocks:
+q_segments, k_segments, causal, pools, implementation, block_q, block_k, interpret)` and
+never builds a [T, S] mask. Who may see whom is given by O(T + S) arrays, from which every
+implementation builds its own mask, block by block where it works in blocks:
 
     visible(b, t, s) = key_valid[b, s]
                        and (not causal or k_positions[b, s] <= q_positions[b, t])
                        and (no segments or q_segments[b, t] == k_segments[b, s])
 
-That one rule covers every caller. The text decoder's training forward and a prefill pass
-positions 0..T-1 for queries and keys; a cache extend (T > 1) and a decode step (T = 1) pass
-query positions `index + arange(T)` against key positions `arange(S)` of the whole cache, and
-key_valid = the cache's valid-key mask (left padding, unwritten slots). The vision tower passes
-causal=False and segment ids (one per window, or one per frame for its full-attention blocks);
-its packed patches are one row (B = 1). Positions and segments may be shared by the batch
-([T], [S]) or per row ([B, T], [B, S]). The scale is an argument because the callers differ
-(head_dim ** -0.5 for both Qwen2.5-VL towers today, but not for every model).
+That one rule covers every caller. The text decoder's training forward and a prefill without
+a cache pass no positions (0..T-1 for queries and keys); a cache extend (T > 1) and a decode
+step (T = 1) pass query positions `index + arange(T)` against key positions `arange(S)` of the
+whole cache, and key_valid = the cache's valid-key mask (left padding, unwritten slots). The
+vision tower passes causal=False and segment ids (one per window, or one per frame for its
+full-attention blocks); its packed patches are one row (B = 1). Positions and segments may
+be shared by the batch ([T], [S]) or per row ([B, T], [B, S]). The scale is an argument
+because callers differ (head_dim ** -0.5 in both Qwen2.5-VL towers, not in every model).
 
 Einsum letters: B batch, T query positions, S key positions, N query heads, K key/value
 heads, G query heads per key/value head (N = K*G), H head dim, P key pools.
@@ -31,9 +31,21 @@ Implementations (`IMPLEMENTATIONS`; `resolve` maps "auto" and a platform to one 
   holds more than one [B, N, block_q, block_k] block of logits. T and S need not divide the
   block sizes (queries are padded and dropped, keys padded as invalid). GQA reads each
   key/value head once for its G query heads.
+- "splash": the Pallas TPU splash kernel (jax.experimental.pallas.ops.tpu.splash_attention),
+  one row at a time. Causality is its static CausalMask (key index <= query index), key
+  validity and segments become its SegmentIds; T and S are padded to multiples of 128. Under
+  a mesh it runs in shard_map (rows split like "batch", heads like "heads").
+- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bfloat16/float16).
+  Causality is its index-causal flag; key validity or segments, when given, a bool
+  [B, 1, T, S] mask (which it turns into a bias of that size).
+The two kernels know causality only by index, so they serve self-attention with default
+positions (training forward, prefill without a cache, the vision tower). A causal call with
+explicit positions (a cache extend or decode step) runs "flash", or "xla" when T == 1; so the
+model passes its configured implementation everywhere and no positions where there is no cache.
 
-Both keep the dense softmax's conventions: float32 softmax, and a query that may see no key
-(a fully masked row) gets a zero output and zero statistics, not NaN.
+All keep the dense softmax's conventions: float32 softmax, and a query that may see no key
+(a fully masked row) gets a zero output and zero statistics, not NaN (the kernels average
+masked values there; their outputs are zeroed).
 
 Attention statistics: with pools = {"vision", "text", "prompt"} bool[B, S] key masks, `attend`
 also returns (A_V, A_X) float32[B, T]: the heads-averaged attention mass on the vision and text
@@ -41,7 +53,9 @@ pools divided by the mass on the prompt pool (0 where the prompt mass is 0). The
 for one query and head is sum over the pool's visible keys of exp(s - lse_all) =
 exp(lse_pool - lse_all). "flash" keeps one running sum per pool in the frame of the running max
 it already carries (rescaled by the same factor as the running sum over all keys), so the
-statistics cost one extra [B, N, block_q, P] product per block and no second pass. Statistics
+statistics cost one extra [B, N, block_q, P] product per block and no second pass. With
+"splash" and "cudnn", whose kernels return no per-row sums, the statistics come from a second,
+blocked pass of the same loop without values (the logits once more, no [T, S]). Statistics
 carry no gradient (they feed rewards and token weights): the gradients of `out` are the same
 with or without them.
 """
@@ -50,13 +64,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-IMPLEMENTATIONS = ("xla", "flash")
+from jaxvrl.parallel.sharding import MESH_AXES, logical_to_spec
+
+IMPLEMENTATIONS = ("xla", "flash", "splash", "cudnn")
 POOLS = ("vision", "text", "prompt")  # the order of the pool axis P
 
 
@@ -65,12 +83,15 @@ def resolve(implementation: str, platform: str) -> str:
     compiled for (pass the mesh's platform, not the process's default backend).
 
     "auto" gives the dense reference on the CPU (small programs, where the dense softmax is
-    fastest) and the blocked one on accelerators (long sequences, where [T, S] logits would
-    not fit); any other name must be one of IMPLEMENTATIONS and is returned unchanged."""
+    fastest), the splash kernel on TPUs and the blocked plain-JAX attention on GPUs (cuDNN
+    wants bfloat16 or float16 and has not been run here); any other name must be one of
+    IMPLEMENTATIONS and is returned unchanged. Splash computes every block its static mask
+    allows: with narrow segments (the vision tower's windows) "flash", which skips the blocks
+    no query of a block may see, does far less work."""
     if implementation == "auto":
         if platform not in ("cpu", "gpu", "tpu"):
             raise ValueError(f"unknown platform {platform!r} (expected cpu, gpu or tpu)")
-        return "xla" if platform == "cpu" else "flash"
+        return {"cpu": "xla", "gpu": "flash", "tpu": "splash"}[platform]
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown attention implementation {implementation!r}; "
@@ -155,6 +176,7 @@ def attend(
     implementation: str = "xla",
     block_q: int = 512,
     block_k: int = 512,
+    interpret: bool = False,
 ):
     """Attention of q float[B, T, N, H] over k, v float[B, S, K, H] (N = K*G).
 
@@ -162,7 +184,9 @@ def attend(
     int[S] or [B, S]: a query at position p sees keys at positions <= p when causal (default
     0..T-1 for both when T == S); q_segments int[T] or [B, T], k_segments int[S] or [B, S]:
     attention only within equal ids. pools: None or {"vision", "text", "prompt"}: bool[B, S].
-    scale multiplies the logits. block_q, block_k: "flash" block sizes (clipped to T, S).
+    scale multiplies the logits. block_q, block_k: block sizes of "flash" (clipped to T, S)
+    and "splash" (rounded up to multiples of 128). interpret: run Pallas kernels in the
+    interpreter (CPU tests).
 
     Returns (out [B, T, N, H] in q's dtype, stats): stats is None without pools, else
     (A_V, A_X) float32[B, T], gradient-free.
@@ -180,22 +204,31 @@ def attend(
     pool = None
     if pools is not None:
         pool = jnp.stack([jnp.asarray(pools[name], bool) for name in POOLS], axis=-1)  # [B, S, P]
+    if implementation not in IMPLEMENTATIONS:  # "auto" needs the platform: see resolve
+        hint = (
+            " (map 'auto' with resolve(name, platform) first)" if implementation == "auto" else ""
+        )
+        raise ValueError(
+            f"attention implementation {implementation!r}: one of {IMPLEMENTATIONS}{hint}"
+        )
+    blocks = _Blocks(
+        float(scale), causal, max(1, min(block_q, t)), max(1, min(block_k, k.shape[1]))
+    )
+    explicit_positions = causal and q_positions is not None
+    if implementation in ("splash", "cudnn") and explicit_positions:
+        # kernels with an index-causal mask cannot take a cache's positions
+        implementation = "xla" if t == 1 else "flash"
     if implementation == "xla":
         out, masses = _xla(q, k, v, vis, pool, scale=scale, causal=causal)
     elif implementation == "flash":
-        cfg = _Blocks(
-            float(scale), causal, max(1, min(block_q, t)), max(1, min(block_k, k.shape[1]))
-        )
-        out, masses = _flash(q, k, v, vis, pool, cfg)
-    else:  # "auto" depends on the target platform, which only the caller knows: see resolve
-        raise ValueError(
-            f"attention implementation {implementation!r}: expected one of {IMPLEMENTATIONS}"
-            + (
-                " (resolve 'auto' with resolve(name, platform) first)"
-                if implementation == "auto"
-                else ""
-            )
-        )
+        out, masses = _flash(q, k, v, vis, pool, blocks)
+    else:
+        if implementation == "splash":
+            out = _splash(q, k, v, vis, blocks, interpret=interpret)
+        else:
+            masked = key_valid is not None or q_segments is not None
+            out = _cudnn(q, k, v, vis, blocks, masked=masked)
+        masses = None if pool is None else _blocked_masses(q, k, vis, pool, blocks)
     return out, (None if masses is None else _pool_ratios(lax.stop_gradient(masses)))
 
 
@@ -246,17 +279,18 @@ def _pad_axis(x, axis: int, size: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _flash(q, k, v, vis: Visibility, pool, cfg: _Blocks):
-    """Pads T and S to whole blocks, moves heads first, runs the custom-VJP kernel."""
+def _to_blocks(q, k, v, vis: Visibility, pool, cfg: _Blocks):
+    """Heads first and T, S padded to whole blocks: q [B, K, G, Tp, H], k and v [B, K, Sp, H],
+    pool float32[B, Sp, P]. Padded keys are invalid; padded queries are dropped by the caller
+    (so their output cotangent is zero)."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     tp = -(-t // cfg.block_q) * cfg.block_q
     sp = -(-s // cfg.block_k) * cfg.block_k
-    qg = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+    qg = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
     qg = _pad_axis(qg, 3, tp, 0)
-    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)  # [B, K, S, H]
-    vt = _pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
-    # padded keys are invalid; padded queries are dropped (their output cotangent is zero)
+    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)
+    vt = None if v is None else _pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
     vis = Visibility(
         _pad_axis(vis.key_valid, 1, sp, False),
         _pad_axis(vis.q_positions, 1, tp, 0),
@@ -266,15 +300,30 @@ def _flash(q, k, v, vis: Visibility, pool, cfg: _Blocks):
     )
     if pool is not None:
         pool = _pad_axis(pool.astype(jnp.float32), 1, sp, 0.0)
-    out, masses = _flash_kernel(cfg, qg, kt, vt, vis, pool)
+    return qg, kt, vt, vis, pool
+
+
+def _flash(q, k, v, vis: Visibility, pool, cfg: _Blocks):
+    b, t, n, h = q.shape
+    out, masses = _flash_kernel(cfg, *_to_blocks(q, k, v, vis, pool, cfg))
     out = out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
     return out, (None if masses is None else masses[:, :t])
 
 
+def _blocked_masses(q, k, vis: Visibility, pool, cfg: _Blocks):
+    """Pool masses float32[B, T, P] alone, by the blocked forward pass without values (for
+    kernels that return no log-sum-exp per row): a second pass over the logits, no [T, S]."""
+    qg, kt, _, vis, pool = _to_blocks(q, k, None, vis, pool, cfg)
+    _, _, masses = _flash_forward(
+        cfg, lax.stop_gradient(qg), lax.stop_gradient(kt), None, vis, pool
+    )
+    return masses[:, : q.shape[1]]
+
+
 def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
     """q [B, K, G, Tp, H], k and v [B, K, Sp, H], pool float32[B, Sp, P] or None.
-    Returns out [B, K, G, Tp, H] (q's dtype), lse float32[B, K, G, Tp] (0 on rows that see no
-    key) and heads-averaged pool masses float32[B, Tp, P] or None."""
+    Returns out [B, K, G, Tp, H] (q's dtype; None when v is None), lse float32[B, K, G, Tp]
+    (0 on rows that see no key) and heads-averaged pool masses float32[B, Tp, P] or None."""
     b, kh, g, tp, h = q.shape
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk = tp // bq, k.shape[2] // bk
@@ -291,7 +340,6 @@ def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
             def update(carry):
                 m, total, acc, lp = carry
                 kb = lax.dynamic_slice_in_dim(k, s0, bk, axis=2)  # [B, K, bk, H]
-                vb = lax.dynamic_slice_in_dim(v, s0, bk, axis=2)
                 s = jnp.einsum("BKGTH,BKSH->BKGTS", qb, kb, preferred_element_type=f32)
                 s = jnp.where(mask, s * cfg.scale, -jnp.inf)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -299,10 +347,12 @@ def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
                 p = jnp.exp(s - shift[..., None])  # 0 where masked
                 corr = jnp.exp(m - shift)  # 0 while m is -inf
                 total = total * corr + jnp.sum(p, axis=-1)
-                pv = jnp.einsum(
-                    "BKGTS,BKSH->BKGTH", p.astype(v.dtype), vb, preferred_element_type=f32
-                )
-                acc = acc * corr[..., None] + pv
+                if acc is not None:
+                    vb = lax.dynamic_slice_in_dim(v, s0, bk, axis=2)
+                    pv = jnp.einsum(
+                        "BKGTS,BKSH->BKGTH", p.astype(v.dtype), vb, preferred_element_type=f32
+                    )
+                    acc = acc * corr[..., None] + pv
                 if lp is not None:
                     pb = lax.dynamic_slice_in_dim(pool, s0, bk, axis=1)  # [B, bk, P]
                     lp = lp * corr[..., None] + jnp.einsum("BKGTS,BSP->BKGTP", p, pb)
@@ -313,13 +363,15 @@ def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
         init = (
             jnp.full((b, kh, g, bq), -jnp.inf, f32),
             jnp.zeros((b, kh, g, bq), f32),
-            jnp.zeros((b, kh, g, bq, h), f32),
+            None if v is None else jnp.zeros((b, kh, g, bq, h), f32),
             None if pool is None else jnp.zeros((b, kh, g, bq, pool.shape[-1]), f32),
         )
         m, total, acc, lp = lax.fori_loop(0, nk, k_block, init)
         seen = total > 0
         safe = jnp.where(seen, total, 1.0)
-        out = jnp.where(seen[..., None], acc / safe[..., None], 0.0).astype(q.dtype)
+        out = None
+        if acc is not None:
+            out = jnp.where(seen[..., None], acc / safe[..., None], 0.0).astype(q.dtype)
         lse = jnp.where(seen, m + jnp.log(safe), 0.0)
         masses = None
         if lp is not None:  # per head lp / l, then the mean over the K*G heads
@@ -327,7 +379,8 @@ def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
         return out, lse, masses
 
     out, lse, masses = lax.map(q_block, jnp.arange(nq))  # leading axis: query blocks
-    out = jnp.moveaxis(out, 0, 3).reshape(b, kh, g, tp, h)
+    if out is not None:
+        out = jnp.moveaxis(out, 0, 3).reshape(b, kh, g, tp, h)
     lse = jnp.moveaxis(lse, 0, 3).reshape(b, kh, g, tp)
     if masses is not None:
         masses = jnp.moveaxis(masses, 0, 1).reshape(b, tp, -1)
@@ -403,3 +456,120 @@ def _flash_kernel_bwd(cfg, residuals, cotangents):
 
 
 _flash_kernel.defvjp(_flash_kernel_fwd, _flash_kernel_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels with a static mask: splash (TPU, Pallas) and cuDNN (GPU)
+
+
+def _sees_any(vis: Visibility, causal: bool) -> jax.Array:
+    """bool[B, T]: queries that may see at least one key (a fused reduction, no [T, S] buffer).
+    The kernels below give such rows an average of masked values rather than zeros."""
+    return jnp.any(visibility_mask(vis, causal), axis=-1)
+
+
+def _splash(q, k, v, vis: Visibility, cfg: _Blocks, *, interpret: bool):
+    """The Pallas TPU splash kernel, one row at a time (vmap). Causality is its static
+    CausalMask (key index <= query index); key validity and segments become its SegmentIds:
+    queries get 2 * segment, valid keys 2 * segment and invalid keys 1, which no query has."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa  # TPU-only module
+
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    bq = _round_up(min(cfg.block_q, t), 128)
+    bk = _round_up(min(cfg.block_k, s), 128)
+    if cfg.causal:  # T == S here: one padded length keeps the causal diagonal
+        tp = sp = _round_up(t, math.lcm(bq, bk))
+    else:
+        tp, sp = _round_up(t, bq), _round_up(s, bk)
+    q_seg = jnp.zeros((b, t), jnp.int32) if vis.q_segments is None else 2 * vis.q_segments
+    k_seg = jnp.zeros((b, s), jnp.int32) if vis.k_segments is None else 2 * vis.k_segments
+    k_seg = jnp.where(vis.key_valid, k_seg, 1)
+    segments = (
+        _pad_axis(jnp.broadcast_to(q_seg, (b, t)), 1, tp, 0),
+        _pad_axis(jnp.broadcast_to(k_seg, (b, s)), 1, sp, 1),
+    )
+    qt = _pad_axis((q * cfg.scale).astype(q.dtype).transpose(0, 2, 1, 3), 2, tp, 0)  # [B, N, T, H]
+    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)  # [B, K, S, H]
+    vt = _pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
+    mask = sa.CausalMask((tp, sp)) if cfg.causal else sa.FullMask((tp, sp))
+    sizes = dict(block_q=bq, block_kv=bk, block_kv_compute=bk)
+    sizes.update(block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk)
+    sizes.update(block_q_dq=bq, block_kv_dq=bk)
+
+    def rows(qt, kt, vt, q_seg, k_seg):  # the rows and heads one device holds
+        kernel = sa.make_splash_mha(
+            sa.MultiHeadMask([mask] * qt.shape[1]),
+            block_sizes=sa.BlockSizes(**sizes),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+        return jax.vmap(kernel)(qt, kt, vt, sa.SegmentIds(q_seg, k_seg))
+
+    def kernel(qt, kt, vt, q_seg, k_seg):
+        return _per_device(rows, (qt, kt, vt, q_seg, k_seg), ("qkv", "qkv", "qkv", "seg", "seg"))
+
+    if q.dtype != jnp.float32:
+        # Mosaic rejects bfloat16 products at float32 contract precision (train.py sets
+        # "highest"); products of bfloat16 inputs are exact at the default precision
+        kernel = _at_precision(kernel, "default")
+    out = kernel(qt, kt, vt, *segments)
+    out = out[:, :, :t].transpose(0, 2, 1, 3)
+    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0).astype(q.dtype)
+
+
+def _at_precision(fn, precision: str):
+    """fn(q, k, v, *ints) with its forward and backward both traced at a matmul precision (a
+    `with` around the call alone leaves the backward to the precision at transpose time)."""
+
+    @jax.custom_vjp
+    def call(*args):
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    def fwd(*args):
+        with jax.default_matmul_precision(precision):
+            return jax.vjp(fn, *args)
+
+    def bwd(vjp, d_out):
+        with jax.default_matmul_precision(precision):
+            dq, dk, dv, *_ = vjp(d_out)
+        return dq, dk, dv, None, None
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def _per_device(fn, args, kinds):
+    """fn(*args) under shard_map over the mesh being traced for (Mosaic kernels are not
+    partitioned automatically): rows split like the batch, heads like the attention heads,
+    by the logical rules; query and key/value heads stay aligned (both split or neither).
+    kinds: "qkv" for [B, heads, L, H], "seg" for [B, L]; the output is shaped like args[0]."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+        return fn(*args)
+    axes = ("batch", "heads", None, None)
+    specs = [logical_to_spec(axes, x.shape, mesh) for x, kind in zip(args, kinds) if kind == "qkv"]
+    batch = specs[0][0]
+    heads = specs[0][1] if all(spec[1] == specs[0][1] for spec in specs) else None
+    in_specs = [P(batch, heads, None, None) if kind == "qkv" else P(batch, None) for kind in kinds]
+    run = jax.shard_map(
+        fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=in_specs[0], check_vma=False
+    )
+    return run(*args)
+
+
+def _cudnn(q, k, v, vis: Visibility, cfg: _Blocks, *, masked: bool, backend: str = "cudnn"):
+    """`jax.nn.dot_product_attention` (cuDNN flash attention: bfloat16/float16 on a GPU).
+    Causality is its index-causal flag; key validity and segments, when given, a bool
+    [B, 1, T, S] mask, which the kernel turns into a bias of that size."""
+    mask = visibility_mask(vis, False)[:, None] if masked else None
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=cfg.scale, is_causal=cfg.causal, implementation=backend
+    )
+    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0).astype(q.dtype)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
