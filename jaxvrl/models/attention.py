@@ -1,0 +1,575 @@
+"""Multi-head attention behind one function, `attend`, with implementations chosen by name.
+
+Decision: the model calls `attend(q, k, v, *, scale, key_valid, q_positions, k_positions,
+q_segments, k_segments, causal, pools, implementation, block_q, block_k, interpret)` and
+never builds a [T, S] mask. Who may see whom is given by O(T + S) arrays, from which every
+implementation builds its own mask, block by block where it works in blocks:
+
+    visible(b, t, s) = key_valid[b, s]
+                       and (not causal or k_positions[b, s] <= q_positions[b, t])
+                       and (no segments or q_segments[b, t] == k_segments[b, s])
+
+That one rule covers every caller. The text decoder's training forward and a prefill without
+a cache pass no positions (0..T-1 for queries and keys); a cache extend (T > 1) and a decode
+step (T = 1) pass query positions `index + arange(T)` against key positions `arange(S)` of the
+whole cache, and key_valid = the cache's valid-key mask (left padding, unwritten slots). The
+vision tower passes causal=False and segment ids (one per window, or one per frame for its
+full-attention blocks); its packed patches are one row (B = 1). Positions and segments may
+be shared by the batch ([T], [S]) or per row ([B, T], [B, S]). The scale is an argument
+because callers differ (head_dim ** -0.5 in both Qwen2.5-VL towers, not in every model).
+
+Einsum letters: B batch, T query positions, S key positions, N query heads, K key/value
+heads, G query heads per key/value head (N = K*G), H head dim, P key pools.
+
+Implementations (`IMPLEMENTATIONS`; `resolve` maps "auto" and a platform to one of them):
+- "xla": dense logits [B, K, G, T, S] and a float32 softmax; the reference.
+- "flash": blocked attention in plain JAX (FlashAttention, arXiv 2205.14135 and 2307.08691):
+  a loop over query blocks, and inside it over key blocks with an online softmax (running max,
+  running sum, float32 accumulator). Key blocks that no query of the block may see are skipped.
+  A custom VJP saves the output and the per-row log-sum-exp and recomputes each block's
+  probabilities in the backward pass (dQ, dK, dV with D = rowsum(dO * O)), so neither pass
+  holds more than one [B, N, block_q, block_k] block of logits. T and S need not divide the
+  block sizes (queries are padded and dropped, keys padded as invalid). GQA reads each
+  key/value head once for its G query heads.
+- "splash": the Pallas TPU splash kernel (jax.experimental.pallas.ops.tpu.splash_attention),
+  one row at a time. Causality is its static CausalMask (key index <= query index), key
+  validity and segments become its SegmentIds; T and S are padded to multiples of 128. Under
+  a mesh it runs in shard_map (rows split like "batch", heads like "heads").
+- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bfloat16/float16).
+  Causality is its index-causal flag; key validity or segments, when given, a bool
+  [B, 1, T, S] mask (which it turns into a bias of that size).
+The two kernels know causality only by index, so they serve self-attention with default
+positions (training forward, prefill without a cache, the vision tower). A causal call with
+explicit positions (a cache extend or decode step) runs "flash", or "xla" when T == 1; so the
+model passes its configured implementation everywhere and no positions where there is no cache.
+
+All keep the dense softmax's conventions: float32 softmax, and a query that may see no key
+(a fully masked row) gets a zero output and zero statistics, not NaN (the kernels average
+masked values there; their outputs are zeroed).
+
+Attention statistics: with pools = {"vision", "text", "prompt"} bool[B, S] key masks, `attend`
+also returns (A_V, A_X) float32[B, T]: the heads-averaged attention mass on the vision and text
+pools divided by the mass on the prompt pool (0 where the prompt mass is 0). The mass of a pool
+for one query and head is sum over the pool's visible keys of exp(s - lse_all) =
+exp(lse_pool - lse_all). "flash" keeps one running sum per pool in the frame of the running max
+it already carries (rescaled by the same factor as the running sum over all keys), so the
+statistics cost one extra [B, N, block_q, P] product per block and no second pass. With
+"splash" and "cudnn", whose kernels return no per-row sums, the statistics come from a second,
+blocked pass of the same loop without values (the logits once more, no [T, S]). Statistics
+carry no gradient (they feed rewards and token weights): the gradients of `out` are the same
+with or without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxvrl.parallel.sharding import MESH_AXES, logical_to_spec
+
+IMPLEMENTATIONS = ("xla", "flash", "splash", "cudnn")
+POOLS = ("vision", "text", "prompt")  # the order of the pool axis P
+
+
+def resolve(implementation: str, platform: str) -> str:
+    """The implementation for a platform ("cpu", "gpu", "tpu") of the devices the program is
+    compiled for (pass the mesh's platform, not the process's default backend).
+
+    "auto" gives the dense reference on the CPU (small programs, where the dense softmax is
+    fastest), the splash kernel on TPUs and the blocked plain-JAX attention on GPUs (cuDNN
+    wants bfloat16 or float16 and has not been run here); any other name must be one of
+    IMPLEMENTATIONS and is returned unchanged. Splash computes every block its static mask
+    allows: with narrow segments (the vision tower's windows) "flash", which skips the blocks
+    no query of a block may see, does far less work."""
+    if implementation == "auto":
+        if platform not in ("cpu", "gpu", "tpu"):
+            raise ValueError(f"unknown platform {platform!r} (expected cpu, gpu or tpu)")
+        return {"cpu": "xla", "gpu": "flash", "tpu": "splash"}[platform]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown attention implementation {implementation!r}; "
+            f"known: auto, {', '.join(IMPLEMENTATIONS)}"
+        )
+    return implementation
+
+
+class Visibility(NamedTuple):
+    """Who may see whom, O(T + S) arrays (see the module docstring). Leading axes are B or 1."""
+
+    key_valid: jax.Array  # bool[B, S]
+    q_positions: jax.Array  # int32[B|1, T]
+    k_positions: jax.Array  # int32[B|1, S]
+    q_segments: jax.Array | None  # int32[B|1, T]
+    k_segments: jax.Array | None  # int32[B|1, S]
+
+
+def visibility_mask(vis: Visibility, causal: bool, t0=0, bq=None, s0=0, bk=None) -> jax.Array:
+    """bool[B, bq, bk]: which keys s0..s0+bk each query t0..t0+bq may see (all by default)."""
+
+    def cut(x, start, size):
+        if x is None or size is None:
+            return x
+        return lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+    mask = cut(vis.key_valid, s0, bk)[:, None, :]
+    if causal:
+        qp, kp = cut(vis.q_positions, t0, bq), cut(vis.k_positions, s0, bk)
+        mask = mask & (kp[:, None, :] <= qp[:, :, None])
+    if vis.q_segments is not None:
+        qs, ks = cut(vis.q_segments, t0, bq), cut(vis.k_segments, s0, bk)
+        mask = mask & (qs[:, :, None] == ks[:, None, :])
+    return mask
+
+
+def _rows(x, length: int, name: str) -> jax.Array | None:
+    """[L] or [B, L] -> int32[1 or B, L]."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.ndim == 1:
+        x = x[None]
+    if x.ndim != 2 or x.shape[1] != length:
+        raise ValueError(f"{name} must be [{length}] or [B, {length}], got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal):
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    if key_valid is None:
+        key_valid = jnp.ones((b, s), bool)
+    key_valid = jnp.broadcast_to(jnp.asarray(key_valid, bool), (b, s))
+    if causal and (q_positions is None) != (k_positions is None):
+        raise ValueError("give both q_positions and k_positions, or neither")
+    if causal and q_positions is None:
+        if t != s:
+            raise ValueError(f"causal attention of {t} queries over {s} keys needs positions")
+        q_positions = k_positions = jnp.arange(t)
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("give both q_segments and k_segments, or neither")
+    qp, kp = _rows(q_positions, t, "q_positions"), _rows(k_positions, s, "k_positions")
+    if not causal:  # positions do not matter; keep the pytree's shape fixed
+        qp, kp = jnp.zeros((1, t), jnp.int32), jnp.zeros((1, s), jnp.int32)
+    qs, ks = _rows(q_segments, t, "q_segments"), _rows(k_segments, s, "k_segments")
+    return Visibility(key_valid, qp, kp, qs, ks)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    key_valid: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    k_positions: jax.Array | None = None,
+    q_segments: jax.Array | None = None,
+    k_segments: jax.Array | None = None,
+    causal: bool = True,
+    pools: dict | None = None,
+    implementation: str = "xla",
+    block_q: int = 512,
+    block_k: int = 512,
+    interpret: bool = False,
+):
+    """Attention of q float[B, T, N, H] over k, v float[B, S, K, H] (N = K*G).
+
+    key_valid: bool[B, S] (default all valid); q_positions int[T] or [B, T] and k_positions
+    int[S] or [B, S]: a query at position p sees keys at positions <= p when causal (default
+    0..T-1 for both when T == S); q_segments int[T] or [B, T], k_segments int[S] or [B, S]:
+    attention only within equal ids. pools: None or {"vision", "text", "prompt"}: bool[B, S].
+    scale multiplies the logits. block_q, block_k: block sizes of "flash" (clipped to T, S)
+    and "splash" (rounded up to multiples of 128). interpret: run Pallas kernels in the
+    interpreter (CPU tests).
+
+    Returns (out [B, T, N, H] in q's dtype, stats): stats is None without pools, else
+    (A_V, A_X) float32[B, T], gradient-free.
+    """
+    b, t, n, h = q.shape
+    if (
+        k.shape[0] != b
+        or k.shape[3] != h
+        or k.shape[2] == 0
+        or n % k.shape[2]
+        or v.shape != k.shape
+    ):
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected [B,T,K*G,H], [B,S,K,H]")
+    vis = _visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal)
+    pool = None
+    if pools is not None:
+        pool = jnp.stack([jnp.asarray(pools[name], bool) for name in POOLS], axis=-1)  # [B, S, P]
+    if implementation not in IMPLEMENTATIONS:  # "auto" needs the platform: see resolve
+        hint = (
+            " (map 'auto' with resolve(name, platform) first)" if implementation == "auto" else ""
+        )
+        raise ValueError(
+            f"attention implementation {implementation!r}: one of {IMPLEMENTATIONS}{hint}"
+        )
+    blocks = _Blocks(
+        float(scale), causal, max(1, min(block_q, t)), max(1, min(block_k, k.shape[1]))
+    )
+    explicit_positions = causal and q_positions is not None
+    if implementation in ("splash", "cudnn") and explicit_positions:
+        # kernels with an index-causal mask cannot take a cache's positions
+        implementation = "xla" if t == 1 else "flash"
+    if implementation == "xla":
+        out, masses = _xla(q, k, v, vis, pool, scale=scale, causal=causal)
+    elif implementation == "flash":
+        out, masses = _flash(q, k, v, vis, pool, blocks)
+    else:
+        if implementation == "splash":
+            out = _splash(q, k, v, vis, blocks, interpret=interpret)
+        else:
+            masked = key_valid is not None or q_segments is not None
+            out = _cudnn(q, k, v, vis, blocks, masked=masked)
+        masses = None if pool is None else _blocked_masses(q, k, vis, pool, blocks)
+    return out, (None if masses is None else _pool_ratios(lax.stop_gradient(masses)))
+
+
+def _pool_ratios(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32[B, T, P] heads-averaged pool masses (POOLS order) -> (A_V, A_X) float32[B, T]."""
+    vision, text, prompt = masses[..., 0], masses[..., 1], masses[..., 2]
+    safe = jnp.where(prompt > 0, prompt, 1.0)
+    return jnp.where(prompt > 0, vision / safe, 0.0), jnp.where(prompt > 0, text / safe, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# xla: dense reference
+
+
+def _xla(q, k, v, vis: Visibility, pool, *, scale, causal):
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * scale
+    mask = visibility_mask(vis, causal)[:, None, None]  # [B, 1, 1, T, S]
+    logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(q.dtype), v.astype(q.dtype))
+    masses = None
+    if pool is not None:
+        p = lax.stop_gradient(probs)
+        masses = jnp.einsum("BKGTS,BSP->BTP", p, pool.astype(jnp.float32)) / n
+    return out.reshape(b, t, n, h), masses
+
+
+# ---------------------------------------------------------------------------------------------
+# flash: blocked attention with an online softmax and a recomputing backward pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    scale: float
+    causal: bool
+    block_q: int
+    block_k: int
+
+
+def _pad_axis(x, axis: int, size: int, value):
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _to_blocks(q, k, v, vis: Visibility, pool, cfg: _Blocks):
+    """Heads first and T, S padded to whole blocks: q [B, K, G, Tp, H], k and v [B, K, Sp, H],
+    pool float32[B, Sp, P]. Padded keys are invalid; padded queries are dropped by the caller
+    (so their output cotangent is zero)."""
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    tp = -(-t // cfg.block_q) * cfg.block_q
+    sp = -(-s // cfg.block_k) * cfg.block_k
+    qg = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
+    qg = _pad_axis(qg, 3, tp, 0)
+    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)
+    vt = None if v is None else _pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
+    vis = Visibility(
+        _pad_axis(vis.key_valid, 1, sp, False),
+        _pad_axis(vis.q_positions, 1, tp, 0),
+        _pad_axis(vis.k_positions, 1, sp, 0),
+        _pad_axis(vis.q_segments, 1, tp, 0),
+        _pad_axis(vis.k_segments, 1, sp, 0),
+    )
+    if pool is not None:
+        pool = _pad_axis(pool.astype(jnp.float32), 1, sp, 0.0)
+    return qg, kt, vt, vis, pool
+
+
+def _flash(q, k, v, vis: Visibility, pool, cfg: _Blocks):
+    b, t, n, h = q.shape
+    out, masses = _flash_kernel(cfg, *_to_blocks(q, k, v, vis, pool, cfg))
+    out = out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out, (None if masses is None else masses[:, :t])
+
+
+def _blocked_masses(q, k, vis: Visibility, pool, cfg: _Blocks):
+    """Pool masses float32[B, T, P] alone, by the blocked forward pass without values (for
+    kernels that return no log-sum-exp per row): a second pass over the logits, no [T, S]."""
+    qg, kt, _, vis, pool = _to_blocks(q, k, None, vis, pool, cfg)
+    _, _, masses = _flash_forward(
+        cfg, lax.stop_gradient(qg), lax.stop_gradient(kt), None, vis, pool
+    )
+    return masses[:, : q.shape[1]]
+
+
+def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
+    """q [B, K, G, Tp, H], k and v [B, K, Sp, H], pool float32[B, Sp, P] or None.
+    Returns out [B, K, G, Tp, H] (q's dtype; None when v is None), lse float32[B, K, G, Tp]
+    (0 on rows that see no key) and heads-averaged pool masses float32[B, Tp, P] or None."""
+    b, kh, g, tp, h = q.shape
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = tp // bq, k.shape[2] // bk
+    f32 = jnp.float32
+
+    def q_block(i):
+        t0 = i * bq
+        qb = lax.dynamic_slice_in_dim(q, t0, bq, axis=3)  # [B, K, G, bq, H]
+
+        def k_block(j, carry):
+            s0 = j * bk
+            mask = visibility_mask(vis, cfg.causal, t0, bq, s0, bk)[:, None, None]
+
+            def update(carry):
+                m, total, acc, lp = carry
+                kb = lax.dynamic_slice_in_dim(k, s0, bk, axis=2)  # [B, K, bk, H]
+                s = jnp.einsum("BKGTH,BKSH->BKGTS", qb, kb, preferred_element_type=f32)
+                s = jnp.where(mask, s * cfg.scale, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that saw no key yet
+                p = jnp.exp(s - shift[..., None])  # 0 where masked
+                corr = jnp.exp(m - shift)  # 0 while m is -inf
+                total = total * corr + jnp.sum(p, axis=-1)
+                if acc is not None:
+                    vb = lax.dynamic_slice_in_dim(v, s0, bk, axis=2)
+                    pv = jnp.einsum(
+                        "BKGTS,BKSH->BKGTH", p.astype(v.dtype), vb, preferred_element_type=f32
+                    )
+                    acc = acc * corr[..., None] + pv
+                if lp is not None:
+                    pb = lax.dynamic_slice_in_dim(pool, s0, bk, axis=1)  # [B, bk, P]
+                    lp = lp * corr[..., None] + jnp.einsum("BKGTS,BSP->BKGTP", p, pb)
+                return m_new, total, acc, lp
+
+            return lax.cond(jnp.any(mask), update, lambda c: c, carry)
+
+        init = (
+            jnp.full((b, kh, g, bq), -jnp.inf, f32),
+            jnp.zeros((b, kh, g, bq), f32),
+            None if v is None else jnp.zeros((b, kh, g, bq, h), f32),
+            None if pool is None else jnp.zeros((b, kh, g, bq, pool.shape[-1]), f32),
+        )
+        m, total, acc, lp = lax.fori_loop(0, nk, k_block, init)
+        seen = total > 0
+        safe = jnp.where(seen, total, 1.0)
+        out = None
+        if acc is not None:
+            out = jnp.where(seen[..., None], acc / safe[..., None], 0.0).astype(q.dtype)
+        lse = jnp.where(seen, m + jnp.log(safe), 0.0)
+        masses = None
+        if lp is not None:  # per head lp / l, then the mean over the K*G heads
+            masses = jnp.mean(jnp.where(seen[..., None], lp / safe[..., None], 0.0), axis=(1, 2))
+        return out, lse, masses
+
+    out, lse, masses = lax.map(q_block, jnp.arange(nq))  # leading axis: query blocks
+    if out is not None:
+        out = jnp.moveaxis(out, 0, 3).reshape(b, kh, g, tp, h)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, kh, g, tp)
+    if masses is not None:
+        masses = jnp.moveaxis(masses, 0, 1).reshape(b, tp, -1)
+    return out, lse, masses
+
+
+def _flash_backward(cfg: _Blocks, q, k, v, vis: Visibility, out, lse, d_out):
+    """FlashAttention-2 backward: for each key block, a loop over query blocks recomputes the
+    probabilities from lse; dK, dV accumulate per key block, dQ in a carried float32 buffer."""
+    b, kh, g, tp, h = q.shape
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = tp // bq, k.shape[2] // bk
+    f32 = jnp.float32
+    d_all = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # D: [B, K, G, Tp]
+
+    def k_block(dq, j):
+        s0 = j * bk
+        kb = lax.dynamic_slice_in_dim(k, s0, bk, axis=2)  # [B, K, bk, H]
+        vb = lax.dynamic_slice_in_dim(v, s0, bk, axis=2)
+
+        def q_block(i, carry):
+            t0 = i * bq
+            mask = visibility_mask(vis, cfg.causal, t0, bq, s0, bk)[:, None, None]
+
+            def update(carry):
+                dq, dk, dv = carry
+                qb = lax.dynamic_slice_in_dim(q, t0, bq, axis=3)  # [B, K, G, bq, H]
+                dob = lax.dynamic_slice_in_dim(d_out, t0, bq, axis=3)
+                lse_b = lax.dynamic_slice_in_dim(lse, t0, bq, axis=3)
+                d_b = lax.dynamic_slice_in_dim(d_all, t0, bq, axis=3)
+                s = jnp.einsum("BKGTH,BKSH->BKGTS", qb, kb, preferred_element_type=f32)
+                p = jnp.where(mask, jnp.exp(s * cfg.scale - lse_b[..., None]), 0.0)
+                dv = dv + jnp.einsum(
+                    "BKGTS,BKGTH->BKSH", p.astype(dob.dtype), dob, preferred_element_type=f32
+                )
+                dp = jnp.einsum("BKGTH,BKSH->BKGTS", dob, vb, preferred_element_type=f32)
+                ds = (p * (dp - d_b[..., None]) * cfg.scale).astype(q.dtype)
+                dk = dk + jnp.einsum("BKGTS,BKGTH->BKSH", ds, qb, preferred_element_type=f32)
+                dq_b = lax.dynamic_slice_in_dim(dq, t0, bq, axis=3) + jnp.einsum(
+                    "BKGTS,BKSH->BKGTH", ds, kb, preferred_element_type=f32
+                )
+                return lax.dynamic_update_slice_in_dim(dq, dq_b, t0, axis=3), dk, dv
+
+            return lax.cond(jnp.any(mask), update, lambda c: c, carry)
+
+        zeros = jnp.zeros((b, kh, bk, h), f32)
+        dq, dk, dv = lax.fori_loop(0, nq, q_block, (dq, zeros, zeros))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = lax.scan(k_block, jnp.zeros(q.shape, f32), jnp.arange(nk))
+    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)  # [nk, B, K, bk, H] -> [B, K, Sp, H]
+    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_kernel(cfg: _Blocks, q, k, v, vis: Visibility, pool):
+    """(out [B, K, G, Tp, H], masses float32[B, Tp, P] or None); masses carry no gradient."""
+    out, _, masses = _flash_forward(cfg, q, k, v, vis, pool)
+    return out, masses
+
+
+def _flash_kernel_fwd(cfg, q, k, v, vis, pool):
+    out, lse, masses = _flash_forward(cfg, q, k, v, vis, pool)
+    return (out, masses), (q, k, v, vis, out, lse)
+
+
+def _flash_kernel_bwd(cfg, residuals, cotangents):
+    q, k, v, vis, out, lse = residuals
+    d_out, _ = cotangents  # the statistics' cotangent is dropped: they are gradient-free
+    dq, dk, dv = _flash_backward(cfg, q, k, v, vis, out, lse, d_out)
+    return dq, dk, dv, None, None
+
+
+_flash_kernel.defvjp(_flash_kernel_fwd, _flash_kernel_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels with a static mask: splash (TPU, Pallas) and cuDNN (GPU)
+
+
+def _sees_any(vis: Visibility, causal: bool) -> jax.Array:
+    """bool[B, T]: queries that may see at least one key (a fused reduction, no [T, S] buffer).
+    The kernels below give such rows an average of masked values rather than zeros."""
+    return jnp.any(visibility_mask(vis, causal), axis=-1)
+
+
+def _splash(q, k, v, vis: Visibility, cfg: _Blocks, *, interpret: bool):
+    """The Pallas TPU splash kernel, one row at a time (vmap). Causality is its static
+    CausalMask (key index <= query index); key validity and segments become its SegmentIds:
+    queries get 2 * segment, valid keys 2 * segment and invalid keys 1, which no query has."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa  # TPU-only module
+
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    bq = _round_up(min(cfg.block_q, t), 128)
+    bk = _round_up(min(cfg.block_k, s), 128)
+    if cfg.causal:  # T == S here: one padded length keeps the causal diagonal
+        tp = sp = _round_up(t, math.lcm(bq, bk))
+    else:
+        tp, sp = _round_up(t, bq), _round_up(s, bk)
+    q_seg = jnp.zeros((b, t), jnp.int32) if vis.q_segments is None else 2 * vis.q_segments
+    k_seg = jnp.zeros((b, s), jnp.int32) if vis.k_segments is None else 2 * vis.k_segments
+    k_seg = jnp.where(vis.key_valid, k_seg, 1)
+    segments = (
+        _pad_axis(jnp.broadcast_to(q_seg, (b, t)), 1, tp, 0),
+        _pad_axis(jnp.broadcast_to(k_seg, (b, s)), 1, sp, 1),
+    )
+    qt = _pad_axis((q * cfg.scale).astype(q.dtype).transpose(0, 2, 1, 3), 2, tp, 0)  # [B, N, T, H]
+    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)  # [B, K, S, H]
+    vt = _pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
+    mask = sa.CausalMask((tp, sp)) if cfg.causal else sa.FullMask((tp, sp))
+    sizes = dict(block_q=bq, block_kv=bk, block_kv_compute=bk)
+    sizes.update(block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk)
+    sizes.update(block_q_dq=bq, block_kv_dq=bk)
+
+    def rows(qt, kt, vt, q_seg, k_seg):  # the rows and heads one device holds
+        kernel = sa.make_splash_mha(
+            sa.MultiHeadMask([mask] * qt.shape[1]),
+            block_sizes=sa.BlockSizes(**sizes),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+        return jax.vmap(kernel)(qt, kt, vt, sa.SegmentIds(q_seg, k_seg))
+
+    def kernel(qt, kt, vt, q_seg, k_seg):
+        return _per_device(rows, (qt, kt, vt, q_seg, k_seg), ("qkv", "qkv", "qkv", "seg", "seg"))
+
+    if q.dtype != jnp.float32:
+        # Mosaic rejects bfloat16 products at float32 contract precision (train.py sets
+        # "highest"); products of bfloat16 inputs are exact at the default precision
+        kernel = _at_precision(kernel, "default")
+    out = kernel(qt, kt, vt, *segments)
+    out = out[:, :, :t].transpose(0, 2, 1, 3)
+    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0).astype(q.dtype)
+
+
+def _at_precision(fn, precision: str):
+    """fn(q, k, v, *ints) with its forward and backward both traced at a matmul precision (a
+    `with` around the call alone leaves the backward to the precision at transpose time)."""
+
+    @jax.custom_vjp
+    def call(*args):
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    def fwd(*args):
+        with jax.default_matmul_precision(precision):
+            return jax.vjp(fn, *args)
+
+    def bwd(vjp, d_out):
+        with jax.default_matmul_precision(precision):
+            dq, dk, dv, *_ = vjp(d_out)
+        return dq, dk, dv, None, None
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def _per_device(fn, args, kinds):
+    """fn(*args) under shard_map over the mesh being traced for (Mosaic kernels are not
+    partitioned automatically): rows split like the batch, heads like the attention heads,
+    by the logical rules; query and key/value heads stay aligned (both split or neither).
+    kinds: "qkv" for [B, heads, L, H], "seg" for [B, L]; the output is shaped like args[0]."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+        return fn(*args)
+    axes = ("batch", "heads", None, None)
+    specs = [logical_to_spec(axes, x.shape, mesh) for x, kind in zip(args, kinds) if kind == "qkv"]
+    batch = specs[0][0]
+    heads = specs[0][1] if all(spec[1] == specs[0][1] for spec in specs) else None
+    in_specs = [P(batch, heads, None, None) if kind == "qkv" else P(batch, None) for kind in kinds]
+    run = jax.shard_map(
+        fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=in_specs[0], check_vma=False
+    )
+    return run(*args)
+
+
+def _cudnn(q, k, v, vis: Visibility, cfg: _Blocks, *, masked: bool, backend: str = "cudnn"):
+    """`jax.nn.dot_product_attention` (cuDNN flash attention: bfloat16/float16 on a GPU).
+    Causality is its index-causal flag; key validity and segments, when given, a bool
+    [B, 1, T, S] mask, which the kernel turns into a bias of that size."""
+    mask = visibility_mask(vis, False)[:, None] if masked else None
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=cfg.scale, is_causal=cfg.causal, implementation=backend
+    )
+    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0).astype(q.dtype)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
