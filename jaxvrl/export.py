@@ -77,14 +77,14 @@ def _fs(url: str):
 
 def read_run_info(workdir: str, base_model: str | None = None) -> dict:
     """RUN/run.json; base_model replaces its model path. Without run.json, base_model is
-    required (the run is then taken for a full fine-tuning run in float32)."""
+    required (the run is then taken for a full fine-tuning run)."""
     fs, root = _fs(workdir)
     path = f"{root}/{RUN_INFO}"
     if fs.exists(path):
         with fs.open(path, "rb") as f:
             info = json.loads(f.read().decode())
     elif base_model is not None:
-        info = {"model_path": base_model, "param_dtype": "float32", "lora": {"rank": 0}}
+        info = {"model_path": base_model, "lora": {"rank": 0}}
     else:
         raise ExportError(
             f"{workdir}/{RUN_INFO} not found: python -m jaxvrl.train writes it when a run starts "
@@ -395,13 +395,14 @@ def export(
             + ", ".join(map(str, steps))
         )
     info = read_run_info(workdir, base_model)
-    dtype = dtype or info.get("param_dtype", "float32")
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(_bfloat16())
     model_path = _base_model_path(info)
     reader = StateReader(directory, step)
     sources = policy_sources(reader.shapes)
+    stored = [reader.shapes[s.key][1].name for s in sources.values() if isinstance(s, Stored)]
+    dtype = dtype or info.get("param_dtype") or (stored[0] if stored else "float32")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(_bfloat16())
     _check_out(out, overwrite)
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = _base_files(model_path, tmp)

@@ -34,7 +34,8 @@ def runs(tmp_path_factory):
     out = {}
     for name, extra in (("full", ()), ("lora", LORA)):
         workdir = tmp_path_factory.mktemp(name)
-        run(tiny_config("configs/grpo.py", workdir, "total_steps=2", "val_freq=100", *extra))
+        steps = ("total_steps=2", "val_before_train=False", "val_size=0")  # no validation
+        run(tiny_config("configs/grpo.py", workdir, *steps, *extra))
         out[name] = str(workdir)
     return out
 
@@ -234,6 +235,16 @@ def test_errors_name_what_is_wrong(runs, tmp_path, capsys):
     names = sorted(p.name for p in (tmp_path / "busy").iterdir())
     assert "notes.txt" in names and "model.safetensors" in names
     assert not [n for n in names if n.startswith("model-") or n.endswith(".index.json")]
+
+    # a run without run.json (from before it was written) needs the base model named
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(os.path.join(runs["full"], "checkpoints"), old / "checkpoints")
+    with pytest.raises(E.ExportError, match=r"run.json not found.*--base_model"):
+        E.export(str(old), str(tmp_path / "old_hf"))
+    r = E.export(str(old), str(tmp_path / "old_hf"), base_model=EMBEDDED)
+    assert r.dtype == "float32" and (tmp_path / "old_hf" / "model.safetensors").exists()
 
     # the command line: exit status 2 and the message
     with pytest.raises(SystemExit) as e:
