@@ -98,7 +98,7 @@ def read_run_info(workdir: str, base_model: str | None = None) -> dict:
 
 def _base_model_path(info: dict) -> str:
     path = info.get("model_path")
-    return EMBEDDED if path is None else path  # None: the embedded tiny checkpoint
+    return path or EMBEDDED  # None: the embedded tiny checkpoint
 
 
 # --- checkpoints ------------------------------------------------------------------------------
