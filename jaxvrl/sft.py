@@ -14,6 +14,7 @@ accuracy.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -26,6 +27,7 @@ from flax import nnx
 from jaxvrl.data import synthetic
 from jaxvrl.data.build_tokenizer import build as build_tokenizer
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
+from jaxvrl.data.processor import hf_image_processor_config
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, TextConfig, VisionConfig, save
 from jaxvrl.trainer.sft import make_sft_step
 
@@ -141,7 +143,18 @@ def main(argv=None) -> None:
         if i % 50 == 0 or i == args.steps - 1:
             print(f"sft step {i:4d}  loss {float(loss):.4f}  {time.time() - t0:.0f}s", flush=True)
     save(model, args.out)
+    write_preprocessor_config(args.out)
     print(f"wrote {args.out}")
+
+
+def write_preprocessor_config(out: str) -> None:
+    """The image processor's settings with the directory, so that transformers' processor
+    loads from it (and from a run's export) and prepares images as training did."""
+    opts = EncodeOptions()
+    config = hf_image_processor_config(opts.min_pixels, opts.max_pixels)
+    with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
 
 
 if __name__ == "__main__":

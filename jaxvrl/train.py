@@ -39,6 +39,7 @@ from jaxvrl.data import synthetic
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import open_sources
+from jaxvrl.export import write_run_info
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime as R
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
@@ -123,6 +124,26 @@ def load_model(c):
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"{c.name}: model {path} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)
     return model, tokenizer
+
+
+def run_info(c) -> dict:
+    """What `python -m jaxvrl.export` reads from `<workdir>/run.json`: the base model (None:
+    the embedded one), the dtypes and the LoRA settings."""
+    path = c.model.path
+    lc = c.lora
+    return {
+        "config": c.name,
+        "model_path": path if not path or is_remote(path) else os.path.abspath(path),
+        "dtype": c.model.dtype,
+        "param_dtype": c.model.param_dtype,
+        "lora": {
+            "rank": lc.rank,
+            "alpha": lc.alpha,
+            "target_modules": list(lc.target_modules),
+            "quantize": lc.get("quantize", "none"),
+            "train_vision": lc.get("train_vision", False),
+        },
+    }
 
 
 def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
@@ -343,6 +364,8 @@ def _run(c) -> dict:
     if not is_remote(c.workdir):
         os.makedirs(c.workdir, exist_ok=True)
     logdir = mirror.local if mirror else c.workdir
+    if primary:
+        write_run_info(logdir, run_info(c))
 
     model, tokenizer = load_model(c)
     data, train_rows, skipped = train_data(c, tokenizer)

@@ -10,10 +10,30 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-IMAGE_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
-IMAGE_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGE_MEAN = np.array(CLIP_MEAN, np.float32)
+IMAGE_STD = np.array(CLIP_STD, np.float32)
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
+
+
+def hf_image_processor_config(
+    min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS, patch_size: int = 14
+) -> dict:
+    """preprocessor_config.json for transformers' Qwen2-VL image processor doing what
+    process_images does with these limits."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "patch_size": patch_size,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+    }
 
 
 def smart_resize(

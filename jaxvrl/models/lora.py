@@ -59,7 +59,7 @@ class QuantLinear(nnx.Module):
 
     def kernel(self) -> jax.Array:
         zp = None if self.zero_point is None else self.zero_point[...]
-        return _dequantize(self.qvalue[...], self.scale[...], zp, self.qtype, self.param_dtype)
+        return dequantize(self.qvalue[...], self.scale[...], zp, self.qtype, self.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
@@ -89,17 +89,18 @@ def _qtype(name: str):
     return {"int8": jnp.int8, "int4": jnp.int4}.get(name, name)
 
 
-def _dequantize(qvalue, scale, zero_point, qtype: str, dtype):
-    from qwix import QArray, dequantize
+def dequantize(qvalue, scale, zero_point, qtype: str, dtype):
+    """The float kernel [D_in, D_out] of a QuantLinear's stored fields."""
+    import qwix
 
-    return dequantize(QArray(qvalue, scale, zero_point, _qtype(qtype))).astype(dtype)
+    return qwix.dequantize(qwix.QArray(qvalue, scale, zero_point, _qtype(qtype))).astype(dtype)
 
 
 def _quant_matmul(x, qvalue, scale, zero_point, bias, qtype: str, dtype):
     """x @ dequantize(kernel) + bias. XLA (CPU, measured) keeps the dequantized float kernels
     live across the passes of the fused step: the step's stored weights shrink, its
     transient peak does not yet (a fused quantized matmul is the next step)."""
-    y = x @ _dequantize(qvalue, scale, zero_point, qtype, dtype)
+    y = x @ dequantize(qvalue, scale, zero_point, qtype, dtype)
     return y if bias is None else y + bias.astype(dtype)
 
 
@@ -236,14 +237,21 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
             continue
         base = mod.base
         w = base.kernel() if isinstance(base, QuantLinear) else base.kernel[...]
-        delta = mod.lora_a[...].astype(jnp.float32) @ mod.lora_b[...].astype(jnp.float32)
-        merged = (w.astype(jnp.float32) + delta * mod.scale).astype(w.dtype)
+        merged = merged_kernel(w, mod.lora_a[...], mod.lora_b[...], mod.scale)
         if isinstance(base, QuantLinear):
             base = base.to_linear(merged)
         else:
             base.kernel[...] = merged
         setattr(parent, key, base)
     return out
+
+
+def merged_kernel(w, a, b, scale: float) -> jax.Array:
+    """W + A B scale for W float[D_in, D_out], A float[D_in, r], B float[r, D_out]: summed in
+    float32, cast back to W's dtype (merge_lora, and the export from a checkpoint)."""
+    w, a, b = jnp.asarray(w), jnp.asarray(a), jnp.asarray(b)
+    delta = a.astype(jnp.float32) @ b.astype(jnp.float32)
+    return (w.astype(jnp.float32) + delta * scale).astype(w.dtype)
 
 
 def _sites(model: nnx.Module, types):

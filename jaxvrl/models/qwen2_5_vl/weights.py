@@ -6,21 +6,27 @@ Each row of `KEY_TABLE` maps an HF tensor name to a param path, both as template
 - "patch":  Conv3d weight [E, C, T, P, P] <-> kernel [C*T*P*P, E] (a linear map on patches);
 - "copy":   unchanged.
 A new model (Qwen2-VL, Qwen3-VL) is a new table and a config.
+
+Export writes safetensors shards tensor by tensor (`write_shards`): the header is planned from
+shapes and dtypes, then each tensor is produced, written and dropped, so host memory holds one
+tensor at a time, not the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
+import struct
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from jaxvrl.models.qwen2_5_vl.config import ConfigError, Qwen2_5_VLConfig
 from jaxvrl.models.qwen2_5_vl.model import Qwen2_5_VL
@@ -57,6 +63,22 @@ KEY_ALIASES: tuple[tuple[str, str], ...] = (
 )
 # Buffers some exporters write; they carry no parameters.
 IGNORED_KEYS = re.compile(r"(rotary_emb\.inv_freq|rotary_pos_emb\.inv_freq)$")
+# Files of a checkpoint directory that belong to the tokenizer and the processor (by prefix).
+PROCESSOR_FILES = (
+    "tokenizer",
+    "special_tokens",
+    "vocab",
+    "merges",
+    "chat_template",
+    "added_tokens",
+    "preprocessor",
+    "video_preprocessor",
+    "processor",
+    "generation_config",
+)
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+INDEX_FILE = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def _regex(template: str) -> re.Pattern:
@@ -102,6 +124,121 @@ def _to_hf(x: np.ndarray, kind: str, target_shape=None) -> np.ndarray:
     if kind == "patch":
         return x.T.reshape(target_shape)
     return x
+
+
+def patch_shape(cfg: Qwen2_5_VLConfig) -> tuple[int, ...]:
+    """HF's Conv3d weight shape [E, C, T, P, P] of the patch embedding."""
+    v = cfg.vision
+    return (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+
+
+def hf_tensor(path: str, x, cfg: Qwen2_5_VLConfig, dtype=None) -> tuple[str, np.ndarray]:
+    """Dotted param path and its Flax array -> (HF tensor name, contiguous HF array)."""
+    key, kind = path_to_hf(path)
+    arr = np.asarray(x)
+    if dtype is not None:
+        arr = arr.astype(dtype)
+    return key, np.ascontiguousarray(_to_hf(arr, kind, patch_shape(cfg)))
+
+
+def hf_shape(path: str, shape, cfg: Qwen2_5_VLConfig) -> tuple[str, tuple[int, ...]]:
+    """Dotted param path and its Flax shape -> (HF tensor name, HF shape)."""
+    key, kind = path_to_hf(path)
+    return key, patch_shape(cfg) if kind == "patch" else _to_hf_shape(shape, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a safetensors file, before its values exist."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def shard_plan(specs: list[TensorSpec], max_shard_bytes: int = SHARD_BYTES) -> dict[str, list]:
+    """File name -> its tensors, in order: a new shard starts where the next tensor would take
+    the current one past `max_shard_bytes` (a larger tensor gets a shard of its own). One shard
+    is `model.safetensors`; several are `model-0000i-of-0000n.safetensors`, as transformers
+    names them."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    if len(shards) == 1:
+        return {"model.safetensors": shards[0]}
+    n = len(shards)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": sh for i, sh in enumerate(shards)}
+
+
+def _write_safetensors(f, specs: list[TensorSpec], produce: Callable[[str], np.ndarray]) -> None:
+    """The safetensors layout: u64 header size, JSON header (padded to 8 bytes), raw data."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for s in specs:
+        dt = _SAFETENSORS_DTYPES.get(np.dtype(s.dtype).name)
+        if dt is None:
+            raise ValueError(
+                f"{s.name}: dtype {s.dtype} is not exported (float32, bfloat16, float16)"
+            )
+        header[s.name] = {
+            "dtype": dt,
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for s in specs:
+        arr = produce(s.name)
+        if tuple(arr.shape) != tuple(s.shape) or arr.dtype != np.dtype(s.dtype):
+            raise ValueError(
+                f"{s.name}: produced {arr.dtype}{list(arr.shape)}, planned {s.dtype}{list(s.shape)}"
+            )
+        f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+
+
+def _open_local(name: str, path: str):
+    return open(os.path.join(path, name), "wb")
+
+
+def write_shards(
+    specs: list[TensorSpec],
+    produce: Callable[[str], np.ndarray],
+    open_file: Callable[[str], object],
+    max_shard_bytes: int = SHARD_BYTES,
+    on_shard: Callable[[str, int], None] | None = None,
+) -> list[str]:
+    """Writes `specs` as safetensors shards (plus `model.safetensors.index.json` when there
+    are several), each tensor made by `produce(name)` just before it is written: host memory
+    holds one tensor. open_file(name): a binary file to write (local or remote). on_shard(name,
+    bytes) is called after each shard. -> the files written."""
+    plan = shard_plan(specs, max_shard_bytes)
+    for name, shard in plan.items():
+        with open_file(name) as f:
+            _write_safetensors(f, shard, produce)
+        if on_shard is not None:
+            on_shard(name, sum(s.nbytes for s in shard))
+    files = list(plan)
+    if len(plan) > 1:
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in specs)},
+            "weight_map": {s.name: name for name, shard in plan.items() for s in shard},
+        }
+        with open_file(INDEX_FILE) as f:
+            f.write(json.dumps(index, indent=2).encode())
+        files.append(INDEX_FILE)
+    return files
 
 
 def _shard_files(path: str) -> dict[str, str]:
@@ -185,8 +322,11 @@ def _to_hf_shape(shape, kind):
     return tuple(reversed(shape)) if kind == "linear" else tuple(shape)
 
 
-def save(model: Qwen2_5_VL, path, *, tokenizer_dir=None, dtype=None) -> None:
-    """Write an HF checkpoint directory (config.json, model.safetensors) that transformers loads.
+def save(
+    model: Qwen2_5_VL, path, *, tokenizer_dir=None, dtype=None, max_shard_bytes=SHARD_BYTES
+) -> None:
+    """Write an HF checkpoint directory (config.json, model.safetensors, or shards with an
+    index past `max_shard_bytes`) that transformers loads.
 
     tokenizer_dir: copy tokenizer files from here too. dtype: cast tensors (default: as stored).
     """
@@ -194,34 +334,25 @@ def save(model: Qwen2_5_VL, path, *, tokenizer_dir=None, dtype=None) -> None:
     os.makedirs(path, exist_ok=True)
     cfg = model.config
     _, state = nnx.split(model, nnx.Param)
-    tensors = {}
-    v = cfg.vision
-    patch_shape = (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    variables = {}
+    specs = []
     for p, var in nnx.to_flat_state(state):
-        key, kind = path_to_hf(_dotted(p))
-        arr = np.asarray(jax.device_get(var.get_value()))
-        if dtype is not None:
-            arr = arr.astype(dtype)
-        tensors[key] = np.ascontiguousarray(_to_hf(arr, kind, patch_shape))
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        dotted = _dotted(p)
+        key, shape = hf_shape(dotted, var.get_value().shape, cfg)
+        out_dtype = np.dtype(dtype if dtype is not None else var.get_value().dtype)
+        variables[key] = (dotted, var)
+        specs.append(TensorSpec(key, shape, out_dtype))
+
+    def produce(key):
+        dotted, var = variables[key]
+        return hf_tensor(dotted, jax.device_get(var.get_value()), cfg, dtype)[1]
+
+    write_shards(specs, produce, lambda name: _open_local(name, path), max_shard_bytes)
     hf = cfg.to_hf_dict()
-    hf["dtype"] = str(next(iter(tensors.values())).dtype)
+    hf["dtype"] = str(specs[0].dtype)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     if tokenizer_dir is not None:
         for name in os.listdir(tokenizer_dir):
-            if name.startswith(
-                (
-                    "tokenizer",
-                    "special_tokens",
-                    "vocab",
-                    "merges",
-                    "chat_template",
-                    "added_tokens",
-                    "preprocessor",
-                    "video_preprocessor",
-                    "processor",
-                    "generation_config",
-                )
-            ):
+            if name.startswith(PROCESSOR_FILES):
                 shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(path, name))

@@ -1,0 +1,316 @@
+"""python -m jaxvrl.export: a tiny trained run becomes an HF directory that transformers loads
+with the trained logits; LoRA merged, QLoRA dequantized, bfloat16, shards and index, errors,
+and a gs:// workdir against a loopback GCS emulator."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxvrl import export as E
+from jaxvrl.checkpoint import Checkpointer
+from jaxvrl.models import lora
+from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.train import EMBEDDED, run
+from tests.trainer.test_train import tiny_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+LORA = ("lora.rank=4", "lora.alpha=8.0", "lora.target_modules=('q_proj', 'v_proj', 'up_proj')")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny 2-step runs on the embedded model: full fine-tuning and LoRA."""
+    out = {}
+    for name, extra in (("full", ()), ("lora", LORA)):
+        workdir = tmp_path_factory.mktemp(name)
+        steps = ("total_steps=2", "val_before_train=False", "val_size=0")  # no validation
+        run(tiny_config("configs/grpo.py", workdir, *steps, *extra))
+        out[name] = str(workdir)
+    return out
+
+
+def _weights(path) -> dict[str, np.ndarray]:
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def _trained_params(workdir) -> dict[str, np.ndarray]:
+    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
+    arrays = ck.manager.restore(ck.latest_step())["state"]
+    ck.close()
+    return {k: np.asarray(v) for k, v in arrays.items() if k.startswith("params/")}
+
+
+def _set_params(model, arrays) -> None:
+    """Puts checkpoint arrays (`params/<path>/value`) onto the model's Params."""
+    state = nnx.state(model, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(arrays["params/" + "/".join(map(str, path)) + "/value"])
+    nnx.update(model, state)
+
+
+def _processor(path):
+    """transformers' Qwen2.5-VL processor from the exported files. Its video processor needs
+    torchvision, which cannot be installed beside the pinned CPU torch: without it the
+    processor is assembled from the exported tokenizer and image processor."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+
+    if importlib.util.find_spec("torchvision"):
+        return AutoProcessor.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image_processor = AutoImageProcessor.from_pretrained(path)
+
+    class ImageTextProcessor(Qwen2_5_VLProcessor):
+        def __init__(self):  # ProcessorMixin.__init__ insists on a video processor
+            self.image_processor, self.video_processor = image_processor, None
+            self.tokenizer, self.chat_template = tokenizer, tokenizer.chat_template
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+
+    return ImageTextProcessor()
+
+
+def _image_prompt(processor):
+    """-> (the processor's inputs for one image prompt, the image)."""
+    from PIL import Image
+
+    pixels = np.full((84, 112, 3), 240, np.uint8)
+    pixels[20:60, 30:80] = (30, 60, 200)  # a blue box on a light background
+    img = Image.fromarray(pixels)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "What colour is the shape in the image?"},
+            ],
+        }
+    ]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor(text=[text], images=[img], return_tensors="np"), img
+
+
+def test_export_loads_in_transformers_with_the_trained_logits(runs, tmp_path):
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from jaxvrl.data.processor import process_images
+    from jaxvrl.data.rows import EncodeOptions
+
+    out = tmp_path / "hf"
+    r = E.export(runs["full"], str(out), max_shard_bytes=1_000_000)  # shards and an index
+    assert r.step == 2 and r.dtype == "float32" and r.merged_adapters == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards == sorted(p.name for p in out.glob("*.safetensors"))
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (out / name).exists(), name
+
+    # the exported weights are the trained ones, and training moved them off the base
+    model = q.load(EMBEDDED)
+    _set_params(model, _trained_params(runs["full"]))
+    exported, base = _weights(out), _weights(EMBEDDED)
+    assert exported.keys() == base.keys() == set(index["weight_map"])
+    _, state = nnx.split(model, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        name, want = q.weights.hf_tensor(".".join(map(str, path)), var.get_value(), model.config)
+        np.testing.assert_array_equal(exported[name], want, err_msg=name)
+    assert sum(not np.array_equal(exported[k], base[k]) for k in base) > len(base) // 2
+
+    # transformers' processor from the export prepares the image as training did
+    processor = _processor(out)
+    inputs, img = _image_prompt(processor)
+    ids, pv, grid = inputs["input_ids"], inputs["pixel_values"], inputs["image_grid_thw"]
+    opts = EncodeOptions()
+    ours_pv, ours_grid = process_images([img], opts.min_pixels, opts.max_pixels)
+    np.testing.assert_array_equal(grid, ours_grid)
+    np.testing.assert_allclose(pv, ours_pv, atol=1e-5)
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(**{k: torch.tensor(v) for k, v in inputs.items()}).logits.numpy()
+    ours = np.asarray(model(ids, pixel_values=pv, image_grid_thw=grid).logits)
+    scale = np.abs(ref).max()
+    assert ours.shape == ref.shape and scale > 0.5
+    assert np.abs(ours - ref).max() <= 1e-3 * scale
+
+
+def test_lora_run_exports_the_merged_weights(runs, tmp_path):
+    info = json.loads(open(os.path.join(runs["lora"], "run.json")).read())
+    assert info["model_path"] is None and info["lora"]["rank"] == 4 and info["lora"]["alpha"] == 8
+    r = E.export(runs["lora"], str(tmp_path / "hf"))
+    assert r.merged_adapters == 3 * 4  # q, v, up in each of the 4 decoder layers
+
+    model = q.load(EMBEDDED)
+    lora.apply_lora(model, 4, 8.0, 0.0, ("q_proj", "v_proj", "up_proj"))
+    _set_params(model, _trained_params(runs["lora"]))
+    q.save(lora.merge_lora(model), tmp_path / "merged")
+    exported, merged, base = (_weights(p) for p in (tmp_path / "hf", tmp_path / "merged", EMBEDDED))
+    assert exported.keys() == merged.keys()
+    for k in merged:
+        np.testing.assert_array_equal(exported[k], merged[k], err_msg=k)
+    changed = {k for k in base if not np.array_equal(exported[k], base[k])}
+    assert changed == {
+        k
+        for k in base
+        if k.startswith("model.layers.")  # the text decoder's; the vision tower is frozen
+        and k.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight"))
+    }
+
+
+def test_qlora_checkpoint_exports_dequantized_merged_weights(tmp_path):
+    pytest.importorskip("qwix")
+    model = q.load(EMBEDDED)
+    lora.apply_lora(model, 4, 8.0, 0.0, ("q_proj",), quantize="int8", quant_tile=64)
+    for m in lora.lora_modules(model):  # B = 0 would leave nothing to merge
+        m.lora_b[...] = np.random.default_rng(0).normal(0, 0.1, m.lora_b.shape).astype(np.float32)
+    _, params = nnx.split(model, nnx.Param)
+    ck = Checkpointer(str(tmp_path / "run" / "checkpoints"))
+    ck.save(3, {"params": params, "opt_state": {"mu": params}}, force=True)
+    ck.close()
+    E.write_run_info(
+        str(tmp_path / "run"),
+        {
+            "model_path": EMBEDDED,
+            "param_dtype": "float32",
+            "lora": {"alpha": 8.0, "quantize": "int8"},
+        },
+    )
+    r = E.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert r.step == 3 and r.merged_adapters == 4
+    q.save(lora.merge_lora(model), tmp_path / "merged")
+    exported, merged = _weights(tmp_path / "hf"), _weights(tmp_path / "merged")
+    assert exported.keys() == merged.keys()
+    for k in merged:
+        np.testing.assert_array_equal(exported[k], merged[k], err_msg=k)
+
+
+def test_bfloat16_export_halves_the_size(runs, tmp_path):
+    import ml_dtypes
+    from transformers import Qwen2_5_VLConfig
+
+    E.export(runs["full"], str(tmp_path / "f32"))
+    r = E.export(runs["full"], str(tmp_path / "bf16"), dtype="bfloat16")
+    size32 = os.path.getsize(tmp_path / "f32" / "model.safetensors")
+    size16 = os.path.getsize(tmp_path / "bf16" / "model.safetensors")
+    assert r.weight_bytes * 2 == E.export(runs["full"], str(tmp_path / "again")).weight_bytes
+    assert abs(size16 - size32 / 2) < 0.01 * size32
+    w32, w16 = _weights(tmp_path / "f32"), _weights(tmp_path / "bf16")
+    for k in w32:
+        assert w16[k].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(w16[k], w32[k].astype(ml_dtypes.bfloat16), err_msg=k)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert str(Qwen2_5_VLConfig.from_pretrained(tmp_path / "bf16").dtype).endswith("bfloat16")
+
+
+def test_errors_name_what_is_wrong(runs, tmp_path, capsys):
+    with pytest.raises(E.ExportError, match=r"no checkpoint in .*empty.*checkpoints"):
+        E.export(str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert not (tmp_path / "empty").exists()  # looking created nothing
+    with pytest.raises(E.ExportError, match=r"no checkpoint for step 7 .*saved steps: 2"):
+        E.export(runs["full"], str(tmp_path / "out"), step=7)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(
+        E.ExportError, match=r"busy is not empty \(1 entries: notes.txt\).*--overwrite"
+    ):
+        E.export(runs["full"], str(tmp_path / "busy"))
+    # --overwrite: the old shards go, other files stay
+    E.export(runs["full"], str(tmp_path / "busy"), overwrite=True, max_shard_bytes=1_000_000)
+    E.export(runs["full"], str(tmp_path / "busy"), overwrite=True)
+    names = sorted(p.name for p in (tmp_path / "busy").iterdir())
+    assert "notes.txt" in names and "model.safetensors" in names
+    assert not [n for n in names if n.startswith("model-") or n.endswith(".index.json")]
+
+    # a run without run.json (from before it was written) needs the base model named
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(os.path.join(runs["full"], "checkpoints"), old / "checkpoints")
+    with pytest.raises(E.ExportError, match=r"run.json not found.*--base_model"):
+        E.export(str(old), str(tmp_path / "old_hf"))
+    r = E.export(str(old), str(tmp_path / "old_hf"), base_model=EMBEDDED)
+    assert r.dtype == "float32" and (tmp_path / "old_hf" / "model.safetensors").exists()
+
+    # the command line: exit status 2 and the message
+    with pytest.raises(SystemExit) as e:
+        E.main(["--workdir", runs["full"], "--step", "5", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "saved steps: 2" in capsys.readouterr().err
+    E.main(["--workdir", runs["full"], "--out", str(tmp_path / "cli"), "--dtype", "bfloat16"])
+    assert "exported step 2" in capsys.readouterr().out
+    assert E.parse_size("5GB") == 5 * 10**9 and E.parse_size("2MiB") == 2 * 2**20
+
+
+def test_policy_sources_map_lora_and_qlora_keys():
+    keys = [
+        "params/model/norm/weight/value",
+        "params/model/layers/0/self_attn/q_proj/base/kernel/value",
+        "params/model/layers/0/self_attn/q_proj/base/bias/value",
+        "params/model/layers/0/self_attn/q_proj/lora_a/value",
+        "params/model/layers/0/self_attn/q_proj/lora_b/value",
+        "params/model/layers/0/self_attn/v_proj/base/qvalue/value",
+        "params/model/layers/0/self_attn/v_proj/base/scale/value",
+        "params/model/layers/0/self_attn/v_proj/lora_a/value",
+        "params/model/layers/0/self_attn/v_proj/lora_b/value",
+        "params/model/layers/0/self_attn/k_proj/qvalue/value",
+        "params/model/layers/0/self_attn/k_proj/scale/value",
+        "params/model/layers/0/self_attn/k_proj/zero_point/value",
+        "opt_state/1/0/mu/model/norm/weight/value",
+        "critic_params/head/kernel/value",
+    ]
+    s = E.policy_sources(keys)
+    p = "params/model/layers/0/self_attn/"
+    assert s == {
+        "model.norm.weight": E.Stored("params/model/norm/weight/value"),
+        "model.layers.0.self_attn.q_proj.kernel": E.Merged(
+            E.Stored(p + "q_proj/base/kernel/value"),
+            p + "q_proj/lora_a/value",
+            p + "q_proj/lora_b/value",
+        ),
+        "model.layers.0.self_attn.q_proj.bias": E.Stored(p + "q_proj/base/bias/value"),
+        "model.layers.0.self_attn.v_proj.kernel": E.Merged(
+            E.Dequantized(p + "v_proj/base/qvalue/value", p + "v_proj/base/scale/value", None),
+            p + "v_proj/lora_a/value",
+            p + "v_proj/lora_b/value",
+        ),
+        "model.layers.0.self_attn.k_proj.kernel": E.Dequantized(
+            p + "k_proj/qvalue/value", p + "k_proj/scale/value", p + "k_proj/zero_point/value"
+        ),
+    }
+
+
+@pytest.mark.skipif(
+    not (importlib.util.find_spec("gcsfs") and importlib.util.find_spec("gcp_storage_emulator")),
+    reason="needs gcsfs and gcp-storage-emulator (pip install '.[test]')",
+)
+def test_export_from_a_gs_workdir(runs, tmp_path):
+    local = tmp_path / "local"
+    E.export(runs["full"], str(local))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "gcs_export_worker.py"), runs["full"], str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["missing_run_error"] and "gs://jaxvrl-test/runs/none" in res["missing_run_error"]
+    remote = tmp_path / "downloaded"
+    assert sorted(res["files"]) == sorted(p.name for p in local.iterdir())
+    for name in res["files"]:
+        assert (remote / name).read_bytes() == (local / name).read_bytes(), name
