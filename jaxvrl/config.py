@@ -218,8 +218,8 @@ def apply_override(cfg: ml_collections.ConfigDict, item: str, source: str = "the
 
 
 def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None:
-    """Checks enumerated options, fractions, reward weight counts and the filters' reward
-    names; raises ConfigError."""
+    """Checks enumerated options, fractions, reward weight counts, reward names and the
+    filters' reward names; raises ConfigError."""
     keys = set(flat_keys(cfg))
 
     def get(key):
@@ -256,12 +256,19 @@ def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None
             raise ConfigError(
                 f"config.reward.early_weights in {source} has {len(early)} values for {n} funcs"
             )
-        names = ("overall", *get("reward.funcs"))
+        from jaxvrl.rl.rewards import reward_names
+
+        funcs = tuple(get("reward.funcs"))
+        try:
+            names = reward_names(funcs, get("reward.names") if "reward.names" in keys else ())
+        except ValueError as e:
+            raise ConfigError(f"{e} (in {source})") from None
+        allowed = ("overall", *names, *(f for f in funcs if f not in names))
         for key in ("filter.dynamic_sampling_metric", "filter.filter_key"):
-            if key in keys and get(key) not in names:
+            if key in keys and get(key) not in allowed:
                 raise ConfigError(
                     f"config.{key}={get(key)!r} in {source}: expected overall (the total "
-                    f"reward) or a name in config.reward.funcs: {', '.join(names)}"
+                    f"reward) or a reward's name: {', '.join(('overall', *names))}"
                 )
 
 

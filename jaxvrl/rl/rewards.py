@@ -281,6 +281,52 @@ def load_reward_fn(spec: str) -> Callable:
     return getattr(module, name)
 
 
+# names a reward cannot take: reward/total and reward/greedy_baseline are other metrics, and
+# overall is the filters' name for the total reward
+RESERVED_NAMES = ("total", "greedy_baseline", "overall")
+
+
+def reward_name(spec: str) -> str:
+    """The name a reward is logged under: a built-in's own name, else the function's name
+    (`path/to/flaky.py:flaky` and `pkg.mod:flaky` -> `flaky`)."""
+    return spec.rsplit(":", 1)[1] if spec not in BUILTIN and ":" in spec else spec
+
+
+def reward_names(funcs: Sequence[str], names: Sequence[str] = ()) -> tuple[str, ...]:
+    """The names `funcs` are logged under (`reward/<name>`, `reward/<name>_failures`, the
+    markdown logs): `names` when given (one per function), else `reward_name` of each.
+    Raises ValueError when two metric names coincide or a name is empty, holds a `/` or is
+    reserved (`reward/total`, ...)."""
+    if names and len(names) != len(funcs):
+        raise ValueError(f"{len(names)} reward names {tuple(names)} for {len(funcs)} functions")
+    out = tuple(names) if names else tuple(reward_name(f) for f in funcs)
+    where = "config.reward.names" if names else "config.reward.funcs"
+    fix = "" if names else ": give each function a name in config.reward.names"
+    owner = dict.fromkeys(RESERVED_NAMES)  # metric name -> the function logged under it
+    for name, spec in zip(out, funcs):
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(
+                f"{where}: reward {spec!r} has the name {name!r}, expected a "
+                "non-empty string without '/'"
+            )
+        for metric in (name, f"{name}_failures"):
+            if metric not in owner:
+                owner[metric] = spec
+                continue
+            if owner[metric] is None:
+                raise ValueError(
+                    f"{where}: reward {spec!r} would be logged as reward/{metric}, a name the "
+                    f"run uses for another metric{fix}"
+                )
+            same = "are both named" if metric == name else "clash as"
+            raise ValueError(
+                f"{where}: rewards {owner[metric]!r} and {spec!r} {same} {metric!r}: their "
+                f"metrics would share reward/{metric}{fix}, e.g. "
+                f'--config.reward.names="{tuple(f"{n}_{i}" for i, n in enumerate(out))}"'
+            )
+    return out
+
+
 class SafeReward:
     """Calls a reward function; if it raises or returns the wrong length or non-finite values,
     that call yields zeros, the traceback is logged once per function, and `failures` counts
