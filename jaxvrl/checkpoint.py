@@ -4,9 +4,9 @@ totals (JSON) and JSON run metadata, in a local directory or under `gs://`.
 
 Layout of `<directory>/<step>/`: `state` (arrays, keyed by their readable tree path, e.g.
 `params/model/layers/0/mlp/up_proj/kernel/value`), `rng` (key data), `meta` (the caller's
-JSON), `data` (iterator state: JSON, or bytes from grain as base64), `counters` (the caller's JSON
-running totals, one per process; absent in checkpoints written before it existed), `info`
-(tree paths and key implementations, to check a restore target against).
+JSON), `data` (iterator state: JSON, or bytes from grain as base64), `counters` (the caller's
+JSON running totals, one per process; absent in checkpoints written before it existed),
+`info` (tree paths and key implementations, to check a restore target against).
 
 Resume order (train.py): build the abstract train state (`jax.eval_shape` + shardings, or the
 freshly initialised state), `restore_latest(abstract)` fills it with the saved arrays in the
