@@ -154,6 +154,9 @@ def get_config(arg=None):
     c.reward = ml_collections.ConfigDict()
     c.reward.funcs = ("mc_idx", "think_format")  # built-ins, module:fn or path.py:fn
     c.reward.weights = (4.0, 1.0)  # one per func (the regular weights)
+    # one per func: the names its metrics (reward/<name>, reward/<name>_failures), the markdown
+    # logs and the filters use. () = a built-in's name, else the function's (a.py:fn -> fn)
+    c.reward.names = ()
     c.reward.early_weights = ()  # seed 001 two-stage: weights for the first early_steps
     c.reward.early_steps = 0
     c.reward.mdi_balance_ratio = 2.0  # seed 000: R in clip(1 - |ln MDI| / ln R, 0, 1)

@@ -1,11 +1,12 @@
 """Orbax checkpoints: one step directory holds the train state (any pytree of arrays: params,
-optimizer state, counters), the RNG key, the data-iterator state and JSON run metadata (KL
-coefficient, counters), in a local directory or under `gs://`.
+optimizer state, counters), the RNG key, the data-iterator state, each process's running
+totals (JSON) and JSON run metadata, in a local directory or under `gs://`.
 
 Layout of `<directory>/<step>/`: `state` (arrays, keyed by their readable tree path, e.g.
 `params/model/layers/0/mlp/up_proj/kernel/value`), `rng` (key data), `meta` (the caller's
-JSON), `data` (iterator state: JSON, or bytes from grain as base64), `info` (tree paths and
-key implementations, to check a restore target against).
+JSON), `data` (iterator state: JSON, or bytes from grain as base64), `counters` (the caller's
+JSON running totals, one per process; absent in checkpoints written before it existed),
+`info` (tree paths and key implementations, to check a restore target against).
 
 Resume order (train.py): build the abstract train state (`jax.eval_shape` + shardings, or the
 freshly initialised state), `restore_latest(abstract)` fills it with the saved arrays in the
@@ -40,6 +41,7 @@ class Restored:
     rng: jax.Array | None
     meta: dict
     data_state: dict | bytes | None
+    counters: dict | None = None  # this process's; None: the checkpoint has none
 
 
 def _entry(k) -> str:
@@ -108,18 +110,22 @@ def _encode_data_state(data_state):
     return {"kind": "per_process", "value": runtime.gather_json(_encode_one(data_state))}
 
 
+def _this_process(states: list, step: int, what: str):
+    n = jax.process_count()
+    if len(states) != n:
+        raise ValueError(
+            f"checkpoint step {step} holds the {what} of {len(states)} processes, this run "
+            f"has {n}: each process reads its own shard of the data, and the shards change "
+            "with the process count. Resume with the same number of hosts, or start a new "
+            "workdir from the weights (config.load_checkpoint_path)."
+        )
+    return states[jax.process_index()]
+
+
 def _decode_data_state(d, step: int):
     if d["kind"] != "per_process":  # written by a single process before per-process states
         return _decode_one(d)
-    states, n = d["value"], jax.process_count()
-    if len(states) != n:
-        raise ValueError(
-            f"checkpoint step {step} holds the data-iterator states of {len(states)} "
-            f"processes, this run has {n}: each process reads its own shard of the data, and "
-            "the shards change with the process count. Resume with the same number of hosts, "
-            "or start a new workdir from the weights (config.load_checkpoint_path)."
-        )
-    return _decode_one(states[jax.process_index()])
+    return _decode_one(_this_process(d["value"], step, "data-iterator states"))
 
 
 class Checkpointer:
@@ -163,12 +169,14 @@ class Checkpointer:
         meta: dict | None = None,
         data_state: dict | bytes | None = None,
         force: bool = False,
+        counters: dict | None = None,
     ) -> bool:
         """Saves unless `step` is off the save interval (force: always); -> whether it saved.
 
         state: any pytree of arrays (typed PRNG keys allowed); rng: a typed key or raw uint32
         key data; meta: JSON-serialisable; data_state: the iterator's get_state() (a JSON
-        dict, or bytes as grain returns)."""
+        dict, or bytes as grain returns); counters: this process's JSON running totals (every
+        process passes its own, or none does: gathered, a collective)."""
         if not force and step % self.save_interval_steps:
             return False  # (orbax would always save a first step, whatever the interval)
         leaves = jax.tree.leaves(state)
@@ -185,6 +193,10 @@ class Checkpointer:
             "data": ocp.args.JsonSave(_encode_data_state(data_state)),
             "info": ocp.args.JsonSave(info),
         }
+        if counters is not None:
+            from jaxvrl.parallel.runtime import gather_json
+
+            items["counters"] = ocp.args.JsonSave({"per_process": gather_json(counters)})
         if rng is not None:
             items["rng"] = ocp.args.StandardSave({"key_data": _to_saveable(rng)})
         saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -207,13 +219,11 @@ class Checkpointer:
         (default: the first device, or replicated over all devices with several processes)."""
         if step not in self.manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
+        json_items = ["info", "meta", "data"]
+        if "counters" in self.manager.item_metadata(step):
+            json_items.append("counters")
         head = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                info=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore(),
-                data=ocp.args.JsonRestore(),
-            ),
+            step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in json_items})
         )
         info = head["info"]
         leaves, treedef = jax.tree.flatten(abstract_state)
@@ -242,6 +252,11 @@ class Checkpointer:
             rng=rng,
             meta=dict(head["meta"]),
             data_state=_decode_data_state(head["data"], step),
+            counters=(
+                _this_process(head["counters"]["per_process"], step, "running totals")
+                if "counters" in head
+                else None
+            ),
         )
 
     def restore_latest(self, abstract_state, rng_sharding=None) -> Restored | None:

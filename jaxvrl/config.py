@@ -17,6 +17,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import ml_collections
 from ml_collections.config_dict import FieldReference
@@ -218,8 +219,8 @@ def apply_override(cfg: ml_collections.ConfigDict, item: str, source: str = "the
 
 
 def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None:
-    """Checks enumerated options, fractions, reward weight counts and the filters' reward
-    names; raises ConfigError."""
+    """Checks enumerated options, fractions, reward weight counts, reward names and the
+    filters' reward names; raises ConfigError."""
     keys = set(flat_keys(cfg))
 
     def get(key):
@@ -256,13 +257,63 @@ def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None
             raise ConfigError(
                 f"config.reward.early_weights in {source} has {len(early)} values for {n} funcs"
             )
-        names = ("overall", *get("reward.funcs"))
+        funcs = tuple(get("reward.funcs"))
+        try:
+            names = reward_names(funcs, get("reward.names") if "reward.names" in keys else ())
+        except ValueError as e:
+            raise ConfigError(f"{e} (in {source})") from None
+        allowed = ("overall", *names, *(f for f in funcs if f not in names))
         for key in ("filter.dynamic_sampling_metric", "filter.filter_key"):
-            if key in keys and get(key) not in names:
+            if key in keys and get(key) not in allowed:
                 raise ConfigError(
                     f"config.{key}={get(key)!r} in {source}: expected overall (the total "
-                    f"reward) or a name in config.reward.funcs: {', '.join(names)}"
+                    f"reward) or a reward's name: {', '.join(('overall', *names))}"
                 )
+
+
+# reward metric names the run uses for its own metrics (reward/total, ...)
+RESERVED_NAMES = ("total", "greedy_baseline", "overall")
+
+
+def reward_name(spec: str) -> str:
+    """The name a reward is logged under: a built-in's own name (`mc_idx`), else the function's
+    name (`path/to/flaky.py:flaky` and `pkg.mod:flaky` -> `flaky`)."""
+    return spec.rsplit(":", 1)[1] if ":" in spec else spec
+
+
+def reward_names(funcs: Sequence[str], names: Sequence[str] = ()) -> tuple[str, ...]:
+    """The names `funcs` are logged under (`reward/<name>`, `reward/<name>_failures`, the
+    markdown logs): `names` when given (one per function), else `reward_name` of each.
+    Raises ValueError when two metric names coincide or a name is empty, holds a `/` or is
+    reserved (`reward/total`, ...)."""
+    if names and len(names) != len(funcs):
+        raise ValueError(f"{len(names)} reward names {tuple(names)} for {len(funcs)} functions")
+    out = tuple(names) if names else tuple(reward_name(f) for f in funcs)
+    where = "config.reward.names" if names else "config.reward.funcs"
+    fix = "" if names else ": give each function a name in config.reward.names"
+    owner = dict.fromkeys(RESERVED_NAMES)  # metric name -> the function logged under it
+    for name, spec in zip(out, funcs):
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(
+                f"{where}: reward {spec!r} has the name {name!r}, expected a "
+                "non-empty string without '/'"
+            )
+        for metric in (name, f"{name}_failures"):
+            if metric not in owner:
+                owner[metric] = spec
+                continue
+            if owner[metric] is None:
+                raise ValueError(
+                    f"{where}: reward {spec!r} would be logged as reward/{metric}, a name the "
+                    f"run uses for another metric{fix}"
+                )
+            same = "are both named" if metric == name else "clash as"
+            raise ValueError(
+                f"{where}: rewards {owner[metric]!r} and {spec!r} {same} {metric!r}: their "
+                f"metrics would share reward/{metric}{fix}, e.g. "
+                f'--config.reward.names="{tuple(f"{n}_{i}" for i, n in enumerate(out))}"'
+            )
+    return out
 
 
 def _load_file(spec: str) -> ml_collections.ConfigDict:

@@ -43,9 +43,10 @@ from jaxvrl.export import write_run_info
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime as R
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
-from jaxvrl.rl.rewards import SafeReward, load_reward_fn
+from jaxvrl.rl.rewards import SafeReward, load_reward_fn, reward_names
 from jaxvrl.sampling import Sampler, SamplingConfig
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
+from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
 from jaxvrl.trainer.step import build_train_step
@@ -175,9 +176,16 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
 def make_rollout_phase(
     c, sampler, greedy, tokenizer, model_config, step_cfg, mesh=None
 ) -> RolloutPhase:
-    fns = {name: SafeReward(name, load_reward_fn(name)) for name in c.reward.funcs}
-    regular = dict(zip(c.reward.funcs, c.reward.weights))
-    early = dict(zip(c.reward.funcs, c.reward.early_weights)) if c.reward.early_weights else None
+    # rewards are keyed by the names they are logged under
+    names = reward_names(c.reward.funcs, c.reward.names)
+    fns = {n: SafeReward(n, load_reward_fn(f)) for n, f in zip(names, c.reward.funcs)}
+    regular = dict(zip(names, c.reward.weights))
+    early = dict(zip(names, c.reward.early_weights)) if c.reward.early_weights else None
+    by_spec = dict(zip(c.reward.funcs, names))
+
+    def named(key):  # the filters may name a reward by its func spec too
+        return key if key in names else by_spec.get(key, key)
+
     f, rb = c.filter, c.filter.replay_buffer
     opts = FilterOptions(
         group_size=c.rollout.num_generations,
@@ -187,10 +195,10 @@ def make_rollout_phase(
         overlong_buffer_len=f.overlong_buffer_len,
         overlong_penalty_factor=f.overlong_penalty_factor,
         dynamic_sampling=f.dynamic_sampling,
-        dynamic_sampling_metric=f.dynamic_sampling_metric,
+        dynamic_sampling_metric=named(f.dynamic_sampling_metric),
         max_num_gen_batches=f.max_num_gen_batches,
         online_filtering=f.online_filtering,
-        filter_key=f.filter_key,
+        filter_key=named(f.filter_key),
         filter_low=f.filter_low,
         filter_high=f.filter_high,
     )
@@ -220,6 +228,7 @@ def make_rollout_phase(
         replay=replay,
         greedy=greedy if c.algorithm.adv_estimator == "remax" else None,
         mesh=mesh,
+        accuracy=by_spec.get("mc_idx"),
     )
 
 
@@ -257,16 +266,17 @@ def load_start_params(path: str, state, ref_params, ref_shardings):
     return state.replace(params=params), ref
 
 
-def resume(c, ckpt: Checkpointer, state, data, mesh):
+def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters):
     """-> (start step, state, rng, consecutive non-finite steps) from the latest checkpoint
-    in workdir, or the fresh ones; the data iterator continues from its saved state. The
-    arrays restore into `state`'s shardings, the RNG replicated over the mesh (a global array
-    every process can save)."""
+    in workdir, or the fresh ones; the data iterator and the running totals continue from
+    their saved state. The arrays restore into `state`'s shardings, the RNG replicated over
+    the mesh (a global array every process can save)."""
     rng = R.replicate(jax.random.key(c.seed), mesh)
     if not c.resume or ckpt.latest_step() is None:
         return 0, state, rng, 0
     r = ckpt.restore_latest(state, rng_sharding=rng.sharding)
     data.set_state(r.data_state if r.data_state is not None else r.meta["iterator"])
+    counters.load(r.counters)
     print(f"resumed from step {r.step}", flush=True)
     return r.step, r.state, r.rng, int(r.meta.get("nonfinite_streak", 0))
 
@@ -384,7 +394,8 @@ def _run(c) -> dict:
     validate = make_validate(c, examples, greedy, model.config, tokenizer, mesh, phase.decode)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = R.place_state(state, s.state_shardings)  # the restore target's shardings
-    start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh)
+    counters = RunCounters(skipped, phase.rewards)
+    start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh, counters)
     if start == 0 and c.load_checkpoint_path:
         state, ref_params = load_start_params(
             c.load_checkpoint_path, state, ref_params, s.ref_shardings
@@ -412,7 +423,7 @@ def _run(c) -> dict:
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
-            metrics.update({f"data/skipped_{k}": v for k, v in skipped.counts.items()})
+            metrics.update(counters.update(metrics))
             if done % c.val_freq == 0 or done == c.total_steps:
                 metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
@@ -429,7 +440,9 @@ def _run(c) -> dict:
             stop = stop_requested_everywhere(flag) or over_budget
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
                 meta = {"nonfinite_streak": nonfinite}
-                ckpt.save(done, state, rng, meta, data_state=data.get_state())
+                ckpt.save(
+                    done, state, rng, meta, data_state=data.get_state(), counters=counters.state()
+                )
             if stop:
                 why = "SIGTERM" if flag.requested else "time budget"
                 print(f"stopping at step {done} ({why}); checkpoint saved", flush=True)

@@ -73,6 +73,18 @@ class SkipStats:
     def total(self) -> int:
         return sum(self.counts.values())
 
+    def state(self) -> dict[str, list[str]]:
+        """{reason: the rows skipped for it}, JSON for the checkpoint (a resumed run counts on
+        from these and still counts each row once)."""
+        with self._lock:
+            return {r: sorted(rows) for r, rows in self.seen.items() if rows}
+
+    def set_state(self, state: dict[str, list[str]]) -> None:
+        """Continue from `state()` (replaces the counts so far)."""
+        with self._lock:
+            self.seen = {r: set(rows) for r, rows in state.items()}
+            self.counts = collections.Counter({r: len(rows) for r, rows in self.seen.items()})
+
     def report(self) -> dict[str, int]:
         """{reason: count} for every reason (zeros included), for logs and metrics."""
         return {r: int(self.counts.get(r, 0)) for r in REASONS} | dict(self.counts)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxvrl.config import RESERVED_NAMES, reward_name, reward_names  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 LETTERS = "ABCDEFGHIJ"
@@ -281,6 +283,8 @@ def load_reward_fn(spec: str) -> Callable:
     return getattr(module, name)
 
 
+# names a reward cannot take: reward/total and reward/greedy_baseline are other metrics, and
+# overall is the filters' name for the total reward
 class SafeReward:
     """Calls a reward function; if it raises or returns the wrong length or non-finite values,
     that call yields zeros, the traceback is logged once per function, and `failures` counts

@@ -339,7 +339,8 @@ class RolloutPhase:
     rollout attention metrics from the sampler's masses (needed by the MDI reward and the
     attention log); with_pools: the train batch carries the attention pools (VGR weights);
     greedy: the greedy sampler, to score each prompt's greedy completion as the remax baseline
-    (reward columns only: the MDI reward sees no attention statistics there and gives 0).
+    (reward columns only: the MDI reward sees no attention statistics there and gives 0);
+    accuracy: the reward whose mean is also logged as `accuracy` (None: none is).
     """
 
     sampler: Sampler
@@ -354,6 +355,7 @@ class RolloutPhase:
     replay: rl.ReplayBuffer | None = None
     greedy: Sampler | None = None
     mesh: Mesh | None = None  # where the sampler's inputs go (None: the default device)
+    accuracy: str | None = "mc_idx"
     decode: DecodeWeights = dataclasses.field(default_factory=DecodeWeights)
 
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
@@ -486,10 +488,11 @@ class RolloutPhase:
         lengths = np.concatenate([x.mask.sum(1) for x in sampled])
         sample_s = sum(i["sample_s"] for i in infos)
         m = {f"reward/{k}": float(np.mean([x.parts[k] for x in sampled])) for k in self.rewards}
+        # failures over the run (SafeReward counts them; the checkpoint keeps the counts)
         m.update({f"reward/{k}_failures": float(fn.failures) for k, fn in self.rewards.items()})
         m["reward/total"] = float(totals.mean())
-        if "mc_idx" in self.rewards:
-            m["accuracy"] = m["reward/mc_idx"]
+        if self.accuracy in self.rewards:
+            m["accuracy"] = m[f"reward/{self.accuracy}"]
         m.update(
             {
                 "response_length": float(lengths.mean()),

@@ -337,6 +337,7 @@ def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch
         critic_params=carry["critic"],
         critic_opt_state=carry["critic_opt"],
     )
+    metrics["nonfinite_total"] = new_state.skipped  # over the run: the state is checkpointed
     if extras is not None:  # shaping inside the loss pass: one update
         extras = jax.tree.map(lambda x: x[0], extras)
     return new_state, metrics, extras

@@ -140,3 +140,17 @@ def test_safe_reward_never_raises_and_logs_once(caplog):
     )
     np.testing.assert_array_equal(total, [2.0, 1.0])
     np.testing.assert_array_equal(parts["len"], [4.0, 2.0])
+
+
+def test_reward_names_are_the_functions_names_or_the_given_ones():
+    funcs = ("mc_idx", "path/to/flaky.py:flaky", "pkg.scores:length")
+    assert R.reward_names(funcs) == ("mc_idx", "flaky", "length")
+    assert R.reward_names(funcs, ("a", "b", "c")) == ("a", "b", "c")
+    with pytest.raises(ValueError, match=r"'a.py:f' and 'b.py:f' are both named 'f'.*reward.names"):
+        R.reward_names(("a.py:f", "b.py:f"))
+    with pytest.raises(ValueError, match=r"reward/total, a name the run uses.*reward.names"):
+        R.reward_names(("mc_idx", "x.py:total"))
+    with pytest.raises(ValueError, match=r"reward/f_failures"):
+        R.reward_names(("a.py:f", "b.py:f_failures"))
+    with pytest.raises(ValueError, match=r"2 reward names"):
+        R.reward_names(funcs, ("a", "b"))

@@ -69,7 +69,8 @@ def test_round_trip_is_exact(tmp_path):
     meta = {"kl_coef": 0.0123, "counters": {"nonfinite": 2, "replayed": 7}}
     ck = Checkpointer(str(tmp_path / "ck"))
     assert ck.latest_step() is None and ck.restore_latest(state) is None
-    assert ck.save(3, state, rng, meta, {"epoch": 1, "position": 17, "seed": 0})
+    counters = {"skipped": {"corrupt_image": ["a.jsonl:3"]}, "reward_failures": {"f": 2}}
+    assert ck.save(3, state, rng, meta, {"epoch": 1, "position": 17, "seed": 0}, counters=counters)
     ck.close()
     # a fresh manager (a new process would do the same), abstract target from eval_shape
     ck = Checkpointer(str(tmp_path / "ck"))
@@ -77,6 +78,7 @@ def test_round_trip_is_exact(tmp_path):
     r = ck.restore_latest(abstract)
     assert r.step == 3 and r.meta == meta
     assert r.data_state == {"epoch": 1, "position": 17, "seed": 0}
+    assert r.counters == counters  # this process's running totals
     assert_trees_equal(r.state, state)
     assert isinstance(r.state["params"], nnx.State)
     assert r.state["half"].dtype == jnp.bfloat16
@@ -99,9 +101,9 @@ def test_bytes_iterator_state_raw_rng_and_readable_keys(tmp_path):
     assert r.rng.dtype == np.uint32 and list(np.asarray(r.rng)) == [1, 2]
     assert tree_keys(state) == ["a/0", "a/1", "b/c"]
     assert sorted(ck.manager.restore(1)["state"]) == ["a/0", "a/1", "b/c"]
-    ck.save(2, state)  # no rng, no metadata
+    ck.save(2, state)  # no rng, no metadata, no counters (as checkpoints written before them)
     r = ck.restore_latest(state)
-    assert r.rng is None and r.meta == {} and r.data_state is None
+    assert r.rng is None and r.meta == {} and r.data_state is None and r.counters is None
     ck.close()
 
 

@@ -159,6 +159,12 @@ def test_validation_of_choices_fractions_and_weights():
         "reward.funcs=mc_idx,mdi", "reward.weights=1,1", "filter.dynamic_sampling_metric=mdi"
     )
     assert c.filter.dynamic_sampling_metric == "mdi"
+    # two rewards of one name: an error at start that asks for reward.names
+    two = ("reward.funcs=('a/flaky.py:flaky', 'b/flaky.py:flaky')", "reward.weights=1,1")
+    with pytest.raises(ConfigError, match=r"both named 'flaky'.*config\.reward\.names"):
+        cfg_of(*two)
+    c = cfg_of(*two, "reward.names=('flaky_a', 'flaky_b')", "filter.filter_key=flaky_b")
+    assert c.reward.names == ("flaky_a", "flaky_b")
 
 
 def test_config_is_locked_and_workdir_defaults_to_runs_name_time():
