@@ -478,7 +478,7 @@ def test_counters_after_a_sigterm_and_resume_equal_an_uninterrupted_runs(tmp_pat
 
     data, reasons = _data_with_a_bad_row_of_each_reason(tmp_path)
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
-    real_step = train.make_train_step
+    real_step = train.build_train_step
 
     def nan_at_step_2(graphdef, tx, cfg):  # traced: the same schedule in every run
         step = real_step(graphdef, tx, cfg)
@@ -489,7 +489,7 @@ def test_counters_after_a_sigterm_and_resume_equal_an_uninterrupted_runs(tmp_pat
 
         return poisoned
 
-    monkeypatch.setattr(train, "make_train_step", nan_at_step_2)
+    monkeypatch.setattr(train, "build_train_step", nan_at_step_2)
 
     def config(workdir):
         return tiny_config(
