@@ -4,6 +4,7 @@ numbered design documents, issue numbers). Plain text checks: no jax needed."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -117,6 +118,43 @@ def test_markdown_links_resolve():
 
 def test_readme_points_at_the_algorithms_doc():
     assert "(docs/algorithms.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_documented_defaults_match_base_config():
+    """Every `key` | `default` row of docs/algorithms.md's tables equals configs/base.py."""
+    from configs import base
+
+    cfg = base.get_config()
+    text = (ROOT / "docs/algorithms.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| ((?:`[\w.]+`(?:, )?)+) \| ((?:`[^`]+`(?:, )?)+) \|", text, re.M)
+    checked, wrong = 0, []
+    for key_cell, value_cell in rows:
+        keys, values = re.findall(r"`([\w.]+)`", key_cell), re.findall(r"`([^`]+)`", value_cell)
+        assert len(keys) == len(values), (keys, values)
+        parent = keys[0].rsplit(".", 1)[0]
+        for key, value in zip(keys, values):
+            key = key if "." in key else f"{parent}.{key}"
+            want = float(value) if value in ("inf", "-inf") else ast.literal_eval(value)
+            got = cfg
+            for part in key.split("."):
+                got = got[part]
+            checked += 1
+            if got != want:
+                wrong.append(f"{key}: docs {value}, configs/base.py {got!r}")
+    assert checked > 50 and wrong == []
+
+
+def test_documented_functions_exist():
+    """Every `jaxvrl/...py: name` of docs/algorithms.md names a function or class there."""
+    text = (ROOT / "docs/algorithms.md").read_text(encoding="utf-8")
+    refs = re.findall(r"`(jaxvrl/[\w/]+\.py): (\w+)`((?:, `\w+`)*)", text)
+    missing = []
+    for path, first, more in refs:
+        source = (ROOT / path).read_text(encoding="utf-8")
+        for name in [first, *re.findall(r"`(\w+)`", more)]:
+            if not re.search(rf"^\s*(?:def|class) {name}\b|^{name}\s*=", source, re.M):
+                missing.append(f"{path}: {name}")
+    assert len(refs) > 30 and missing == []
 
 
 def test_nothing_refers_outside_the_repository():
