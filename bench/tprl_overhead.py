@@ -1,4 +1,4 @@
-"""What TPRL and VGR cost on top of GRPO in jaxvrl's fused train step, and what the seeds' way
+"""What TPRL and VGR cost on top of GRPO in jaxvrl's fused train step, and what the usual way
 of getting attention maps (transformers, eager attention, `output_attentions=True`) costs on
 top of a plain transformers forward, on the same model and batch.
 
@@ -18,10 +18,10 @@ Peak memory is read from the compiled step (`memory_analysis()`: arguments + out
 
 transformers: a no-grad forward over the same token ids and images with the default (sdpa)
 attention, with eager attention, and with eager attention and `output_attentions=True` (what
-seeds 000/001/003 call to get the maps), same threads, logits kept for the completion only
-(`logits_to_keep`, as TRL's log-prob pass). Time and the process's peak RSS growth during the
-call (VmHWM after a reset through /proc/self/clear_refs; the script re-executes itself with
-glibc's mmap threshold fixed, so freed tensors leave the RSS).
+TRL-based VGR/MDI implementations call to get the maps), same threads, logits kept for the
+completion only (`logits_to_keep`, as TRL's log-prob pass). Time and the process's peak RSS
+growth during the call (VmHWM after a reset through /proc/self/clear_refs; the script
+re-executes itself with glibc's mmap threshold fixed, so freed tensors leave the RSS).
 
 Times are the minimum over `--rounds` rounds, the variants interleaved within each round; the
 process's CPU time (all threads) is printed beside the wall time, as it moves less when other

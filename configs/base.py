@@ -1,4 +1,4 @@
-"""Base config: every option of SPEC sections 2-9, under the seeds' option names.
+"""Base config: every option, with its default (what each RL option does: docs/algorithms.md).
 
 The defaults are the embedded default: a tiny Qwen2.5-VL checkpoint shipped in the package and
 the built-in visual task, short completions, small batches, so a 2-core CPU finishes a run in
@@ -70,7 +70,7 @@ def get_config(arg=None):
     c.data.video_key = "videos"
     c.data.video_fps = 2.0
     c.data.max_prompt_length = 256  # tokens; longer prompts are skipped and counted
-    c.data.max_image_side = 1024  # px; seed 000 skips larger images
+    c.data.max_image_side = 1024  # px; larger images are skipped and counted
     c.data.min_pixels = 56 * 56
     c.data.max_pixels = 28 * 28 * 256
     c.data.system_prompt = placeholder(str)  # None: the built-in task's, none for files
@@ -123,7 +123,7 @@ def get_config(arg=None):
     c.actor.kl_loss_coef = 0.0
     c.actor.kl_loss_type = "low_var_kl"  # kl | abs | mse | low_var_kl
     c.actor.entropy_coef = 0.0  # entropy bonus
-    c.actor.use_entropy_penalty = False  # seed 004: + coef * agg(-logp)
+    c.actor.use_entropy_penalty = False  # VPPO: + coef * agg(-logp)
     c.actor.entropy_penalty_coef = 0.06
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
@@ -134,7 +134,7 @@ def get_config(arg=None):
     c.critic.value_loss_coef = 0.5
     c.critic.share_backbone = False  # True: value head on the policy's hidden states
 
-    c.tprl = ml_collections.ConfigDict()  # seeds 002/004 (VPPO)
+    c.tprl = ml_collections.ConfigDict()  # VPPO (arXiv 2510.09285)
     c.tprl.enable_perception_filtering = False
     c.tprl.top_p_perception_tokens = 0.2
     c.tprl.black_prob = 0.5  # patch blackening probability of the perturbed image
@@ -144,7 +144,7 @@ def get_config(arg=None):
     c.tprl.enable_trajectory_reweighting = False  # TAS
     c.tprl.trajectory_scaling_min = 0.8
 
-    c.vgr = ml_collections.ConfigDict()  # seeds 001/003
+    c.vgr = ml_collections.ConfigDict()  # attention-derived token weights
     c.vgr.enable_token_weights = False
     c.vgr.token_weight_clip = (0.2, 3.0)
     c.vgr.token_weight_smooth_sigma = 0.0  # 0 = no smoothing
@@ -157,9 +157,9 @@ def get_config(arg=None):
     # one per func: the names its metrics (reward/<name>, reward/<name>_failures), the markdown
     # logs and the filters use. () = a built-in's name, else the function's (a.py:fn -> fn)
     c.reward.names = ()
-    c.reward.early_weights = ()  # seed 001 two-stage: weights for the first early_steps
+    c.reward.early_weights = ()  # two-stage: weights for the first early_steps
     c.reward.early_steps = 0
-    c.reward.mdi_balance_ratio = 2.0  # seed 000: R in clip(1 - |ln MDI| / ln R, 0, 1)
+    c.reward.mdi_balance_ratio = 2.0  # R in clip(1 - |ln MDI| / ln R, 0, 1)
 
     c.filter = ml_collections.ConfigDict()
     c.filter.dynamic_sampling = False  # DAPO: drop groups whose metric is constant
@@ -167,13 +167,13 @@ def get_config(arg=None):
     # generation batches per step to fill it with informative groups; short: the rest is
     # padding (mask 0). 0 = no limit (an error after a whole pass over the data)
     c.filter.max_num_gen_batches = 1
-    c.filter.online_filtering = False  # seed 004: keep filter_low < mean score < filter_high
+    c.filter.online_filtering = False  # keep filter_low < mean score < filter_high
     # overall (the weighted total: 0..5 with the built-in mc_idx 4 + think_format 1, so the
-    # seed's 0.01 / 0.99 suit a reward name such as mc_idx better) or a reward name
+    # default 0.01 / 0.99 suit a reward name such as mc_idx better) or a reward name
     c.filter.filter_key = "overall"
     c.filter.filter_low = 0.01
     c.filter.filter_high = 0.99
-    # seed 001: uninformative groups (and slots dynamic sampling left empty) are replaced by
+    # uninformative groups (and slots dynamic sampling left empty) are replaced by
     # stored informative groups of earlier steps, each used once. Not in the checkpoint: a
     # resumed run starts with an empty buffer
     c.filter.replay_buffer = ml_collections.ConfigDict()

@@ -1,4 +1,4 @@
-"""Seed 000: GRPO with rewards mc_idx 4 : think_format 1 : MDI attention balance 1.
+"""MDI (arXiv 2508.10552): GRPO with rewards mc_idx 4 : think_format 1 : MDI attention balance 1.
 
     python -m jaxvrl.train --config configs/mdi.py
 

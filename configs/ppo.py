@@ -1,4 +1,4 @@
-"""PPO with a critic (seed 004's default): GAE advantages from token-level rewards and a value
+"""PPO with a critic: GAE advantages from token-level rewards and a value
 head on its own copy of the Qwen2.5-VL backbone, trained with the clipped value loss; the KL to
 the reference policy is subtracted from the reward with the adaptive controller.
 
@@ -17,7 +17,7 @@ def get_config(arg=None):
     c = base.get_config(arg)
     c.name = "ppo"
     c.algorithm.adv_estimator = "gae"
-    c.algorithm.gamma = 1.0  # seed 004
+    c.algorithm.gamma = 1.0
     c.algorithm.lam = 0.95
     c.algorithm.use_kl_in_reward = True
     c.algorithm.kl_ctrl.type = "adaptive"

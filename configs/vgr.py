@@ -1,9 +1,9 @@
-"""Seeds 001/003: DAPO with VGR attention-derived token weights on the loss mask.
+"""DAPO with VGR attention-derived token weights on the loss mask.
 
     python -m jaxvrl.train --config configs/vgr.py
 
 A real model and data: add --config.model.path=/ckpt/Qwen2.5-VL-7B-Instruct
---config.data.train_files=train.jsonl --config.vgr.token_weight_last_k_layers=4 (seed 003).
+--config.data.train_files=train.jsonl --config.vgr.token_weight_last_k_layers=4.
 """
 
 from configs import dapo

@@ -1,4 +1,4 @@
-"""A-OKVQA -> jaxvrl rows (seed 000's preparation step).
+"""A-OKVQA -> jaxvrl rows (multiple choice with `label_idx`, for the `mc_idx` reward).
 
     python -m jaxvrl.data.prepare_aokvqa --input aokvqa/train.parquet --out_dir data/aokvqa \
         [--question_id_file A-OKVQA_question_id.txt] [--subset_size 200] [--seed 0]

@@ -1,6 +1,6 @@
 """Rows -> encoded examples (prompt ids + vision patches), with bad-row accounting.
 
-Row format (SPEC section 8): `problem` (or `prompt`) text; `images`: a list of paths relative to
+Row format: `problem` (or `prompt`) text; `images`: a list of paths relative to
 `image_dir`, raw bytes, {"bytes": ..., "path": ...} dicts (bytes may be base64 text in JSON) or
 PIL images; optional `videos`: a list of videos, each a list of frames in the same forms;
 `label_idx` (with `choices`) for multiple choice, or `answer` / `solution`.

@@ -1,6 +1,6 @@
-"""Run logs (SPEC section 9): metrics.jsonl + TensorBoard, markdown logs of rollouts, token
-weights and attention diagnostics, and a console progress line. Only process 0 writes: each
-writer takes `enabled` (pass `jax.process_index() == 0`)."""
+"""Run logs (README, "What a run writes"): metrics.jsonl + TensorBoard, markdown logs of
+rollouts, token weights and attention diagnostics, and a console progress line. Only process 0
+writes: each writer takes `enabled` (pass `jax.process_index() == 0`)."""
 
 from jaxvrl.logging.markdown import (
     MarkdownLog,

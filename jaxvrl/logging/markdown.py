@@ -1,4 +1,4 @@
-"""Markdown logs a user reads (SPEC section 9, seeds 000/001): `rollout_results.md` (prompt,
+"""Markdown logs a user reads (README "What a run writes"): `rollout_results.md` (prompt,
 completion, each reward, total, advantage per sample), `token_weights.md` (each completion as
 `word(weight)`) and `attention_diagnostics.md` (MDI, AEI, early / middle / late MDI).
 

@@ -1,4 +1,4 @@
-"""RL math of SPEC sections 2-7 as pure functions: jnp on [B, T] arrays with an explicit
+"""RL math (docs/algorithms.md) as pure functions: jnp on [B, T] arrays with an explicit
 completion mask (jit-able, no host sync), rewards and rollout filters on the host."""
 
 from jaxvrl.rl import rewards

@@ -1,4 +1,5 @@
-"""Advantage estimators (SPEC section 4). Group = the G consecutive rows of one prompt."""
+"""Advantage estimators (docs/algorithms.md#advantages). Group = the G consecutive rows of one
+prompt."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Attention metrics, VGR token weights and the MDI balance reward (SPEC section 2).
+"""Attention metrics, VGR token weights and the MDI balance reward (docs/algorithms.md,
+from #attention-statistics to #vgr-token-weights).
 
 Inputs are the model's per-layer pool masses A_V, A_X: float32[L, B, T] (heads-averaged,
 sink dropped, renormalised over prompt keys) and the pool sizes |V|, |X|: [B].
@@ -81,7 +82,7 @@ def sequence_mdi(
 def attention_metrics(
     vision_mass, text_mass, n_vision, n_text, mask, *, layer_set="all", last_k=0, eps=1e-6
 ) -> dict:
-    """Attention diagnostics of seeds 000/001/003 from the model's pool masses.
+    """Attention diagnostics (VGR, MDI, AEI; arXiv 2508.10552) from the model's pool masses.
 
     vision_mass, text_mass: float32[L, B, T] (A_V, A_X per layer and query position); n_vision,
     n_text: [B] pool sizes |V|, |X|; mask: [B, T] completion mask. `layer_set` / `last_k`
@@ -135,9 +136,10 @@ def vgr_token_weights(
     has_image: jax.Array | None = None,
     eps: float = 1e-6,
 ) -> jax.Array:
-    """VGR token weights (seeds 001/003): w_t = 1 / (VGR_t + eps), divided by its mean over the
-    row's completion tokens, clipped to `clip`, then (smooth_sigma > 0, static) smoothed along
-    t by a Gaussian of radius ceil(3 sigma) renormalised over the completion tokens it covers.
+    """VGR token weights (docs/algorithms.md#vgr-token-weights): w_t = 1 / (VGR_t + eps),
+    divided by its mean over the row's completion tokens, clipped to `clip`, then
+    (smooth_sigma > 0, static) smoothed along t by a Gaussian of radius ceil(3 sigma)
+    renormalised over the completion tokens it covers.
 
     vgr, mask: [B, T]; has_image: bool[B] or None. Rows without images get w = 1; a
     non-finite weight (NaN VGR) counts as 1. Returns float32[B, T], 0 on padding (the loss
@@ -157,7 +159,7 @@ def vgr_token_weights(
 def mdi_balance_reward(mdi: jax.Array, ratio: float = 2.0) -> jax.Array:
     """balance = clip(1 - |ln MDI| / ln R, 0, 1); reward = 2 balance - 1. Rows without
     statistics (NaN, inf, non-positive MDI) get 0, the neutral value. mdi: float32[B]; the
-    tolerance ratio R > 1 (`mdi_balance_ratio`, seed 000) is static. Returns float32[B]."""
+    tolerance ratio R > 1 (`mdi_balance_ratio`) is static. Returns float32[B]."""
     if not ratio > 1.0:
         raise ValueError(f"mdi_balance_ratio must be > 1, got {ratio}")
     mdi = jnp.asarray(mdi, jnp.float32)

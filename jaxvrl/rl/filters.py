@@ -1,5 +1,6 @@
-"""Rollout-level filtering and reward shaping on the host (SPEC section 7). numpy arrays; rows
-come in groups of G consecutive rows (one prompt)."""
+"""Rollout-level filtering and reward shaping on the host (docs/algorithms.md: rewards,
+overlong completions, rollout filtering). numpy arrays; rows come in groups of G consecutive
+rows (one prompt)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def dynamic_sampling_keep(metric: np.ndarray, group_size: int) -> np.ndarray:
 
 
 def online_filter_keep(scores: np.ndarray, group_size: int, low: float, high: float) -> np.ndarray:
-    """Seed 004 online filtering: keep groups with filter_low < mean score < filter_high
-    (strict). scores: float[B]. Returns bool[B / G]."""
+    """Online filtering: keep groups with filter_low < mean score < filter_high (strict).
+    scores: float[B]. Returns bool[B / G]."""
     mean = _groups(scores, group_size).mean(axis=1)
     return (mean > low) & (mean < high)
 
@@ -58,8 +59,8 @@ def soft_overlong_punishment(
 def stage_reward_weights(
     step: int, regular: dict[str, float], early: dict[str, float] | None, early_steps: int
 ) -> dict[str, float]:
-    """Two-stage reward weights (seed 001): for step < early_steps the `early` weights (each
-    name in `early` overrides `regular`), then `regular`."""
+    """Two-stage reward weights: for step < early_steps the `early` weights (each name in
+    `early` overrides `regular`), then `regular`."""
     if early and step < early_steps:
         return {**regular, **early}
     return dict(regular)
@@ -106,8 +107,8 @@ class DynamicSampler:
 
 @dataclasses.dataclass
 class ReplayBuffer:
-    """Seed 001's replay buffer for uninformative groups (host side; groups are opaque
-    payloads, e.g. the rows of one prompt with their rewards).
+    """Replay buffer for uninformative groups (host side; groups are opaque payloads, e.g.
+    the rows of one prompt with their rewards).
 
     A group is informative when its rewards have population std >= min_std and min_mean <=
     mean <= max_mean. fill() stores this batch's informative groups (the oldest fall out past

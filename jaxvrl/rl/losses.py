@@ -1,4 +1,5 @@
-"""Policy, KL, entropy and value losses (SPEC section 5). float32 math, [B, T] arrays."""
+"""Policy, KL, entropy and value losses (docs/algorithms.md, from #policy-loss on). float32
+math, [B, T] arrays."""
 
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def policy_loss(
     token_weights: jax.Array | None = None,
     denominator: jax.Array | None = None,
 ) -> tuple[jax.Array, dict]:
-    """PPO clipped surrogate with dual clip (SPEC 5). logp, old_logp, mask: [B, T];
-    advantages: float32[B] (one per row) or float32[B, T].
+    """PPO clipped surrogate with dual clip (docs/algorithms.md#policy-loss). logp, old_logp,
+    mask: [B, T]; advantages: float32[B] (one per row) or float32[B, T].
 
     r = exp(clip(logp - old, -20, 20)); l = max(-A r, -A clip(r, 1 - low, 1 + high)); for
     A < 0, l = min(l, -dual A). DAPO: high = 0.28, token-mean; GRPO: seq-mean-token-mean.
@@ -207,7 +208,7 @@ def entropy_bonus(
 def entropy_penalty(
     logp: jax.Array, mask: jax.Array, mode: str, coef: float = 1.0, denominator=None
 ) -> jax.Array:
-    """Term to add to the loss for seed 004's entropy penalty: coef * agg(-logp), logp
+    """Term to add to the loss for the entropy penalty (VPPO): coef * agg(-logp), logp
     float32[B, T] of the sampled tokens (`entropy_penalty_coef`, VPPO 0.06). float32[]."""
     return coef * agg_loss(-logp, mask, mode, denominator)
 

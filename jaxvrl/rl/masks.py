@@ -1,6 +1,7 @@
-"""Token scores and masks of TPRL/VPPO (SPEC section 3): visual dependency, the top-p
-perception mask (TGF), the entropy mask. Arrays are [B, T] with an explicit completion mask
-m (float or bool, > 0 on completion tokens); float32 math; jit-able with static shapes."""
+"""Token scores and masks of TPRL/VPPO (arXiv 2510.09285; docs/algorithms.md): visual
+dependency, the top-p perception mask (TGF), the entropy mask. Arrays are [B, T] with an
+explicit completion mask m (float or bool, > 0 on completion tokens); float32 math; jit-able
+with static shapes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ _MAX_DENOMINATOR = 10_000
 
 
 def visual_dependency(logp_aug: jax.Array, logp: jax.Array, mask: jax.Array) -> jax.Array:
-    """Per-token visual dependency S_t (seeds 002/004).
+    """Per-token visual dependency S_t (docs/algorithms.md, "Perturbed image and visual
+    dependency").
 
     d = clip(logp(o_t | I') - logp(o_t | I), -20, 20); S_t = clip(exp(d) - d - 1, 0, 10): a
     single-sample k3 estimate of KL(pi(.|I) || pi(.|I')). logp_aug, logp: float32[B, T] log-probs
@@ -62,8 +64,8 @@ def _descending_rank(scores: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def top_p_token_mask(scores: jax.Array, mask: jax.Array, top_p: float) -> jax.Array:
-    """Perception mask (TGF, seeds 002/004): per row, 1 on the k = ceil(n * top_p) completion
-    tokens with the largest score, n = the row's completion-token count.
+    """Perception mask (TGF, VPPO): per row, 1 on the k = ceil(n * top_p) completion tokens
+    with the largest score, n = the row's completion-token count.
 
     Exactly k per row (k is clipped to [0, n]); equal scores go to the earlier position;
     padding is never selected. scores, mask: [B, T]. Returns float32[B, T].
@@ -77,8 +79,8 @@ def top_p_token_mask(scores: jax.Array, mask: jax.Array, top_p: float) -> jax.Ar
 def entropy_token_mask(
     entropy: jax.Array, mask: jax.Array, top_p: float, scope: str = "sequence"
 ) -> jax.Array:
-    """Entropy mask (seed 004; arXiv 2506.01939): keep the top `top_p` highest-entropy
-    completion tokens per row (scope "sequence": k = ceil(n_row * top_p)) or over the whole
+    """Entropy mask (arXiv 2506.01939): keep the top `top_p` highest-entropy completion
+    tokens per row (scope "sequence": k = ceil(n_row * top_p)) or over the whole
     batch (scope "batch": k = ceil(N * top_p), N = all completion tokens; ties go to the earlier
     position in row-major order). entropy, mask: [B, T]. Returns float32[B, T]."""
     if scope == "sequence":
@@ -97,7 +99,7 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
 
 
 def union_token_mask(*masks: jax.Array | None) -> jax.Array | None:
-    """Union of token masks (SPEC 3: perception and entropy masks together); None if none."""
+    """Union of token masks (perception and entropy masks together); None if none."""
     present = [m.astype(jnp.float32) for m in masks if m is not None]
     if not present:
         return None

@@ -1,4 +1,4 @@
-"""Host-side reward functions (SPEC section 6). Signature like TRL:
+"""Host-side reward functions (docs/algorithms.md#rewards). Signature like TRL:
 `fn(completions: list[str], **columns) -> list[float]`."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _standalone_choice(text: str) -> str | None:
 
 
 def extract_choice(text: str) -> str | None:
-    """Option letter A-J of a completion, or None (seed 000's mc_idx answer parsing).
+    """Option letter A-J of a completion, or None (the mc_idx answer parsing).
 
     Full-width forms count as ASCII. Searches the text after the last `</think>` first and the
     whole text only when that finds nothing. Explicit markers first, in this order:
@@ -109,8 +109,8 @@ def _label_letter(label) -> str | None:
 
 
 def mc_idx_reward(completions: Sequence[str], label_idx: Sequence, **_) -> list[float]:
-    """Seed 000 (weight 4.0): 1.0 when extract_choice() equals the label (0-based index or
-    letter), else 0.0; a missing label gives 0.0."""
+    """Multiple-choice reward (weight 4.0 in the presets): 1.0 when extract_choice() equals
+    the label (0-based index or letter), else 0.0; a missing label gives 0.0."""
     if len(label_idx) != len(completions):
         raise ValueError(f"{len(completions)} completions but {len(label_idx)} labels")
     out = []
@@ -124,8 +124,9 @@ _THINK = re.compile(r"^\s*<think>(.*?)</think>(.*)$", re.S)
 
 
 def think_format_reward(completions: Sequence[str], **_) -> list[float]:
-    """Seed 000 (weight 1.0): 1.0 when the completion is exactly one <think>...</think> block
-    (only whitespace before it) followed by a non-empty answer, else 0.0."""
+    """Format reward (weight 1.0 in the presets): 1.0 when the completion is exactly one
+    <think>...</think> block (only whitespace before it) followed by a non-empty answer, else
+    0.0."""
     out = []
     for c in completions:
         ok = c.count("<think>") == 1 and c.count("</think>") == 1
@@ -235,9 +236,10 @@ def accuracy_reward(
 def mdi_reward(
     completions: Sequence[str], mdi: Sequence | None = None, mdi_balance_ratio=2.0, **_
 ) -> list[float]:
-    """Seed 000 (weight 1.0): 2 * clip(1 - |ln MDI| / ln R, 0, 1) - 1 per row, R =
-    mdi_balance_ratio; 0 (neutral) for rows without statistics (None, NaN, MDI <= 0) and for
-    every row when the column is absent (e.g. a sampler without attention statistics)."""
+    """MDI balance reward (weight 1.0 in configs/mdi.py): 2 * clip(1 - |ln MDI| / ln R, 0, 1)
+    - 1 per row, R = mdi_balance_ratio; 0 (neutral) for rows without statistics (None, NaN,
+    MDI <= 0) and for every row when the column is absent (e.g. a sampler without attention
+    statistics)."""
     if mdi is None:
         return [0.0] * len(completions)
     out = []

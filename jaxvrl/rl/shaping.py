@@ -1,4 +1,5 @@
-"""Trajectory advantage shaping (TAS, SPEC section 3; seeds 002/004, VPPO)."""
+"""Trajectory advantage shaping (TAS; VPPO, arXiv 2510.09285;
+docs/algorithms.md#trajectory-advantage-shaping-tas)."""
 
 from __future__ import annotations
 

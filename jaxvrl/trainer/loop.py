@@ -68,7 +68,8 @@ def evaluate(
 
 def step_scalars(rollout: Rollout, step_metrics: dict, step_time_s: float) -> dict:
     """The scalars of one step: the rollout's, the train step's under `train/` (unless
-    already grouped, e.g. rollout/logprob_abs_diff_mean) and the SPEC names (loss, kl, entropy, perception_token_fraction, ...) at the top level."""
+    already grouped, e.g. rollout/logprob_abs_diff_mean) and the headline names (loss, kl,
+    entropy, perception_token_fraction, ...) at the top level (docs/algorithms.md#metrics)."""
     m = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
     out = dict(rollout.metrics)
     # names with a group of their own (rollout/logprob_abs_diff_mean) keep it

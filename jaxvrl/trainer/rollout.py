@@ -1,7 +1,7 @@
-"""The rollout phase of a step, on the host (SPEC sections 6-7): sample completions for a batch
-of prompts, score them, apply the overlong and truncation rules, filter groups (dynamic
-sampling with refill, online filtering, replay buffer) and assemble one RolloutBatch of fixed
-shape for the train step.
+"""The rollout phase of a step, on the host (docs/algorithms.md: rewards, overlong completions,
+rollout filtering): sample completions for a batch of prompts, score them, apply the overlong
+and truncation rules, filter groups (dynamic sampling with refill, online filtering, replay
+buffer) and assemble one RolloutBatch of fixed shape for the train step.
 
 Shapes: P = prompts per step, G = completions per prompt (a group), B = P * G rows, N =
 max_new_tokens. The batch always holds P groups: when fewer informative groups were found,
@@ -107,7 +107,8 @@ def assemble(
 
 @dataclasses.dataclass(frozen=True)
 class FilterOptions:
-    """SPEC section 7. Metrics / keys name a reward, or OVERALL for the total reward."""
+    """The rollout filters and overlong rules (docs/algorithms.md). Metrics / keys name a
+    reward, or OVERALL for the total reward."""
 
     group_size: int
     prompts_per_step: int

@@ -1,4 +1,4 @@
-"""Done-when test of issue 8: on 8 simulated CPU devices, 3 train steps on meshes (data=8),
+"""Sharded training: on 8 simulated CPU devices, 3 train steps on meshes (data=8),
 (fsdp=8) and (data=2, fsdp=2, tensor=2) give the losses and parameters of one device, the
 sampler gives the same greedy tokens, and with fsdp=8 each device holds 1/8 of every
 fsdp-sharded parameter (and of its optimizer state).

@@ -1,4 +1,4 @@
-"""Advantage estimators (SPEC section 4)."""
+"""Advantage estimators (docs/algorithms.md#advantages)."""
 
 from __future__ import annotations
 

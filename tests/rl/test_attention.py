@@ -1,4 +1,5 @@
-"""Attention metrics, VGR token weights, MDI balance reward (SPEC section 2)."""
+"""Attention metrics, VGR token weights, MDI balance reward
+(docs/algorithms.md#attention-metrics-vgr-mdi-aei)."""
 
 from __future__ import annotations
 

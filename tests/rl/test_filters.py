@@ -1,4 +1,5 @@
-"""Rollout-level filters and reward schedules on the host (SPEC sections 6-7)."""
+"""Rollout-level filters and reward schedules on the host (docs/algorithms.md: rewards,
+overlong completions, rollout filtering)."""
 
 from __future__ import annotations
 

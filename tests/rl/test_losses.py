@@ -1,5 +1,6 @@
-"""Policy, KL, entropy and value losses (SPEC section 5), against hand values, a torch
-reference written the way TRL and verl write them, and batch-split / padding properties."""
+"""Policy, KL, entropy and value losses (docs/algorithms.md, from #policy-loss on), against
+hand values, a torch reference written the way TRL and verl write them, and batch-split /
+padding properties."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Visual dependency, top-p perception mask, entropy mask (SPEC section 3)."""
+"""Visual dependency, top-p perception mask, entropy mask
+(docs/algorithms.md#token-masks-perception-and-entropy)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Host-side rewards (SPEC section 6)."""
+"""Host-side rewards (docs/algorithms.md#rewards)."""
 
 from __future__ import annotations
 

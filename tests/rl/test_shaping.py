@@ -1,4 +1,4 @@
-"""Trajectory advantage shaping (TAS, SPEC section 3)."""
+"""Trajectory advantage shaping (TAS, docs/algorithms.md#trajectory-advantage-shaping-tas)."""
 
 from __future__ import annotations
 

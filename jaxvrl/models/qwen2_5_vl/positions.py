@@ -115,7 +115,8 @@ def attention_pools(
     special_ids: Iterable[int],
     vision_ids: Iterable[int],
 ) -> dict[str, np.ndarray]:
-    """Key pools for attention statistics (SPEC section 1), bool[B, T] each.
+    """Key pools for attention statistics (docs/algorithms.md#attention-statistics), bool[B, T]
+    each.
 
     vision: image/video pad tokens. text: tokens inside user turns (after `<|im_start|>` +
     `user_header_ids`, up to `<|im_end|>`) that are neither special nor vision tokens.

@@ -1,8 +1,9 @@
 """Qwen2.5-VL text decoder: GQA with q/k/v bias, 3-D M-RoPE, RMSNorm, gated MLP, KV cache.
 
 The decoder can also return attention statistics: for every layer and query position, the
-heads-averaged attention mass on a vision pool and a text pool of keys (SPEC section 1). They
-are reduced inside each layer, so no [L, heads, T, S] tensor outlives its layer.
+heads-averaged attention mass on a vision pool and a text pool of keys
+(docs/algorithms.md#attention-statistics). They are reduced inside each layer, so no
+[L, heads, T, S] tensor outlives its layer.
 """
 
 from __future__ import annotations
