@@ -59,9 +59,10 @@ def get_config(arg=None):
     c.model.matmul_precision = "default"
 
     c.data = ml_collections.ConfigDict()
-    c.data.train_files = placeholder(str)  # comma-separated JSONL / parquet; None = built-in
+    # comma-separated JSONL / JSON / parquet files (local or gs://); None = the built-in task
+    c.data.train_files = placeholder(str)
     c.data.val_files = placeholder(str)
-    c.data.image_dir = placeholder(str)  # root of relative image paths
+    c.data.image_dir = placeholder(str)  # root of relative image paths (local or gs://)
     # The dataset's columns (JSONL, JSON, parquet; local or gs://). Each key is a column name
     # or a dotted path into nested objects (meta.question); null reads the built-in names. A
     # key naming no column of a file stops the run at start, listing the file's columns.
