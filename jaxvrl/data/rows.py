@@ -215,10 +215,10 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
     """
     text = row.get("problem", row.get("prompt"))
     if not isinstance(text, str) or not text:
-        stats.skip("missing_prompt", where, "no 'problem' or 'prompt' text")
+        stats.skip("missing_prompt", where, "no prompt text")
         return None
     if opts.require_label and row_label(row) is None:
-        stats.skip("missing_label", where, "no 'label_idx', 'answer' or 'solution'")
+        stats.skip("missing_label", where, "no label")
         return None
     images = _load_all(row.get("images") or [], opts, stats, where)
     if images is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -100,7 +101,7 @@ def test_nested_keys_and_a_literal_dotted_column(tmp_path, image_dir, tokenizer)
     fmt = RowFormat(prompt_key="q.text", image_key="q.img", answer_key="meta.gt")
     got = read_rows(_jsonl(tmp_path / "n.jsonl", rows), fmt=fmt)
     assert [r["problem"] for r in got] == ["literal", None]  # the literal column wins
-    fmt = RowFormat(prompt_key="q.text" + "x", image_key="q.img")
+    fmt = RowFormat(prompt_key="q.textx", image_key="q.img")
     with pytest.raises(DataError, match=r"no column 'q.textx'.*nested: q.text, q.img, meta.gt"):
         read_rows(_jsonl(tmp_path / "n.jsonl", rows), fmt=fmt)
     rows = [{k: v for k, v in r.items() if k != "q.text"} for r in rows]
@@ -204,6 +205,7 @@ def test_the_format_hook_maps_raw_rows(tmp_path, image_dir, tokenizer):
     assert rows[1] == {"problem": "q1", "images": ["red.png"], "answer": "B", "_where": f"{path}:2"}
     examples, stats = _encode(rows, tokenizer, image_dir)
     assert stats.total == 0 and len(examples) == 2
+    assert pickle.loads(pickle.dumps(src))[1] == rows[1]  # e.g. for grain worker processes
     # the keys read the hook's output, checked against it at open
     src = open_source(path, fmt=RowFormat(format=f"{hook}:to_row", answer_key="problem"))
     assert src[0]["answer"] == "q0"
