@@ -59,16 +59,26 @@ def get_config(arg=None):
     c.model.matmul_precision = "default"
 
     c.data = ml_collections.ConfigDict()
-    c.data.train_files = placeholder(str)  # comma-separated JSONL / parquet; None = built-in
+    # comma-separated JSONL / JSON / parquet files (local or gs://); None = the built-in task
+    c.data.train_files = placeholder(str)
     c.data.val_files = placeholder(str)
-    c.data.image_dir = placeholder(str)  # root of relative image paths
-    # NOT USED YET (rows.py reads fixed column names): the prompt, answer, image and video
-    # columns and the video frame rate
-    c.data.prompt_key = placeholder(str)  # None: `problem`, else `prompt`
-    c.data.answer_key = placeholder(str)  # None: `label_idx`, else `answer`, else `solution`
-    c.data.image_key = "images"
-    c.data.video_key = "videos"
-    c.data.video_fps = 2.0
+    c.data.image_dir = placeholder(str)  # root of relative image paths (local or gs://)
+    # The dataset's columns (JSONL, JSON, parquet; local or gs://). Each key is a column name
+    # or a dotted path into nested objects (meta.question); null reads the built-in names. A
+    # key naming no column of a file stops the run at start, listing the file's columns.
+    c.data.prompt_key = placeholder(str)  # the prompt text; null: `problem`, else `prompt`
+    # the label the rewards score (mc_idx: an option letter or 0-based index; accuracy: the
+    # reference answer); null: `label_idx`, else `answer`, else `solution`
+    c.data.answer_key = placeholder(str)
+    # the images: a path (relative to image_dir), bytes, base64 text, {"bytes", "path"} or a
+    # list of those; null: `images` (a list)
+    c.data.image_key = placeholder(str)
+    c.data.video_key = placeholder(str)  # a video's frame list (or a list of them); null: `videos`
+    c.data.choices_key = placeholder(str)  # the options list; null: `choices`
+    c.data.video_fps = 2.0  # frames per second of the videos' frame lists (temporal positions)
+    # module:function or path/to/file.py:function mapping each raw row (a dict) to a row with
+    # the built-in names (problem, images, label_idx / answer, ...); the keys read its output
+    c.data.format = placeholder(str)
     c.data.max_prompt_length = 256  # tokens; longer prompts are skipped and counted
     c.data.max_image_side = 1024  # px; larger images are skipped and counted
     c.data.min_pixels = 56 * 56

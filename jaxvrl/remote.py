@@ -1,9 +1,11 @@
-"""Remote paths (`gs://bucket/...`, any fsspec URL) for the model and the workdir.
+"""Remote paths (`gs://bucket/...`, any fsspec URL) for the model, the data and the workdir.
 
 Checkpoints go to the remote workdir directly (orbax writes gs:// itself). Everything else is
 plain file I/O, so:
 - `localize_dir(url)` copies a remote model directory (config.json, safetensors shards,
   tokenizer files) into a local cache once and returns the local path;
+- `localize_file(url)` does the same for one data file (JSONL, JSON, parquet), and
+  `read_bytes(url)` reads one image;
 - `MirroredDir(url)` is a local directory whose files (metrics.jsonl, markdown logs,
   TensorBoard events) are pulled from `url` at start (a resumed run appends to them) and pushed
   back when they change, at most every `min_interval_s` seconds and at close.
@@ -59,6 +61,32 @@ def localize_dir(url: str, cache_root: str | None = None) -> str:
         os.replace(dst + ".part", dst)  # a cut copy never looks complete
         log.info("copied %s (%.1f MB, %.1fs)", name, e["size"] / 1e6, time.time() - t0)
     return local
+
+
+def localize_file(url: str, cache_root: str | None = None) -> str:
+    """A local copy of the file `url` (copied once; kept while the sizes agree). A local path
+    is returned unchanged. Raises FileNotFoundError."""
+    if not is_remote(url):
+        return url
+    fs, root = _fs(url)
+    if not fs.isfile(root):
+        raise FileNotFoundError(f"{url} not found")
+    local = os.path.join(_cache_dir(url, cache_root), url.rstrip("/").rsplit("/", 1)[-1])
+    size = fs.size(root)
+    if os.path.exists(local) and os.path.getsize(local) == size:
+        return local
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    t0 = time.time()
+    fs.get(root, local + ".part")
+    os.replace(local + ".part", local)
+    log.info("copied %s (%.1f MB, %.1fs)", url, size / 1e6, time.time() - t0)
+    return local
+
+
+def read_bytes(url: str) -> bytes:
+    """The whole file at `url`; FileNotFoundError when there is none."""
+    fs, root = _fs(url)
+    return fs.cat_file(root)
 
 
 class MirroredDir:

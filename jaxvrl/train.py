@@ -36,6 +36,7 @@ from jaxvrl import rl
 from jaxvrl.checkpoint import Checkpointer, PreemptionFlag, stop_requested_everywhere
 from jaxvrl.config import ConfigError, load_config, parse_argv
 from jaxvrl.data import synthetic
+from jaxvrl.data.columns import RowFormat
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import open_sources
@@ -64,6 +65,20 @@ def encode_options(c) -> EncodeOptions:
         min_pixels=c.data.min_pixels,
         max_pixels=c.data.max_pixels,
         system_prompt=c.data.system_prompt or (synthetic.SYSTEM_PROMPT if builtin else None),
+        video_fps=c.data.video_fps,
+    )
+
+
+def row_format(c) -> RowFormat:
+    """The dataset's columns (config.data.*_key) and its format hook (config.data.format)."""
+    d = c.data
+    return RowFormat(
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        image_key=d.image_key,
+        video_key=d.video_key,
+        choices_key=d.choices_key,
+        format=d.format,
     )
 
 
@@ -72,7 +87,7 @@ def train_data(c, tokenizer):
     per next() (shuffled per epoch, sharded per process; its state goes into the checkpoint),
     the number of rows in this process's shard, and the live counts of skipped bad rows."""
     if c.data.train_files:
-        source = open_sources(c.data.train_files.split(","))
+        source = open_sources(c.data.train_files.split(","), fmt=row_format(c))
     else:
         kinds = tuple(c.data.synthetic_kinds)
         source = synthetic.make_split("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
@@ -95,7 +110,8 @@ def val_examples(c, tokenizer) -> list:
     if c.data.val_files:
         examples, stats = [], None
         for path in c.data.val_files.split(","):
-            ex, stats = encode_rows(read_rows(path), tokenizer, opts, source=path, stats=stats)
+            rows = read_rows(path, fmt=row_format(c))
+            ex, stats = encode_rows(rows, tokenizer, opts, source=path, stats=stats)
             examples += ex
     elif not c.data.train_files:
         rows = synthetic.make_split("test", c.val_size, c.seed, kinds=tuple(c.data.synthetic_kinds))

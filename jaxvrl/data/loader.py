@@ -61,6 +61,12 @@ def _pack(arrays: list, grids: list, rows_of: list, dim: int, min_patch_bucket: 
     return values, mask, grid, owner, n_img
 
 
+def _seconds(example: dict) -> np.ndarray:
+    """float32[n_vid]: the example's seconds per temporal patch (1 when it has none)."""
+    n = len(np.asarray(example.get("video_grid_thw", np.zeros((0, 3)))).reshape(-1, 3))
+    return np.asarray(example.get("second_per_grid_ts", np.ones(n)), np.float32).reshape(-1)
+
+
 def collate_flat(
     examples: list[dict],
     group_size: int,
@@ -82,6 +88,7 @@ def collate_flat(
       num_images       int32[]       real images (the first num_images grid rows)
       pixel_values_videos, video_pixel_mask, video_grid_thw, video_row, num_videos: the same
                                      for videos (zero-size when the batch has none)
+      second_per_grid_ts float32[Nv] seconds per temporal patch of each video (0 for padding)
       label_idx        int32[R]      -1 where the row has none
       group_index      int32[R]      prompt index g of each row
     Host columns (lists of length R): rows (the examples without pixel arrays), prompts
@@ -112,10 +119,20 @@ def collate_flat(
         values, pmask, grid, owner, n = _pack(arrays, grids, range(r), PATCH_DIM, min_patch_bucket)
         out[pv_key], out[grid_key] = values, grid
         out[names[0]], out[names[1]], out[names[2]] = pmask, owner, np.int32(n)
+    seconds = np.zeros(len(out["video_grid_thw"]), np.float32)
+    if int(out["num_videos"]):
+        seconds[: int(out["num_videos"])] = np.concatenate([_seconds(x) for x in rows])
+    out["second_per_grid_ts"] = seconds
     labels = [x.get("label_idx") for x in rows]
     out["label_idx"] = np.array([-1 if v is None else int(v) for v in labels], np.int32)
     out["group_index"] = np.repeat(np.arange(len(examples), dtype=np.int32), group_size)
-    drop = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    drop = (
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "second_per_grid_ts",
+    )
     out["rows"] = [{k: v for k, v in x.items() if k not in drop} for x in rows]
     out["prompts"] = [x["problem"] for x in rows]
     out["answers"] = [x.get("answer", x.get("solution")) for x in rows]

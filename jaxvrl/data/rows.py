@@ -1,9 +1,12 @@
 """Rows -> encoded examples (prompt ids + vision patches), with bad-row accounting.
 
-Row format: `problem` (or `prompt`) text; `images`: a list of paths relative to
-`image_dir`, raw bytes, {"bytes": ..., "path": ...} dicts (bytes may be base64 text in JSON) or
-PIL images; optional `videos`: a list of videos, each a list of frames in the same forms;
-`label_idx` (with `choices`) for multiple choice, or `answer` / `solution`.
+Row format: `problem` (or `prompt`) text; `images`: a list of images, each a path (relative to
+`image_dir`, which may be a `gs://` URL), raw bytes, base64 text (or a `data:` URI), a
+{"bytes": ..., "path": ...} dict (HF datasets' Image feature) or a PIL image; optional
+`videos`: a list of videos, each a list of frames in the same forms, sampled at
+`EncodeOptions.video_fps`; `label_idx` (with `choices`) for multiple choice, or `answer` /
+`solution`. A dataset laid out otherwise is read through `jaxvrl.data.columns` (column keys,
+a format hook).
 
 Bad rows (missing or corrupt image, image side over `max_image_side`, prompt over
 `max_prompt_length` tokens, missing prompt or label) never raise: they are counted per reason
@@ -26,9 +29,11 @@ from PIL import Image
 
 from jaxvrl.data.processor import process_images, process_video
 from jaxvrl.data.prompts import encode_prompt
+from jaxvrl.remote import is_remote, read_bytes
 
 log = logging.getLogger(__name__)
 
+TEMPORAL_PATCH = 2  # frames per temporal patch (Qwen2.5-VL's temporal_patch_size)
 REASONS = (
     "missing_prompt",
     "missing_label",
@@ -91,33 +96,67 @@ class SkipStats:
 
 
 def load_image(ref, image_dir: str | None) -> Image.Image:
-    """A PIL image from a path (relative to `image_dir`), bytes, base64 text or a dict with
-    "bytes"/"path" (HF datasets' Image feature). Raises FileNotFoundError or a decode error."""
+    """A PIL image from a path (relative to `image_dir`; local or a URL such as gs://), bytes,
+    base64 text, a `data:` URI or a dict with "bytes"/"path" (HF datasets' Image feature).
+    A string is a path when that file exists, else base64 when it decodes as such. Raises
+    FileNotFoundError or a decode error."""
     if isinstance(ref, Image.Image):
         return ref
+    in_bytes_field = isinstance(ref, dict) and bool(ref.get("bytes"))
     if isinstance(ref, dict):
         ref = ref.get("bytes") or ref.get("path")
-        if isinstance(ref, str) and not _exists(ref, image_dir):
-            try:  # JSON cannot hold bytes, so embedded images arrive as base64 text
-                ref = base64.b64decode(ref, validate=True)
-            except (binascii.Error, ValueError):
-                pass  # not base64 either: report the missing path below
     if ref is None:
         raise FileNotFoundError("image reference is empty")
-    if isinstance(ref, bytes | bytearray):
+    guessed = None  # the path a string names when it was taken for base64 instead
+    if isinstance(ref, str):
+        ref, guessed = _str_image(ref, image_dir)
+    if not isinstance(ref, bytes | bytearray):
+        img = Image.open(ref)
+    elif guessed is None or in_bytes_field:
         img = Image.open(io.BytesIO(ref))
     else:
-        img = Image.open(_resolve(ref, image_dir))
+        try:
+            img = Image.open(io.BytesIO(ref))
+        except Image.UnidentifiedImageError:  # a missing path that happens to be base64
+            raise FileNotFoundError(f"{guessed} not found (nor base64 image data)") from None
     img.load()
     return img
 
 
+def _str_image(ref: str, image_dir: str | None) -> tuple[bytes | str, str | None]:
+    """(the bytes or the local path that a string names, the path it names when taken for
+    base64). An existing file wins over base64 (JSON cannot hold bytes, so embedded images
+    arrive as base64 text)."""
+    if ref.startswith("data:") and "," in ref:
+        return base64.b64decode(ref.split(",", 1)[1]), None
+    path = _resolve(ref, image_dir)
+    if is_remote(path):
+        try:
+            return read_bytes(path), None
+        except FileNotFoundError:
+            data = _base64(ref)
+            if data is None:
+                raise FileNotFoundError(f"{path} not found") from None
+            return data, path
+    if len(path) < 4096 and os.path.exists(path):
+        return path, None
+    data = _base64(ref)
+    return (path, None) if data is None else (data, path)  # a missing path: Image.open names it
+
+
+def _base64(text: str) -> bytes | None:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
 def _resolve(path: str, image_dir: str | None) -> str:
-    return path if image_dir is None or os.path.isabs(path) else os.path.join(image_dir, path)
-
-
-def _exists(path: str, image_dir: str | None) -> bool:
-    return len(path) < 4096 and os.path.exists(_resolve(path, image_dir))
+    if image_dir is None or os.path.isabs(path) or is_remote(path):
+        return path
+    if is_remote(image_dir):
+        return f"{image_dir.rstrip('/')}/{path}"
+    return os.path.join(image_dir, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +172,11 @@ class EncodeOptions:
     video_max_pixels: int = 768 * 28 * 28
     system_prompt: str | None = None
     require_label: bool = True
+    video_fps: float = 2.0  # frames per second of the videos' frame lists
+
+    def __post_init__(self):
+        if not self.video_fps > 0:
+            raise ValueError(f"video_fps must be positive, got {self.video_fps}")
 
 
 def row_label(row: dict):
@@ -165,14 +209,16 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
 
     The example keeps the row's own keys (minus image/video payloads) and adds:
     prompt_ids list[int], pixel_values float32[n_patches, 1176], image_grid_thw int64[n_img, 3],
-    pixel_values_videos float32[n_video_patches, 1176], video_grid_thw int64[n_vid, 3].
+    pixel_values_videos float32[n_video_patches, 1176], video_grid_thw int64[n_vid, 3],
+    second_per_grid_ts float32[n_vid] (seconds per temporal patch of 2 frames: 2 / video_fps,
+    the step of the videos' temporal positions as in HF's processor).
     """
     text = row.get("problem", row.get("prompt"))
     if not isinstance(text, str) or not text:
-        stats.skip("missing_prompt", where, "no 'problem' or 'prompt' text")
+        stats.skip("missing_prompt", where, "no prompt text")
         return None
     if opts.require_label and row_label(row) is None:
-        stats.skip("missing_label", where, "no 'label_idx', 'answer' or 'solution'")
+        stats.skip("missing_label", where, "no label")
         return None
     images = _load_all(row.get("images") or [], opts, stats, where)
     if images is None:
@@ -187,6 +233,7 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
     vids = [process_video(v, opts.video_min_pixels, opts.video_max_pixels) for v in videos]
     vpv = np.concatenate([v[0] for v in vids]) if vids else np.zeros((0, pv.shape[1]), np.float32)
     vgrid = np.concatenate([v[1] for v in vids]) if vids else np.zeros((0, 3), np.int64)
+    seconds = np.full((len(vids),), TEMPORAL_PATCH / opts.video_fps, np.float32)
     ids = encode_prompt(
         tokenizer,
         text,
@@ -204,6 +251,7 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
         image_grid_thw=grid,
         pixel_values_videos=vpv,
         video_grid_thw=vgrid,
+        second_per_grid_ts=seconds,
         problem=text,
     )
     return out

@@ -1,9 +1,13 @@
 """Random-access row sources for grain: JSONL (or a JSON list), parquet, and an HF dataset
 saved with `save_to_disk` (its arrow files are read with pyarrow; `datasets` is not needed).
+A JSONL, JSON or parquet file may be remote (`gs://...`): it is copied into a local cache
+once (`jaxvrl.remote.localize_file`) and named by its URL in every message.
 
 Each source validates its file when opened, so a file that is not valid JSONL / parquet /
 arrow fails at start with the path (and line for JSONL). Rows come back as dicts with an
 extra `_where` key ("path:line" or "path row i") that bad-row messages and logs quote.
+Each source lists its `columns` (paths: ("a",), ("a", "b") for nested fields), against which
+a `RowFormat`'s keys are checked when the file is opened (`jaxvrl.data.columns`).
 """
 
 from __future__ import annotations
@@ -13,27 +17,33 @@ import json
 import os
 import threading
 
+from jaxvrl.data.columns import RowFormat, RowMapper, column_paths
 from jaxvrl.data.rows import DataError
+from jaxvrl.remote import is_remote, localize_file
 
 
 class JsonlSource:
     """One JSON object per line (blank lines ignored), or a `.json` file holding a list."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, name: str | None = None):
+        self.path = path  # read from here; `name` (default: path) is quoted in messages
+        self.name = name or path
         self._rows = None  # .json: parsed list; .jsonl: parsed lazily via line offsets
         self._offsets: list[tuple[int, int]] = []  # (byte offset, line number)
+        columns: dict[tuple, None] = {}
         if path.endswith(".json"):
             with open(path, encoding="utf-8") as f:
                 try:
                     rows = json.load(f)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+                    raise DataError(f"{self.name}: invalid JSON at line {e.lineno}: {e.msg}") from e
             if not isinstance(rows, list):
-                raise DataError(f"{path}: a .json data file must hold a list of rows")
+                raise DataError(f"{self.name}: a .json data file must hold a list of rows")
             for n, r in enumerate(rows):
-                _check_object(r, f"{path} row {n}")
+                _check_object(r, f"{self.name} row {n}")
+                columns.update(dict.fromkeys(column_paths(r)))
             self._rows = rows
+            self.columns = list(columns)
             return
         with open(path, "rb") as f:
             offset = 0
@@ -43,22 +53,24 @@ class JsonlSource:
                         obj = json.loads(line)
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
                         msg = getattr(e, "msg", str(e))
-                        raise DataError(f"{path}:{n}: invalid JSONL ({msg})") from e
-                    _check_object(obj, f"{path}:{n}")
+                        raise DataError(f"{self.name}:{n}: invalid JSONL ({msg})") from e
+                    _check_object(obj, f"{self.name}:{n}")
+                    columns.update(dict.fromkeys(column_paths(obj)))
                     self._offsets.append((offset, n))
                 offset += len(line)
+        self.columns = list(columns)
 
     def __len__(self) -> int:
         return len(self._rows) if self._rows is not None else len(self._offsets)
 
     def __getitem__(self, i: int) -> dict:
         if self._rows is not None:
-            return {**self._rows[i], "_where": f"{self.path} row {i}"}
+            return {**self._rows[i], "_where": f"{self.name} row {i}"}
         offset, line_no = self._offsets[i]
         with open(self.path, "rb") as f:  # one open per read: safe across reader threads
             f.seek(offset)
             row = json.loads(f.readline())
-        return {**row, "_where": f"{self.path}:{line_no}"}
+        return {**row, "_where": f"{self.name}:{line_no}"}
 
 
 def _check_object(obj, where: str) -> None:
@@ -69,14 +81,15 @@ def _check_object(obj, where: str) -> None:
 class ParquetSource:
     """Rows of a parquet file, read one row group at a time (the last group is cached)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, name: str | None = None):
         import pyarrow.parquet as pq
 
-        self.path = path
+        self.path, self.name = path, name or path
         try:
             self._file = pq.ParquetFile(path)
         except Exception as e:  # noqa: BLE001 -- report any parquet failure with the path
-            raise DataError(f"{path}: not a readable parquet file ({e})") from e
+            raise DataError(f"{self.name}: not a readable parquet file ({e})") from e
+        self.columns = list(_schema_paths(self._file.schema_arrow))
         meta = self._file.metadata
         sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._starts = [sum(sizes[:g]) for g in range(len(sizes))]
@@ -89,19 +102,19 @@ class ParquetSource:
 
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < self._len:
-            raise IndexError(f"{self.path}: row {i} out of range [0, {self._len})")
+            raise IndexError(f"{self.name}: row {i} out of range [0, {self._len})")
         g = bisect.bisect_right(self._starts, i) - 1
         with self._lock:
             if self._cache is None or self._cache[0] != g:
                 self._cache = (g, self._file.read_row_group(g).to_pylist())
             rows = self._cache[1]
-        return {**rows[i - self._starts[g]], "_where": f"{self.path} row {i}"}
+        return {**rows[i - self._starts[g]], "_where": f"{self.name} row {i}"}
 
     def __getstate__(self):  # picklable for grain worker processes: reopen there
-        return {"path": self.path}
+        return {"path": self.path, "name": self.name}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], state["name"])
 
 
 class ArrowDatasetSource:
@@ -133,6 +146,7 @@ class ArrowDatasetSource:
                 raise DataError(f"{fp}: not a readable arrow file ({e})") from e
         self._table = pa.concat_tables(tables) if tables else pa.table({})
         self.where = path
+        self.columns = list(_schema_paths(self._table.schema))
 
     def __len__(self) -> int:
         return self._table.num_rows
@@ -140,6 +154,16 @@ class ArrowDatasetSource:
     def __getitem__(self, i: int) -> dict:
         row = self._table.slice(i, 1).to_pylist()[0]
         return {**row, "_where": f"{self.where} row {i}"}
+
+
+def _schema_paths(fields, prefix: tuple = ()):
+    """Column paths of an arrow schema (or struct type): nested struct fields included."""
+    import pyarrow as pa
+
+    for field in fields:
+        yield (*prefix, field.name)
+        if pa.types.is_struct(field.type):
+            yield from _schema_paths(field.type, (*prefix, field.name))
 
 
 def _read_arrow(path: str):
@@ -174,29 +198,66 @@ class ConcatSource:
         return self.sources[k][i - self._starts[k]]
 
 
-def open_source(path: str, split: str | None = None):
+class FormattedSource:
+    """A source whose rows come back in the row format (`RowMapper`); its keys are checked
+    against the source's columns (or, with a format hook, its output for the first row)."""
+
+    def __init__(self, source, fmt: RowFormat, name: str):
+        self.source, self.mapper = source, RowMapper(fmt)
+        if len(source) == 0:
+            return
+        if fmt.format:
+            columns = column_paths(
+                {k: v for k, v in self.mapper(source[0]).items() if k != "_where"}
+            )
+        else:
+            columns = source.columns
+        self.mapper.check(columns, name)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.mapper(self.source[i])
+
+
+def open_source(path: str, split: str | None = None, fmt: RowFormat | None = None):
     """The source for one data path, chosen by its form: a directory (HF dataset on disk),
-    `.parquet`, or `.jsonl` / `.json`."""
-    if not os.path.exists(path):
-        raise DataError(f"{path}: data file not found")
-    if os.path.isdir(path):
-        return ArrowDatasetSource(path, split)
-    if path.endswith(".parquet"):
-        return ParquetSource(path)
-    if path.endswith((".jsonl", ".json")):
-        return JsonlSource(path)
-    raise DataError(
-        f"{path}: unknown data format (expected .jsonl, .json, .parquet or a directory)"
-    )
+    `.parquet`, or `.jsonl` / `.json` (these three may be remote URLs). With `fmt`, rows come
+    back in the row format, and a key naming no column of the file fails here."""
+    if is_remote(path):
+        if not path.endswith((".parquet", ".jsonl", ".json")):
+            raise DataError(f"{path}: a remote data path must be a .jsonl, .json or .parquet file")
+        try:
+            local = localize_file(path)
+        except FileNotFoundError:
+            raise DataError(f"{path}: data file not found") from None
+    else:
+        local = path
+        if not os.path.exists(path):
+            raise DataError(f"{path}: data file not found")
+    if os.path.isdir(local):
+        src = ArrowDatasetSource(local, split)
+    elif path.endswith(".parquet"):
+        src = ParquetSource(local, name=path)
+    elif path.endswith((".jsonl", ".json")):
+        src = JsonlSource(local, name=path)
+    else:
+        raise DataError(
+            f"{path}: unknown data format (expected .jsonl, .json, .parquet or a directory)"
+        )
+    if fmt is None or fmt.identity:
+        return src
+    return FormattedSource(src, fmt, path)
 
 
-def open_sources(paths, split: str | None = None) -> ConcatSource:
+def open_sources(paths, split: str | None = None, fmt: RowFormat | None = None) -> ConcatSource:
     """All data paths as one source (each validated now)."""
     paths = [paths] if isinstance(paths, str) else list(paths)
-    return ConcatSource([open_source(p, split) for p in paths])
+    return ConcatSource([open_source(p, split, fmt) for p in paths])
 
 
-def read_rows(path: str, split: str | None = None) -> list[dict]:
+def read_rows(path: str, split: str | None = None, fmt: RowFormat | None = None) -> list[dict]:
     """All rows of one data path, eagerly (validated like the lazy sources)."""
-    src = open_source(path, split)
+    src = open_source(path, split, fmt)
     return [src[i] for i in range(len(src))]

@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
-import os
 import re
 import traceback
 from collections.abc import Callable, Sequence
@@ -15,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxvrl.config import RESERVED_NAMES, reward_name, reward_names  # noqa: F401
+from jaxvrl.plugins import load_function
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +106,24 @@ def _label_letter(label) -> str | None:
     return LETTERS[idx] if 0 <= idx < len(LETTERS) else None
 
 
-def mc_idx_reward(completions: Sequence[str], label_idx: Sequence, **_) -> list[float]:
-    """Multiple-choice reward (weight 4.0 in the presets): 1.0 when extract_choice() equals
-    the label (0-based index or letter), else 0.0; a missing label gives 0.0."""
-    if len(label_idx) != len(completions):
-        raise ValueError(f"{len(completions)} completions but {len(label_idx)} labels")
+def mc_idx_reward(
+    completions: Sequence[str],
+    label_idx: Sequence | None = None,
+    answer: Sequence | None = None,
+    **_,
+) -> list[float]:
+    """Multiple-choice reward (weight 4.0 in the presets): 1.0 when extract_choice() equals the label (0-based index or
+    letter), else 0.0. The label is the row's `label_idx`, else its `answer` (a row with an
+    option letter or index in `answer` only, as the evaluation reads it); none gives 0.0."""
+    if label_idx is None and answer is None:
+        raise ValueError("mc_idx needs a `label_idx` or `answer` column")
+    labels = list(label_idx) if label_idx is not None else [None] * len(completions)
+    if answer is not None:
+        labels = [a if lbl is None else lbl for lbl, a in zip(labels, answer)]
+    if len(labels) != len(completions):
+        raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
     out = []
-    for c, lbl in zip(completions, label_idx):
+    for c, lbl in zip(completions, labels):
         choice, want = extract_choice(c), _label_letter(lbl)
         out.append(float(choice is not None and choice == want))
     return out
@@ -269,20 +278,7 @@ def load_reward_fn(spec: str) -> Callable:
             f"reward {spec!r}: use a built-in name {sorted(BUILTIN)}, 'module:function' or "
             "'path.py:function'"
         )
-    target, name = spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        if not os.path.exists(target):
-            raise FileNotFoundError(f"reward {spec!r}: file {target} not found")
-        mod_spec = importlib.util.spec_from_file_location(
-            f"jaxvrl_user_reward_{abs(hash(target))}", target
-        )
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    if not hasattr(module, name):
-        raise AttributeError(f"reward {spec!r}: {target} has no function {name!r}")
-    return getattr(module, name)
+    return load_function(spec, "reward")
 
 
 # names a reward cannot take: reward/total and reward/greedy_baseline are other metrics, and

@@ -60,6 +60,15 @@ def test_mc_idx_reward_labels():
         R.mc_idx_reward(["A", "B"], label_idx=[0])
 
 
+def test_mc_idx_reads_answer_where_a_row_has_no_label_idx():
+    comps = ["Answer: B", "Answer: B", "Answer: C", "Answer: A"]
+    got = R.mc_idx_reward(comps, label_idx=[None, 2, None, None], answer=["B", "B", 2, "cat"])
+    assert got == [1.0, 0.0, 1.0, 0.0]  # label_idx wins; an index or letter in `answer` counts
+    assert R.mc_idx_reward(["(D)"], answer=["d"]) == [1.0]
+    with pytest.raises(ValueError, match="label_idx"):
+        R.mc_idx_reward(["A"])
+
+
 def test_think_format_reward():
     comps = [
         "<think>red</think>Answer: A",

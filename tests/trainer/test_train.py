@@ -537,3 +537,38 @@ def test_counters_after_a_sigterm_and_resume_equal_an_uninterrupted_runs(tmp_pat
         assert all(r1.get(k, 0) >= r0.get(k, 0) for k in counters), (r0["step"], r1["step"])
     assert rb[-1]["reward/flaky_failures"] > rb[1]["reward/flaky_failures"]
     assert "| flaky |" in (b / "rollout_results.md").read_text()
+
+
+def test_a_dataset_read_by_its_own_column_names_trains(tmp_path):
+    """question / answer / image_path columns, named by the keys: every row is used, and
+    mc_idx scores the option letters in `answer`. A wrong key stops the run at start."""
+    from jaxvrl.data import synthetic
+    from jaxvrl.data.rows import DataError
+
+    rows = []
+    for i, r in enumerate(synthetic.make_split("train", 4, seed=0)):
+        r["images"][0].save(tmp_path / f"img{i}.png")
+        letter = "ABCD"[r["label_idx"]]
+        rows.append({"question": r["problem"], "answer": letter, "image_path": f"img{i}.png"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keys = [f"data.train_files={data}", f"data.image_dir={tmp_path}", "data.prompt_key=question"]
+    cfg = tiny_config(
+        "configs/grpo.py",
+        tmp_path / "run",
+        "total_steps=2",
+        "val_freq=100",
+        f"data.system_prompt={synthetic.SYSTEM_PROMPT}",
+        *keys,
+        "data.image_key=image_path",
+    )
+    metrics = run(cfg)
+    assert np.isfinite(metrics["loss"])
+    assert not [k for k in metrics if k.startswith("data/skipped")]  # only counts above 0
+    assert any(r["reward/mc_idx"] > 0 for r in _rows(tmp_path / "run")[1:])  # the letters count
+    with pytest.raises(DataError) as e:
+        run(tiny_config("configs/grpo.py", tmp_path / "bad", *keys, "data.image_key=image"))
+    assert str(e.value) == (
+        f"{data}: no column 'image' for config.data.image_key; "
+        "its columns: question, answer, image_path"
+    )

@@ -1,0 +1,167 @@
+"""A user's dataset columns -> the row format that `jaxvrl.data.rows` encodes.
+
+`RowFormat` names the columns to read (`config.data.prompt_key`, ...). Each key is a column
+name or a dotted path into nested objects (`meta.question`; a column literally named
+`meta.question` wins). An unset key reads the row format's own names, as the row format says:
+`problem` else `prompt`; `label_idx` else `answer` else `solution`; `images`; `videos`;
+`choices`. With no key and no hook set, rows pass through untouched.
+
+A set key maps its column to the row format's name:
+  prompt_key  -> `problem` (the prompt text)
+  answer_key  -> `answer` (the label the rewards score; the row's own `label_idx`, `answer`
+                 and `solution` are then ignored, so the key alone decides)
+  image_key   -> `images`: a path (relative to `image_dir`), bytes, base64 text, a
+                 {"bytes", "path"} dict, or a list of those; null = no image
+  video_key   -> `videos`: one video as a list of frames, or a list of such lists
+  choices_key -> `choices`
+`format` names a function (`module:function` or `path/to/file.py:function`) that maps each raw
+row (a dict) to a dict; the keys then read its output.
+
+`RowMapper.check` runs when a file is opened: a key that names no column there fails at start,
+with the file, the key and the columns the file has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from jaxvrl.data.rows import DataError
+from jaxvrl.plugins import load_function
+
+MISSING = object()
+LABELS = ("label_idx", "answer", "solution")
+
+
+def lookup(row: dict, key: str):
+    """row[key], else the value at the dotted path `key`; MISSING when there is none."""
+    if key in row:
+        return row[key]
+    node = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return MISSING
+        node = node[part]
+    return node
+
+
+def column_paths(row: dict, prefix: tuple = ()) -> Iterable[tuple[str, ...]]:
+    """Every column of `row` as a path: ("a",), and ("a", "b") for a nested dict's keys."""
+    for k, v in row.items():
+        yield (*prefix, k)
+        if isinstance(v, dict):
+            yield from column_paths(v, (*prefix, k))
+
+
+def _as_list(value) -> list:
+    if value is None or value is MISSING:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _as_videos(value) -> list[list]:
+    """A list of videos (frame lists) from one video (a list of frames) or a list of them."""
+    value = _as_list(value)
+    if value and all(isinstance(v, list | tuple) for v in value):
+        return [list(v) for v in value]
+    return [value] if value else []
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFormat:
+    """The columns to read; None reads the row format's own name (module docstring)."""
+
+    prompt_key: str | None = None
+    answer_key: str | None = None
+    image_key: str | None = None
+    video_key: str | None = None
+    choices_key: str | None = None
+    format: str | None = None  # 'module:function' or 'path/to/file.py:function'
+
+    def keys(self) -> dict[str, str]:
+        """{config name: column} of the keys that are set."""
+        names = ("prompt_key", "answer_key", "image_key", "video_key", "choices_key")
+        return {n: getattr(self, n) for n in names if getattr(self, n)}
+
+    @property
+    def identity(self) -> bool:
+        return not self.keys() and not self.format
+
+
+class RowMapper:
+    """raw row -> a row of the format (its `_where` kept), for one RowFormat; the format hook
+    is loaded once here (and again after unpickling, e.g. in a grain worker process)."""
+
+    def __init__(self, fmt: RowFormat):
+        self.fmt = fmt
+        self.hook = load_function(fmt.format, "config.data.format") if fmt.format else None
+
+    def __getstate__(self):
+        return {"fmt": self.fmt}
+
+    def __setstate__(self, state):
+        self.__init__(state["fmt"])
+
+    def __call__(self, raw: dict) -> dict:
+        where = raw.get("_where")
+        row = {k: v for k, v in raw.items() if k != "_where"}
+        if self.hook is not None:
+            row = self._hook(row, where)
+        row = self._keys(row)
+        if where is not None:
+            row["_where"] = where
+        return row
+
+    def _hook(self, row: dict, where) -> dict:
+        try:
+            out = self.hook(row)
+        except Exception as e:  # noqa: BLE001 -- name the row and the hook, keep the cause
+            raise DataError(
+                f"{where}: config.data.format {self.fmt.format!r} raised {type(e).__name__}: {e}"
+            ) from e
+        if not isinstance(out, dict):
+            raise DataError(
+                f"{where}: config.data.format {self.fmt.format!r} returned "
+                f"{type(out).__name__}, expected a dict (a row)"
+            )
+        return out
+
+    def _keys(self, row: dict) -> dict:
+        f = self.fmt
+        if not f.keys():
+            return row
+        value = {name: lookup(row, key) for name, key in f.keys().items()}
+        out = dict(row)
+        for name in ("image_key", "video_key"):  # their payloads leave the row
+            key = getattr(f, name)
+            if key:
+                out.pop(key if key in row else key.split(".", 1)[0], None)
+        if "prompt_key" in value:
+            out["problem"] = None if value["prompt_key"] is MISSING else value["prompt_key"]
+        if "answer_key" in value:
+            for k in LABELS:
+                out.pop(k, None)
+            out["answer"] = None if value["answer_key"] is MISSING else value["answer_key"]
+        if "image_key" in value:
+            out["images"] = _as_list(value["image_key"])
+        if "video_key" in value:
+            out["videos"] = _as_videos(value["video_key"])
+        if "choices_key" in value:
+            out["choices"] = None if value["choices_key"] is MISSING else value["choices_key"]
+        return out
+
+    def check(self, paths: Iterable[tuple[str, ...]], where: str) -> None:
+        """DataError unless every set key names one of `paths` (the columns of `where`)."""
+        paths = list(dict.fromkeys(tuple(p) for p in paths))
+        for name, key in self.fmt.keys().items():
+            if (key,) in paths or tuple(key.split(".")) in paths:
+                continue
+            top = [p[0] for p in paths if len(p) == 1]
+            listed = ", ".join(top) or "none"
+            if "." in key:  # nested key: also list the nested columns
+                nested = [".".join(p) for p in paths if len(p) > 1]
+                listed += "; nested: " + (", ".join(nested) or "none")
+            after = " (as config.data.format returns its rows)" if self.hook else ""
+            raise DataError(
+                f"{where}: no column {key!r} for config.data.{name}{after}; its columns: {listed}"
+            )
