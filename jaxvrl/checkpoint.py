@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxvrl.parallel import runtime
+from jaxvrl.remote import bound_remote_io, naming
 
 
 class CheckpointError(ValueError):
@@ -140,17 +141,19 @@ class Checkpointer:
     ):
         if "://" not in directory:
             directory = os.path.abspath(directory)
+        bound_remote_io(directory)  # no request to gs:// waits forever
         self.directory = directory
         self.save_interval_steps = max(1, save_interval_steps)
-        self.manager = ocp.CheckpointManager(
-            directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep,
-                save_interval_steps=1,  # the interval is applied in save()
-                enable_async_checkpointing=async_save,
-                create=True,
-            ),
-        )
+        with naming(f"opening checkpoints in {directory}"):
+            self.manager = ocp.CheckpointManager(
+                directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max_to_keep,
+                    save_interval_steps=1,  # the interval is applied in save()
+                    enable_async_checkpointing=async_save,
+                    create=True,
+                ),
+            )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -199,7 +202,8 @@ class Checkpointer:
             items["counters"] = ocp.args.JsonSave({"per_process": gather_json(counters)})
         if rng is not None:
             items["rng"] = ocp.args.StandardSave({"key_data": _to_saveable(rng)})
-        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        with naming(f"saving checkpoint step {step} to {self.directory}"):
+            saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
         return bool(saved)
 
     def _check_keys(self, step: int, saved: list[str], wanted: list[str]) -> None:
@@ -222,9 +226,11 @@ class Checkpointer:
         json_items = ["info", "meta", "data"]
         if "counters" in self.manager.item_metadata(step):
             json_items.append("counters")
-        head = self.manager.restore(
-            step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in json_items})
-        )
+        where = f"restoring checkpoint step {step} from {self.directory}"
+        with naming(where):
+            head = self.manager.restore(
+                step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in json_items})
+            )
         info = head["info"]
         leaves, treedef = jax.tree.flatten(abstract_state)
         keys = tree_keys(abstract_state)
@@ -234,7 +240,8 @@ class Checkpointer:
             target = jax.ShapeDtypeStruct(tuple(info["rng_shape"]), np.uint32)
             rng_target = _abstract_leaf(target, rng_sharding)
             items["rng"] = ocp.args.StandardRestore({"key_data": rng_target})
-        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        with naming(where):
+            out = self.manager.restore(step, args=ocp.args.Composite(**items))
         arrays = out["state"]
         restored = []
         for k in keys:
@@ -274,11 +281,13 @@ class Checkpointer:
         return r.state, r.rng, r.meta
 
     def wait_until_finished(self) -> None:
-        self.manager.wait_until_finished()
+        with naming(f"finishing the checkpoints in {self.directory}"):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        with naming(f"finishing the checkpoints in {self.directory}"):
+            self.manager.wait_until_finished()
+            self.manager.close()
 
 
 class PreemptionFlag:

@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from jaxvrl.remote import is_remote
+from jaxvrl.remote import bound_remote_io, is_remote
 
 log = logging.getLogger("jaxvrl")
 RUN_INFO = "run.json"
@@ -71,6 +71,7 @@ def write_run_info(directory: str, info: dict) -> None:
 def _fs(url: str):
     import fsspec
 
+    bound_remote_io(url)
     fs, root = fsspec.core.url_to_fs(url)
     return fs, root.rstrip("/") or "/"
 
@@ -122,6 +123,7 @@ def checkpoint_steps(workdir: str) -> tuple[str, list[int]]:
     import orbax.checkpoint as ocp
 
     directory = f"{workdir.rstrip('/')}/checkpoints"
+    bound_remote_io(directory)
     if not is_remote(directory):
         directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)

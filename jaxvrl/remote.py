@@ -9,25 +9,83 @@ plain file I/O, so:
 - `MirroredDir(url)` is a local directory whose files (metrics.jsonl, markdown logs,
   TensorBoard events) are pulled from `url` at start (a resumed run appends to them) and pushed
   back when they change, at most every `min_interval_s` seconds and at close.
+
+Requests to gs:// never wait forever: `bound_remote_io(url)` (called before the first access
+here, in checkpoint.py and export.py) makes a request that receives nothing for a while fail,
+to be retried and then raised; an error names the remote path it was about.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import time
 
 log = logging.getLogger("jaxvrl")
 
+CONNECT_S = 60.0  # a gs:// connection not made in this long fails (gcsfs retries it)
+STALL_S = 120.0  # a gs:// request that receives nothing for this long fails (gcsfs retries it)
+# tensorstore's curl: a transfer below LIMIT bytes/s for TIME seconds fails and is retried
+# (what JAX itself sets on TPU VMs; elsewhere tensorstore has no such limit)
+TENSORSTORE_STALL = {
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "60",
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "256",
+}
+
 
 def is_remote(path: str | None) -> bool:
     return bool(path) and "://" in path and not path.startswith("file://")
 
 
+def request_timeouts():
+    """aiohttp timeouts for gcsfs: none on a whole transfer (a model shard may take minutes),
+    CONNECT_S to connect, STALL_S between two reads of the response."""
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S, sock_read=STALL_S)
+
+
+def bound_remote_io(url: str | None) -> None:
+    """Process-wide stall limits for GCS when `url` is on gs:// (else nothing); settings the
+    user made (fsspec config, environment) are kept. Call before the first gs:// access:
+    fsspec caches filesystems, and tensorstore reads its settings when it first connects.
+
+    gcsfs (the logs and the model here, orbax's checkpoint metadata through etils.epath) sends
+    every request without a timeout, so a connection that goes silent (e.g. an idle pooled
+    one dropped without a reset) blocks fsspec's sync(), hence the run, forever; with
+    request_timeouts() such a request fails, gcsfs retries it (6 attempts) and then raises.
+    tensorstore (the checkpoint arrays) gets the low-speed limit TENSORSTORE_STALL."""
+    if not (url or "").startswith(("gs://", "gcs://")):
+        return
+    for k, v in TENSORSTORE_STALL.items():
+        os.environ.setdefault(k, v)
+    if importlib.util.find_spec("gcsfs") is None:
+        return
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("gs", {}).setdefault("requests_timeout", request_timeouts())
+
+
+@contextlib.contextmanager
+def naming(what: str):
+    """Names `what` (e.g. 'uploading x to gs://b/run/x') on an exception raised inside: logged,
+    and added to its traceback as a note (Python >= 3.11); the exception is re-raised as is."""
+    try:
+        yield
+    except Exception as e:
+        log.error("%s failed: %s: %s", what, type(e).__name__, e)
+        if hasattr(e, "add_note"):
+            e.add_note(f"while {what}")
+        raise
+
+
 def _fs(url: str):
     import fsspec
 
+    bound_remote_io(url)
     return fsspec.core.url_to_fs(url)
 
 
@@ -44,11 +102,14 @@ def localize_dir(url: str, cache_root: str | None = None) -> str:
     if not is_remote(url):
         return url
     fs, root = _fs(url)
-    if not fs.exists(root):
+    with naming(f"looking up {url}"):
+        found = fs.exists(root)
+    if not found:
         raise FileNotFoundError(f"model directory {url} does not exist")
     local = _cache_dir(url, cache_root)
     os.makedirs(local, exist_ok=True)
-    entries = [e for e in fs.ls(root, detail=True) if e["type"] == "file"]
+    with naming(f"listing {url}"):
+        entries = [e for e in fs.ls(root, detail=True) if e["type"] == "file"]
     if not entries:
         raise FileNotFoundError(f"model directory {url} holds no files")
     for e in entries:
@@ -57,7 +118,8 @@ def localize_dir(url: str, cache_root: str | None = None) -> str:
         if os.path.exists(dst) and os.path.getsize(dst) == e["size"]:
             continue
         t0 = time.time()
-        fs.get(e["name"], dst + ".part")
+        with naming(f"copying {url}/{name}"):
+            fs.get(e["name"], dst + ".part")
         os.replace(dst + ".part", dst)  # a cut copy never looks complete
         log.info("copied %s (%.1f MB, %.1fs)", name, e["size"] / 1e6, time.time() - t0)
     return local
@@ -108,16 +170,17 @@ class MirroredDir:
 
     def pull(self) -> int:
         """Copies the remote log files (not the checkpoints) into `local`; -> files copied."""
-        if not self.fs.exists(self.root):
-            return 0
+        with naming(f"listing {self.url}"):
+            names = self.fs.find(self.root) if self.fs.exists(self.root) else []
         n = 0
-        for name in self.fs.find(self.root):
+        for name in names:
             rel = self._rel(name)
             if rel.startswith("checkpoints/"):
                 continue
             dst = os.path.join(self.local, rel)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
-            self.fs.get(name, dst)
+            with naming(f"copying {self.url}/{rel}"):
+                self.fs.get(name, dst)
             self._pushed[rel] = self._signature(dst)
             n += 1
         return n
@@ -140,7 +203,8 @@ class MirroredDir:
                 sig = self._signature(path)
                 if self._pushed.get(rel) == sig:
                     continue
-                self.fs.put(path, f"{self.root}/{rel}")
+                with naming(f"uploading {rel} to {self.url}/{rel}"):
+                    self.fs.put(path, f"{self.root}/{rel}")
                 self._pushed[rel] = sig
                 n += 1
         self._last_push = time.time()

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from jaxvrl import remote
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,30 +45,114 @@ def test_localize_and_mirror_on_an_in_memory_filesystem(tmp_path):
     assert fs.cat("/run/metrics.jsonl") == b'{"step": 0}\n{"step": 1}\n'
 
 
+def test_a_failed_upload_names_the_remote_path(tmp_path, monkeypatch, caplog):
+    import fsspec
+
+    m = MirroredDir("memory://named", cache_root=str(tmp_path), min_interval_s=0)
+    with open(os.path.join(m.local, "metrics.jsonl"), "w") as f:
+        f.write("{}\n")
+
+    def stalled(*args, **kwargs):
+        raise fsspec.exceptions.FSTimeoutError()  # what a stalled gcsfs request ends in
+
+    monkeypatch.setattr(m.fs, "put", stalled)
+    with pytest.raises(fsspec.exceptions.FSTimeoutError) as e:
+        m.push(force=True)
+    where = "memory://named/metrics.jsonl"
+    assert where in caplog.text
+    if sys.version_info >= (3, 11):
+        assert any(where in note for note in e.value.__notes__)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("gcsfs"), reason="needs gcsfs")
+def test_gs_requests_get_stall_limits_unless_the_user_set_some(monkeypatch):
+    import fsspec.config
+
+    monkeypatch.setattr(fsspec.config, "conf", {})
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    for k in remote.TENSORSTORE_STALL:
+        os.environ.pop(k, None)
+    os.environ["TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"] = "1000"  # the user's, kept
+    remote.bound_remote_io("memory://x")  # not GCS: nothing
+    assert not fsspec.config.conf and "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS" not in os.environ
+    remote.bound_remote_io("gs://b/run")
+    fs = fsspec.filesystem("gs", token="anon", skip_instance_cache=True)
+    t = fs.requests_timeout  # gcsfs's default is None: no timeout at all
+    assert t.total is None and t.sock_read == remote.STALL_S
+    assert t.sock_connect == remote.CONNECT_S
+    assert os.environ["TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"] == "60"
+    assert os.environ["TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"] == "1000"
+    fsspec.config.conf["gs"]["requests_timeout"] = 5.0  # a user's setting, kept
+    remote.bound_remote_io("gs://b/run")
+    assert fsspec.filesystem("gs", token="anon", skip_instance_cache=True).requests_timeout == 5.0
+
+
+@pytest.mark.skipif(
+    not importlib.util.find_spec("gcp_storage_emulator"), reason="needs gcp-storage-emulator"
+)
+def test_the_emulator_serves_generations_and_their_conditions_as_gcs_does():
+    """What tensorstore's OCDBT relies on when it writes a checkpoint's manifest: a read
+    carries the object's generation, and ifGenerationMatch / ifGenerationNotMatch hold."""
+    import urllib.error
+    import urllib.request
+
+    from tests.trainer_infra.gcs_emulator import BUCKET, Emulator
+
+    server = Emulator()
+    upload = f"{server.url}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name=d%2Fm"
+    media = f"{server.url}/storage/v1/b/{BUCKET}/o/d%2Fm?alt=media"
+
+    def call(url, data=None, headers=None):
+        req = urllib.request.Request(url, data=data, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), b""
+
+    try:
+        status, _, body = call(upload + "&ifGenerationMatch=0", b"abcdef")
+        gen = int(json.loads(body)["generation"])
+        assert status == 200 and gen > 0
+        assert call(upload + "&ifGenerationMatch=0", b"x")[0] == 412  # exists already
+        status, headers, body = call(media, headers={"Range": "bytes=1-3"})
+        assert (status, body, int(headers["x-goog-generation"])) == (206, b"bcd", gen)
+        assert call(f"{media}&ifGenerationNotMatch={gen}")[0] == 304
+        assert call(f"{media}&ifGenerationMatch={gen + 1}")[0] == 412
+        status, _, body = call(f"{upload}&ifGenerationMatch={gen}", b"ghi")
+        assert status == 200 and int(json.loads(body)["generation"]) > gen
+        assert call(media)[2] == b"ghi"
+    finally:
+        server.stop()
+
+
 @pytest.mark.skipif(
     not (importlib.util.find_spec("gcsfs") and importlib.util.find_spec("gcp_storage_emulator")),
     reason="needs gcsfs and gcp-storage-emulator (pip install '.[test]')",
 )
-@pytest.mark.skipif(
-    os.environ.get("JAXVRL_GCS_TRAIN_TEST") != "1",
-    reason="passed once here (2 runs, resume at step 2) but hung in a later try inside the "
-    "emulator/gcsfs event loop; opt in with JAXVRL_GCS_TRAIN_TEST=1 until that is found",
-)
 def test_train_run_with_gs_model_and_workdir(tmp_path):
+    """Train 2 steps with the model and the workdir on gs://, then resume from the gs://
+    checkpoint at step 2 and train to 3: the second run starts from the saved parameters."""
     env = dict(os.environ, JAXVRL_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "gcs_train_worker.py")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    try:  # the worker dumps its threads' stacks and exits by itself after 480 s
+        out = subprocess.run(
+            [sys.executable, os.path.join(HERE, "gcs_train_worker.py"), "480"],
+            capture_output=True,
+            text=True,
+            timeout=540,
+            cwd=ROOT,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"gcs_train_worker.py did not finish in {e.timeout} s:\n{err[-8000:]}")
+    assert out.returncode == 0, out.stderr[-8000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     first, second = res["run2"], res["run3"]
-    assert first["steps"] == [0, 1, 2] and second["steps"] == [0, 1, 2, 3]  # resumed at 2
+    assert first["steps"] == [1, 2] and second["steps"] == [1, 2, 3]  # resumed at 2
     for r in (first, second):
         assert {"metrics.jsonl", "rollout_results.md"} <= set(r["files"]) and r["tb"]
         assert r["loss_finite"]
     assert first["checkpoints"] == ["2"] and "3" in second["checkpoints"]
+    assert res["resumed_step"] == 2 and res["params_leaves"] > 0 and res["trained"]
+    assert res["resumed_params_equal"]  # exactly the parameters the first run saved
