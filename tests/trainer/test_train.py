@@ -388,31 +388,6 @@ def test_load_checkpoint_path_starts_from_that_checkpoints_parameters(tmp_path):
     assert any(not np.array_equal(pa[k], init[k.removeprefix("params/")]) for k in params)
 
 
-def test_bad_rows_in_a_data_file_are_skipped_counted_and_training_goes_on(tmp_path):
-    from jaxvrl.data import synthetic
-
-    rows = []
-    for i, r in enumerate(synthetic.make_split("train", 4, seed=0)):
-        r["images"][0].save(tmp_path / f"img{i}.png")
-        rows.append({**r, "images": [f"img{i}.png"]})
-    rows.append({**rows[0], "id": "no-label", "label_idx": None, "answer": None})
-    rows.append({**rows[1], "id": "no-image", "images": ["missing.png"]})
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = tiny_config(
-        "configs/grpo.py",
-        tmp_path / "run",
-        "total_steps=3",
-        "val_freq=100",
-        f"data.train_files={data}",
-        f"data.image_dir={tmp_path}",
-    )
-    metrics = run(cfg)
-    assert np.isfinite(metrics["loss"])
-    assert metrics["data/skipped_missing_label"] == 1
-    assert metrics["data/skipped_missing_image"] == 1
-
-
 def test_matmul_precision_is_a_context_of_the_run_not_a_process_flag():
     import jax
     import jax.numpy as jnp
@@ -523,6 +498,7 @@ def test_counters_after_a_sigterm_and_resume_equal_an_uninterrupted_runs(tmp_pat
 
     ra, rb = _rows(a), _rows(b)
     assert [r["step"] for r in rb] == list(range(1, 9))
+    assert np.isfinite(ra[-1]["loss"]) and np.isfinite(rb[-1]["loss"])  # training goes on
     counters = [
         k for k in ra[-1] if k.startswith("data/skipped_") or k.endswith(("_failures", "_total"))
     ]
