@@ -124,8 +124,8 @@ def get_config(arg=None):
     # recompute (a no-grad pass before the first update; logs rollout/logprob_abs_diff_*).
     # With one update per batch the loss pass's own (detached) log-probs are exact and used
     c.actor.old_logprobs = "sampler"
-    c.actor.loss_agg_mode = "seq-mean-token-mean"
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    c.actor.loss_agg_mode = "seq-mean-token-mean"
     c.actor.clip_ratio_low = 0.2
     c.actor.clip_ratio_high = 0.2
     c.actor.clip_ratio_dual = 3.0

@@ -15,6 +15,7 @@ import ast
 import difflib
 import importlib.util
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -340,6 +341,49 @@ def default_workdir(spec: str, now: float | None = None) -> str:
     """runs/<config file stem>-<YYYYmmdd-HHMMSS> (local time)."""
     stem = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
     return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}")
+
+
+def base_comments(path: str) -> dict[str, str]:
+    """key -> the comment that documents it in `path` (a config file such as configs/base.py):
+    the comment on its `c.<key> = ...` line, after the comment lines right above it."""
+    out, above = {}, []
+    line_re = re.compile(r"^\s*c\.([\w.]+)\s*=\s*[^#]*?(?:#\s*(.*))?$")
+    with open(path) as f:
+        for line in f:
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("#").strip())
+                continue
+            m = line_re.match(line)
+            if m:
+                text = " ".join(x for x in (*above, m.group(2) or "") if x)
+                if text:
+                    out[m.group(1)] = text
+            above = []
+    return out
+
+
+def describe_config(cfg: ml_collections.ConfigDict, spec: str) -> str:
+    """Every key of `cfg` with its value and its comment in the base config next to the
+    config file `spec` (configs/base.py): the text `--help_config` prints."""
+    source = spec.partition(":")[0]
+    base = os.path.join(os.path.dirname(os.path.abspath(source)), "base.py")
+    comments = base_comments(base) if os.path.exists(base) else {}
+    lines = [f"# {source} (comments from {os.path.relpath(base)})"]
+    for key, value in _flatten(cfg):
+        note = comments.get(key)
+        lines.append(f"{key} = {value!r}" + (f"  # {note}" if note else ""))
+    return "\n".join(lines)
+
+
+def _flatten(cfg, prefix: str = ""):
+    for key in sorted(cfg.keys()):
+        value = cfg[key]
+        name = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _flatten(value, name + ".")
+        else:
+            yield name, value
 
 
 def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:

@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxvrl import rl
 from jaxvrl.checkpoint import Checkpointer, PreemptionFlag, stop_requested_everywhere
-from jaxvrl.config import ConfigError, load_config, parse_argv
+from jaxvrl.config import ConfigError, describe_config, load_config, parse_argv
 from jaxvrl.data import synthetic
 from jaxvrl.data.columns import RowFormat
 from jaxvrl.data.loader import make_dataset
@@ -157,8 +157,8 @@ def run_info(c) -> dict:
             "rank": lc.rank,
             "alpha": lc.alpha,
             "target_modules": list(lc.target_modules),
-            "quantize": lc.get("quantize", "none"),
-            "train_vision": lc.get("train_vision", False),
+            "quantize": lc.quantize,
+            "train_vision": lc.train_vision,
         },
     }
 
@@ -477,8 +477,13 @@ def _run(c) -> dict:
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    path, overrides = parse_argv(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show = "--help_config" in argv
+    path, overrides = parse_argv([a for a in argv if a != "--help_config"])
     config = load_config(path, overrides)
+    if show:  # every key with its value (after the overrides) and its comment in base.py
+        print(describe_config(config, path))
+        return
     final = run(config)
     if "val/accuracy" in final:
         print(f"final val/accuracy {final['val/accuracy']:.3f}", flush=True)

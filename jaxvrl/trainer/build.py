@@ -61,17 +61,16 @@ def step_config(c) -> StepConfig:
         critic_lr=c.critic.lr,
         critic_grad_clip=c.critic.grad_clip,
         critic_warmup_steps=c.critic.warmup_steps,
-        critic_share_backbone=c.critic.get("share_backbone", False),  # not in base.py yet
+        critic_share_backbone=c.critic.share_backbone,
         cliprange_value=c.critic.cliprange_value,
         value_loss_coef=c.critic.value_loss_coef,
         use_kl_in_reward=a.use_kl_in_reward,
-        # verl's algorithm.kl_penalty; not in base.py yet
-        kl_in_reward_type=a.get("kl_penalty", "kl"),
+        kl_in_reward_type=a.kl_penalty,
         kl_ctrl_type=a.kl_ctrl.type,
         kl_target=a.kl_ctrl.target_kl,
         kl_horizon=a.kl_ctrl.horizon,
         lora=c.lora.rank > 0,
-        lora_train_vision=c.lora.get("train_vision", False),  # not in base.py yet
+        lora_train_vision=c.lora.train_vision,
     )
 
 
@@ -96,7 +95,7 @@ def _schedule(o, total_steps: int, warm: int):
             peak_value=o.lr,
             warmup_steps=warm,
             decay_steps=max(int(total_steps), warm + 1),
-            end_value=o.lr * float(o.get("min_lr_ratio", 0.0)),
+            end_value=o.lr * float(o.min_lr_ratio),
         )
     raise ValueError(f"optim.schedule={o.schedule!r}: expected 'constant' or 'cosine'")
 
@@ -126,7 +125,7 @@ def apply_lora(model, c) -> list[str]:
         lc.dropout,
         tuple(lc.target_modules),
         seed=c.seed,
-        quantize=lc.get("quantize", "none"),  # QLoRA: int8 | int4 | nf4; not in base.py yet
+        quantize=lc.quantize,  # QLoRA: int8 | int4 | nf4
     )
 
 

@@ -335,3 +335,18 @@ def test_what_each_config_changes():
     assert vgr.vgr.enable_token_weights and vgr.vgr.token_weight_clip == (0.2, 3.0)
     for c in (grpo, dapo, mdi, vgr):
         assert not c.tprl.enable_perception_filtering
+
+
+def test_help_config_prints_every_key_with_its_value_and_comment(capsys):
+    from jaxvrl.config import base_comments
+    from jaxvrl.train import main
+
+    main(["--config", "configs/tprl.py", "--config.rollout.temperature=0.7", "--help_config"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# configs/tprl.py")
+    lines = {line.split(" = ", 1)[0]: line for line in out[1:]}
+    assert lines["rollout.temperature"].startswith("rollout.temperature = 0.7")
+    assert "# kl | abs | mse | low_var_kl" in lines["actor.kl_loss_type"]
+    assert "seq-mean-token-sum-norm" in lines["actor.loss_agg_mode"]
+    assert "seq-mean" not in lines["actor.clip_ratio_low"]  # a comment is its key's own
+    assert set(base_comments("configs/base.py")) <= set(lines)
