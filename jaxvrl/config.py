@@ -355,7 +355,7 @@ def base_comments(path: str) -> dict[str, str]:
                 above.append(stripped.lstrip("#").strip())
                 continue
             m = line_re.match(line)
-            if m:
+            if m and "ConfigDict(" not in line:  # a group's comment is not a key's
                 text = " ".join(x for x in (*above, m.group(2) or "") if x)
                 if text:
                     out[m.group(1)] = text
