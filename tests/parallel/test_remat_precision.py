@@ -39,10 +39,12 @@ def _grads(model, batch):
     return jax.jit(jax.grad(_logit_loss), static_argnums=1)(params, graphdef, batch)
 
 
-def test_remat_policy_rejects_unknown_names(ckpt):
+def test_remat_policy_and_attention_reject_unknown_names(ckpt):
     model = q.load(ckpt)
     with pytest.raises(ValueError, match="remat_policy 'everything'"):
         model.set_remat_policy("everything")
+    with pytest.raises(ValueError, match="attention implementation 'fast'.*splash"):
+        model.set_attention("fast")
 
 
 @pytest.mark.parametrize("policy", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable"])
