@@ -5,6 +5,8 @@ top of a plain transformers forward, on the same model and batch.
     python bench/tprl_overhead.py                  # small config, 2 prompts x G=4, 256 tokens
     python bench/tprl_overhead.py --new-tokens 64 --rounds 3
     python bench/tprl_overhead.py --only jaxvrl    # or hf
+    python bench/tprl_overhead.py --only jaxvrl --attention xla,flash --algorithms GRPO,VGR \
+        --prompts 1 --group 2 --new-tokens 2048 --rounds 2   # attention implementations
 
 jaxvrl: one compiled train step per algorithm on the same RolloutBatch (the built-in task's
 prompts with their images, random completions of N tokens, random rewards):
@@ -13,8 +15,11 @@ prompts with their images, random completions of N tokens, random rewards):
   (configs/tprl.py);
 - VGR: + attention statistics in the old-policy pass and VGR token weights on the loss mask
   (last 2 layers, configs/vgr.py).
-Peak memory is read from the compiled step (`memory_analysis()`: arguments + outputs + temporaries
-- donated aliases; deterministic), and its temporaries alone (activations, logits, gradients).
+`--attention` (comma-separated: auto, xla, flash, splash, cudnn) compiles each step once per
+attention implementation of the model's forward passes (`Qwen2_5_VL.set_attention`), and
+`--algorithms` picks the steps; ratios are against the table's first step. Peak memory is read
+from the compiled step (`memory_analysis()`: arguments + outputs + temporaries - donated
+aliases; deterministic), and its temporaries alone (activations, logits, gradients).
 
 transformers: a no-grad forward over the same token ids and images with the default (sdpa)
 attention, with eager attention, and with eager attention and `output_attentions=True` (what
@@ -93,11 +98,11 @@ def make_batch(args, tok, rows, mcfg):
 
 
 # ----------------------------------------------------------------------------- jaxvrl
-def step_configs(group: int) -> dict:
+def step_configs(group: int, names=("GRPO", "TPRL", "VGR")) -> dict:
     from jaxvrl.trainer.step import StepConfig
 
     base = dict(group_size=group, loss_agg_mode="token-mean", clip_ratio_high=0.28)
-    return {
+    configs = {
         "GRPO": StepConfig(**base),
         "TPRL": StepConfig(
             **base,
@@ -109,6 +114,10 @@ def step_configs(group: int) -> dict:
         ),
         "VGR": StepConfig(**base, token_weights=True, token_weight_last_k_layers=2),
     }
+    unknown = set(names) - set(configs)
+    if unknown:
+        raise SystemExit(f"unknown algorithms {sorted(unknown)}; known: {', '.join(configs)}")
+    return {name: configs[name] for name in names}
 
 
 def run_jaxvrl(args, model, rb) -> dict:
@@ -119,18 +128,27 @@ def run_jaxvrl(args, model, rb) -> dict:
 
     from jaxvrl.trainer.step import TrainState, build_train_step
 
-    graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
     batch = jax.tree.map(jnp.asarray, rb)
     key = jax.random.key(0)
+    attentions = args.attention.split(",")
+    algorithms = args.algorithms.split(",")
 
-    def fresh_state():
+    def fresh_state(params):
         p = jax.tree.map(jnp.array, params)
         return TrainState(p, tx.init(p), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
     res, steps, states = {}, {}, {}
-    for name, cfg in step_configs(args.group).items():
-        state = fresh_state()
+    variants = [
+        (attn, alg, cfg)
+        for attn in attentions
+        for alg, cfg in step_configs(args.group, algorithms).items()
+    ]
+    for attention, alg, cfg in variants:
+        model.set_attention(attention)  # part of the graphdef
+        graphdef, params = nnx.split(model, nnx.Param)
+        name = alg if len(attentions) == 1 else f"{alg}, {attention}"
+        state = fresh_state(params)
         t = time.perf_counter()
         fn = jax.jit(build_train_step(graphdef, tx, cfg), donate_argnums=(0,))
         compiled = fn.lower(state, None, batch, key).compile()
@@ -235,6 +253,8 @@ def main(argv=None):
     ap.add_argument("--max-pixels", type=int, default=28 * 28 * 256)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--only", choices=["jaxvrl", "hf"], default=None)
+    ap.add_argument("--attention", default="auto", help="comma-separated: auto,xla,flash,...")
+    ap.add_argument("--algorithms", default="GRPO,TPRL,VGR", help="comma-separated subset")
     args = ap.parse_args(argv)
     if MMAP_ENV not in os.environ:  # freed large buffers go back to the OS: RSS peaks are real
         os.environ[MMAP_ENV] = str(128 * 1024)
@@ -273,10 +293,12 @@ def main(argv=None):
 
 def report(jx: dict, hf: dict) -> None:
     if jx:
-        g = jx["GRPO"]
+        first = next(iter(jx))
+        g = jx[first]
         t0, c0, p0 = min(g["times"]), min(g["cpu"]), g["peak"]
-        print("\n| jaxvrl step | s | time vs GRPO | CPU s | CPU vs GRPO | compiled peak MiB | "
-              "vs GRPO | temporaries MiB | vs GRPO |")  # fmt: skip
+        vs = f"vs {first}"
+        print(f"\n| jaxvrl step | s | time {vs} | CPU s | CPU {vs} | compiled peak MiB | "
+              f"{vs} | temporaries MiB | {vs} |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|---|")
         for name, r in jx.items():
             t, c = min(r["times"]), min(r["cpu"])

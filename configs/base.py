@@ -52,6 +52,10 @@ def get_config(arg=None):
     # gradient checkpointing of every decoder layer and vision block: none | full |
     # dots_saveable | dots_with_no_batch_dims_saveable (docs/scaling.md: full beyond toy sizes)
     c.model.remat_policy = "none"
+    # attention of the forward passes without a KV cache (train step, scoring, the vision
+    # tower): auto | xla | flash | splash | cudnn. auto follows the mesh's devices: splash on
+    # TPUs, flash on GPUs, xla (dense) on the CPU; see jaxvrl/models/attention.py
+    c.model.attention = "auto"
     # float32 matmuls of the programs a run builds: default (the backend's own: full float32
     # on the CPU, TF32 on recent NVIDIA GPUs, one bfloat16 pass on TPUs) | high (3 bfloat16
     # passes on TPUs, TF32 on GPUs) | highest (full float32 everywhere, several times slower

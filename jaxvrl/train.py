@@ -137,6 +137,7 @@ def load_model(c):
     with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
         model = load(path, dtype=dtypes[c.model.dtype], param_dtype=dtypes[c.model.param_dtype])
     model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
+    model.set_attention(c.model.attention)
     tokenizer = AutoTokenizer.from_pretrained(path)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"{c.name}: model {path} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)

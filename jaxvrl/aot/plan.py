@@ -32,6 +32,7 @@ from jaxvrl.aot.report import (
 )
 from jaxvrl.config import ConfigError
 from jaxvrl.data.processor import smart_resize
+from jaxvrl.models.attention import resolve
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
 from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel import topology as T
@@ -125,11 +126,21 @@ class Plan:
             lambda: Qwen2_5_VL(mcfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
         )
         model.set_remat_policy(c.model.remat_policy)
+        model.set_attention(c.model.attention)  # "auto": resolved for the slice's devices
         init = R.abstract_train_state(init_train_state, model, mesh, c)
         rows = c.prompts_per_step * c.rollout.num_generations * s.hosts
         return cls(c, s, mesh, name, model, init, rows, image_grid(c, mcfg.vision))
 
     # ------------------------------------------------------------------ shapes
+    @property
+    def attention(self) -> str:
+        """model.attention as the slice's programs run it ("auto" is splash on TPUs; the
+        vision tower runs flash in place of a kernel)."""
+        name = self.c.model.attention
+        impl = resolve(name, "tpu")
+        text = name if impl == name else f"{name}: {impl}"
+        return text + (" (vision tower: flash)" if impl in ("splash", "cudnn") else "")
+
     @property
     def prompt_len(self) -> int:
         b = self.c.data.prompt_bucket
@@ -346,7 +357,8 @@ class Plan:
             f"{T.describe(self.slice)}; mesh {shape}\n"
             f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
             f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "
-            f"{self.c.model.remat_policy}), text {m.text.num_hidden_layers} layers\n"
+            f"{self.c.model.remat_policy}, attention {self.attention}), text "
+            f"{m.text.num_hidden_layers} layers\n"
             f"step: {self.rows} rows ({self.c.prompts_per_step} prompts x "
             f"{self.c.rollout.num_generations} x {self.slice.hosts} hosts), prompt "
             f"{self.prompt_len} tokens holding an image of grid {self.grid[0].tolist()} "

@@ -1,4 +1,5 @@
-"""Float32 parity of the Flax Qwen2.5-VL against transformers on tiny random checkpoints."""
+"""Float32 parity of the Flax Qwen2.5-VL against transformers on tiny random checkpoints, with
+the dense ("xla") and the blocked ("flash") attention."""
 
 from __future__ import annotations
 
@@ -44,15 +45,25 @@ def tiny(tmp_path_factory):
     return hf, q.load(path), path
 
 
-def test_text_only(tiny):
-    hf, model, _ = tiny
+@pytest.fixture(params=["xla", "flash"])
+def tiny_attention(request, tiny):
+    """`tiny` with each attention implementation; flash with 8-token blocks, so that rows,
+    images and windows span several blocks and the masks skip some."""
+    hf, model, path = tiny
+    model.set_attention(request.param, block=8)
+    yield hf, model, path
+    model.set_attention("auto")
+
+
+def test_text_only(tiny_attention):
+    hf, model, _ = tiny_attention
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 290, (2, 11))
     assert_close(model(ids).logits, hf_logits(hf, ids))
 
 
-def test_one_image_with_window_padding(tiny):
-    hf, model, _ = tiny
+def test_one_image_with_window_padding(tiny_attention):
+    hf, model, _ = tiny_attention
     rng = np.random.default_rng(1)
     grid = [1, 6, 10]  # 3x5 merged units: neither side divides the 2-unit window
     ids = np.array([T.prompt(rng, images=[grid])])
@@ -61,8 +72,8 @@ def test_one_image_with_window_padding(tiny):
     assert_close(out.logits, hf_logits(hf, ids, images=[grid], pv=pv))
 
 
-def test_two_images_of_different_sizes(tiny):
-    hf, model, _ = tiny
+def test_two_images_of_different_sizes(tiny_attention):
+    hf, model, _ = tiny_attention
     rng = np.random.default_rng(2)
     grids = [[1, 4, 8], [1, 10, 6]]
     ids = np.array([T.prompt(rng, images=grids)])
@@ -71,8 +82,8 @@ def test_two_images_of_different_sizes(tiny):
     assert_close(out.logits, hf_logits(hf, ids, images=grids, pv=pv))
 
 
-def test_video_with_second_per_grid_ts(tiny):
-    hf, model, _ = tiny
+def test_video_with_second_per_grid_ts(tiny_attention):
+    hf, model, _ = tiny_attention
     rng = np.random.default_rng(3)
     grids = [[3, 4, 6]]
     spg = [1.7]
@@ -102,8 +113,8 @@ def test_image_and_video_together(tiny):
     assert_close(out.logits, ref)
 
 
-def test_left_padded_batch(tiny):
-    hf, model, _ = tiny
+def test_left_padded_batch(tiny_attention):
+    hf, model, _ = tiny_attention
     rng = np.random.default_rng(5)
     grids = [[1, 4, 4], [1, 8, 6], [1, 2, 2]]
     rows = [

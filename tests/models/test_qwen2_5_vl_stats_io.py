@@ -51,11 +51,13 @@ def _masses_from_hf(attn, pools):
     return np.stack(out_v), np.stack(out_x)
 
 
-def test_attention_statistics_match_hf_eager(tiny):
+@pytest.mark.parametrize("attention", ["xla", "flash"])
+def test_attention_statistics_match_hf_eager(tiny, attention):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny, attn_implementation="eager")
     model = q.load(tiny)
+    model.set_attention(attention, block=8)  # flash: per-pool sums over several key blocks
     rng = np.random.default_rng(0)
     grids = [[1, 4, 6], [1, 2, 4]]
     rows = [T.prompt(rng, images=grids[:1]) + [40, 41, 42], T.prompt(rng, images=grids[1:]) + [43]]

@@ -1,5 +1,6 @@
-"""Gradient checkpointing (model.remat_policy) leaves gradients unchanged; bf16 compute with
-float32 master weights keeps float32 params, gradients, logits and loss."""
+"""Gradient checkpointing (model.remat_policy) and the blocked attention (model.attention)
+leave gradients unchanged; bf16 compute with float32 master weights keeps float32 params,
+gradients, logits and loss."""
 
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ def _grads(model, batch):
     return jax.jit(jax.grad(_logit_loss), static_argnums=1)(params, graphdef, batch)
 
 
-def test_remat_policy_rejects_unknown_names(ckpt):
+def test_remat_policy_and_attention_reject_unknown_names(ckpt):
     model = q.load(ckpt)
     with pytest.raises(ValueError, match="remat_policy 'everything'"):
         model.set_remat_policy("everything")
+    with pytest.raises(ValueError, match="attention implementation 'fast'.*splash"):
+        model.set_attention("fast")
 
 
 @pytest.mark.parametrize("policy", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable"])
@@ -61,6 +64,24 @@ def test_remat_gives_the_same_gradients(ckpt, policy):
         )
         n += 1
     assert n > 40  # text layers and vision blocks alike
+
+
+def test_flash_attention_gives_the_same_gradients(ckpt):
+    """The blocked attention (its own backward pass, blocks skipped by the causal and window
+    masks, inside remat) against the dense reference: text decoder and vision tower alike."""
+    model = q.load(ckpt, attention="xla")
+    batch = jax.tree.map(jnp.asarray, make_batch(model, prompts=1))
+    base = _grads(model, batch)
+    model.set_attention("flash", block=8)  # several blocks per row and per image
+    model.set_remat_policy("full")
+    got = _grads(model, batch)
+    n = 0
+    for (path, a), (_, b) in zip(nnx.to_flat_state(base), nnx.to_flat_state(got)):
+        np.testing.assert_allclose(
+            a.get_value(), b.get_value(), rtol=1e-5, atol=1e-7, err_msg=str(path)
+        )
+        n += 1
+    assert n > 40
 
 
 def test_remat_is_in_the_backward_program(ckpt):

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxvrl.models.attention import resolve
 from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES, checkpoint_policy
+from jaxvrl.parallel.sharding import target_platform
 
 _ACTS = {
     "silu": jax.nn.silu,
@@ -108,6 +110,13 @@ def pool_masses(probs: jax.Array, pools: dict) -> tuple[jax.Array, jax.Array]:
     a_x = jnp.einsum("BTS,BS->BT", p, pools["text"].astype(f32))
     safe = jnp.where(tot > 0, tot, 1.0)
     return jnp.where(tot > 0, a_v / safe, 0.0), jnp.where(tot > 0, a_x / safe, 0.0)
+
+
+def attention_implementation(name: str) -> str:
+    """The `jaxvrl.models.attention` implementation that `name` ("auto" or one of
+    IMPLEMENTATIONS) stands for in the program being traced: "auto" follows the platform of the
+    devices it is compiled for (the mesh in context), not the process's default backend."""
+    return resolve(name, target_platform())
 
 
 def remat(method, policy: str):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxvrl.models.attention import resolve
 from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from jaxvrl.models.qwen2_5_vl.layers import linear
 from jaxvrl.models.qwen2_5_vl.positions import get_rope_index
@@ -43,6 +44,7 @@ class Qwen2_5_VL(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
         remat_policy: str = "none",
+        attention: str = "auto",
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -53,6 +55,7 @@ class Qwen2_5_VL(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False, **kw)
         self.set_remat_policy(remat_policy)
+        self.set_attention(attention)
 
     def set_remat_policy(self, policy: str) -> None:
         """Gradient checkpointing of every decoder layer and vision block: none | full |
@@ -61,6 +64,22 @@ class Qwen2_5_VL(nnx.Module):
         remat(lambda: None, policy)  # validates the name
         self.model.remat_policy = policy
         self.visual.remat_policy = policy
+
+    def set_attention(self, name: str, block: int = 512) -> None:
+        """The attention implementation of the text decoder's and the vision tower's forward
+        passes without a KV cache (config `model.attention`): auto | xla | flash | splash |
+        cudnn, see `jaxvrl.models.attention`. "auto" is resolved when a program is traced, for
+        the platform of the devices it is compiled for: splash on TPUs, flash on GPUs, xla on
+        the CPU. The vision tower runs flash where a kernel is named (see `vision.py`); the
+        KV-cache path (the sampler's prefill and decode steps) keeps its dense form. block:
+        the query and key block size of flash and splash (splash rounds it up to a multiple
+        of 128). Part of the graphdef, so set it before `nnx.split`."""
+        resolve(name, "cpu")  # validates the name
+        if block < 1:
+            raise ValueError(f"attention block size must be positive, got {block}")
+        for tower in (self.model, self.visual):
+            tower.attention = name
+            tower.attention_block = int(block)
 
     # ------------------------------------------------------------------ traceable core
     def embed(self, input_ids, images: VisionInputs | None, videos: VisionInputs | None):
@@ -80,7 +99,7 @@ class Qwen2_5_VL(nnx.Module):
                 continue
             is_pad = input_ids == token
             if inputs.pixel_values.ndim == 3:
-                feats = jax.vmap(self.visual)(inputs).astype(x.dtype)  # [B, U, D]
+                feats = self.visual(inputs).astype(x.dtype)  # [B, U, D]
                 rank = jnp.clip(jnp.cumsum(is_pad, axis=1) - 1, 0, feats.shape[1] - 1)
                 picked = jnp.take_along_axis(feats, rank[..., None], axis=1)
             else:

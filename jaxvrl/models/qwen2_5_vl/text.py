@@ -4,19 +4,30 @@ The decoder can also return attention statistics: for every layer and query posi
 heads-averaged attention mass on a vision pool and a text pool of keys
 (docs/algorithms.md#attention-statistics). They are reduced inside each layer, so no
 [L, heads, T, S] tensor outlives its layer.
+
+Two attention paths. Without a cache (training forward passes, scoring) every layer calls
+`jaxvrl.models.attention.attend` with the decoder's implementation (`attention`: auto | xla |
+flash | splash | cudnn), key validity from the attention mask and causality by index, so no
+[B, T, S] mask is built and the blocked implementations never hold a [T, S] block of logits.
+With a cache (prefill and decode steps of the sampler) the layer attends densely over the
+cache in its own layout (see KVCache), or through the caller's `forms`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from jaxvrl.models.attention import attend
 from jaxvrl.models.qwen2_5_vl.config import TextConfig
 from jaxvrl.models.qwen2_5_vl.layers import (
     GatedMLP,
     RMSNorm,
     apply_rope,
+    attention_implementation,
     linear,
     masked_softmax,
     pool_masses,
@@ -88,11 +99,16 @@ class Attention(nnx.Module):
         """q [B, T, N*H], k and v [B, T, K*H] (a decode step may fuse the three)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x, cos, sin, mask, kv=None, pools=None, forms=None):
-        """x: [B, T, D]; mask: bool[B, T, S]; kv: None or (k_cache, v_cache, index) to write the
-        new keys at `index` and attend over the whole cache (see KVCache); forms: what a
-        decode step's caller supplies in place of this layer's own projections and cached
-        attention (see `TextDecoder.__call__`), or None.
+    def __call__(
+        self, x, cos, sin, mask, kv=None, pools=None, forms=None, *, implementation="xla", block=512
+    ):
+        """x: [B, T, D]; kv: None or (k_cache, v_cache, index) to write the new keys at `index`
+        and attend over the whole cache (see KVCache); mask: without kv, bool[B, T] key
+        validity (the T tokens attend causally to each other), with kv, bool[B, T, S] which
+        cached keys each query sees; forms: what a decode step's caller supplies in place of
+        this layer's own projections and cached attention (see `TextDecoder.__call__`), or
+        None; implementation, block: the `attend` implementation of the path without a cache
+        and its block size (queries and keys).
         Returns (out, (k, v), stats); k, v are the updated caches when kv is given."""
         b, t, _ = x.shape
         own = forms is None
@@ -103,35 +119,43 @@ class Attention(nnx.Module):
         v = v.reshape(b, t, self.n_kv, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("batch", "length", "heads", None))
-        g = self.n_heads // self.n_kv
-        qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
         scale = self.head_dim**-0.5
         if kv is None:
-            logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype))
-        else:
-            k_cache, v_cache, index = kv
-            k = jax.lax.dynamic_update_slice(
-                k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
-            )  # [B, K, H, S]
-            v = jax.lax.dynamic_update_slice(
-                v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
-            )  # [B, K, S, H]
-            # the cache stays split like the rows (and over kv heads with tensor parallelism)
-            k = constrain(k, ("batch", "heads", None, "length"))
-            v = constrain(v, ("batch", "heads", "length", None))
-            if not own and forms.attention is not None:
-                out, stats = forms.attention(qg, k, v, mask, scale, pools, x.dtype)
-                return o_proj(out.reshape(b, t, -1)), (k, v), stats
-            logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
+            out, stats = attend(
+                q,
+                k,
+                v,
+                scale=scale,
+                key_valid=mask,
+                causal=True,
+                pools=pools,
+                implementation=implementation,
+                block_q=block,
+                block_k=block,
+            )
+            return o_proj(out.reshape(b, t, -1)), (k, v), stats
+        g = self.n_heads // self.n_kv
+        qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
+        k_cache, v_cache, index = kv
+        k = jax.lax.dynamic_update_slice(
+            k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
+        )  # [B, K, H, S]
+        v = jax.lax.dynamic_update_slice(
+            v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
+        )  # [B, K, S, H]
+        # the cache stays split like the rows (and over kv heads with tensor parallelism)
+        k = constrain(k, ("batch", "heads", None, "length"))
+        v = constrain(v, ("batch", "heads", "length", None))
+        if not own and forms.attention is not None:
+            out, stats = forms.attention(qg, k, v, mask, scale, pools, x.dtype)
+            return o_proj(out.reshape(b, t, -1)), (k, v), stats
+        logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
         probs = masked_softmax(logits * scale, mask[:, None, None])
         stats = pool_masses(probs, pools) if pools is not None else None
-        pv, vv = probs.astype(x.dtype), v.astype(x.dtype)
-        if kv is None:
-            out = jnp.einsum("BKGTS,BSKH->BTKGH", pv, vv)
-        else:
-            # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU
-            # backend multiplied by the transposed cache, 2.3x slower
-            out = jnp.einsum("BKGTS,BKSH->BKGTH", pv, vv).transpose(0, 3, 1, 2, 4)
+        # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU backend
+        # multiplied by the transposed cache, 2.3x slower
+        out = jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(x.dtype), v.astype(x.dtype))
+        out = out.transpose(0, 3, 1, 2, 4)
         return o_proj(out.reshape(b, t, -1)), (k, v), stats
 
 
@@ -147,8 +171,13 @@ class DecoderLayer(nnx.Module):
             cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, **kw
         )
 
-    def __call__(self, x, cos, sin, mask, kv=None, pools=None, forms=None):
-        h, new_kv, stats = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, pools, forms)
+    def __call__(
+        self, x, cos, sin, mask, kv=None, pools=None, forms=None, *, implementation="xla", block=512
+    ):
+        x_in = self.input_layernorm(x)
+        h, new_kv, stats = self.self_attn(
+            x_in, cos, sin, mask, kv, pools, forms, implementation=implementation, block=block
+        )
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), forms)
         return constrain(x, RESIDUAL), new_kv, stats
@@ -170,16 +199,19 @@ class TextDecoder(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.dtype = dtype
         self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
+        self.attention = "auto"  # see Qwen2_5_VL.set_attention
+        self.attention_block = 512
 
     def __call__(
         self, x, position_ids, attention_mask, cache: KVCache | None = None, pools=None, forms=None
     ):
         """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T].
 
-        Without a cache, queries attend causally over the T given tokens. With a cache, the T
-        tokens are written at `cache.index` and attend over every valid cached key up to their
-        own slot. Returns (hidden [B, T, D], new cache or None, stats or None) where stats is
-        (A_V, A_X), each float32[L, B, T].
+        Without a cache, queries attend causally over the T given tokens (through `attend`,
+        with the decoder's `attention` implementation). With a cache, the T tokens are written
+        at `cache.index` and attend over every valid cached key up to their own slot (densely,
+        or through `forms`). Returns (hidden [B, T, D], new cache or None, stats or None) where
+        stats is (A_V, A_X), each float32[L, B, T].
 
         forms: None, or what a decode step's caller (the sampler) supplies in place of the
         layers' own modules: `forms.layer(i)` has attributes qkv(x) -> (q, k, v), o(x),
@@ -191,16 +223,20 @@ class TextDecoder(nnx.Module):
         cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
         if cache is None:
-            key_mask = valid
-            q_pos, k_pos = jnp.arange(t), jnp.arange(t)
+            mask = valid  # key validity [B, T]; `attend` adds causality block by block
         else:
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, valid, (0, cache.index))
             q_pos = cache.index + jnp.arange(t)
             k_pos = jnp.arange(cache.key_mask.shape[1])
-        mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
+            mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
         ks, vs, a_v, a_x = [], [], [], []
         x = constrain(x, RESIDUAL)
-        call = remat(DecoderLayer.__call__, self.remat_policy)
+        layer_call = functools.partial(
+            DecoderLayer.__call__,
+            implementation=attention_implementation(self.attention),
+            block=self.attention_block,
+        )
+        call = remat(layer_call, self.remat_policy)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
             if forms is None:

@@ -4,24 +4,39 @@ All images (or all videos) of a batch are packed into one sequence of patches, a
 processor emits them. Everything that depends on the grids (window permutation, rotary
 positions, attention segments) is computed on the host by `vision_inputs` in numpy, so the
 device program only sees arrays of static shape: a batch padded to `num_patches` compiles once.
+
+Attention goes through `jaxvrl.models.attention.attend` with segment ids (one per window, or
+one per frame in the full-attention blocks), never a [heads, N, N] mask. The tower runs on rows
+of patches [B, N, ...]: the packed layout is one row, the per-row layout B rows, each attending
+only within itself. The kernels with a static mask ("splash", "cudnn") compute every block
+their mask allows whatever the segments, i.e. all N^2 pairs of a row, while the windows of
+Qwen2.5-VL are 64 patches wide; "flash" skips every block in which no query sees a key, so the
+tower runs "flash" where the model is configured for a kernel.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxvrl.models.attention import attend
 from jaxvrl.models.qwen2_5_vl.config import VisionConfig
 from jaxvrl.models.qwen2_5_vl.layers import (
     GatedMLP,
     RMSNorm,
     apply_rope,
+    attention_implementation,
     linear,
-    masked_softmax,
     remat,
 )
+from jaxvrl.parallel.sharding import constrain
+
+# logical axes of the tower's stream of patches [B, N, D]
+PATCHES = ("batch", "length", "act_embed")
 
 
 @struct.dataclass
@@ -144,19 +159,28 @@ class VisionAttention(nnx.Module):
         self.proj = linear(d, d, bias=True, **kw)
         self.num_heads = cfg.num_heads
 
-    def __call__(self, x, cos, sin, segments):
-        """x: [N, D]; cos/sin: float32[N, H]; segments: int32[N] (attend within a segment)."""
-        n, d = x.shape
-        qkv = self.qkv(x).reshape(n, 3, self.num_heads, d // self.num_heads)
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    def __call__(self, x, cos, sin, segments, *, implementation="xla", block=512):
+        """x: [B, N, D]; cos/sin: float32[B, N, H]; segments: int32[B, N] (attend within a
+        segment); implementation, block: `attend`'s implementation and block size."""
+        b, n, d = x.shape
+        hd = d // self.num_heads
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, hd)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q = apply_rope(q.astype(jnp.float32), cos, sin).astype(x.dtype)
         k = apply_rope(k.astype(jnp.float32), cos, sin).astype(x.dtype)
-        scale = (d // self.num_heads) ** -0.5
-        logits = jnp.einsum("TNH,SNH->NTS", q, k) * scale
-        mask = segments[:, None] == segments[None, :]
-        probs = masked_softmax(logits, mask[None]).astype(x.dtype)
-        out = jnp.einsum("NTS,SNH->TNH", probs, v).reshape(n, d)
-        return self.proj(out)
+        out, _ = attend(
+            q,
+            k,
+            v,
+            scale=hd**-0.5,
+            causal=False,
+            q_segments=segments,
+            k_segments=segments,
+            implementation=implementation,
+            block_q=block,
+            block_k=block,
+        )
+        return self.proj(out.reshape(b, n, d))
 
 
 class VisionBlock(nnx.Module):
@@ -167,9 +191,10 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(cfg, **kw)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True, **kw)
 
-    def __call__(self, x, cos, sin, segments):
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+    def __call__(self, x, cos, sin, segments, *, implementation="xla", block=512):
+        h = self.attn(self.norm1(x), cos, sin, segments, implementation=implementation, block=block)
+        x = x + h
+        return constrain(x + self.mlp(self.norm2(x)), PATCHES)
 
 
 class PatchMerger(nnx.Module):
@@ -183,7 +208,8 @@ class PatchMerger(nnx.Module):
         self.fc2 = linear(self.hidden, cfg.out_hidden_size, **kw)
 
     def __call__(self, x):
-        x = self.ln_q(x).reshape(-1, self.hidden)
+        """x: [..., N, D] -> [..., N / merge unit, out_hidden]."""
+        x = self.ln_q(x).reshape(*x.shape[:-2], -1, self.hidden)
         return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
 
 
@@ -196,28 +222,51 @@ class VisionTower(nnx.Module):
         self.merger = PatchMerger(cfg, **kw)
         self.dtype = dtype
         self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
+        self.attention = "auto"  # see Qwen2_5_VL.set_attention
+        self.attention_block = 512
 
     def rotary(self, rot_pos):
-        """cos, sin: float32[N, head_dim] from (row, col) positions (axial 2-D rope)."""
+        """cos, sin: float32[..., N, head_dim] from (row, col) positions [..., N, 2] (axial 2-D
+        rope)."""
         hd = self.cfg.head_dim
         inv_freq = 1.0 / (
             self.cfg.rope_theta ** (jnp.arange(0, hd // 2, 2, dtype=jnp.float32) / (hd // 2))
         )
-        freqs = rot_pos.astype(jnp.float32)[..., None] * inv_freq  # [N, 2, hd/4]
-        freqs = freqs.reshape(rot_pos.shape[0], -1)  # [N, hd/2]: rows then cols
+        freqs = rot_pos.astype(jnp.float32)[..., None] * inv_freq  # [..., N, 2, hd/4]
+        freqs = freqs.reshape(*rot_pos.shape[:-1], -1)  # [..., N, hd/2]: rows then cols
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         return jnp.cos(emb), jnp.sin(emb)
 
+    def implementation(self) -> str:
+        """The `attend` implementation of the tower: the model's, but "flash" for the kernels
+        with a static mask (see the module docstring)."""
+        name = attention_implementation(self.attention)
+        return "flash" if name in ("splash", "cudnn") else name
+
     def __call__(self, vi: VisionInputs) -> jax.Array:
-        """Merged patch embeddings [N / merge unit, out_hidden], in processor order."""
+        """Merged patch embeddings in processor order: [N / merge unit, out_hidden] for packed
+        inputs (pixel_values [N, C*T*P*P]), [B, N / merge unit, out_hidden] for per-row inputs
+        (every field with a leading row axis)."""
         cfg = self.cfg
-        x = self.patch_embed(jnp.asarray(vi.pixel_values).astype(self.dtype))
-        n = x.shape[0]
-        x = x.reshape(n // cfg.merge_unit, cfg.merge_unit, -1)[vi.window_index].reshape(n, -1)
-        cos, sin = self.rotary(jnp.asarray(vi.rot_pos))
+        vi = jax.tree.map(jnp.asarray, vi)
+        rows = vi.pixel_values.ndim == 3
+        if not rows:
+            vi = jax.tree.map(lambda a: a[None], vi)
+        x = self.patch_embed(vi.pixel_values.astype(self.dtype))  # [B, N, D]
+        b, n, _ = x.shape
+        units = x.reshape(b, n // cfg.merge_unit, cfg.merge_unit, -1)
+        units = jnp.take_along_axis(units, vi.window_index[:, :, None, None], axis=1)
+        x = constrain(units.reshape(b, n, -1), PATCHES)
+        cos, sin = self.rotary(vi.rot_pos)
         full = set(cfg.fullatt_block_indexes)
-        call = remat(VisionBlock.__call__, self.remat_policy)
+        block_call = functools.partial(
+            VisionBlock.__call__,
+            implementation=self.implementation(),
+            block=self.attention_block,
+        )
+        call = remat(block_call, self.remat_policy)
         for i, blk in enumerate(self.blocks):
             segments = vi.full_segments if i in full else vi.window_segments
-            x = call(blk, x, cos, sin, jnp.asarray(segments))
-        return self.merger(x)[vi.reverse_index]
+            x = call(blk, x, cos, sin, segments)
+        out = jnp.take_along_axis(self.merger(x), vi.reverse_index[:, :, None], axis=1)
+        return out if rows else out[0]

@@ -266,16 +266,19 @@ def _dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def load(path, dtype=jnp.float32, param_dtype=None) -> Qwen2_5_VL:
+def load(path, dtype=jnp.float32, param_dtype=None, attention: str = "auto") -> Qwen2_5_VL:
     """Load an HF Qwen2.5-VL checkpoint directory (config.json + *.safetensors) without torch.
 
-    dtype: compute dtype; param_dtype: stored parameter dtype (default: dtype).
+    dtype: compute dtype; param_dtype: stored parameter dtype (default: dtype); attention:
+    the attention implementation (see `Qwen2_5_VL.set_attention`).
     """
     path = os.fspath(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     cfg = Qwen2_5_VLConfig.from_pretrained(path)
     abstract = nnx.eval_shape(
-        lambda: Qwen2_5_VL(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+        lambda: Qwen2_5_VL(
+            cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), attention=attention
+        )
     )
     graphdef, state = nnx.split(abstract)
     wanted = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
