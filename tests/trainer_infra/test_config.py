@@ -350,3 +350,12 @@ def test_help_config_prints_every_key_with_its_value_and_comment(capsys):
     assert "seq-mean-token-sum-norm" in lines["actor.loss_agg_mode"]
     assert "seq-mean" not in lines["actor.clip_ratio_low"]  # a comment is its key's own
     assert set(base_comments("configs/base.py")) <= set(lines)
+
+
+def test_every_base_key_has_a_comment():
+    from jaxvrl.config import base_comments
+
+    comments = base_comments(BASE)
+    keys = flat_keys(cfg_of())
+    assert keys and [k for k in keys if not comments.get(k)] == []
+    assert set(comments) <= set(keys)  # no comment documents a key that does not exist
