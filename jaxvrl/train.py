@@ -45,7 +45,7 @@ from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime as R
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn, reward_names
-from jaxvrl.sampling import Sampler, SamplingConfig
+from jaxvrl.sampling import Sampler, SamplingConfig, generation_config
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
@@ -171,15 +171,17 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
         eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
     else:
         eos = (tokenizer.eos_token_id,) if tokenizer is not None else ()
-    suppress = (
-        mcfg.image_token_id,
-        mcfg.video_token_id,
-        mcfg.vision_start_token_id,
-        mcfg.vision_end_token_id,
-    )
     r = c.rollout
     pad = (tokenizer.pad_token_id if tokenizer is not None else 0) or 0
-    return SamplingConfig(r.max_new_tokens, r.temperature, r.top_p, r.top_k, eos, pad, suppress)
+    return generation_config(
+        mcfg,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+    )
 
 
 def make_samplers(graph, mcfg, tokenizer, c, mesh=None):

@@ -6,6 +6,7 @@ from jaxvrl.sampling.sampler import (
     SamplingConfig,
     filter_logits,
     generate,
+    generation_config,
     sample,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "SamplingConfig",
     "filter_logits",
     "generate",
+    "generation_config",
     "sample",
 ]

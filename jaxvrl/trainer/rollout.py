@@ -269,7 +269,7 @@ class Rollout:
 
 
 @dataclasses.dataclass
-class DecodeWeights:
+class KeptDecodeWeights:
     """The samplers' decode weights (`Sampler.decode_weights`: on the CPU, the decoder's
     weights as rows or packed for the CPU kernels), prepared once per rollout phase for its
     parameters and row count and shared by the sampler and the greedy sampler. Packed ones
@@ -291,7 +291,13 @@ class DecodeWeights:
 
 
 def sample_completions(
-    sampler, params, batch: dict, key, pools=None, mesh=None, decode: DecodeWeights | None = None
+    sampler,
+    params,
+    batch: dict,
+    key,
+    pools=None,
+    mesh=None,
+    decode: KeptDecodeWeights | None = None,
 ):
     """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays.
 
@@ -357,7 +363,7 @@ class RolloutPhase:
     greedy: Sampler | None = None
     mesh: Mesh | None = None  # where the sampler's inputs go (None: the default device)
     accuracy: str | None = "mc_idx"
-    decode: DecodeWeights = dataclasses.field(default_factory=DecodeWeights)
+    decode: KeptDecodeWeights = dataclasses.field(default_factory=KeptDecodeWeights)
 
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""

@@ -4,7 +4,6 @@ columns, the format hook, missing columns at start, remote files, video_fps."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import pickle
 
@@ -12,30 +11,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxvrl.data import default_tokenizer_path
 from jaxvrl.data.columns import RowFormat, RowMapper
 from jaxvrl.data.loader import collate_flat
 from jaxvrl.data.rows import DataError, EncodeOptions, SkipStats, encode_rows, load_image
 from jaxvrl.data.sources import open_source, open_sources, read_rows
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_path())
-
-
-def _png(color=(255, 0, 0), size=(40, 40)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return buf.getvalue()
+from tests.data.conftest import png
 
 
 @pytest.fixture()
 def image_dir(tmp_path):
-    (tmp_path / "red.png").write_bytes(_png())
-    (tmp_path / "wide.png").write_bytes(_png((0, 0, 255), (90, 60)))
+    (tmp_path / "red.png").write_bytes(png())
+    (tmp_path / "wide.png").write_bytes(png((0, 0, 255), (90, 60)))
     return tmp_path
 
 
@@ -50,14 +36,14 @@ def _encode(rows, tokenizer, image_dir, **kw):
     return examples, stats
 
 
-B64 = base64.b64encode(_png()).decode()
+B64 = base64.b64encode(png()).decode()
 ENCODINGS = {
     "path": ("red.png", [[1, 4, 4]]),
     "list of paths": (["red.png", "wide.png"], [[1, 4, 4], [1, 4, 6]]),
-    "bytes": (_png(), [[1, 4, 4]]),
+    "bytes": (png(), [[1, 4, 4]]),
     "base64": (B64, [[1, 4, 4]]),
     "data uri": ("data:image/png;base64," + B64, [[1, 4, 4]]),
-    "bytes dict": ({"bytes": _png(), "path": "ignored.png"}, [[1, 4, 4]]),
+    "bytes dict": ({"bytes": png(), "path": "ignored.png"}, [[1, 4, 4]]),
     "base64 dict": ({"bytes": B64, "path": None}, [[1, 4, 4]]),
     "path dict": ({"bytes": None, "path": "wide.png"}, [[1, 4, 6]]),
     "null": (None, np.zeros((0, 3))),
@@ -133,7 +119,7 @@ def test_parquet_with_renamed_columns_on_disk_and_remote(tmp_path, tokenizer, mo
 
     table = pa.Table.from_pylist(
         [
-            {"instruction": f"q{i}", "gt": "ABCD"[i], "photo": [{"bytes": _png(), "path": None}]}
+            {"instruction": f"q{i}", "gt": "ABCD"[i], "photo": [{"bytes": png(), "path": None}]}
             for i in range(4)
         ]
     )
@@ -231,7 +217,7 @@ def test_remote_jsonl_and_images(tmp_path, tokenizer, monkeypatch):
         {"question": "gone?", "answer": 2, "image_path": "img/none.png"},
     ]
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    fsspec.filesystem("memory").pipe({"/b2/train.jsonl": data, "/b2/img/red.png": _png()})
+    fsspec.filesystem("memory").pipe({"/b2/train.jsonl": data, "/b2/img/red.png": png()})
     fmt = RowFormat(prompt_key="question", image_key="image_path")
     got = read_rows("memory://b2/train.jsonl", fmt=fmt)
     assert [r["_where"] for r in got] == ["memory://b2/train.jsonl:1", "memory://b2/train.jsonl:2"]

@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from jaxvrl.data import default_tokenizer_path, synthetic
+from jaxvrl.data import synthetic
 from jaxvrl.data.loader import make_dataset, shape_bound
 from jaxvrl.data.rows import DataError, EncodeOptions
 from jaxvrl.data.sources import open_source, open_sources
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_path())
-
-
-def _png(color=(255, 0, 0), size=(40, 40)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return buf.getvalue()
+from tests.data.conftest import png
 
 
 def _good(i: int) -> dict:
@@ -50,7 +37,7 @@ BAD = {
 
 @pytest.fixture()
 def image_dir(tmp_path):
-    (tmp_path / "ok.png").write_bytes(_png())
+    (tmp_path / "ok.png").write_bytes(png())
     (tmp_path / "corrupt.png").write_bytes(b"not an image")
     Image.new("RGB", (1100, 50)).save(tmp_path / "big.png")
     return tmp_path
@@ -83,15 +70,14 @@ def test_sources_jsonl_parquet_and_saved_dataset_agree(tmp_path):
     import pyarrow.parquet as pq
 
     rows = [
-        {"problem": f"q{i}", "label_idx": i, "images": [{"bytes": _png(), "path": None}]}
+        {"problem": f"q{i}", "label_idx": i, "images": [{"bytes": png(), "path": None}]}
         for i in range(5)
     ]
     table = pa.Table.from_pylist(rows)
     pq.write_table(table, tmp_path / "x.parquet", row_group_size=2)
     (tmp_path / "x.jsonl").write_text(
         "\n".join(
-            json.dumps({**r, "images": [{"bytes": base64.b64encode(_png()).decode()}]})
-            for r in rows
+            json.dumps({**r, "images": [{"bytes": base64.b64encode(png()).decode()}]}) for r in rows
         )
     )
     saved = tmp_path / "saved"  # the layout `datasets.Dataset.save_to_disk` writes
@@ -189,7 +175,7 @@ def test_batch_layout_with_mixed_image_counts(image_dir, tokenizer):
     rows = [
         {
             "problem": "two",
-            "images": ["ok.png", {"bytes": _png((0, 0, 255), (90, 60))}],
+            "images": ["ok.png", {"bytes": png((0, 0, 255), (90, 60))}],
             "label_idx": 0,
         },
         {"problem": "none", "label_idx": 1},
