@@ -1,17 +1,24 @@
 """Orbax checkpoints: one step directory holds the train state (any pytree of arrays: params,
 optimizer state, counters), the RNG key, the data-iterator state, each process's running
-totals (JSON) and JSON run metadata, in a local directory or under `gs://`.
+totals (JSON) and replay buffer (bytes) and JSON run metadata, in a local directory or under
+`gs://`.
 
 Layout of `<directory>/<step>/`: `state` (arrays, keyed by their readable tree path, e.g.
 `params/model/layers/0/mlp/up_proj/kernel/value`), `rng` (key data), `meta` (the caller's
 JSON), `data` (iterator state: JSON, or bytes from grain as base64), `counters` (the caller's
 JSON running totals, one per process; absent in checkpoints written before it existed),
-`info` (tree paths and key implementations, to check a restore target against).
+`replay` (one file per process, `<index>-of-<count>`: the caller's bytes, its replay buffer
+encoded by jaxvrl/trainer/replay_state.py; absent when the run had no buffer or was written
+before it was saved), `info` (tree paths and key implementations, to check a restore target
+against). Every item, each process's replay file included, is written before orbax commits
+the step (renames its temporary directory, or on gs:// writes its commit marker), so a step
+that lacks one of them is never listed as complete.
 
 Resume order (train.py): build the abstract train state (`jax.eval_shape` + shardings, or the
 freshly initialised state), `restore_latest(abstract)` fills it with the saved arrays in the
-target's shardings and dtypes, then the data iterator and the RNG continue from their saved
-state. Every process calls save and restore (orbax coordinates multi-host writes).
+target's shardings and dtypes, then the data iterator, the RNG, the running totals and the
+replay buffer continue from their saved state. Every process calls save and restore (orbax
+coordinates multi-host writes).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class Restored:
     meta: dict
     data_state: dict | bytes | None
     counters: dict | None = None  # this process's; None: the checkpoint has none
+    replay: bytes | None = None  # this process's; None: the checkpoint has none
 
 
 def _entry(k) -> str:
@@ -91,6 +99,47 @@ def _abstract_leaf(x, sharding=None):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
+def _process_file(index: int, count: int) -> str:
+    return f"{index}-of-{count}"
+
+
+class ProcessBytesHandler(ocp.CheckpointHandler):
+    """An item of one file per process (orbax's JSON items are written by process 0 only):
+    each process writes its own bytes and reads its own back. Run by orbax after it created
+    the step's temporary directory and before it commits the step."""
+
+    def save(self, directory, args: ProcessBytesSave):
+        name = _process_file(jax.process_index(), jax.process_count())
+        (directory / name).write_bytes(bytes(args.data))
+
+    def restore(self, directory, args: ProcessBytesRestore | None = None) -> bytes:
+        del args
+        n, i = jax.process_count(), jax.process_index()
+        path = directory / _process_file(i, n)
+        if not path.exists():
+            saved = sorted(p.name for p in directory.iterdir())
+            counts = {int(s.rsplit("-of-", 1)[-1]) for s in saved if "-of-" in s}
+            if len(counts) == 1 and counts != {n}:
+                _check_process_count(counts.pop(), directory.parent.name, "replay buffers")
+            raise CheckpointError(f"{path} is missing (saved: {saved})")
+        return path.read_bytes()
+
+    def metadata(self, directory):
+        return None
+
+
+@ocp.args.register_with_handler(ProcessBytesHandler, for_save=True)
+@dataclasses.dataclass
+class ProcessBytesSave(ocp.args.CheckpointArgs):
+    data: bytes
+
+
+@ocp.args.register_with_handler(ProcessBytesHandler, for_restore=True)
+@dataclasses.dataclass
+class ProcessBytesRestore(ocp.args.CheckpointArgs):
+    pass
+
+
 def _encode_one(data_state):
     if data_state is None:
         return {"kind": "none"}
@@ -112,15 +161,19 @@ def _encode_data_state(data_state):
 
 
 def _this_process(states: list, step: int, what: str):
+    _check_process_count(len(states), step, what)
+    return states[jax.process_index()]
+
+
+def _check_process_count(saved: int, step, what: str) -> None:
     n = jax.process_count()
-    if len(states) != n:
+    if saved != n:
         raise ValueError(
-            f"checkpoint step {step} holds the {what} of {len(states)} processes, this run "
+            f"checkpoint step {step} holds the {what} of {saved} processes, this run "
             f"has {n}: each process reads its own shard of the data, and the shards change "
             "with the process count. Resume with the same number of hosts, or start a new "
             "workdir from the weights (config.load_checkpoint_path)."
         )
-    return states[jax.process_index()]
 
 
 def _decode_data_state(d, step: int):
@@ -173,13 +226,15 @@ class Checkpointer:
         data_state: dict | bytes | None = None,
         force: bool = False,
         counters: dict | None = None,
+        replay: bytes | None = None,
     ) -> bool:
         """Saves unless `step` is off the save interval (force: always); -> whether it saved.
 
         state: any pytree of arrays (typed PRNG keys allowed); rng: a typed key or raw uint32
         key data; meta: JSON-serialisable; data_state: the iterator's get_state() (a JSON
         dict, or bytes as grain returns); counters: this process's JSON running totals (every
-        process passes its own, or none does: gathered, a collective)."""
+        process passes its own, or none does: gathered, a collective); replay: this
+        process's replay buffer as bytes (every process passes its own, or none does)."""
         if not force and step % self.save_interval_steps:
             return False  # (orbax would always save a first step, whatever the interval)
         leaves = jax.tree.leaves(state)
@@ -200,6 +255,8 @@ class Checkpointer:
             from jaxvrl.parallel.runtime import gather_json
 
             items["counters"] = ocp.args.JsonSave({"per_process": gather_json(counters)})
+        if replay is not None:
+            items["replay"] = ProcessBytesSave(replay)
         if rng is not None:
             items["rng"] = ocp.args.StandardSave({"key_data": _to_saveable(rng)})
         with naming(f"saving checkpoint step {step} to {self.directory}"):
@@ -224,7 +281,8 @@ class Checkpointer:
         if step not in self.manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
         json_items = ["info", "meta", "data"]
-        if "counters" in self.manager.item_metadata(step):
+        saved_items = self.manager.item_metadata(step)
+        if "counters" in saved_items:
             json_items.append("counters")
         where = f"restoring checkpoint step {step} from {self.directory}"
         with naming(where):
@@ -240,6 +298,8 @@ class Checkpointer:
             target = jax.ShapeDtypeStruct(tuple(info["rng_shape"]), np.uint32)
             rng_target = _abstract_leaf(target, rng_sharding)
             items["rng"] = ocp.args.StandardRestore({"key_data": rng_target})
+        if "replay" in saved_items:
+            items["replay"] = ProcessBytesRestore()
         with naming(where):
             out = self.manager.restore(step, args=ocp.args.Composite(**items))
         arrays = out["state"]
@@ -264,6 +324,7 @@ class Checkpointer:
                 if "counters" in head
                 else None
             ),
+            replay=out["replay"] if "replay" in items else None,
         )
 
     def restore_latest(self, abstract_state, rng_sharding=None) -> Restored | None:

@@ -6,8 +6,9 @@ Read top to bottom: setup (model and tokenizer, data, train state, samplers, the
 phase, resume), then the loop in `run`: rollout phase, train step, logs, checkpoint. Only this
 file reads the ConfigDict.
 
-Resume order: the fresh train state is the restore target; the checkpoint's arrays, RNG key
-and data-iterator state replace it; metrics and markdown logs written after the checkpoint's
+Resume order: the fresh train state is the restore target; the checkpoint's arrays, RNG key,
+data-iterator state, running totals and replay buffer replace it (dynamic sampling carries
+nothing from one step to the next: its surplus groups are dropped); metrics and markdown logs written after the checkpoint's
 step are dropped, so the resumed run writes each step once.
 
 Devices (docs/scaling.md): one SPMD program on the mesh `config.mesh` (data, fsdp, tensor;
@@ -49,6 +50,7 @@ from jaxvrl.sampling import Sampler, SamplingConfig, generation_config
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
+from jaxvrl.trainer.replay_state import load_buffer, save_buffer
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
 from jaxvrl.trainer.step import build_train_step
 
@@ -285,17 +287,26 @@ def load_start_params(path: str, state, ref_params, ref_shardings):
     return state.replace(params=params), ref
 
 
-def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters):
+def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, replay=None):
     """-> (start step, state, rng, consecutive non-finite steps) from the latest checkpoint
-    in workdir, or the fresh ones; the data iterator and the running totals continue from
-    their saved state. The arrays restore into `state`'s shardings, the RNG replicated over
-    the mesh (a global array every process can save)."""
+    in workdir, or the fresh ones; the data iterator, the running totals and the replay
+    buffer (`replay`: rl.ReplayBuffer or None) continue from their saved state. The arrays
+    restore into `state`'s shardings, the RNG replicated over the mesh (a global array every
+    process can save)."""
     rng = R.replicate(jax.random.key(c.seed), mesh)
     if not c.resume or ckpt.latest_step() is None:
         return 0, state, rng, 0
     r = ckpt.restore_latest(state, rng_sharding=rng.sharding)
     data.set_state(r.data_state if r.data_state is not None else r.meta["iterator"])
     counters.load(r.counters)
+    if replay is not None and r.replay is None:
+        log.warning(
+            "checkpoint step %d holds no replay buffer (written before it was saved, or by a "
+            "run without filter.replay_buffer): the buffer starts empty",
+            r.step,
+        )
+    elif replay is not None:
+        load_buffer(replay, r.replay)
     print(f"resumed from step {r.step}", flush=True)
     return r.step, r.state, r.rng, int(r.meta.get("nonfinite_streak", 0))
 
@@ -414,7 +425,7 @@ def _run(c) -> dict:
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = R.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.rewards)
-    start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh, counters)
+    start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh, counters, phase.replay)
     if start == 0 and c.load_checkpoint_path:
         state, ref_params = load_start_params(
             c.load_checkpoint_path, state, ref_params, s.ref_shardings
@@ -460,7 +471,13 @@ def _run(c) -> dict:
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
                 meta = {"nonfinite_streak": nonfinite}
                 ckpt.save(
-                    done, state, rng, meta, data_state=data.get_state(), counters=counters.state()
+                    done,
+                    state,
+                    rng,
+                    meta,
+                    data_state=data.get_state(),
+                    counters=counters.state(),
+                    replay=None if phase.replay is None else save_buffer(phase.replay),
                 )
             if stop:
                 why = "SIGTERM" if flag.requested else "time budget"

@@ -137,6 +137,17 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return len(self._items)
 
+    def contents(self) -> list:
+        """The stored groups, oldest first (what a checkpoint keeps)."""
+        return list(self._items)
+
+    def load(self, items: list) -> None:
+        """Replaces the contents by `items` (oldest first; past `capacity`, the oldest fall
+        out), e.g. a checkpoint's `contents()`."""
+        self._items = collections.deque()
+        for x in items:
+            self.add(x)
+
     def fill(self, groups: list, informative: np.ndarray) -> tuple[list, int]:
         """Returns (groups with uninformative ones replaced, number replaced)."""
         informative = np.asarray(informative, bool)
