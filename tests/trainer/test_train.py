@@ -445,8 +445,11 @@ def _data_with_a_bad_row_of_each_reason(tmp_path):
 def test_counters_after_a_sigterm_and_resume_equal_an_uninterrupted_runs(tmp_path, monkeypatch):
     """Rows skipped per reason (some before the stop, the rest after; all seen again in later
     epochs), failures of a reward that raises on a fixed schedule, generation batches and
-    non-finite updates: the last metrics row of a run stopped by SIGTERM at step 2 and resumed
-    equals an uninterrupted run's."""
+    non-finite updates: the last metrics row of a run stopped by SIGTERM at step 3 and resumed
+    equals an uninterrupted run's. With dynamic sampling and a replay buffer of 2 groups that
+    fills empty slots before and after the stop (step 4 replays groups stored by step 3), every step's rewards, filtering and
+    replay metrics and the final parameters are the same bit for bit (the checkpoint keeps
+    the buffer)."""
     import jax.numpy as jnp
 
     import jaxvrl.train as train
@@ -478,21 +481,23 @@ def test_counters_after_a_sigterm_and_resume_equal_an_uninterrupted_runs(tmp_pat
             "data.max_image_side=64",
             f"reward.funcs=('{tmp_path / 'flaky.py'}:flaky',)",
             "reward.weights=(1.0,)",
+            "filter.replay_buffer.enable=true",
+            "filter.replay_buffer.capacity=2",
         )
 
     a, b = tmp_path / "a", tmp_path / "b"
     run(config(a))
     real_scalars, calls = train.step_scalars, []
 
-    def sigterm_after_step_2(*args):
+    def sigterm_after_step_3(*args):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_scalars(*args)
 
-    monkeypatch.setattr(train, "step_scalars", sigterm_after_step_2)
+    monkeypatch.setattr(train, "step_scalars", sigterm_after_step_3)
     run(config(b))
-    assert [r["step"] for r in _rows(b)] == [1, 2]
+    assert [r["step"] for r in _rows(b)] == [1, 2, 3]
     monkeypatch.setattr(train, "step_scalars", real_scalars)
     run(config(b))
 
@@ -513,6 +518,19 @@ def test_counters_after_a_sigterm_and_resume_equal_an_uninterrupted_runs(tmp_pat
         assert all(r1.get(k, 0) >= r0.get(k, 0) for k in counters), (r0["step"], r1["step"])
     assert rb[-1]["reward/flaky_failures"] > rb[1]["reward/flaky_failures"]
     assert "| flaky |" in (b / "rollout_results.md").read_text()
+
+    per_step = [k for k in ra[-1] if k.startswith(("reward/", "replay/", "rollout/"))]
+    per_step = [k for k in per_step if not k.endswith("_s")]  # timings
+    assert {"replay/replaced", "replay/buffer_size", "replay/replaced_total"} <= set(per_step)
+    for r0, r1 in zip(ra, rb):
+        assert {k: r0[k] for k in per_step} == {k: r1[k] for k in per_step}, r0["step"]
+    replaced = [r["replay/replaced"] for r in rb]
+    assert sum(replaced[:3]) > 0 and replaced[3] > 0  # step 4 replays groups saved at step 3
+    assert rb[-1]["replay/replaced_total"] == sum(replaced)
+    (sa, pa), (sb, pb) = _final_params(a), _final_params(b)
+    assert sa == sb == 8 and pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
 
 
 def test_a_dataset_read_by_its_own_column_names_trains(tmp_path):
