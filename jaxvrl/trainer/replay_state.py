@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 
+import ml_dtypes
 import numpy as np
 
 from jaxvrl import rl
@@ -33,9 +34,17 @@ class _Writer:
         if isinstance(x, np.ndarray):
             if x.dtype == object:  # .npz would pickle it: element by element instead
                 return {"t": "objects", "shape": list(x.shape), "v": list(map(self.encode, x.flat))}
+            if x.dtype.isbuiltin == 2:  # ml_dtypes (bfloat16, ...): .npz would keep only void
+                raw = np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8)
+                return {
+                    "t": "ml_array",
+                    "i": self.put(raw),
+                    "dtype": x.dtype.name,
+                    "shape": x.shape,
+                }
             return {"t": "array", "i": self.put(x)}
         if isinstance(x, np.generic):  # before str/float: np.str_ and np.float64 subclass them
-            return {"t": "scalar", "i": self.put(np.asarray(x))}
+            return {"t": "scalar", "v": self.encode(np.asarray(x))}
         if x is None or isinstance(x, bool | int | str):
             return x
         if isinstance(x, float):  # the JSON text of a float reads back to the same float
@@ -60,8 +69,12 @@ def _decode(node, arrays):
     t = node["t"]
     if t == "array":
         return arrays[f"a{node['i']}"]
+    if t == "ml_array":
+        dtype = np.dtype(getattr(ml_dtypes, node["dtype"]))
+        raw = arrays[f"a{node['i']}"].tobytes()
+        return np.frombuffer(raw, dtype).reshape(node["shape"]).copy()
     if t == "scalar":
-        return arrays[f"a{node['i']}"][()]
+        return _decode(node["v"], arrays)[()]
     if t in ("bytes", "bytearray"):
         raw = arrays[f"a{node['i']}"].tobytes()
         return raw if t == "bytes" else bytearray(raw)

@@ -73,3 +73,14 @@ def test_replay_buffer():
     # most recent first, each stored group used once, this batch's g5 is not replayed
     assert n == 2 and out == ["g4", "g5", "g3", "u5"]
     assert len(buf) == 1
+
+
+def test_replay_buffer_contents_and_load():
+    buf = rl.ReplayBuffer(capacity=2)
+    buf.fill(["g1", "g2", "g3"], [True, True, True])
+    assert buf.contents() == ["g2", "g3"]  # oldest first
+    fresh = rl.ReplayBuffer(capacity=2)
+    fresh.load(["x", "g2", "g3"])  # past capacity, the oldest fall out
+    assert fresh.contents() == ["g2", "g3"]
+    out, n = fresh.fill(["u"], [False])
+    assert n == 1 and out == ["g3"] and fresh.contents() == ["g2"]  # most recent first

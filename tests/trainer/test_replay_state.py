@@ -1,0 +1,136 @@
+"""The replay buffer's checkpoint bytes: a round trip gives back every group equal in type,
+dtype, shape and bits (arrays of several dtypes, numpy scalars, bytes, nested containers),
+an empty buffer too; what cannot be stored exactly is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxvrl import rl
+from jaxvrl.trainer.replay_state import decode_items, encode_items, load_buffer, save_buffer
+from jaxvrl.trainer.rollout import Group
+
+
+def assert_same(a, b, where="item"):
+    """Equal values of the same types; arrays also of the same dtype, shape and bytes."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        if a.dtype == object:
+            for i, (x, y) in enumerate(zip(a.flat, b.flat)):
+                assert_same(x, y, f"{where}[{i}]")
+        else:
+            assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), where
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes(), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, float) and np.isnan(a):
+        assert np.isnan(b), where
+    else:
+        assert a == b, where
+
+
+def group(seed: int) -> Group:
+    rng = np.random.default_rng(seed)
+    g, n = 2, 5
+    example = {
+        "problem": f"what is shown? ({seed})",
+        "prompt_ids": [151644, 8948, seed],
+        "label_idx": seed % 4,
+        "answer": None,
+        "ok": True,
+        "score": 0.1 + seed,  # a float that JSON must give back exactly
+        "pixel_values": rng.standard_normal((4, 1176)).astype(np.float32),
+        "image_grid_thw": np.array([[1, 2, 2]], np.int64),
+        "second_per_grid_ts": np.zeros(0, np.float32),
+        "image_bytes": b"\x89PNG\r\n\x1a\n\x00\xff",
+        "options": ("A", "B"),
+        7: "a key that is not a string",
+    }
+    logprobs = rng.standard_normal((g, n)).astype(np.float32)
+    logprobs[0, -1] = np.float32("nan")
+    return Group(
+        example=example,
+        tokens=rng.integers(0, 151_000, (g, n), dtype=np.int32),
+        mask=np.ones((g, n), np.float32),
+        truncated=np.array([False, True]),
+        totals=rng.standard_normal(g),  # float64
+        parts={"mc_idx": np.array([0.0, 1.0]), "format": np.array([1.0, -0.0])},
+        texts=["<answer>A</answer>", "ünïcødé ✓"],
+        att={"mdi": np.array([0.25, np.inf], np.float32)},
+        baseline=np.zeros(g),
+        logprobs=logprobs,
+    )
+
+
+def test_groups_round_trip_bit_exact():
+    groups = [group(0), group(1)]
+    groups[1].tokens = groups[1].tokens[:, ::2]  # a strided view is saved by value
+    out = decode_items(encode_items(groups))
+    assert len(out) == 2
+    for i, (a, b) in enumerate(zip(groups, out)):
+        assert_same(a, b, f"group {i}")
+    assert out[0].example["score"] == 0.1  # the float itself, not a rounding of it
+    out[0].tokens[0, 0] = -1  # restored arrays are the buffer's own, writable
+
+
+def test_payloads_of_several_kinds_round_trip():
+    items = [
+        np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3),
+        np.array([1.5, -2.25], ml_dtypes.float8_e4m3fn),
+        np.array([[1 + 2j]], np.complex64),
+        np.arange(4, dtype=">u2"),
+        np.array(["ab", "c"]),
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        np.float16(0.5),
+        ml_dtypes.bfloat16(3.0),
+        np.int64(2**40),
+        np.array([{"x": 1}, None], object),
+        bytearray(b"\x00\x01"),
+        b"",
+        {"nested": [(), {}, [float("inf"), float("-inf"), 2**70, -0.0]]},
+        "plain",
+        None,
+    ]
+    for i, (a, b) in enumerate(zip(items, decode_items(encode_items(items)))):
+        assert_same(a, b, f"item {i}")
+
+
+def test_an_empty_buffer_round_trips():
+    assert decode_items(encode_items([])) == []
+    buf = rl.ReplayBuffer(capacity=3)
+    load_buffer(buf, save_buffer(rl.ReplayBuffer()))
+    assert len(buf) == 0
+
+
+def test_a_buffer_restores_its_groups_in_order_and_keeps_its_capacity():
+    saved = rl.ReplayBuffer(capacity=3)
+    for s in range(4):
+        saved.add(group(s))
+    fresh = rl.ReplayBuffer(capacity=3)
+    load_buffer(fresh, save_buffer(saved))
+    assert [g.example["label_idx"] for g in fresh.contents()] == [1, 2, 3]  # oldest first
+    for a, b in zip(saved.contents(), fresh.contents()):
+        assert_same(a, b)
+    smaller = rl.ReplayBuffer(capacity=2)  # a resume with a smaller capacity keeps the newest
+    load_buffer(smaller, save_buffer(saved))
+    assert [g.example["label_idx"] for g in smaller.contents()] == [2, 3]
+
+
+def test_what_cannot_be_stored_exactly_is_refused():
+    with pytest.raises(TypeError, match="cannot hold a set"):
+        encode_items([{"tags": {"a"}}])
