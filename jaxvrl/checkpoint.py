@@ -103,14 +103,23 @@ def _process_file(index: int, count: int) -> str:
     return f"{index}-of-{count}"
 
 
-class ProcessBytesHandler(ocp.CheckpointHandler):
+class ProcessBytesHandler(ocp.AsyncCheckpointHandler):
     """An item of one file per process (orbax's JSON items are written by process 0 only):
-    each process writes its own bytes and reads its own back. Run by orbax after it created
-    the step's temporary directory and before it commits the step."""
+    each process writes its own bytes and reads its own back. Written, like orbax's own
+    items, after the step's temporary directory exists and before the step is committed."""
+
+    def write(self, directory, data: bytes) -> None:
+        name = _process_file(jax.process_index(), jax.process_count())
+        (directory / name).write_bytes(bytes(data))
+
+    async def async_save(self, directory, args: ProcessBytesSave):
+        async def write():
+            self.write(directory, args.data)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="process_bytes")]
 
     def save(self, directory, args: ProcessBytesSave):
-        name = _process_file(jax.process_index(), jax.process_count())
-        (directory / name).write_bytes(bytes(args.data))
+        self.write(directory, args.data)
 
     def restore(self, directory, args: ProcessBytesRestore | None = None) -> bytes:
         del args

@@ -134,3 +134,38 @@ def test_a_buffer_restores_its_groups_in_order_and_keeps_its_capacity():
 def test_what_cannot_be_stored_exactly_is_refused():
     with pytest.raises(TypeError, match="cannot hold a set"):
         encode_items([{"tags": {"a"}}])
+
+
+def test_resume_restores_the_buffer_and_warns_when_the_checkpoint_has_none(tmp_path, caplog):
+    """train.resume: the saved groups come back; a checkpoint without a buffer (written
+    before it was saved) starts an empty one, with a warning."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxvrl.checkpoint import Checkpointer
+    from jaxvrl.data.rows import SkipStats
+    from jaxvrl.train import resume
+    from jaxvrl.trainer.counters import RunCounters
+
+    c = SimpleNamespace(seed=0, resume=True)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    data = SimpleNamespace(set_state=lambda s: None)
+    state, saved = {"w": jnp.zeros(2)}, rl.ReplayBuffer(capacity=4)
+    saved.fill([group(0), group(1)], [True, True])
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, state, jax.random.key(0), data_state={"pos": 1}, replay=save_buffer(saved))
+    buf = rl.ReplayBuffer(capacity=4)
+    start, *_ = resume(c, ck, state, data, mesh, RunCounters(SkipStats(), {}), buf)
+    assert start == 1 and len(buf) == 2
+    for a, b in zip(saved.contents(), buf.contents()):
+        assert_same(a, b)
+
+    ck.save(2, state, jax.random.key(0), data_state={"pos": 2})  # no buffer saved
+    buf = rl.ReplayBuffer(capacity=4)
+    with caplog.at_level("WARNING", logger="jaxvrl"):
+        start, *_ = resume(c, ck, state, data, mesh, RunCounters(SkipStats(), {}), buf)
+    assert start == 2 and len(buf) == 0
+    assert "step 2 holds no replay buffer" in caplog.text
+    ck.close()

@@ -48,7 +48,9 @@ def gcs_round_trip() -> None:
     ckpt = Checkpointer(directory, max_to_keep=2)
     for step in (1, 2, 3):
         state = {"w": state["w"] * 2, "step": jnp.int32(step)}
-        ckpt.save(step, state, jax.random.key(step), {"kl_coef": 0.1 * step}, {"pos": step})
+        replay = bytes(range(256)) * step  # the replay buffer's bytes, one file per process
+        meta = {"kl_coef": 0.1 * step}
+        ckpt.save(step, state, jax.random.key(step), meta, {"pos": step}, replay=replay)
     ckpt.close()
     fs = gcsfs.GCSFileSystem(endpoint_url=url, token="anon")
     listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("jaxvrl-test/run/checkpoints"))
@@ -60,6 +62,7 @@ def gcs_round_trip() -> None:
         np.array_equal(np.asarray(r.state["w"]), np.arange(6.0).reshape(2, 3) * 8)
         and int(r.state["step"]) == 3
         and np.array_equal(jax.random.key_data(r.rng), jax.random.key_data(jax.random.key(3)))
+        and r.replay == bytes(range(256)) * 3
     )
     print(
         json.dumps(

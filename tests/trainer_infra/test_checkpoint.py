@@ -20,6 +20,7 @@ from flax import nnx
 from jaxvrl.checkpoint import (
     Checkpointer,
     CheckpointError,
+    ProcessBytesHandler,
     install_preemption_handler,
     stop_requested_everywhere,
     tree_keys,
@@ -104,6 +105,33 @@ def test_bytes_iterator_state_raw_rng_and_readable_keys(tmp_path):
     ck.save(2, state)  # no rng, no metadata, no counters (as checkpoints written before them)
     r = ck.restore_latest(state)
     assert r.rng is None and r.meta == {} and r.data_state is None and r.counters is None
+    ck.close()
+
+
+def test_replay_bytes_are_this_processs_and_committed_with_the_step(tmp_path, monkeypatch):
+    state, blob = {"w": jnp.arange(3.0)}, bytes(range(256)) * 3
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, state, replay=blob)
+    ck.save(2, state)  # a run without a buffer, or a checkpoint from before it was saved
+    assert ck.restore_step(1, state).replay == blob
+    assert ck.restore_step(2, state).replay is None
+    assert "0-of-1" in os.listdir(tmp_path / "1" / "replay")
+
+    def disk_full(self, directory, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ProcessBytesHandler, "write", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save(3, state, replay=blob)
+    monkeypatch.undo()
+    ck.close()
+    ck = Checkpointer(str(tmp_path))  # a step whose buffer was not written is no step
+    assert ck.all_steps() == [1, 2] and ck.restore_latest(state).step == 2
+    replay = tmp_path / "1" / "replay"  # as if written by 2 processes
+    os.rename(replay / "0-of-1", replay / "1-of-2")
+    (replay / "0-of-2").write_bytes(blob)
+    with pytest.raises(ValueError, match="replay buffers of 2 processes, this run has 1"):
+        ck.restore_step(1, state)
     ck.close()
 
 
