@@ -86,7 +86,9 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     assert rng.sharding.is_fully_replicated and not rng.is_fully_addressable
     # each process's data iterator is at its own place in its own shard
     data_state = {"shard": pid, "next_index": 7 + 3 * pid}
-    ckpt.save(2, state, rng, {"note": "multihost"}, data_state=data_state, force=True)
+    replay = bytes([pid]) * (5 + pid)  # and its own replay buffer, written by itself
+    meta = {"note": "multihost"}
+    ckpt.save(2, state, rng, meta, data_state=data_state, force=True, replay=replay)
     ckpt.manager.wait_until_finished()
     restored = ckpt.restore_latest(state)
     rng_back = jax.random.key_data(restored.rng).addressable_data(0)
@@ -108,6 +110,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                 "restored_sharding": same_sharding,
                 "restored_step": int(restored.step),
                 "data_state_equal": restored.data_state == data_state,
+                "replay_equal": restored.replay == replay,
                 # host-side collectives of the rollout loop
                 "any_process": [R.any_process(pid == 1), R.any_process(False)],
                 "metrics": R.metrics_across_processes(

@@ -2,7 +2,7 @@
 jax.distributed.initialize (from config). Each process passes only its own rows to
 `place_batch`; the 2-step losses and parameters equal one device's; an orbax checkpoint is
 written by both processes and restored by both into the sharded state, each getting back its
-own data-iterator state.
+own data-iterator state and replay buffer bytes.
 
 What a real pod adds and this cannot test: TPU/GPU interconnect collectives, the platform's
 auto-detected coordinator (TPU metadata, SLURM), a gs:// workdir shared by hosts, preemption.
@@ -88,7 +88,7 @@ def test_two_processes_match_one_device(tmp_path):
         # token means of +-A (order one) plus KL: tolerance on the terms' scale
         np.testing.assert_allclose(r["losses"], losses, rtol=1e-5, atol=1e-5)
         assert r["restored_equal"] and r["restored_sharding"] and r["restored_step"] == 2
-        assert r["rng_equal"] and r["data_state_equal"]
+        assert r["rng_equal"] and r["data_state_equal"] and r["replay_equal"]
         assert r["any_process"] == [True, False]
         want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
         assert r["metrics"] == pytest.approx(want, rel=1e-6)
