@@ -19,6 +19,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
     atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# The tests' programs are tiny: compiling them costs far more than running them. LLVM's
+# optimisation passes (not XLA's graph passes, and never float semantics: no fast math) are
+# most of a CPU compile, so the tests skip them; subprocesses inherit the flag.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 import jax  # noqa: E402
 

@@ -69,11 +69,16 @@ def make_batch(model, prompts: int = 4, seed: int = 0):
     )
 
 
+def device_flags(n: int) -> str:
+    """XLA_FLAGS for a subprocess with n simulated CPU devices (keeping this process's flags)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+
+
 def run_with_devices(code: str, n: int = 8, timeout: int = 600) -> str:
     """Run `code` in a fresh python with n simulated CPU devices (the count is fixed when jax
     starts, so it cannot be changed inside the pytest process)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    env["XLA_FLAGS"] = device_flags(n)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run(

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
 from tests.models import hf_tiny as T
-from tests.parallel.common import ROOT, G, make_batch
+from tests.parallel.common import ROOT, G, device_flags, make_batch
 
 
 def _free_port() -> int:
@@ -41,7 +41,7 @@ def test_two_processes_match_one_device(tmp_path):
     T.build(ckpt, seed=3)
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = device_flags(4)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.parallel.multihost_worker", str(i), str(port)]

@@ -3,26 +3,10 @@ fixed when jax starts)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 from jaxvrl.parallel import sharding as S
-
-
-def run_with_8_devices(code: str) -> str:
-    env_code = (
-        "import os\n"
-        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
-        "os.environ['JAX_PLATFORMS'] = 'cpu'\n"
-    )
-    res = subprocess.run(
-        [sys.executable, "-c", env_code + textwrap.dedent(code)], capture_output=True, text=True
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout
+from tests.parallel.common import run_with_devices
 
 
 def test_param_axes_table():
@@ -44,7 +28,7 @@ def test_make_mesh_errors():
 
 
 def test_fsdp_params_hold_one_eighth_each(tmp_path):
-    out = run_with_8_devices(
+    out = run_with_devices(
         f"""
         import jax, numpy as np
         from flax import nnx
