@@ -1,7 +1,8 @@
 """`python -m jaxvrl.train` on a device mesh: on 8 simulated CPU devices the main job (GRPO
-with a KL loss, so the reference copy is sharded too) runs on meshes (data=2, fsdp=4) and
-(data=2, fsdp=2, tensor=2) and matches the same run on one device; a run resumed on the mesh
-equals an uninterrupted one bit for bit.
+with a KL loss, so the reference copy is sharded too) runs on the mesh (data=2, fsdp=4) and
+matches the same run on one device; a run resumed on the mesh equals an uninterrupted one bit
+for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
+sampler in test_mesh_train.py.)
 
 Tolerance: the mesh changes only the order of float32 reductions. Before the first update the
 train step sees the same parameters: step 1's entropy and gradient norm agree to rtol 1e-5,
@@ -100,28 +101,18 @@ def _rows(workdir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("train_mesh")
-    w = {k: str(d / k) for k in ("one", "mesh", "resumed", "tensor")}
+    w = {k: str(d / k) for k in ("one", "mesh", "resumed")}
     mesh = ["mesh.data=2", "mesh.fsdp=4"]
     report = _run(
         [
-            ("mesh", [f"workdir={w['mesh']}", "total_steps=4", *mesh]),
+            ("mesh", [f"workdir={w['mesh']}", "total_steps=3", *mesh]),
             ("resumed_a", [f"workdir={w['resumed']}", "total_steps=2", *mesh]),
-            ("resumed", [f"workdir={w['resumed']}", "total_steps=4", *mesh]),
-            (
-                "tensor",
-                [
-                    f"workdir={w['tensor']}",
-                    "total_steps=2",
-                    "mesh.data=2",
-                    "mesh.fsdp=2",
-                    "mesh.tensor=2",
-                ],
-            ),
+            ("resumed", [f"workdir={w['resumed']}", "total_steps=3", *mesh]),
         ],
         n=8,
         compare=(w["mesh"], w["resumed"]),
     )
-    report.update(_run([("one", [f"workdir={w['one']}", "total_steps=4"])], n=1))
+    report.update(_run([("one", [f"workdir={w['one']}", "total_steps=3"])], n=1))
     return report, w
 
 
@@ -129,8 +120,7 @@ def test_the_runs_use_the_mesh(runs):
     report, _ = runs
     assert report["one"]["placed"] == [{"data": 1, "fsdp": 1, "tensor": 1}, 1, 8, 8]
     assert report["mesh"]["placed"] == [{"data": 2, "fsdp": 4, "tensor": 1}, 8, 1, 8]
-    assert report["tensor"]["placed"] == [{"data": 2, "fsdp": 2, "tensor": 2}, 8, 2, 8]
-    for name in ("one", "mesh", "resumed", "tensor"):
+    for name in ("one", "mesh", "resumed"):
         assert report[name]["compiles"]["compiles/train_step"] == 1, report[name]
 
 
@@ -140,15 +130,13 @@ def test_rows_that_do_not_split_over_the_mesh_are_a_config_error(runs):
     assert "mesh.data x mesh.fsdp = 8" in report["rows_error"]
 
 
-@pytest.mark.parametrize("mesh", ["mesh", "tensor"])
-def test_mesh_run_matches_one_device(runs, mesh):
+def test_mesh_run_matches_one_device(runs):
     _, w = runs
-    one, got = _rows(w["one"]), _rows(w[mesh])
-    assert sorted(got) == list(range(0, max(got) + 1)) and max(got) in (2, 4)
+    one, got = _rows(w["one"]), _rows(w["mesh"])
+    assert sorted(got) == sorted(one) == [0, 1, 2, 3]
     for step in sorted(got):
         a, b = one[step], got[step]
-        # validation runs at the last step: step 2 of the 2-step run, step 4 of the others
-        assert {k for k in a.keys() ^ b.keys() if not k.startswith("val/")} == set(), step
+        assert a.keys() == b.keys(), step
         for k in sorted(a.keys() & b.keys()):
             if k.endswith(TIMING) or k in ("step", "time"):
                 continue
@@ -164,11 +152,11 @@ def test_mesh_run_matches_one_device(runs, mesh):
 def test_resume_on_the_mesh_equals_an_uninterrupted_run(runs):
     report, w = runs
     final = report["final_params"]
-    assert final["steps"] == [4, 4] and final["same_keys"] and final["keys"] > 30, final
+    assert final["steps"] == [3, 3] and final["same_keys"] and final["keys"] > 30, final
     assert final["differ"] == [], final  # bit for bit
     a, b = _rows(w["mesh"]), _rows(w["resumed"])
-    assert sorted(b) == [0, 1, 2, 3, 4]
-    for step in (3, 4):
+    assert sorted(b) == [0, 1, 2, 3]
+    for step in (2, 3):
         for k in a[step]:
             if not k.endswith(TIMING) and k != "time":
                 assert a[step][k] == b[step][k], (step, k)

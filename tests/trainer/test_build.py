@@ -72,9 +72,14 @@ def test_ppo_with_lora_resumes(tmp_path):
 
 def test_qlora_runs_two_steps(tmp_path):
     pytest.importorskip("qwix")
-    c = tiny_config("configs/grpo.py", tmp_path, "total_steps=2", "val_freq=2", "lora.rank=8")
-    with c.unlocked():
-        c.lora.quantize = "int8"  # not in configs/base.py yet
+    c = tiny_config(
+        "configs/grpo.py",
+        tmp_path,
+        "total_steps=2",
+        "val_freq=2",
+        "lora.rank=8",
+        "lora.quantize=int8",
+    )
     metrics = run(c)
     assert np.isfinite(metrics["loss"]) and "val/accuracy" in metrics
     _, arrays = _saved_state(tmp_path)
@@ -84,7 +89,7 @@ def test_qlora_runs_two_steps(tmp_path):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("mem_model")
-    T.build(path, seed=3)
+    T.build(path, seed=3, layers=1, v_depth=2)  # compiled three times: the size adds nothing
     return path
 
 
@@ -92,8 +97,7 @@ def _step_bytes(ckpt, **lora):
     from jaxvrl.config import load_config
 
     c = load_config(os.path.join(ROOT, "configs/tprl.py"), [f"rollout.num_generations={G}"])
-    with c.unlocked():
-        c.lora.update(lora)  # lora.quantize is not in configs/base.py yet
+    c.lora.update(lora)
     model = q.load(ckpt)
     graphdef, tx, state, ref = init_train_state(model, c)
     # tprl's 2 updates per batch read the sampler's log-probs
