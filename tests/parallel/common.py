@@ -73,7 +73,13 @@ def run_with_devices(code: str, n: int = 8, timeout: int = 600) -> str:
     """Run `code` in a fresh python with n simulated CPU devices (the count is fixed when jax
     starts, so it cannot be changed inside the pytest process)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    # XLA's CPU scheduler for concurrency let the simulated devices of a scanned train step
+    # (collectives inside the layer loop) enter two independent collectives in different
+    # orders and wait on each other forever (a rendezvous timeout on 2 cores); in order, never
+    env["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={n} "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run(

@@ -72,4 +72,4 @@ def test_fsdp_params_hold_one_eighth_each(tmp_path):
         print("sharded", n_sharded)
         """
     )
-    assert int(out.split("sharded")[-1]) > 20
+    assert int(out.split("sharded")[-1]) >= 17  # scanned layers: one matrix per projection
