@@ -462,7 +462,7 @@ def export(
         files=sorted(files),
         weight_bytes=sum(s.nbytes for s in specs),
         dtype=dtype,
-        merged_adapters=sum(isinstance(s, Merged) for s in sources.values()),
+        merged_adapters=sum(isinstance(sources[path], Merged) for _, path, *_ in names.values()),
     )
 
 
