@@ -11,6 +11,7 @@ full length: HF with min_new_tokens = max_new_tokens, jaxvrl with no EOS ids.
     python bench/sampler.py --device cuda --dtype bfloat16   # GPU (JAX default backend + torch cuda)
     python bench/sampler.py --configs small --repeats 3      # best of 3 timed calls each (noisy VMs)
     python bench/sampler.py --configs small --temperature 1  # plain sampling (RL rollouts)
+    python bench/sampler.py --quick --no-hf --unrolled        # unscanned layers, for comparison
 
 Decode step time is taken from the difference of the two lengths' runs, so prefill cancels:
 step = (t(N2) - t(N1)) / (N2 - N1). The bandwidth bound of a decode step is the bytes of the
@@ -268,7 +269,7 @@ def bench_size(name: str, size: Size, args) -> list[str]:
     hf = Qwen2_5_VLForConditionalGeneration(hf_config(size)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        model = q.load(tmp, dtype=getattr(jnp, args.dtype))
+        model = q.load(tmp, dtype=getattr(jnp, args.dtype), scan_layers=not args.unrolled)
     hf = hf.to(device=args.device, dtype=getattr(torch, args.dtype))
     n_params = sum(p.numel() for p in hf.parameters())
     inputs = image_prompts(args.batch, size.vocab)
@@ -347,6 +348,9 @@ def main(argv=None):
     )
     ap.add_argument(
         "--repeats", type=int, default=1, help="timed calls per system and length (best kept)"
+    )
+    ap.add_argument(
+        "--unrolled", action="store_true", help="model.scan_layers=False (the default scans)"
     )
     args = ap.parse_args(argv)
     if args.quick:

@@ -52,6 +52,10 @@ def get_config(arg=None):
     # gradient checkpointing of every decoder layer and vision block: none | full |
     # dots_saveable | dots_with_no_batch_dims_saveable (docs/scaling.md: full beyond toy sizes)
     c.model.remat_policy = "none"
+    # decoder layers and vision blocks stacked on a leading layer axis and run by a scan, so
+    # the layer program compiles once (docs/scaling.md); False: unrolled, the same outputs.
+    # Part of the param tree: a checkpoint resumes only with the value it was saved with
+    c.model.scan_layers = True
     # attention of the forward passes without a KV cache (train step, scoring, the vision
     # tower): auto | xla | flash | splash | cudnn. auto follows the mesh's devices: splash on
     # TPUs, flash on GPUs, xla (dense) on the CPU; see jaxvrl/models/attention.py

@@ -5,7 +5,8 @@
 RUN and DIR are local paths or gs:// URLs. From the latest checkpoint in `RUN/checkpoints` (or
 step N) only the policy's parameters are read, tensor by tensor onto the host: no optimizer
 state, no critic, no train state on a device, so host memory stays near one copy of the
-weights. LoRA adapters are merged (W + A B alpha / r), QLoRA's quantized bases dequantized.
+weights (a run with scanned layers: one stacked param at a time, written as its L per-layer
+tensors). LoRA adapters are merged (W + A B alpha / r), QLoRA's quantized bases dequantized.
 DIR gets the base model's config.json (its dtype set to the export's), the weights as
 safetensors (`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards of at most
 `--max_shard_size` with `model.safetensors.index.json`), generation_config.json and the
@@ -255,13 +256,14 @@ def _make(src: Source, arrays: dict, info: dict) -> np.ndarray:
         return np.asarray(lora.merged_kernel(w, a, b, float(alpha) / a.shape[-1]))
 
 
-def _model_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Dotted param path -> shape of the plain model for `cfg` (abstract: nothing allocated)."""
+def _model_shapes(cfg, scan_layers: bool) -> dict[str, tuple[int, ...]]:
+    """Dotted param path -> shape of the plain model for `cfg` (abstract: nothing allocated);
+    scan_layers: with stacked layers (`model.layers.mlp.up_proj.kernel` [L, D, F])."""
     from flax import nnx
 
     from jaxvrl.models.qwen2_5_vl.model import Qwen2_5_VL
 
-    abstract = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, rngs=nnx.Rngs(0), scan_layers=scan_layers))
     flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
     return {".".join(str(p) for p in path): tuple(v.shape) for path, v in flat}
 
@@ -409,26 +411,42 @@ def export(
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = _base_files(model_path, tmp)
         cfg = Qwen2_5_VLConfig.from_pretrained(base_dir)
-        shapes = _model_shapes(cfg)
+        scanned = any(W.is_stacked(p) for p in sources)  # a run with model.scan_layers
+        shapes = _model_shapes(cfg, scanned)
         _check_sources(sources, shapes, f"checkpoint {directory}/{step}", model_path)
         fs, root = _prepare_out(out)
         names = {}
         specs = []
-        for path, shape in shapes.items():
-            name, hf_shape = W.hf_shape(path, shape, cfg)
-            names[name] = path
+        for layer, path, i, shape in W.per_layer(shapes.items()):
+            name, hf_shape = W.hf_shape(layer, shape, cfg)
+            names[name] = (layer, path, i, shape)
             specs.append(W.TensorSpec(name, hf_shape, np_dtype))
+        # a stacked param's arrays, read once for its L tensors (they come one after the other)
+        last: dict = {}
 
         def produce(name: str) -> np.ndarray:
-            path = names[name]
+            layer, path, i, shape = names[name]
             src = sources[path]
-            x = _make(src, reader.read(_keys(src)), info)
-            if tuple(x.shape) != shapes[path]:
+            keys = _keys(src)
+            if last.get("keys") != keys:
+                last.clear()
+                last.update(keys=keys, arrays=reader.read(keys))
+                n = {v.shape[0] for v in last["arrays"].values()} if i is not None else set()
+                if n and n != {shapes[path][0]}:
+                    raise ExportError(
+                        f"checkpoint {directory}/{step}: {path} holds {sorted(n)} layers, the "
+                        f"config.json of {model_path} implies {shapes[path][0]}"
+                    )
+            arrays = last["arrays"] if i is None else {k: v[i] for k, v in last["arrays"].items()}
+            if i is None:
+                last.clear()  # nothing else reads it
+            x = _make(src, arrays, info)
+            if tuple(x.shape) != shape:
                 raise ExportError(
-                    f"checkpoint {directory}/{step}: {path} has shape {tuple(x.shape)}, "
-                    f"the config.json of {model_path} implies {shapes[path]}"
+                    f"checkpoint {directory}/{step}: {layer} has shape {tuple(x.shape)}, "
+                    f"the config.json of {model_path} implies {shape}"
                 )
-            return W.hf_tensor(path, x, cfg, np_dtype)[1]
+            return W.hf_tensor(layer, x, cfg, np_dtype)[1]
 
         def opened(name: str):
             return fs.open(f"{root}/{name}", "wb")
@@ -444,7 +462,7 @@ def export(
         files=sorted(files),
         weight_bytes=sum(s.nbytes for s in specs),
         dtype=dtype,
-        merged_adapters=sum(isinstance(s, Merged) for s in sources.values()),
+        merged_adapters=sum(isinstance(sources[path], Merged) for _, path, *_ in names.values()),
     )
 
 

@@ -137,7 +137,12 @@ def load_model(c):
     path = localize_dir(c.model.path or EMBEDDED)  # gs://: copied into a local cache once
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
-        model = load(path, dtype=dtypes[c.model.dtype], param_dtype=dtypes[c.model.param_dtype])
+        model = load(
+            path,
+            dtype=dtypes[c.model.dtype],
+            param_dtype=dtypes[c.model.param_dtype],
+            scan_layers=c.model.scan_layers,
+        )
     model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
     model.set_attention(c.model.attention)
     tokenizer = AutoTokenizer.from_pretrained(path)

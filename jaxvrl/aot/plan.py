@@ -123,7 +123,13 @@ class Plan:
         name, mcfg = model_config(c)
         dtype, param_dtype = DTYPES[c.model.dtype], DTYPES[c.model.param_dtype]
         model = nnx.eval_shape(
-            lambda: Qwen2_5_VL(mcfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+            lambda: Qwen2_5_VL(
+                mcfg,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=nnx.Rngs(0),
+                scan_layers=c.model.scan_layers,
+            )
         )
         model.set_remat_policy(c.model.remat_policy)
         model.set_attention(c.model.attention)  # "auto": resolved for the slice's devices
@@ -284,8 +290,9 @@ class Plan:
     def _decode_step(self):
         cfg = self.sampling_config()
         dtype = DTYPES[self.c.model.dtype]
+        # the slice's decode steps take no CPU forms: a scanned model scans a stacked cache
         state = sampler_lib.abstract_loop_state(
-            self.model.config, self.rows, self.prompt_len, cfg, dtype
+            self.model.config, self.rows, self.prompt_len, cfg, dtype, self.model.scan_layers
         )
         state = _with_shardings(state, self.mesh, self.rows)
         start = _with_shardings(np.zeros((self.rows,), np.int32), self.mesh, self.rows)

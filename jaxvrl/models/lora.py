@@ -11,6 +11,13 @@ weight, and `trainable_filter` picks the adapters out of it.
 QLoRA (quantize="int8" | "int4" | "nf4"): every Linear of the text decoder keeps its kernel
 quantized by qwix (google's JAX quantisation library; per output channel, blocks of `tile`
 input rows) and dequantizes it on the fly; only the adapters are trained.
+
+Scanned layers (`Qwen2_5_VL(scan_layers=True)`): a Linear of the stacked decoder layer holds
+kernel [L, D_in, D_out]; its adapters are stacked too (lora_a [L, D_in, r], lora_b [L, r,
+D_out], each layer its own initial A), its quantized kernel is quantized layer by layer
+(scale [L, D_in / tile, D_out]), and the scan hands each layer its slices. Targets then
+match the stacked module's path (`model.layers.self_attn.q_proj`): one adapter site per
+projection for all layers.
 """
 
 from __future__ import annotations
@@ -47,8 +54,12 @@ class QuantLinear(nnx.Module):
         if qtype not in QTYPES:
             raise ValueError(f"lora.quantize={qtype!r}: expected none or one of {QTYPES}")
         w = base.kernel[...]
-        tiled = {0: tile} if tile and w.shape[0] % tile == 0 and w.shape[0] > tile else None
-        q = qwix.quantize(w, _qtype(qtype), channelwise_axes=(1,), tiled_axes=tiled)
+        rows = w.ndim - 2  # the input axis (1 on stacked layers' [L, D_in, D_out])
+        din = w.shape[rows]
+        tiled = {rows: tile} if tile and din % tile == 0 and din > tile else None
+        # stacked layers: per layer and output channel, like each layer's own kernel
+        channels = tuple(a for a in range(w.ndim) if a != rows)
+        q = qwix.quantize(w, _qtype(qtype), channelwise_axes=channels, tiled_axes=tiled)
         self.qvalue = QuantParam(q.qvalue)
         self.scale = QuantParam(q.scale)
         self.zero_point = None if q.zero_point is None else QuantParam(q.zero_point)
@@ -70,7 +81,8 @@ class QuantLinear(nnx.Module):
         )
 
     def to_linear(self, kernel: jax.Array | None = None) -> nnx.Linear:
-        """An ordinary nnx.Linear with the dequantized (or the given) kernel."""
+        """An ordinary nnx.Linear with the dequantized (or the given) kernel (stacked layers:
+        a Linear of the stacked layer, kernel [L, D_in, D_out])."""
         lin = nnx.Linear(
             self.in_features,
             self.out_features,
@@ -79,9 +91,9 @@ class QuantLinear(nnx.Module):
             param_dtype=self.param_dtype,
             rngs=nnx.Rngs(0),
         )
-        lin.kernel[...] = self.kernel() if kernel is None else kernel
+        lin.kernel = nnx.Param(self.kernel() if kernel is None else kernel)
         if self.bias is not None:
-            lin.bias[...] = self.bias[...]
+            lin.bias = nnx.Param(self.bias[...])
         return lin
 
 
@@ -113,10 +125,12 @@ class LoRALinear(nnx.Module):
         dtype = base.param_dtype
         bound = 1.0 / math.sqrt(din)  # kaiming_uniform(a=sqrt(5)) of a [r, D_in] torch weight
         self.base = base
+        self.layers = _stacked_layers(base)  # None, or L of a stacked layer's Linear
+        lead = () if self.layers is None else (self.layers,)
         self.lora_a = nnx.LoRAParam(
-            jax.random.uniform(rngs.params(), (din, rank), dtype, -bound, bound)
+            jax.random.uniform(rngs.params(), (*lead, din, rank), dtype, -bound, bound)
         )
-        self.lora_b = nnx.LoRAParam(jnp.zeros((rank, dout), dtype))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((*lead, rank, dout), dtype))
         self.scale = alpha / rank
         self.dropout = dropout
 
@@ -131,6 +145,12 @@ class LoRALinear(nnx.Module):
         a = self.lora_a[...].astype(dtype)
         b = self.lora_b[...].astype(dtype)
         return y + (h.astype(dtype) @ a @ b) * jnp.asarray(self.scale, dtype)
+
+
+def _stacked_layers(base) -> int | None:
+    """L for a Linear (or QuantLinear) of stacked layers (a leading layer axis), else None."""
+    w = base.qvalue if isinstance(base, QuantLinear) else base.kernel
+    return int(w.shape[0]) if len(w.shape) == 3 else None
 
 
 def _matches(name: str, targets) -> bool:
@@ -183,7 +203,11 @@ def apply_lora(
             setattr(parent, key, LoRALinear(getattr(parent, key), rank, alpha, dropout, rngs=rngs))
     if not wrapped:
         names = sorted({n.rsplit(".", 1)[-1] for _, _, n in _linears(model, prefix)})
-        raise ValueError(f"lora.target_modules={tuple(targets)} match no Linear; names: {names}")
+        paths = sorted(n for _, _, n in _linears(model, prefix))[:3]
+        raise ValueError(
+            f"lora.target_modules={tuple(targets)} match no Linear; names: {names}, paths "
+            f"like {paths} (scanned layers have no layer index in their paths)"
+        )
     return wrapped
 
 
@@ -195,7 +219,10 @@ def set_dropout_key(model: nnx.Module, key: jax.Array) -> None:
     """Turn adapter dropout on, with `key` folded per adapter, on a model merged for one pass
     (the no-grad passes and the sampler run without dropout)."""
     for i, m in enumerate(lora_modules(model)):
-        m.dropout_key = nnx.data(LoRADropoutKey(jax.random.fold_in(key, i)))
+        k = jax.random.fold_in(key, i)
+        if m.layers is not None:  # stacked adapters: one key per layer, sliced by the scan
+            k = jax.random.split(k, m.layers)
+        m.dropout_key = nnx.data(LoRADropoutKey(k))
 
 
 def trainable_filter(lora: bool, train_vision: bool = False):
@@ -247,8 +274,9 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
 
 
 def merged_kernel(w, a, b, scale: float) -> jax.Array:
-    """W + A B scale for W float[D_in, D_out], A float[D_in, r], B float[r, D_out]: summed in
-    float32, cast back to W's dtype (merge_lora, and the export from a checkpoint)."""
+    """W + A B scale for W float[D_in, D_out], A float[D_in, r], B float[r, D_out] (or all
+    with a leading layer axis): summed in float32, cast back to W's dtype (merge_lora, and
+    the export from a checkpoint)."""
     w, a, b = jnp.asarray(w), jnp.asarray(a), jnp.asarray(b)
     delta = a.astype(jnp.float32) @ b.astype(jnp.float32)
     return (w.astype(jnp.float32) + delta * scale).astype(w.dtype)

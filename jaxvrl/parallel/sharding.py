@@ -25,6 +25,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     "heads": ("tensor",),
     "vocab": ("tensor",),
     "norm": None,
+    # the leading layer axis of scanned layers' params (`model.scan_layers`): never split, so
+    # a scan step reads one layer's slice as the unscanned layer would read its own params
+    "layers": None,
     # activations only
     "length": None,
     "act_embed": None,
@@ -160,7 +163,15 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+# a scanned model's stacked layers (no layer index after the module): a leading "layers" axis
+_STACKED = re.compile(r"(^|\.)(model\.layers|visual\.blocks)\.(?!\d+(\.|$))")
+
+
 def param_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the param at dotted `path` with `ndim` dimensions (PARAM_AXES; a
+    stacked param of scanned layers gets "layers" and then its per-layer axes)."""
+    if ndim and _STACKED.search(path):
+        return ("layers", *param_axes(_STACKED.sub(r"\1\2.0.", path, count=1), ndim - 1))
     for pattern, axes in PARAM_AXES:
         if re.search(pattern, path) and len(axes) == ndim:
             return axes

@@ -138,7 +138,8 @@ def sample(
     model = nnx.merge(graphdef, params)
     b, p = input_ids.shape
     n = cfg.max_new_tokens
-    cache = KVCache.init(model.config.text, b, p + n, model.dtype)
+    forms = _decode_forms(model, cfg, b, decode_weights)  # the prefill uses the model's own
+    cache = KVCache.init(model.config.text, b, p + n, model.dtype, _stacked_cache(model, forms))
     if pools is not None:
         pools = {k: jnp.pad(v, ((0, 0), (0, n))) for k, v in pools.items()}
     out = model.forward(
@@ -152,7 +153,6 @@ def sample(
     )
     # token 0 is picked from the prefill's last logits; each decode step then feeds token i
     # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
-    forms = _decode_forms(model, cfg, b, decode_weights)  # the prefill above used the model's
     tok, lp = _pick(_logits(model, forms, out.hidden[:, -1]), jax.random.fold_in(rng, 0), cfg)
     layers = model.config.text.num_hidden_layers if pools is not None else 0
     state = _loop_state(out.cache, tok, lp, n, cfg, layers)
@@ -197,13 +197,22 @@ def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0) ->
     return state
 
 
-def abstract_loop_state(model_config, rows: int, prompt_len: int, cfg: SamplingConfig, dtype):
+def _stacked_cache(model, forms) -> bool:
+    """The KV cache's layout (see KVCache): stacked where the decoder scans its layers, per
+    layer where decode steps take CPU forms (they loop over the layers)."""
+    return model.scan_layers and forms is None
+
+
+def abstract_loop_state(
+    model_config, rows: int, prompt_len: int, cfg: SamplingConfig, dtype, stacked: bool = False
+):
     """Shapes of the decode loop's carry for `rows` prompts of `prompt_len` tokens (the cache
-    holds prompt_len + max_new_tokens positions), for `decode_step`."""
+    holds prompt_len + max_new_tokens positions; stacked: the scanned decoder's layout,
+    `_stacked_cache`), for `decode_step`."""
     n = cfg.max_new_tokens
 
     def make():
-        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype)
+        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype, stacked)
         tok, lp = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.float32)
         return _loop_state(cache, tok, lp, n, cfg)
 

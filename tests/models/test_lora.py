@@ -54,7 +54,7 @@ def test_trainable_count_equals_formula(ckpt):
         + (d + cfg.num_key_value_heads * hd)
         + (cfg.intermediate_size + d)
     )
-    assert len(wrapped) == 3 * cfg.num_hidden_layers
+    assert len(wrapped) == 3  # scanned layers: one stacked site per projection
     assert all(n.startswith("model.layers.") for n in wrapped)  # never the vision tower
     assert lora.lora_param_count(model) == cfg.num_hidden_layers * per_layer
     _, params = nnx.split(model, nnx.Param)
@@ -99,12 +99,14 @@ def test_merged_export_logits_equal_lora_model(ckpt, tmp_path):
 
 
 def test_targets_by_regex_and_errors(ckpt):
-    model = q.load(ckpt)
+    model = q.load(ckpt, scan_layers=False)  # per-layer paths: a regex can pick layers
     wrapped = lora.apply_lora(model, 2, 4.0, 0.0, (r"model\.layers\.0\..*_proj",))
     assert wrapped and all(n.startswith("model.layers.0.") for n in wrapped)
     assert len(wrapped) == 7  # q, k, v, o, gate, up, down
     with pytest.raises(ValueError, match="match no Linear"):
         lora.apply_lora(q.load(ckpt), 2, 4.0, 0.0, ("qproj",))
+    with pytest.raises(ValueError, match="no layer index"):  # scanned: no per-layer paths
+        lora.apply_lora(q.load(ckpt), 2, 4.0, 0.0, (r"model\.layers\.0\..*_proj",))
 
 
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
@@ -116,10 +118,10 @@ def test_qlora_quantized_base_and_merged_export(ckpt, tmp_path, qtype):
     inputs = _inputs(base)
     model = q.load(ckpt)
     lora.apply_lora(model, 8, 16.0, 0.0, ("q_proj", "v_proj"), quantize=qtype, quant_tile=32)
-    attn = model.model.layers[0].self_attn
+    attn = model.model.layer(0).self_attn
     assert isinstance(attn.q_proj.base, lora.QuantLinear)
     assert isinstance(attn.k_proj, lora.QuantLinear)  # frozen layers are quantized too
-    assert isinstance(model.model.layers[0].mlp.down_proj, lora.QuantLinear)
+    assert isinstance(model.model.layer(0).mlp.down_proj, lora.QuantLinear)
     _, params = nnx.split(model, nnx.Param)
     trainable, frozen = lora.split_params(params, lora.trainable_filter(True))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainable))

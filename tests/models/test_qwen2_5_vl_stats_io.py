@@ -181,7 +181,7 @@ def test_bfloat16_close_to_float32(tiny):
 
     f32 = q.load(tiny)
     bf16 = q.load(tiny, dtype=jnp.bfloat16)
-    assert bf16.model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert bf16.model.layer(0).mlp.up_proj.kernel[...].dtype == jnp.bfloat16
     rng = np.random.default_rng(1)
     grids = [[1, 4, 4]]
     ids = np.array([T.prompt(rng, images=grids)])

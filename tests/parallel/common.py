@@ -70,8 +70,17 @@ def make_batch(model, prompts: int = 4, seed: int = 0):
 
 
 def device_flags(n: int) -> str:
-    """XLA_FLAGS for a subprocess with n simulated CPU devices (keeping this process's flags)."""
-    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+    """XLA_FLAGS for a subprocess with n simulated CPU devices (keeping this process's flags).
+
+    XLA's CPU scheduler for concurrency let the simulated devices of a scanned train step
+    (collectives inside the layer loop) enter two independent collectives in different orders
+    and wait on each other for ever (a rendezvous timeout on 2 cores); scheduled in order, they
+    never do."""
+    own = os.environ.get("XLA_FLAGS", "")
+    return (
+        f"{own} --xla_force_host_platform_device_count={n} "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    ).strip()
 
 
 def run_with_devices(code: str, n: int = 8, timeout: int = 600) -> str:

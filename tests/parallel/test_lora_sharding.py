@@ -28,17 +28,18 @@ AXES = {
 
 
 def expected(name: str, ndim: int):
+    """Per-layer axes after the stacked layers' leading "layers" axis."""
     proj = next(p for p in AXES if f".{p}." in name)
     din, dout = AXES[proj]
     leaf = name.rsplit(".", 1)[-1]
-    return {
+    return ("layers",) + {
         "kernel": (din, dout),
         "qvalue": (din, dout),
         "scale": (None, dout),
         "bias": (dout,),
         "lora_a": (din, None),
         "lora_b": (None, dout),
-    }[leaf][:ndim]
+    }[leaf][: ndim - 1]
 
 
 def text_layer_leaves(quantize: str):
@@ -48,7 +49,7 @@ def text_layer_leaves(quantize: str):
     out = {}
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         name = leaf_name(path)
-        if ".layers.0." in name and "visual" not in name and "layernorm" not in name:
+        if name.startswith("model.layers.") and "layernorm" not in name:
             out[name] = x.ndim
     return out
 

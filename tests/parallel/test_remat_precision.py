@@ -63,7 +63,7 @@ def test_remat_gives_the_same_gradients(ckpt, policy):
             a.get_value(), b.get_value(), rtol=1e-5, atol=1e-7, err_msg=str(path)
         )
         n += 1
-    assert n > 40  # text layers and vision blocks alike
+    assert n > 30  # text layers and vision blocks alike (stacked: one leaf per param)
 
 
 def test_flash_attention_gives_the_same_gradients(ckpt):
@@ -81,7 +81,7 @@ def test_flash_attention_gives_the_same_gradients(ckpt):
             a.get_value(), b.get_value(), rtol=1e-5, atol=1e-7, err_msg=str(path)
         )
         n += 1
-    assert n > 40
+    assert n > 30  # stacked layers: one leaf per param
 
 
 def test_remat_is_in_the_backward_program(ckpt):

@@ -126,8 +126,11 @@ def test_export_loads_in_transformers_with_the_trained_logits(runs, tmp_path):
     exported, base = _weights(out), _weights(EMBEDDED)
     assert exported.keys() == base.keys() == set(index["weight_map"])
     _, state = nnx.split(model, nnx.Param)
-    for path, var in nnx.to_flat_state(state):
-        name, want = q.weights.hf_tensor(".".join(map(str, path)), var.get_value(), model.config)
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
+    # scanned layers: HF tensor model.layers.{i}... is index i of the stacked param
+    for layer, path, i, _ in q.weights.per_layer((p, x.shape) for p, x in flat.items()):
+        x = flat[path] if i is None else flat[path][i]
+        name, want = q.weights.hf_tensor(layer, x, model.config)
         np.testing.assert_array_equal(exported[name], want, err_msg=name)
     assert sum(not np.array_equal(exported[k], base[k]) for k in base) > len(base) // 2
 

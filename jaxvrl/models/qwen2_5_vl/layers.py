@@ -119,12 +119,14 @@ def attention_implementation(name: str) -> str:
     return resolve(name, target_platform())
 
 
-def remat(method, policy: str):
+def remat(method, policy: str, prevent_cse: bool = True):
     """`method` (a Module method, called with the module first) under jax.checkpoint with the
     named policy, or unchanged for "none". Only differentiation sees a difference.
 
     The module is split into graph and state and merged inside the checkpoint (a pure
     function of arrays), so it also works on modules merged inside an outer jit/grad.
+    prevent_cse: jax.checkpoint's; False inside a scan body, where the loop already keeps
+    XLA from merging the recomputation with the forward pass.
     """
     if policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy {policy!r} is not one of {REMAT_POLICIES}")
@@ -134,6 +136,40 @@ def remat(method, policy: str):
     def call(module, *args):
         graphdef, state = nnx.split(module)
         pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
-        return jax.checkpoint(pure, policy=checkpoint_policy(policy))(state, *args)
+        policy_ = checkpoint_policy(policy)
+        return jax.checkpoint(pure, policy=policy_, prevent_cse=prevent_cse)(state, *args)
 
     return call
+
+
+def stacked(make, n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`n` modules `make(rngs)` as one module whose variables have a leading axis of size n
+    (the layer axis; each layer draws its own initial values), the Flax "scan over layers"
+    construction."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(rngs):
+        return make(rngs)
+
+    return build(rngs)
+
+
+def layer_at(module: nnx.Module, i: int) -> nnx.Module:
+    """Layer i of a `stacked` module: a module of the same type on the i-th slice of every
+    variable (a view for a Python loop over layers; the stacked arrays are not changed)."""
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
+
+def scan_layers(module: nnx.Module, body, carry, xs=None):
+    """jax.lax.scan of body(layer, carry, x) -> (carry, y) over the layers of a `stacked`
+    module (and over the leading axis of `xs`): the layer program is traced and compiled
+    once, whatever the number of layers. -> (carry, ys stacked on a leading layer axis)."""
+    graphdef, state = nnx.split(module)
+
+    def step(carry, inputs):
+        layer_state, x = inputs
+        return body(nnx.merge(graphdef, layer_state), carry, x)
+
+    return jax.lax.scan(step, carry, (state, xs))

@@ -45,13 +45,19 @@ class Qwen2_5_VL(nnx.Module):
         rngs: nnx.Rngs | None = None,
         remat_policy: str = "none",
         attention: str = "auto",
+        scan_layers: bool = True,
     ):
+        """scan_layers (config `model.scan_layers`): decoder layers and vision blocks stacked
+        on a leading layer axis and run by a scan (compiled once), else unrolled; the same
+        outputs either way. Part of the param tree: `model.layers.self_attn.q_proj.kernel`
+        [L, D, N*H] rather than `model.layers.3.self_attn.q_proj.kernel` [D, N*H]."""
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.config = cfg
         self.dtype = dtype
-        self.visual = VisionTower(cfg.vision, **kw)
-        self.model = TextDecoder(cfg.text, **kw)
+        self.scan_layers = scan_layers
+        self.visual = VisionTower(cfg.vision, scan_layers=scan_layers, **kw)
+        self.model = TextDecoder(cfg.text, scan_layers=scan_layers, **kw)
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False, **kw)
         self.set_remat_policy(remat_policy)

@@ -28,10 +28,13 @@ from jaxvrl.models.qwen2_5_vl.layers import (
     RMSNorm,
     apply_rope,
     attention_implementation,
+    layer_at,
     linear,
     masked_softmax,
     pool_masses,
     remat,
+    scan_layers,
+    stacked,
 )
 from jaxvrl.parallel.sharding import constrain
 
@@ -41,8 +44,14 @@ RESIDUAL = ("batch", "length", "act_embed")
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys [B, K, H, S] and values [B, K, S, H], the valid-key mask and the next
-    write position.
+    """Keys [B, K, H, S] and values [B, K, S, H] of every layer, the valid-key mask and the
+    next write position.
+
+    Two layouts of the layers: a tuple of per-layer arrays, or one array with a leading layer
+    axis (k float[L, B, K, H, S], v float[L, B, K, S, H]) that a scanned decoder scans over
+    (`TextDecoder`). The tuple is the CPU decode steps' layout: each layer's cache is its own
+    buffer, updated in place and read as it lies by the CPU attention kernel, where a slice
+    of a stacked array would be copied every step.
 
     Rows share one write position: prompts are left-padded to a common length, so every row
     writes its t-th new token at the same slot. The layout makes a decode step's two products
@@ -51,20 +60,30 @@ class KVCache:
     whole cache every step.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     key_mask: jax.Array  # bool[B, S]
     index: jax.Array  # int32[]
 
     @classmethod
-    def init(cls, cfg: TextConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
+    def init(
+        cls, cfg: TextConfig, batch: int, length: int, dtype=jnp.float32, stacked: bool = False
+    ) -> KVCache:
+        """Zeros for `length` positions; stacked: the layer-axis layout, else the tuple."""
         kv, hd, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+        if stacked:
+            k = jnp.zeros((n, batch, kv, hd, length), dtype)
+            v = jnp.zeros((n, batch, kv, length, hd), dtype)
+        else:
+            k = tuple(jnp.zeros((batch, kv, hd, length), dtype) for _ in range(n))
+            v = tuple(jnp.zeros((batch, kv, length, hd), dtype) for _ in range(n))
         return cls(
-            k=tuple(jnp.zeros((batch, kv, hd, length), dtype) for _ in range(n)),
-            v=tuple(jnp.zeros((batch, kv, length, hd), dtype) for _ in range(n)),
-            key_mask=jnp.zeros((batch, length), bool),
-            index=jnp.zeros((), jnp.int32),
+            k=k, v=v, key_mask=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32)
         )
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
 
 
 def mrope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
@@ -184,8 +203,16 @@ class DecoderLayer(nnx.Module):
 
 
 class TextDecoder(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    """Embedding, decoder layers and final norm.
+
+    scan_layers: the layers are one `DecoderLayer` whose parameters have a leading layer axis
+    [L, ...] (`layers.stacked`), run by a scan (`layers.scan_layers`) so the layer program
+    is traced and compiled once; else `nnx.List` of L layers run by a Python loop (the
+    reference: the same arithmetic, unrolled).
+    """
+
+    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs, scan_layers: bool = True):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.cfg = cfg
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
@@ -195,12 +222,21 @@ class TextDecoder(nnx.Module):
             embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        n = cfg.num_hidden_layers
+        if scan_layers:
+            self.layers = stacked(lambda r: DecoderLayer(cfg, rngs=r, **kw), n, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(n)])
+        self.scan_layers = scan_layers
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.dtype = dtype
         self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
         self.attention = "auto"  # see Qwen2_5_VL.set_attention
         self.attention_block = 512
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer i (with scan_layers a view on the i-th slice of the stacked parameters)."""
+        return layer_at(self.layers, i) if self.scan_layers else self.layers[i]
 
     def __call__(
         self, x, position_ids, attention_mask, cache: KVCache | None = None, pools=None, forms=None
@@ -213,13 +249,17 @@ class TextDecoder(nnx.Module):
         or through `forms`). Returns (hidden [B, T, D], new cache or None, stats or None) where
         stats is (A_V, A_X), each float32[L, B, T].
 
+        With scan_layers the layers run as a scan, over a stacked cache when there is one; a
+        per-layer (tuple) cache, and `forms`, run a Python loop over the layers instead (the
+        CPU decode steps, see KVCache).
+
         forms: None, or what a decode step's caller (the sampler) supplies in place of the
         layers' own modules: `forms.layer(i)` has attributes qkv(x) -> (q, k, v), o(x),
         gate_up(x) -> (gate, up), down(x) and attention(qg, k, v, mask, scale, pools, dtype)
         -> (out [B, T, K, G, H], stats) over the cache, each a callable or None (the layer's
         own). The sampler's CPU forms (packed weights, a CPU kernel) live there, not here.
         """
-        b, t, _ = x.shape
+        t = x.shape[1]
         cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
         if cache is None:
@@ -229,15 +269,41 @@ class TextDecoder(nnx.Module):
             q_pos = cache.index + jnp.arange(t)
             k_pos = jnp.arange(cache.key_mask.shape[1])
             mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
-        ks, vs, a_v, a_x = [], [], [], []
         x = constrain(x, RESIDUAL)
         layer_call = functools.partial(
             DecoderLayer.__call__,
             implementation=attention_implementation(self.attention),
             block=self.attention_block,
         )
+        scanned = self.scan_layers and forms is None and (cache is None or cache.stacked)
+        if scanned:
+            x, kv, stats = self._scan(layer_call, x, cos, sin, mask, cache, pools)
+        else:
+            x, kv, stats = self._loop(layer_call, x, cos, sin, mask, cache, pools, forms)
+        x = self.norm(x)
+        new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
+        return x, new_cache, stats
+
+    def _scan(self, layer_call, x, cos, sin, mask, cache, pools):
+        """The layers as one scan: remat inside the body, the stacked cache's layers as xs,
+        the new caches and the statistics as ys."""
+        call = remat(layer_call, self.remat_policy, prevent_cse=False)
+
+        def body(layer, x, xs):
+            kv = None if cache is None else (*xs, cache.index)
+            x, kv, stats = call(layer, x, cos, sin, mask, kv, pools)
+            return x, (kv if cache is not None else None, stats)
+
+        xs = None if cache is None else (cache.k, cache.v)
+        x, (kv, stats) = scan_layers(self.layers, body, x, xs)
+        return x, kv, stats
+
+    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, forms):
+        """The layers one by one (unrolled); a stacked cache gives back a stacked one."""
         call = remat(layer_call, self.remat_policy)
-        for i, layer in enumerate(self.layers):
+        ks, vs, a_v, a_x = [], [], [], []
+        for i in range(self.cfg.num_hidden_layers):
+            layer = self.layer(i)
             kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
             if forms is None:
                 x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
@@ -248,9 +314,8 @@ class TextDecoder(nnx.Module):
             if stats is not None:
                 a_v.append(stats[0])
                 a_x.append(stats[1])
-        x = self.norm(x)
-        new_cache = None
+        kv = None
         if cache is not None:
-            new_cache = KVCache(tuple(ks), tuple(vs), key_mask, cache.index + t)
+            kv = (jnp.stack(ks), jnp.stack(vs)) if cache.stacked else (tuple(ks), tuple(vs))
         stats = (jnp.stack(a_v), jnp.stack(a_x)) if pools is not None else None
-        return x, new_cache, stats
+        return x, kv, stats

@@ -30,8 +30,11 @@ from jaxvrl.models.qwen2_5_vl.layers import (
     RMSNorm,
     apply_rope,
     attention_implementation,
+    layer_at,
     linear,
     remat,
+    scan_layers,
+    stacked,
 )
 from jaxvrl.parallel.sharding import constrain
 
@@ -214,11 +217,27 @@ class PatchMerger(nnx.Module):
 
 
 class VisionTower(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
+    """Patch embedding, blocks and merger.
+
+    scan_layers: the blocks are one `VisionBlock` with a leading block axis [depth, ...] on
+    its parameters, run by one scan over all blocks; each block's flag (full attention or
+    not, from `fullatt_block_indexes`) rides along as the scan's xs and selects its segment
+    ids, the only difference between the two kinds. Nothing else changes per kind: "xla"
+    builds its mask from the segments either way, and "flash" decides which key blocks to
+    skip from the segments at run time (a `lax.cond` per block), so a window block skips as
+    much as it does unrolled. Else `nnx.List` of blocks and a Python loop (the reference).
+    """
+
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs, scan_layers: bool = True):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.cfg = cfg
         self.patch_embed = linear(cfg.patch_dim, cfg.hidden_size, bias=False, **kw)
-        self.blocks = nnx.List([VisionBlock(cfg, **kw) for _ in range(cfg.depth)])
+        bkw = dict(dtype=dtype, param_dtype=param_dtype)
+        if scan_layers:
+            self.blocks = stacked(lambda r: VisionBlock(cfg, rngs=r, **bkw), cfg.depth, rngs)
+        else:
+            self.blocks = nnx.List([VisionBlock(cfg, **kw) for _ in range(cfg.depth)])
+        self.scan_layers = scan_layers
         self.merger = PatchMerger(cfg, **kw)
         self.dtype = dtype
         self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
@@ -243,6 +262,10 @@ class VisionTower(nnx.Module):
         name = attention_implementation(self.attention)
         return "flash" if name in ("splash", "cudnn") else name
 
+    def block(self, i: int) -> VisionBlock:
+        """Block i (with scan_layers a view on the i-th slice of the stacked parameters)."""
+        return layer_at(self.blocks, i) if self.scan_layers else self.blocks[i]
+
     def __call__(self, vi: VisionInputs) -> jax.Array:
         """Merged patch embeddings in processor order: [N / merge unit, out_hidden] for packed
         inputs (pixel_values [N, C*T*P*P]), [B, N / merge unit, out_hidden] for per-row inputs
@@ -264,9 +287,19 @@ class VisionTower(nnx.Module):
             implementation=self.implementation(),
             block=self.attention_block,
         )
-        call = remat(block_call, self.remat_policy)
-        for i, blk in enumerate(self.blocks):
-            segments = vi.full_segments if i in full else vi.window_segments
-            x = call(blk, x, cos, sin, segments)
+        if self.scan_layers:
+            call = remat(block_call, self.remat_policy, prevent_cse=False)
+
+            def body(blk, x, is_full):
+                segments = jnp.where(is_full, vi.full_segments, vi.window_segments)
+                return call(blk, x, cos, sin, segments), None
+
+            flags = jnp.asarray([i in full for i in range(cfg.depth)])
+            x, _ = scan_layers(self.blocks, body, x, flags)
+        else:
+            call = remat(block_call, self.remat_policy)
+            for i, blk in enumerate(self.blocks):
+                segments = vi.full_segments if i in full else vi.window_segments
+                x = call(blk, x, cos, sin, segments)
         out = jnp.take_along_axis(self.merger(x), vi.reverse_index[:, :, None], axis=1)
         return out if rows else out[0]

@@ -7,6 +7,11 @@ Each row of `KEY_TABLE` maps an HF tensor name to a param path, both as template
 - "copy":   unchanged.
 A new model (Qwen2-VL, Qwen3-VL) is a new table and a config.
 
+The table names per-layer params (`model.layers.{i}...`, `visual.blocks.{i}...`). A scanned
+model (`scan_layers`) holds each of them once, stacked on a leading layer axis
+(`model.layers.mlp.up_proj.kernel` [L, D, F]): `stacked_path` and `layer_path` map between
+the two, and tensor i of the HF checkpoint is index i of the stacked array, both ways.
+
 Export writes safetensors shards tensor by tensor (`write_shards`): the header is planned from
 shapes and dtypes, then each tensor is produced, written and dropped, so host memory holds one
 tensor at a time, not the model.
@@ -79,6 +84,52 @@ PROCESSOR_FILES = (
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 INDEX_FILE = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+# Modules whose params a scanned model stacks on a leading layer axis.
+STACKED_MODULES = ("model.layers", "visual.blocks")
+_LAYER = re.compile(r"^(?P<prefix>model\.layers|visual\.blocks)\.(?P<i>\d+)\.(?P<rest>.+)$")
+
+
+def stacked_path(path: str) -> tuple[str, int | None]:
+    """A per-layer param path -> (the stacked param's path, layer index), other paths ->
+    (path, None): `model.layers.3.mlp.up_proj.kernel` -> (`model.layers.mlp.up_proj.kernel`,
+    3)."""
+    m = _LAYER.match(path)
+    if m is None:
+        return path, None
+    return f"{m['prefix']}.{m['rest']}", int(m["i"])
+
+
+def is_stacked(path: str) -> bool:
+    """Whether `path` is a stacked param of a scanned model (a layer module without index)."""
+    return any(
+        path.startswith(p + ".") and not path[len(p) + 1 :].split(".", 1)[0].isdigit()
+        for p in STACKED_MODULES
+    )
+
+
+def layer_path(path: str, i: int) -> str:
+    """A stacked param path and a layer index -> the per-layer path (inverse of
+    `stacked_path`)."""
+    for p in STACKED_MODULES:
+        if path.startswith(p + "."):
+            return f"{p}.{i}{path[len(p) :]}"
+    raise KeyError(f"{path} is not a param of {' or '.join(STACKED_MODULES)}")
+
+
+def per_layer(shapes) -> list[tuple[str, str, int | None, tuple[int, ...]]]:
+    """(path, shape) pairs of a model's params, scanned or not -> (per-layer path, the path,
+    layer index or None, per-layer shape) for every HF tensor. A stacked param gives its L
+    layers one after the other (param-major), so a reader of stacked arrays reads each once."""
+    out = []
+    for path, shape in shapes:
+        shape = tuple(shape)
+        if is_stacked(path):
+            out += [(layer_path(path, i), path, i, shape[1:]) for i in range(shape[0])]
+        else:
+            out.append((path, path, None, shape))
+    return out
 
 
 def _regex(template: str) -> re.Pattern:
@@ -266,23 +317,33 @@ def _dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def load(path, dtype=jnp.float32, param_dtype=None, attention: str = "auto") -> Qwen2_5_VL:
+def load(
+    path, dtype=jnp.float32, param_dtype=None, attention: str = "auto", scan_layers: bool = True
+) -> Qwen2_5_VL:
     """Load an HF Qwen2.5-VL checkpoint directory (config.json + *.safetensors) without torch.
 
     dtype: compute dtype; param_dtype: stored parameter dtype (default: dtype); attention:
-    the attention implementation (see `Qwen2_5_VL.set_attention`).
+    the attention implementation (see `Qwen2_5_VL.set_attention`); scan_layers: stacked,
+    scanned layers (see `Qwen2_5_VL`): tensor `model.layers.{i}...` fills index i of the
+    stacked param, in place, one tensor at a time.
     """
     path = os.fspath(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     cfg = Qwen2_5_VLConfig.from_pretrained(path)
     abstract = nnx.eval_shape(
         lambda: Qwen2_5_VL(
-            cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), attention=attention
+            cfg,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=nnx.Rngs(0),
+            attention=attention,
+            scan_layers=scan_layers,
         )
     )
     graphdef, state = nnx.split(abstract)
     wanted = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
     loaded: dict[str, np.ndarray] = {}
+    filled: dict[str, set] = {}  # stacked path -> layers filled
     unknown = []
     files = _shard_files(path)
     by_file: dict[str, list[str]] = {}
@@ -299,25 +360,38 @@ def load(path, dtype=jnp.float32, param_dtype=None, attention: str = "auto") -> 
                 p, kind = mapped
                 if p == "lm_head.kernel" and cfg.tie_word_embeddings:
                     continue
-                if p not in wanted:
+                target, i = stacked_path(p) if scan_layers else (p, None)
+                want = wanted.get(target)
+                if want is None or (i is not None and i >= want.shape[0]):
                     unknown.append(f"{key} ({os.path.basename(file)})")
                     continue
                 arr = _from_hf(f.get_tensor(key), kind)
-                want = wanted[p]
-                if tuple(arr.shape) != tuple(want.shape):
+                shape = want.shape if i is None else want.shape[1:]
+                if tuple(arr.shape) != tuple(shape):
                     raise ConfigError(
                         f"{file}: tensor {key} has shape {tuple(f.get_slice(key).get_shape())}, "
-                        f"config.json implies {tuple(_to_hf_shape(want.shape, kind))}"
+                        f"config.json implies {tuple(_to_hf_shape(shape, kind))}"
                     )
-                loaded[p] = arr
+                if i is None:
+                    loaded[target] = arr
+                    continue
+                if target not in loaded:
+                    loaded[target] = np.empty(want.shape, want.dtype)
+                loaded[target][i] = arr
+                filled.setdefault(target, set()).add(i)
     if unknown:
         raise ConfigError(f"{path}: tensors not part of Qwen2.5-VL: {', '.join(unknown[:10])}")
-    missing = sorted(set(wanted) - set(loaded))
+    missing = [
+        layer_path(p, i) if is_stacked(p) else p
+        for p, v in wanted.items()
+        for i in (range(v.shape[0]) if is_stacked(p) else [None])
+        if p not in loaded or (i is not None and i not in filled[p])
+    ]
     if missing:
         names = [path_to_hf(m)[0] for m in missing[:10]]
         raise ConfigError(f"{path}: checkpoint lacks tensors: {', '.join(names)}")
     for p, var in nnx.to_flat_state(state):
-        var.set_value(jnp.asarray(loaded[_dotted(p)], dtype=var.dtype))
+        var.set_value(jnp.asarray(loaded.pop(_dotted(p)), dtype=var.dtype))
     return nnx.merge(graphdef, state)
 
 
@@ -337,18 +411,19 @@ def save(
     os.makedirs(path, exist_ok=True)
     cfg = model.config
     _, state = nnx.split(model, nnx.Param)
+    flat = {_dotted(p): var for p, var in nnx.to_flat_state(state)}
     variables = {}
     specs = []
-    for p, var in nnx.to_flat_state(state):
-        dotted = _dotted(p)
-        key, shape = hf_shape(dotted, var.get_value().shape, cfg)
-        out_dtype = np.dtype(dtype if dtype is not None else var.get_value().dtype)
-        variables[key] = (dotted, var)
-        specs.append(TensorSpec(key, shape, out_dtype))
+    for layer, dotted, i, shape in per_layer((p, v.get_value().shape) for p, v in flat.items()):
+        key, hf = hf_shape(layer, shape, cfg)
+        out_dtype = np.dtype(dtype if dtype is not None else flat[dotted].get_value().dtype)
+        variables[key] = (layer, dotted, i)
+        specs.append(TensorSpec(key, hf, out_dtype))
 
     def produce(key):
-        dotted, var = variables[key]
-        return hf_tensor(dotted, jax.device_get(var.get_value()), cfg, dtype)[1]
+        layer, dotted, i = variables[key]
+        x = flat[dotted].get_value()
+        return hf_tensor(layer, jax.device_get(x if i is None else x[i]), cfg, dtype)[1]
 
     write_shards(specs, produce, lambda name: _open_local(name, path), max_shard_bytes)
     hf = cfg.to_hf_dict()

@@ -116,7 +116,8 @@ def _weights(model) -> dict:
     """name -> (weight, columns, bias, sizes): the fusable plain projections of the text
     decoder and the LM head (weight [in, out] with columns, else [out, in])."""
     out = {}
-    for i, layer in enumerate(model.model.layers):
+    for i in range(model.config.text.num_hidden_layers):
+        layer = model.model.layer(i)  # scanned layers: layer i's slice of the stacked params
         a, m = layer.self_attn, layer.mlp
         groups = {
             "qkv": (a.q_proj, a.k_proj, a.v_proj),
