@@ -290,9 +290,9 @@ class Plan:
     def _decode_step(self):
         cfg = self.sampling_config()
         dtype = DTYPES[self.c.model.dtype]
-        # the slice's decode steps take no CPU forms: a scanned model scans a stacked cache
+        # the cache in the layout the sampler gives it (per layer: see sampler._stacked_cache)
         state = sampler_lib.abstract_loop_state(
-            self.model.config, self.rows, self.prompt_len, cfg, dtype, self.model.scan_layers
+            self.model.config, self.rows, self.prompt_len, cfg, dtype, stacked=False
         )
         state = _with_shardings(state, self.mesh, self.rows)
         start = _with_shardings(np.zeros((self.rows,), np.int32), self.mesh, self.rows)

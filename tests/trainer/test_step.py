@@ -4,6 +4,7 @@ non-finite skipping, one compilation per shape, TPRL/VGR paths."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,7 @@ def init_state(model, tx):
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 3))  # compiled once per shape (gradients too)
 def reference_logp(params, graphdef, batch, temperature):
     """(log-probs of the completion tokens [B, N], entropies [B, N]) from full logits."""
     model = nnx.merge(graphdef, params)
