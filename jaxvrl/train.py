@@ -237,7 +237,6 @@ def make_rollout_phase(
         tokenizer=tokenizer,
         collate=functools.partial(
             collate,
-            repeat=c.rollout.num_generations,
             model_config=model_config,
             tokenizer=tokenizer,
             prompt_bucket=c.data.prompt_bucket,
