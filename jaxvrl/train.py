@@ -101,7 +101,7 @@ def train_data(c, tokenizer):
         seed=c.seed,
         shard_index=jax.process_index(),
         shard_count=jax.process_count(),
-        batch_fn=list,  # the rollout phase collates (each prompt repeated G times)
+        batch_fn=list,  # the rollout phase collates (once for the sampler, G times to train)
     )
     return iter(ds), -(-len(source) // jax.process_count()), stats
 
