@@ -101,7 +101,7 @@ def train_data(c, tokenizer):
         seed=c.seed,
         shard_index=jax.process_index(),
         shard_count=jax.process_count(),
-        batch_fn=list,  # the rollout phase collates (each prompt repeated G times)
+        batch_fn=list,  # the rollout phase collates (once for the sampler, G times to train)
     )
     return iter(ds), -(-len(source) // jax.process_count()), stats
 
@@ -237,7 +237,6 @@ def make_rollout_phase(
         tokenizer=tokenizer,
         collate=functools.partial(
             collate,
-            repeat=c.rollout.num_generations,
             model_config=model_config,
             tokenizer=tokenizer,
             prompt_bucket=c.data.prompt_bucket,

@@ -160,28 +160,41 @@ class Plan:
     def params_count(self) -> int:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.init.state.params))
 
-    def _images(self):
+    def _images(self, rows: int):
         vcfg = self.model.config.vision
         patches = int(np.prod(self.grid))
         pv = np.zeros((patches, vcfg.patch_dim), np.float32)
         row = vision_inputs(pv, self.grid, vcfg, num_patches=patches)
-        return jax.tree.map(lambda x: np.broadcast_to(x, (self.rows,) + x.shape), row)
+        return jax.tree.map(lambda x: np.broadcast_to(x, (rows,) + x.shape), row)
 
-    def _pools(self, length: int) -> dict:
-        return {k: np.zeros((self.rows, length), bool) for k in ("vision", "text", "prompt")}
+    def _pools(self, length: int, rows: int) -> dict:
+        return {k: np.zeros((rows, length), bool) for k in ("vision", "text", "prompt")}
 
-    def prompts(self, pools: bool) -> dict:
-        """The sampler's inputs: the collated prompt batch's arrays, abstract and sharded."""
-        b, p = self.rows, self.prompt_len
+    @property
+    def sampler_prompts(self) -> int:
+        """The rows the sampler prefills: each prompt once (`num_samples` = G), or all the
+        step's rows where the mesh's row shards do not divide the prompts (as the rollout,
+        `trainer.rollout.sample_completions`, falls back to repeated rows)."""
+        prompts = self.rows // self.c.rollout.num_generations
+        return (
+            prompts
+            if prompts % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]) == 0
+            else self.rows
+        )
+
+    def prompts(self, pools: bool, rows: int | None = None) -> dict:
+        """The sampler's inputs for `rows` prompts (default: the step's rows): the collated
+        prompt batch's arrays, abstract and sharded."""
+        b, p = rows or self.rows, self.prompt_len
         tree = dict(
             input_ids=np.zeros((b, p), np.int32),
             attention_mask=np.ones((b, p), np.int32),
             position_ids=np.zeros((3, b, p), np.int32),
             deltas=np.zeros((b,), np.int32),
-            images=self._images(),
-            pools=self._pools(p) if pools else None,
+            images=self._images(b),
+            pools=self._pools(p, b) if pools else None,
         )
-        return _with_shardings(tree, self.mesh, self.rows)
+        return _with_shardings(tree, self.mesh, b)
 
     def batch(self):
         """The train step's RolloutBatch, abstract and sharded."""
@@ -195,10 +208,10 @@ class Plan:
             np.ones((b, n), np.float32),
             np.zeros((b,), np.float32),
             np.ones((b,), bool),
-            pools=self._pools(p) if step_config(self.c).token_weights else None,
+            pools=self._pools(p, b) if step_config(self.c).token_weights else None,
             old_logprobs=np.zeros((b, n), np.float32),  # the sampler's, as the rollout gives
         )
-        batch = dataclasses.replace(batch, images=self._images())
+        batch = dataclasses.replace(batch, images=self._images(b))
         return _with_shardings(batch, self.mesh, self.rows)
 
     def _rng(self):
@@ -267,8 +280,10 @@ class Plan:
         cfg = self.sampling_config()
         sampler = Sampler(self.init.model_graphdef, cfg)
         pools = "mdi" in self.c.reward.funcs or step_config(self.c).token_weights
-        p = self.prompts(pools)
+        prompts = self.sampler_prompts
+        p = self.prompts(pools, prompts)
         params = self.init.state.params
+        g = self.c.rollout.num_generations
 
         def lower():
             with jax.set_mesh(self.mesh):
@@ -281,10 +296,14 @@ class Plan:
                     self._rng(),
                     images=p["images"],
                     pools=p["pools"],
+                    num_samples=g,
+                    prefill_once=prompts * g == self.rows,
                 )
 
         breakdown = {"params": per_device_bytes(params), "prompts": per_device_bytes(p)}
-        flops = 2.0 * self.params_count * self.rows * (self.prompt_len + self.new_tokens)
+        # one prefill per prompt, then every row's decode steps
+        tokens = prompts * self.prompt_len + self.rows * self.new_tokens
+        flops = 2.0 * self.params_count * tokens
         return lower, flops, breakdown, None
 
     def _decode_step(self):

@@ -97,21 +97,32 @@ def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
 
 
 def uniform_per_row(key: jax.Array, rows: int) -> jax.Array:
-    """float32[rows] in [0, 1): the one uniform number per row that `categorical` draws with."""
+    """float32[rows] in [0, 1): one uniform number per row from one key (`categorical`)."""
     return jax.random.uniform(key, (rows, 1))[:, 0]
 
 
+def row_uniforms(keys: jax.Array, index) -> jax.Array:
+    """float32[B] in [0, 1): row b's number from its own key keys[b] folded with `index` (the
+    token index), so that a row's draw depends on neither the batch's size nor its order."""
+    return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, index)))(keys)
+
+
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """int32[B]: `categorical_from_uniform` with one key's numbers for the rows."""
+    return categorical_from_uniform(uniform_per_row(key, logits.shape[0]), logits)
+
+
+def categorical_from_uniform(u: jax.Array, logits: jax.Array) -> jax.Array:
     """int32[B]: one sample per row from softmax(logits), by two-level inverse-CDF sampling
-    (block masses, then within the chosen block) with one uniform number per row. Entries at
-    NEG_INF are never chosen."""
+    (block masses, then within the chosen block) with the uniform number u float32[B] of each
+    row. Entries at NEG_INF are never chosen."""
     b, v = logits.shape
     size = -(-v // _BLOCKS)
     p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     p = jnp.pad(p, ((0, 0), (0, _BLOCKS * size - v))).reshape(b, _BLOCKS, size)
     block_mass = jnp.sum(p, axis=-1)  # [B, blocks]
     cum = jnp.cumsum(block_mass, axis=-1)
-    u = uniform_per_row(key, b)[:, None] * cum[:, -1:]
+    u = u[:, None] * cum[:, -1:]
     blk = _first_above(cum, u, block_mass > 0)
     inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]  # [B, size]
     before = jnp.take_along_axis(cum - block_mass, blk[:, None], axis=1)

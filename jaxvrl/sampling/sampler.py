@@ -8,6 +8,10 @@ CPU takes its decode steps' forms from `sampling.cpu` (weights as rows or packed
 kernels, held in an explicit `DecodeWeights` that the caller keeps between calls); this file
 chooses them, in `_decode_forms`, and nowhere else.
 
+Groups: `sample(..., num_samples=G)` prefills each of R prompts once (vision tower included)
+and decodes B = R * G rows from copies of its cache; every row draws with its own key
+(`row_keys`: the call's key, prompt index, sample index, then the token index).
+
 Shapes: B rows, P prompt length (left-padded), N = max_new_tokens, V vocabulary.
 """
 
@@ -80,8 +84,18 @@ def _filters(cfg: SamplingConfig, vocab: int) -> bool:
     return 0 < cfg.top_k < vocab or cfg.top_p < 1.0
 
 
-def _pick(logits, key, cfg: SamplingConfig):
-    """Sample (or argmax) one token per row; returns (tokens int32[B], logprobs float32[B]).
+def row_keys(rng: jax.Array, prompts: int, samples: int) -> jax.Array:
+    """key[prompts * samples]: row p * samples + g's key, rng folded with p then g. A row's
+    draws (`_pick`: this key folded with the token index) depend on neither how many rows a
+    call holds nor how they are laid out (one prefill per prompt or repeated rows)."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    per_prompt = fold(rng, jnp.arange(prompts))
+    return jax.vmap(fold, in_axes=(0, None))(per_prompt, jnp.arange(samples)).reshape(-1)
+
+
+def _pick(logits, keys, index, cfg: SamplingConfig):
+    """Sample (or argmax) token `index` of each row, row b with its key keys[b] (`row_keys`);
+    returns (tokens int32[B], logprobs float32[B]).
 
     On one CPU device, greedy picks and unfiltered draws (no top-k, top-p) are one kernel
     each (`cpu_kernels.greedy_pick`, `categorical_pick`: the same inverse-CDF method and
@@ -94,7 +108,7 @@ def _pick(logits, key, cfg: SamplingConfig):
         if cfg.temperature <= 0:
             return cpu_kernels.greedy_pick(logits, cfg.suppress_token_ids)
         if not _filters(cfg, logits.shape[-1]):
-            u = rules.uniform_per_row(key, logits.shape[0])
+            u = rules.row_uniforms(keys, index)
             return cpu_kernels.categorical_pick(logits, u, cfg.suppress_token_ids, cfg.temperature)
     temp = cfg.temperature if cfg.temperature > 0 else 1.0
     x = logits / temp if temp != 1.0 else logits
@@ -106,7 +120,8 @@ def _pick(logits, key, cfg: SamplingConfig):
     if cfg.temperature <= 0:
         tok = rules.first_argmax(x)
     else:
-        tok = rules.categorical(key, filter_logits(x, cfg.top_k, cfg.top_p))
+        u = rules.row_uniforms(keys, index)
+        tok = rules.categorical_from_uniform(u, filter_logits(x, cfg.top_k, cfg.top_p))
     # The log-prob is that of the model's full distribution, so that it equals what a
     # teacher-forced forward pass (the trainer's old log-prob) computes.
     return tok, rules.token_logprob(x, tok, 1.0, masked)
@@ -126,22 +141,34 @@ def sample(
     videos=None,
     pools=None,
     decode_weights: DecodeWeights | None = None,
+    num_samples: int = 1,
+    prefill_once: bool = True,
 ) -> SampleOutput:
-    """Traceable sampling core (jit it with `cfg` static; see `Sampler`).
+    """Traceable sampling core (jit it with `cfg`, `num_samples`, `prefill_once` static; see
+    `Sampler`). Samples `num_samples` (G) completions of each of the R given rows.
 
-    input_ids, attention_mask: int[B, P] left-padded; position_ids int32[3, B, P] and deltas
-    int32[B] from `get_rope_index`; images/videos: VisionInputs (packed or per row);
-    pools: optional {"vision","text","prompt"} bool[B, P] for per-token attention masses;
-    decode_weights: the decode steps' weights prepared for B rows (`Sampler.decode_weights`),
-    or None: made here where the layout asks for them (see `SamplingConfig.decode_layout`).
+    input_ids, attention_mask: int[R, T] left-padded; position_ids int32[3, R, T] and deltas
+    int32[R] from `get_rope_index`; images/videos: VisionInputs (packed or per row);
+    pools: optional {"vision","text","prompt"} bool[R, T] for per-token attention masses;
+    decode_weights: the decode steps' weights prepared for the B decode rows
+    (`Sampler.decode_weights`), or None: made here where the layout asks for them (see
+    `SamplingConfig.decode_layout`).
+
+    prefill_once: the R rows are R distinct prompts; the vision tower and the prefill run once
+    per prompt and their cache, positions, pools and last hidden state are repeated to B =
+    R * G rows (prompt-major: row p * G + g is prompt p's sample g). Otherwise the R rows are
+    already repeated (B = R, each prompt's G rows adjacent) and each is prefilled: the same
+    rows and per-row keys (`row_keys`), so the same tokens, at G times the prefill's cost.
     """
     model = nnx.merge(graphdef, params)
-    b, p = input_ids.shape
-    n = cfg.max_new_tokens
+    rows, t = input_ids.shape
+    g, n = num_samples, cfg.max_new_tokens
+    expand = g if prefill_once else 1
+    if rows % (g // expand):
+        raise ValueError(f"{rows} repeated rows are not groups of num_samples={g}")
+    b = rows * expand
     forms = _decode_forms(model, cfg, b, decode_weights)  # the prefill uses the model's own
-    cache = KVCache.init(model.config.text, b, p + n, model.dtype, _stacked_cache(model, forms))
-    if pools is not None:
-        pools = {k: jnp.pad(v, ((0, 0), (0, n))) for k, v in pools.items()}
+    cache = KVCache.init(model.config.text, rows, t + n, model.dtype, _stacked_cache(model, forms))
     out = model.forward(
         input_ids,
         attention_mask,
@@ -151,13 +178,21 @@ def sample(
         cache=cache,
         return_logits=False,
     )
+    # One copy of the prompt's cache per sample: decode steps write each row's own slots.
+    # (Sharing the prompt's pages between the G rows is left to a paged cache.)
+    cache = _repeat_cache(out.cache, expand)
+    start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # next position
+    start = _repeat(start, expand)
+    if pools is not None:
+        pools = {k: _repeat(jnp.pad(v, ((0, 0), (0, n))), expand) for k, v in pools.items()}
+    keys = row_keys(rng, b // g, g)
     # token 0 is picked from the prefill's last logits; each decode step then feeds token i
     # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
-    tok, lp = _pick(_logits(model, forms, out.hidden[:, -1]), jax.random.fold_in(rng, 0), cfg)
+    last = _repeat(out.hidden[:, -1], expand)
+    tok, lp = _pick(_logits(model, forms, last), keys, 0, cfg)
     layers = model.config.text.num_hidden_layers if pools is not None else 0
-    state = _loop_state(out.cache, tok, lp, n, cfg, layers)
-    start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # next position
-    step = functools.partial(_decode_step, model, forms, cfg, rng, start, pools)
+    state = _loop_state(cache, tok, lp, n, cfg, layers)
+    step = functools.partial(_decode_step, model, forms, cfg, keys, start, pools)
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
     # once per chunk, which on GPUs saves a device-to-host sync per token.
     k = _chunk(n, cfg.check_every)
@@ -175,6 +210,24 @@ def sample(
         vision_mass=s.get("vmass"),
         text_mass=s.get("xmass"),
     )
+
+
+def _repeat(x: jax.Array, g: int, axis: int = 0) -> jax.Array:
+    """Each row repeated g times in a row (prompt-major), along `axis`."""
+    return x if g == 1 else jnp.repeat(x, g, axis=axis)
+
+
+def _repeat_cache(cache: KVCache, g: int) -> KVCache:
+    """The prefill's cache of R prompts as R * g rows (the row axis: 1 of stacked arrays, 0 of
+    per-layer ones)."""
+    if g == 1:
+        return cache
+    if cache.stacked:
+        k, v = _repeat(cache.k, g, 1), _repeat(cache.v, g, 1)
+    else:
+        k = tuple(_repeat(x, g) for x in cache.k)
+        v = tuple(_repeat(x, g) for x in cache.v)
+    return KVCache(k=k, v=v, key_mask=_repeat(cache.key_mask, g), index=cache.index)
 
 
 def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0) -> dict:
@@ -231,8 +284,9 @@ def decode_step(graphdef, params, state: dict, start, rng, *, cfg: SamplingConfi
     (`jaxvrl.aot`); `sample` runs the same `_decode_step` inside its loop."""
     model = nnx.merge(graphdef, params)
     stored = dataclasses.replace(cfg, decode_layout="model")
-    forms = _decode_forms(model, stored, state["done"].shape[0], None)
-    return _decode_step(model, forms, cfg, rng, start, None, state)
+    rows = state["done"].shape[0]
+    forms = _decode_forms(model, stored, rows, None)
+    return _decode_step(model, forms, cfg, row_keys(rng, rows, 1), start, None, state)
 
 
 def _chunk(n: int, most: int) -> int:
@@ -240,7 +294,7 @@ def _chunk(n: int, most: int) -> int:
     return max(d for d in range(1, max(1, min(n, most)) + 1) if n % d == 0)
 
 
-def _decode_step(model, forms, cfg: SamplingConfig, rng, start, pools, s: dict) -> dict:
+def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict) -> dict:
     """Write token i (picked at the previous step), feed it (one cache write), pick token i+1.
 
     Rows already done emit pad with mask 0 and logprob 0.
@@ -261,7 +315,7 @@ def _decode_step(model, forms, cfg: SamplingConfig, rng, start, pools, s: dict) 
         forms=forms,
     )
     logits = _logits(model, forms, out.hidden[:, 0])
-    next_tok, next_lp = _pick(logits, jax.random.fold_in(rng, i + 1), cfg)
+    next_tok, next_lp = _pick(logits, keys, i + 1, cfg)
     new = dict(
         s,
         i=i + 1,
@@ -331,7 +385,11 @@ class Sampler:
         sampler = Sampler(graphdef, cfg, mesh)
         weights = sampler.decode_weights(params, rows, reuse=weights)  # None off the CPU
         out = sampler(params, ids, mask, positions, deltas, rng, images=..., pools=...,
-                      decode_weights=weights)
+                      decode_weights=weights, num_samples=G)
+
+    With num_samples=G the R given prompts are prefilled once each and sampled G times
+    (B = R * G output rows, prompt-major; see `sample`); rows that are already repeated
+    sample the same tokens with `prefill_once=False`, or as G = 1 calls of their own.
 
     The decode weights (on the CPU: the text decoder's and LM head's weights as rows, or
     packed for the CPU kernels) are an explicit pytree that the caller keeps and passes back
@@ -344,7 +402,10 @@ class Sampler:
 
     def __init__(self, graphdef, cfg: SamplingConfig, mesh=None):
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
-        self._sample = jax.jit(functools.partial(sample, graphdef, cfg=cfg))
+        self._sample = jax.jit(
+            functools.partial(sample, graphdef, cfg=cfg),
+            static_argnames=("num_samples", "prefill_once"),
+        )
         self._prepare = jax.jit(
             functools.partial(_prepare, graphdef, cfg), static_argnums=0, donate_argnums=2
         )
@@ -464,8 +525,12 @@ def generate(
     decode_layout: str = "auto",
     sampler: Sampler | None = None,
     decode_weights: DecodeWeights | None = None,
+    num_samples: int = 1,
+    prefill_once: bool = True,
 ) -> SampleOutput:
-    """Sample completions for left-padded prompts int[B, P] (numpy or jax arrays).
+    """Sample completions for left-padded prompts int[R, P] (numpy or jax arrays): R *
+    num_samples rows, each prompt prefilled once (`sample`; prefill_once=False: the rows are
+    already repeated, each prefilled).
 
     Greedy when temperature == 0. Image/video pad and vision start/end tokens are never
     sampled. Vision inputs are HF-processor style (packed pixel_values [N, C*T*P*P] with
@@ -519,4 +584,6 @@ def generate(
         videos=videos,
         pools=pools,
         decode_weights=decode_weights,
+        num_samples=num_samples,
+        prefill_once=prefill_once,
     )

@@ -290,6 +290,29 @@ class KeptDecodeWeights:
         self.current = {}
 
 
+def repeat_prompts(batch: dict, g: int) -> dict:
+    """A collated prompt batch of R rows as R * g rows, each repeated g times in a row: what
+    `collate` with g repeats gives (position_ids [3, B, P] repeat on axis 1)."""
+    if g == 1:
+        return batch
+
+    def rep(x):
+        return None if x is None else np.repeat(np.asarray(x), g, axis=0)
+
+    out = {k: rep(v) for k, v in batch.items() if k not in ("position_ids", "rows")}
+    out["position_ids"] = np.repeat(batch["position_ids"], g, axis=1)
+    out["images"] = None if batch["images"] is None else jax.tree.map(rep, batch["images"])
+    out["pools"] = (
+        None if batch["pools"] is None else {k: rep(v) for k, v in batch["pools"].items()}
+    )
+    out["rows"] = [r for r in batch["rows"] for _ in range(g)]
+    return out
+
+
+def _row_shards(mesh) -> int:
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def sample_completions(
     sampler,
     params,
@@ -298,14 +321,24 @@ def sample_completions(
     pools=None,
     mesh=None,
     decode: KeptDecodeWeights | None = None,
+    num_samples: int = 1,
 ):
     """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays.
+
+    num_samples: completions per prompt (G): the sampler prefills each of the batch's R
+    prompts once and returns R * G rows, prompt-major. Where the mesh's row shards do not
+    divide the R prompts, the prompts are repeated on the host and each row prefilled (the
+    same tokens: per-row keys, `sampler.row_keys`).
 
     mesh: None puts the inputs on the default device. With a mesh the prompt arrays become
     global arrays with rows split over (data, fsdp) (`runtime.place_batch`: on a pod each
     process passes its own rows), the key is replicated, and the outputs come back as this
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
     decode weights of `params` are kept (None: the sampler prepares its own each call)."""
+    prefill_once = len(batch["input_ids"]) * jax.process_count() % _row_shards(mesh) == 0
+    if not prefill_once:
+        batch = repeat_prompts(dict(batch, pools=pools), num_samples)
+        pools = batch["pools"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")}
     inputs.update(images=batch["images"], pools=pools)
     if mesh is None:
@@ -314,8 +347,9 @@ def sample_completions(
         inputs = R.place_batch(inputs, mesh)
         key = R.replicate(key, mesh)
     weights = None
+    rows = int(inputs["input_ids"].shape[0]) * (num_samples if prefill_once else 1)
     if decode is not None:
-        weights = decode.get(sampler, params, int(inputs["input_ids"].shape[0]))
+        weights = decode.get(sampler, params, rows)
     out = sampler(
         params,
         inputs["input_ids"],
@@ -326,6 +360,8 @@ def sample_completions(
         images=inputs["images"],
         pools=inputs["pools"],
         decode_weights=weights,
+        num_samples=num_samples,
+        prefill_once=prefill_once,
     )
     return R.host_local(out)
 
@@ -341,7 +377,9 @@ def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> list[
 class RolloutPhase:
     """The static pieces of the rollout phase; `run` does one step's rollout.
 
-    collate(examples) -> the collated prompt batch (pipeline.collate with G repeats);
+    collate(examples, repeat) -> the collated prompt batch, each example on `repeat` rows
+    (pipeline.collate): the sampler gets each prompt once and samples it G times (one prefill
+    per prompt), the train batch has G rows per prompt;
     reward_weights(step) -> {name: weight}; attention: None, or (layer_set, last_k) to compute
     rollout attention metrics from the sampler's masses (needed by the MDI reward and the
     attention log); with_pools: the train batch carries the attention pools (VGR weights);
@@ -352,7 +390,7 @@ class RolloutPhase:
 
     sampler: Sampler
     tokenizer: object
-    collate: Callable[[list], dict]
+    collate: Callable[[list, int], dict]
     rewards: dict  # {name: SafeReward}
     reward_weights: Callable[[int], dict]
     opts: FilterOptions
@@ -368,12 +406,16 @@ class RolloutPhase:
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""
         t0 = time.time()
-        batch = self.collate(examples)
+        g = self.opts.group_size
+        prompts = self.collate(examples, 1)
         pools = None
         if self.attention is not None:
-            pools = batch["pools"]
-        out = sample_completions(self.sampler, params, batch, key, pools, self.mesh, self.decode)
+            pools = prompts["pools"]
+        out = sample_completions(
+            self.sampler, params, prompts, key, pools, self.mesh, self.decode, num_samples=g
+        )
         t_sample = time.time() - t0
+        batch = repeat_prompts(prompts, g)  # the completions' rows: G per prompt
         texts = decode_completions(self.tokenizer, out.tokens, out.mask)
         att = self._attention(out, batch)
         rows = batch["rows"]
@@ -388,7 +430,6 @@ class RolloutPhase:
             baseline = self._greedy_baseline(params, batch, step, columns)
         if self.opts.mask_truncated_completions:
             mask = rl.mask_truncated_completions(mask, out.truncated)
-        g = self.opts.group_size
         groups = []
         for i, ex in enumerate(examples):
             s = slice(i * g, (i + 1) * g)
@@ -407,6 +448,7 @@ class RolloutPhase:
                 )
             )
         info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
+        info["decode_steps"] = float(out.steps)
         return groups, info
 
     def _score(self, step: int, texts: list, lengths: np.ndarray, columns: dict):
@@ -478,7 +520,7 @@ class RolloutPhase:
 
     def _assemble(self, groups: list[Group]) -> RolloutBatch:
         return assemble_prompts(
-            self.collate([x.example for x in groups]),
+            self.collate([x.example for x in groups], self.opts.group_size),
             np.concatenate([x.tokens for x in groups]),
             np.concatenate([x.mask for x in groups]),
             np.concatenate([x.totals for x in groups]),
@@ -508,6 +550,8 @@ class RolloutPhase:
                 "rollout/kept_groups_fraction": got.kept / max(len(sampled), 1),
                 "rollout/filled_fraction": float(real.mean()),
                 "rollout/sample_s": sample_s,
+                # decode steps per generation batch (the loop stops once every row ended)
+                "rollout/decode_steps": float(np.mean([i["decode_steps"] for i in infos])),
             }
         )
         if self.greedy is not None:

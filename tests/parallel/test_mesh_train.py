@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.models import hf_tiny as T
-from tests.parallel.common import run_with_devices
+from tests.parallel.common import G, run_with_devices
 
 SCRIPT = """
 import json, sys
@@ -46,6 +47,15 @@ greedy = Sampler(
     SamplingConfig(6, temperature=0.0, eos_token_ids=(T.IM_END,),
                    suppress_token_ids=(T.IMAGE, T.VIDEO, T.VSTART, T.VEND)),
 )
+# 8 distinct prompts, each prefilled once and sampled G times (the rollout's call)
+distinct = make_prompts(model, prompts=8, seed=9)  # G repeated rows per prompt
+pos = distinct.pop("position_ids")[:, ::G]
+distinct = dict(jax.tree.map(lambda x: x[::G], distinct), position_ids=pos)
+rollout = Sampler(
+    nnx.graphdef(model),
+    SamplingConfig(6, temperature=1.0, eos_token_ids=(T.IM_END,),
+                   suppress_token_ids=(T.IMAGE, T.VIDEO, T.VSTART, T.VEND)),
+)
 
 
 def init(p):
@@ -57,6 +67,12 @@ def sample(params, pr):
     out = greedy(params, pr["input_ids"], pr["attention_mask"], pr["position_ids"],
                  pr["deltas"], jax.random.key(0), images=pr["images"])
     return np.asarray(out.tokens)
+
+
+def sample_groups(params, pr):
+    out = rollout(params, pr["input_ids"], pr["attention_mask"], pr["position_ids"],
+                  pr["deltas"], jax.random.key(1), images=pr["images"], num_samples=G)
+    return R.host_local(out.tokens)
 
 
 def flat(tree):
@@ -72,8 +88,9 @@ for b, k in zip(batches, keys):
     loss1.append(float(m["loss"]))
 params1 = {p: np.asarray(v) for p, v in flat(state.params)}
 tokens1 = sample(jax.tree.map(jnp.asarray, host), jax.tree.map(jnp.asarray, prompts))
+groups1 = sample_groups(jax.tree.map(jnp.asarray, host), jax.tree.map(jnp.asarray, distinct))
 
-report = {"one_device": {"losses": loss1, "tokens": tokens1.tolist()}}
+report = {"one_device": {"losses": loss1, "tokens": tokens1.tolist(), "groups": groups1.tolist()}}
 for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
               dict(data=2, fsdp=2, tensor=2)):
     mesh = R.mesh_from_config(ml_collections.ConfigDict(sizes))
@@ -90,6 +107,7 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
         losses.append(float(m["loss"]))
     diffs = [float(np.max(np.abs(params1[p] - np.asarray(v)))) for p, v in flat(state.params)]
     tokens = sample(R.put_on_mesh(host, psh), R.place_batch(prompts, mesh))
+    groups = sample_groups(R.put_on_mesh(host, psh), R.place_batch(distinct, mesh))
 
     # shardings: params per the rules, kept across steps; momentum and reference like params
     fsdp_sharded, matrices = 0, 0
@@ -115,6 +133,7 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
         "losses": losses,
         "max_param_diff": max(diffs),
         "tokens": tokens.tolist(),
+        "groups": groups.tolist(),
         "fsdp_sharded": fsdp_sharded,
         "n_params": len(diffs),
         "n_matrices": matrices,
@@ -151,6 +170,15 @@ def test_three_steps_match_one_device(report, mesh):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_greedy_tokens_match_one_device(report, mesh):
     assert report[mesh]["tokens"] == report["one_device"]["tokens"]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_one_prefill_per_prompt_samples_match_one_device(report, mesh):
+    """8 prompts over the mesh's rows, each prefilled once and sampled G times: per-row keys
+    make the sampled tokens those of one device."""
+    got = np.asarray(report[mesh]["groups"])
+    assert got.shape == (8 * G, 6)
+    np.testing.assert_array_equal(got, report["one_device"]["groups"])
 
 
 def test_fsdp8_every_matrix_is_split_eight_ways(report):

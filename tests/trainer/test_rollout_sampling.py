@@ -1,0 +1,82 @@
+"""The rollout's sampler call: each prompt goes to the sampler once and is sampled G times;
+completions, old log-probs and attention masses equal those of the G-times repeated rows the
+train batch holds (the embedded tiny model, the built-in task)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxvrl import rl
+from jaxvrl.data import synthetic
+from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
+from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.sampling import Sampler
+from jaxvrl.sampling.sampler import generation_config
+from jaxvrl.train import EMBEDDED
+from jaxvrl.trainer.rollout import repeat_prompts, sample_completions
+
+G = 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED)
+    model = q.load(EMBEDDED)
+    rows = synthetic.make_split("train", 2, seed=0)
+    opts = EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT)
+    examples, _ = encode_rows(rows, tokenizer, opts)
+    return tokenizer, model, examples
+
+
+def test_repeated_prompts_are_the_train_batchs_rows(setup):
+    tokenizer, model, examples = setup
+    prompts = collate(examples, 1, model.config, tokenizer)
+    full = collate(examples, G, model.config, tokenizer)
+    rep = repeat_prompts(prompts, G)
+    assert rep["rows"] == full["rows"]
+    flat = lambda b: jax.tree.map(np.asarray, {k: v for k, v in b.items() if k != "rows"})  # noqa: E731
+    jax.tree.map(np.testing.assert_array_equal, flat(rep), flat(full))
+
+
+def test_one_prefill_per_prompt_gives_the_repeated_rows_completions(setup):
+    tokenizer, model, examples = setup
+    prompts = collate(examples, 1, model.config, tokenizer)
+    full = collate(examples, G, model.config, tokenizer)
+    assert prompts["images"] is not None
+    cfg = generation_config(
+        model.config, max_new_tokens=6, temperature=1.0, eos_token_ids=tokenizer.eos_token_id
+    )
+    sampler = Sampler(nnx.graphdef(model), cfg)
+    params, key = nnx.state(model), jax.random.key(11)
+    once = sample_completions(sampler, params, prompts, key, prompts["pools"], num_samples=G)
+    ids = [full[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")]
+    rows = sampler(
+        params, *ids, key, images=full["images"], pools=full["pools"], num_samples=G,
+        prefill_once=False,
+    )  # fmt: skip
+    rows = jax.tree.map(np.asarray, rows)
+    np.testing.assert_array_equal(once.tokens, rows.tokens)
+    np.testing.assert_array_equal(once.mask, rows.mask)
+    np.testing.assert_allclose(once.logprobs, rows.logprobs, atol=1e-5)
+    np.testing.assert_allclose(once.vision_mass, rows.vision_mass, atol=1e-5)
+    np.testing.assert_allclose(once.text_mass, rows.text_mass, atol=1e-5)
+    # the MDI reward's inputs: the rollout's attention metrics per row
+    pools = full["pools"]
+    metrics = [
+        rl.attention_metrics(
+            out.vision_mass,
+            out.text_mass,
+            pools["vision"].sum(1),
+            pools["text"].sum(1),
+            out.mask,
+            layer_set="all",
+            last_k=2,
+        )  # fmt: skip
+        for out in (once, rows)
+    ]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), *metrics)
