@@ -39,6 +39,18 @@ def _grads(model, batch):
     return jax.jit(jax.grad(_logit_loss), static_argnums=1)(params, graphdef, batch)
 
 
+def _assert_same_grads(base, got):
+    """Every gradient leaf equal to float32 rounding; text layers and vision blocks alike
+    (stacked layers: one leaf per parameter, still more than 30)."""
+    n = 0
+    for (path, a), (_, b) in zip(nnx.to_flat_state(base), nnx.to_flat_state(got)):
+        np.testing.assert_allclose(
+            a.get_value(), b.get_value(), rtol=1e-5, atol=1e-7, err_msg=str(path)
+        )
+        n += 1
+    assert n > 30
+
+
 def test_remat_policy_and_attention_reject_unknown_names(ckpt):
     model = q.load(ckpt)
     with pytest.raises(ValueError, match="remat_policy 'everything'"):
@@ -55,15 +67,8 @@ def test_remat_gives_the_same_gradients(ckpt, policy):
     model.set_remat_policy(policy)
     # the policy is part of the graphdef: the remat program is a different compilation
     assert nnx.graphdef(model) != nnx.graphdef(q.load(ckpt))
-    got = _grads(model, batch)
-    n = 0
-    for (path, a), (_, b) in zip(nnx.to_flat_state(base), nnx.to_flat_state(got)):
-        # recomputation repeats the same float32 ops; XLA may fuse them differently
-        np.testing.assert_allclose(
-            a.get_value(), b.get_value(), rtol=1e-5, atol=1e-7, err_msg=str(path)
-        )
-        n += 1
-    assert n > 30  # text layers and vision blocks alike (stacked: one leaf per param)
+    # recomputation repeats the same float32 ops; XLA may fuse them differently
+    _assert_same_grads(base, _grads(model, batch))
 
 
 def test_flash_attention_gives_the_same_gradients(ckpt):
@@ -74,14 +79,7 @@ def test_flash_attention_gives_the_same_gradients(ckpt):
     base = _grads(model, batch)
     model.set_attention("flash", block=8)  # several blocks per row and per image
     model.set_remat_policy("full")
-    got = _grads(model, batch)
-    n = 0
-    for (path, a), (_, b) in zip(nnx.to_flat_state(base), nnx.to_flat_state(got)):
-        np.testing.assert_allclose(
-            a.get_value(), b.get_value(), rtol=1e-5, atol=1e-7, err_msg=str(path)
-        )
-        n += 1
-    assert n > 30  # stacked layers: one leaf per param
+    _assert_same_grads(base, _grads(model, batch))
 
 
 def test_remat_is_in_the_backward_program(ckpt):
