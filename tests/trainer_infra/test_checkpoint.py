@@ -3,8 +3,6 @@ max_to_keep, save interval; abstract targets with shardings; SIGTERM; a GCS emul
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -25,9 +23,7 @@ from jaxvrl.checkpoint import (
     stop_requested_everywhere,
     tree_keys,
 )
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from tests.trainer_infra.workers import HERE, needs_gcs, run_worker
 
 
 class Tiny(nnx.Module):
@@ -203,20 +199,9 @@ def test_sigterm_in_a_loop_saves_and_exits_cleanly(tmp_path):
     ck.close()
 
 
-@pytest.mark.skipif(
-    not (importlib.util.find_spec("gcsfs") and importlib.util.find_spec("gcp_storage_emulator")),
-    reason="needs gcsfs and gcp-storage-emulator (pip install '.[test]')",
-)
+@needs_gcs
 def test_gcs_round_trip_against_a_loopback_emulator():
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "ckpt_worker.py"), "gcs"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_worker("ckpt_worker.py", "gcs", tail=3000)
     assert res["ok"] and res["step"] == 3
     assert res["meta"] == {"kl_coef": pytest.approx(0.3)} and res["data"] == {"pos": 3}
     assert res["listed"] == ["2", "3"]  # max_to_keep=2 deleted step 1 in the bucket

@@ -8,8 +8,6 @@ import glob
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,9 +20,8 @@ from jaxvrl.models import lora
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.train import EMBEDDED, run
 from tests.trainer.test_train import tiny_config
+from tests.trainer_infra.workers import needs_gcs, run_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 LORA = ("lora.rank=4", "lora.alpha=8.0", "lora.target_modules=('q_proj', 'v_proj', 'up_proj')")
 
 
@@ -296,22 +293,11 @@ def test_policy_sources_map_lora_and_qlora_keys():
     }
 
 
-@pytest.mark.skipif(
-    not (importlib.util.find_spec("gcsfs") and importlib.util.find_spec("gcp_storage_emulator")),
-    reason="needs gcsfs and gcp-storage-emulator (pip install '.[test]')",
-)
+@needs_gcs
 def test_export_from_a_gs_workdir(runs, tmp_path):
     local = tmp_path / "local"
     E.export(runs["full"], str(local))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "gcs_export_worker.py"), runs["full"], str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_worker("gcs_export_worker.py", runs["full"], str(tmp_path))
     assert res["missing_run_error"] and "gs://jaxvrl-test/runs/none" in res["missing_run_error"]
     remote = tmp_path / "downloaded"
     assert sorted(res["files"]) == sorted(p.name for p in local.iterdir())

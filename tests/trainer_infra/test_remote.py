@@ -6,16 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from jaxvrl import remote
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from tests.trainer_infra.workers import needs_gcs, run_worker
 
 
 def test_is_remote():
@@ -126,28 +123,13 @@ def test_the_emulator_serves_generations_and_their_conditions_as_gcs_does():
         server.stop()
 
 
-@pytest.mark.skipif(
-    not (importlib.util.find_spec("gcsfs") and importlib.util.find_spec("gcp_storage_emulator")),
-    reason="needs gcsfs and gcp-storage-emulator (pip install '.[test]')",
-)
+@needs_gcs
 def test_train_run_with_gs_model_and_workdir(tmp_path):
     """Train 2 steps with the model and the workdir on gs://, then resume from the gs://
     checkpoint at step 2 and train to 3: the second run starts from the saved parameters."""
     env = dict(os.environ, JAXVRL_CACHE=str(tmp_path / "cache"))
-    try:  # the worker dumps its threads' stacks and exits by itself after 480 s
-        out = subprocess.run(
-            [sys.executable, os.path.join(HERE, "gcs_train_worker.py"), "480"],
-            capture_output=True,
-            text=True,
-            timeout=540,
-            cwd=ROOT,
-            env=env,
-        )
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-        pytest.fail(f"gcs_train_worker.py did not finish in {e.timeout} s:\n{err[-8000:]}")
-    assert out.returncode == 0, out.stderr[-8000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    # the worker dumps its threads' stacks and exits by itself after 480 s
+    res = run_worker("gcs_train_worker.py", "480", timeout=540, env=env, tail=8000)
     first, second = res["run2"], res["run3"]
     assert first["steps"] == [1, 2] and second["steps"] == [1, 2, 3]  # resumed at 2
     for r in (first, second):
