@@ -309,9 +309,8 @@ class Plan:
     def _decode_step(self):
         cfg = self.sampling_config()
         dtype = DTYPES[self.c.model.dtype]
-        # the cache in the layout the sampler gives it (per layer: see sampler._stacked_cache)
         state = sampler_lib.abstract_loop_state(
-            self.model.config, self.rows, self.prompt_len, cfg, dtype, stacked=False
+            self.model.config, self.rows, self.prompt_len, cfg, dtype
         )
         state = _with_shardings(state, self.mesh, self.rows)
         start = _with_shardings(np.zeros((self.rows,), np.int32), self.mesh, self.rows)

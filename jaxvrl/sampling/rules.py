@@ -96,20 +96,10 @@ def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(probs >= thr, logits, NEG_INF)
 
 
-def uniform_per_row(key: jax.Array, rows: int) -> jax.Array:
-    """float32[rows] in [0, 1): one uniform number per row from one key (`categorical`)."""
-    return jax.random.uniform(key, (rows, 1))[:, 0]
-
-
 def row_uniforms(keys: jax.Array, index) -> jax.Array:
     """float32[B] in [0, 1): row b's number from its own key keys[b] folded with `index` (the
     token index), so that a row's draw depends on neither the batch's size nor its order."""
     return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, index)))(keys)
-
-
-def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """int32[B]: `categorical_from_uniform` with one key's numbers for the rows."""
-    return categorical_from_uniform(uniform_per_row(key, logits.shape[0]), logits)
 
 
 def categorical_from_uniform(u: jax.Array, logits: jax.Array) -> jax.Array:

@@ -164,11 +164,17 @@ def sample(
     rows, t = input_ids.shape
     g, n = num_samples, cfg.max_new_tokens
     expand = g if prefill_once else 1
-    if rows % (g // expand):
+    if not prefill_once and rows % g:
         raise ValueError(f"{rows} repeated rows are not groups of num_samples={g}")
     b = rows * expand
     forms = _decode_forms(model, cfg, b, decode_weights)  # the prefill uses the model's own
-    cache = KVCache.init(model.config.text, rows, t + n, model.dtype, _stacked_cache(model, forms))
+    # A cache per layer, with scanned layers too: prefill and decode steps loop over the
+    # layers (per-layer slices of scanned parameters) and write each new key and value into
+    # its layer's buffer in place. A stacked cache run through the decoder's scan made every
+    # decode step write out the whole cache again (the 7B decode step compiled for v5p-16:
+    # 79.5 ms estimated and 210 s to compile, against 22.6 ms and 13 s with a buffer per layer), and the CPU
+    # decode forms read each layer's buffer as it lies.
+    cache = KVCache.init(model.config.text, rows, t + n, model.dtype)
     out = model.forward(
         input_ids,
         attention_mask,
@@ -212,21 +218,17 @@ def sample(
     )
 
 
-def _repeat(x: jax.Array, g: int, axis: int = 0) -> jax.Array:
-    """Each row repeated g times in a row (prompt-major), along `axis`."""
-    return x if g == 1 else jnp.repeat(x, g, axis=axis)
+def _repeat(x: jax.Array, g: int) -> jax.Array:
+    """Each row (leading axis) repeated g times in a row (prompt-major)."""
+    return x if g == 1 else jnp.repeat(x, g, axis=0)
 
 
 def _repeat_cache(cache: KVCache, g: int) -> KVCache:
-    """The prefill's cache of R prompts as R * g rows (the row axis: 1 of stacked arrays, 0 of
-    per-layer ones)."""
+    """The prefill's per-layer cache of R prompts as R * g rows."""
     if g == 1:
         return cache
-    if cache.stacked:
-        k, v = _repeat(cache.k, g, 1), _repeat(cache.v, g, 1)
-    else:
-        k = tuple(_repeat(x, g) for x in cache.k)
-        v = tuple(_repeat(x, g) for x in cache.v)
+    k = tuple(_repeat(x, g) for x in cache.k)
+    v = tuple(_repeat(x, g) for x in cache.v)
     return KVCache(k=k, v=v, key_mask=_repeat(cache.key_mask, g), index=cache.index)
 
 
@@ -250,28 +252,14 @@ def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0) ->
     return state
 
 
-def _stacked_cache(model, forms) -> bool:
-    """The KV cache's layout (see KVCache): per layer, so prefill and decode steps loop over
-    the layers (on per-layer slices of scanned parameters) and write each new key and value
-    into its layer's buffer in place. A stacked cache run through the decoder's scan made
-    every decode step write out the whole cache again (the 7B decode step compiled for v5p-16:
-    79.5 ms estimated and 210 s to compile, against 22.6 ms and 13 s with per-layer buffers),
-    and the CPU decode forms read each layer's buffer as it lies. The stacked layout stays available
-    (`KVCache.init(..., stacked=True)`) for a scan that updates its cache in place."""
-    del model, forms
-    return False
-
-
-def abstract_loop_state(
-    model_config, rows: int, prompt_len: int, cfg: SamplingConfig, dtype, stacked: bool = False
-):
+def abstract_loop_state(model_config, rows: int, prompt_len: int, cfg: SamplingConfig, dtype):
     """Shapes of the decode loop's carry for `rows` prompts of `prompt_len` tokens (the cache
-    holds prompt_len + max_new_tokens positions; stacked: the scanned decoder's layout,
-    `_stacked_cache`), for `decode_step`."""
+    holds prompt_len + max_new_tokens positions, per layer as `sample` makes it), for
+    `decode_step`."""
     n = cfg.max_new_tokens
 
     def make():
-        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype, stacked)
+        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype)
         tok, lp = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.float32)
         return _loop_state(cache, tok, lp, n, cfg)
 

@@ -66,8 +66,10 @@ def test_categorical_distribution_and_never_filtered():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, 700)).astype(np.float32)
     x[0, 100:300] = rules.NEG_INF  # filtered tokens, spanning whole sampler blocks
-    keys = jax.random.split(jax.random.key(2), 40000)
-    toks = np.asarray(jax.jit(jax.vmap(lambda k: rules.categorical(k, jnp.asarray(x))))(keys))
+    keys = jax.random.split(jax.random.key(2), 40000)  # one row's draws with 40,000 keys
+    u = rules.row_uniforms(keys, 0)
+    pick = jax.vmap(lambda ui: rules.categorical_from_uniform(ui[None], jnp.asarray(x)))
+    toks = np.asarray(jax.jit(pick)(u))
     toks = toks.ravel()
     assert not np.any((toks >= 100) & (toks < 300))
     p = np.asarray(jax.nn.softmax(jnp.asarray(x[0])))
