@@ -44,6 +44,7 @@ from jaxvrl.data.sources import open_sources
 from jaxvrl.export import write_run_info
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime as R
+from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn, reward_names
 from jaxvrl.sampling import Sampler, SamplingConfig, generation_config
@@ -321,7 +322,7 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
     prompts (each split evenly over the devices too) and each into optim.micro_batches.
     processes: the number of hosts (default: this run's)."""
     processes = jax.process_count() if processes is None else processes
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = row_shards(mesh)
     rows = c.prompts_per_step * c.rollout.num_generations
     if (rows * processes) % shards:
         raise ConfigError(

@@ -36,6 +36,7 @@ from jaxvrl.models.attention import resolve
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
 from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel import topology as T
+from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.sampling import Sampler
 from jaxvrl.sampling import sampler as sampler_lib
 from jaxvrl.trainer.build import init_train_state, mini_batches, step_config
@@ -176,11 +177,7 @@ class Plan:
         step's rows where the mesh's row shards do not divide the prompts (as the rollout,
         `trainer.rollout.sample_completions`, falls back to repeated rows)."""
         prompts = self.rows // self.c.rollout.num_generations
-        return (
-            prompts
-            if prompts % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]) == 0
-            else self.rows
-        )
+        return prompts if prompts % row_shards(self.mesh) == 0 else self.rows
 
     def prompts(self, pools: bool, rows: int | None = None) -> dict:
         """The sampler's inputs for `rows` prompts (default: the step's rows): the collated
@@ -350,7 +347,7 @@ class Plan:
         """The smallest optim.micro_batches whose train step fits, trying first the count at
         which the temporaries of `failed` (the configured step), shrinking with the rows per
         micro-batch, would leave room beside the arguments; then larger ones."""
-        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        shards = row_shards(self.mesh)
         m0 = self.c.optim.micro_batches
         room = max(failed.hbm_bytes - failed.argument_bytes - failed.output_bytes, 1)
         start = max(m0 + 1, math.ceil(m0 * failed.temp_bytes / room))
@@ -370,7 +367,7 @@ class Plan:
         cfg = step_config(self.c)
         updates = mini_batches(self.c)  # per epoch; each reads rows / updates rows
         micro_rows = self.rows // updates // cfg.micro_batches
-        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        shards = row_shards(self.mesh)
         warn = ""
         if micro_rows % shards:
             warn = (

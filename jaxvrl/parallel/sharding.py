@@ -196,6 +196,11 @@ def param_shardings(state, mesh: Mesh, rules=LOGICAL_RULES):
     return jax.tree_util.tree_map_with_path(one, state)
 
 
+def row_shards(mesh: Mesh | None) -> int:
+    """How many ways a batch's rows are split: mesh.data x mesh.fsdp (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
     """Rows split over (data, fsdp); every other dimension replicated."""
     spec = [None] * ndim

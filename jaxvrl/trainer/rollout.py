@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxvrl import rl
 from jaxvrl.parallel import runtime as R
+from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.sampling import Sampler
 from jaxvrl.trainer.policy import RolloutBatch
 
@@ -309,10 +310,6 @@ def repeat_prompts(batch: dict, g: int) -> dict:
     return out
 
 
-def _row_shards(mesh) -> int:
-    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 def sample_completions(
     sampler,
     params,
@@ -335,7 +332,7 @@ def sample_completions(
     process passes its own rows), the key is replicated, and the outputs come back as this
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
     decode weights of `params` are kept (None: the sampler prepares its own each call)."""
-    prefill_once = len(batch["input_ids"]) * jax.process_count() % _row_shards(mesh) == 0
+    prefill_once = len(batch["input_ids"]) * jax.process_count() % row_shards(mesh) == 0
     if not prefill_once:
         batch = repeat_prompts(dict(batch, pools=pools), num_samples)
         pools = batch["pools"]
