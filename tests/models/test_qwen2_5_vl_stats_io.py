@@ -170,6 +170,14 @@ def test_loader_errors_name_file_and_key(tiny, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(q.ConfigError, match=r"lacks tensors: model.norm.weight"):
         q.load(tmp_path)
+    # one layer's tensor of a stacked (scanned) param is named by its own HF key
+    tensors["model.norm.weight"] = load_file(os.path.join(tiny, "model.safetensors"))[
+        "model.norm.weight"
+    ]
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(q.ConfigError, match=r"lacks tensors: model.layers.1.mlp.up_proj.weight$"):
+        q.load(tmp_path)
 
     os.remove(tmp_path / "config.json")
     with pytest.raises(q.ConfigError, match="config.json: not found"):

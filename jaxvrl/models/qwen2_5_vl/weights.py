@@ -382,9 +382,8 @@ def load(
     if unknown:
         raise ConfigError(f"{path}: tensors not part of Qwen2.5-VL: {', '.join(unknown[:10])}")
     missing = [
-        layer_path(p, i) if is_stacked(p) else p
-        for p, v in wanted.items()
-        for i in (range(v.shape[0]) if is_stacked(p) else [None])
+        layer
+        for layer, p, i, _ in per_layer((p, v.shape) for p, v in wanted.items())
         if p not in loaded or (i is not None and i not in filled[p])
     ]
     if missing:
