@@ -30,7 +30,6 @@ from jaxvrl.models.qwen2_5_vl.layers import (
     RMSNorm,
     apply_rope,
     attention_implementation,
-    layer_at,
     linear,
     remat,
     scan_layers,
@@ -261,10 +260,6 @@ class VisionTower(nnx.Module):
         with a static mask (see the module docstring)."""
         name = attention_implementation(self.attention)
         return "flash" if name in ("splash", "cudnn") else name
-
-    def block(self, i: int) -> VisionBlock:
-        """Block i (with scan_layers a view on the i-th slice of the stacked parameters)."""
-        return layer_at(self.blocks, i) if self.scan_layers else self.blocks[i]
 
     def __call__(self, vi: VisionInputs) -> jax.Array:
         """Merged patch embeddings in processor order: [N / merge unit, out_hidden] for packed
