@@ -175,48 +175,210 @@ def _constant_value(name: str, defs: dict):
     return None
 
 
+DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\]")
+# no work of their own: views, plumbing, the second half of an asynchronous pair
+_FREE = {
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+    "partition-id", "replica-id", "opt-barrier", "add-dependency",
+}  # fmt: skip
+_SLICES = ("dynamic-slice", "slice", "gather")
+
+
+def type_bytes(text: str) -> float:
+    """Bytes of an HLO type: an array 'bf16[8,128]' or a tuple of them."""
+    return float(
+        sum(
+            math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[t]
+            for t, dims in _ARRAY.findall(text)
+            if t in DTYPE_BYTES
+        )
+    )
+
+
+def _entry(text: str) -> str | None:
+    for line in text.splitlines():
+        if line.lstrip().startswith("ENTRY"):
+            return _HEADER.match(line).group(1)
+    return None
+
+
+class _Module:
+    """An optimized HLO module's computations, walked with loop bodies counted once or per
+    iteration: matmul FLOPs, and a roofline time (each instruction outside fusions at the
+    larger of its FLOPs over the chip's peak and the bytes it reads and writes over the
+    chip's HBM bandwidth)."""
+
+    def __init__(self, text: str):
+        self.comps = _parse(text)
+        self.entry = _entry(text)
+        self._fusions: dict = {}
+
+    def _defs(self, comp: str) -> dict:
+        return {n: (r, o, rest) for n, r, o, rest in self.comps.get(comp, [])}
+
+    def _fusion(self, callee: str):
+        """(bytes read per operand index, or None for the whole operand; bytes written, or
+        None for the whole result) of a fused computation: an operand only sliced inside
+        is read by its slices, an operand updated in place by a dynamic-update-slice at the
+        root is neither read nor written whole."""
+        if callee in self._fusions:
+            return self._fusions[callee]
+        instrs = self.comps.get(callee, [])
+        users: dict[str, list] = {}
+        index = {}
+        for n, r, op, rest in instrs:
+            if op == "parameter":
+                index[n] = int(re.match(r"\s*(\d+)", rest).group(1))
+            for o in dict.fromkeys(_operands(rest)):
+                users.setdefault(o, []).append((n, r, op, rest))
+        root = instrs[-1][0] if instrs else None
+        written = None
+        if instrs and instrs[-1][2] == "dynamic-update-slice":
+            ops = _operands(instrs[-1][3])
+            defs = self._defs(callee)
+            written = type_bytes(defs[ops[1]][0]) if len(ops) > 1 and ops[1] in defs else None
+
+        def read(name: str, depth: int = 0):
+            total = 0.0
+            for n, r, op, rest in users.get(name, []):
+                first = (_operands(rest) or [""])[0] == name
+                if op in _SLICES and first:
+                    total += type_bytes(r)
+                elif op == "dynamic-update-slice" and first and n == root:
+                    continue
+                elif op in ("bitcast", "reshape") and depth < 4:
+                    sub = read(n, depth + 1)
+                    if sub is None:
+                        return None
+                    total += sub
+                else:
+                    return None
+            return total
+
+        out = ({i: read(n) for n, i in index.items()}, written)
+        self._fusions[callee] = out
+        return out
+
+    def _trips(self, comp: str, rest: str, defs: dict, loops: bool) -> int:
+        if not loops:
+            return 1
+        body, cond = _attr(rest, "body"), _attr(rest, "condition")
+        init = _operands(rest)[0] if _operands(rest) else ""
+        tup = _operands(defs[init][2]) if init in defs and defs[init][1] == "tuple" else []
+        return _trip_count(self.comps, cond, body, tup, defs)
+
+    def flops(self, loops: bool = True) -> float:
+        memo: dict = {}
+
+        def total(comp: str, depth: int = 0) -> float:
+            if comp in memo or depth > 64:
+                return memo.get(comp, 0.0)
+            instrs = self.comps.get(comp, [])
+            shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
+            defs = self._defs(comp)
+            flops = 0.0
+            for _name, result, op, rest in instrs:
+                if op in ("dot", "convolution"):
+                    flops += _dot_flops(result, op, rest, shapes)
+                elif op in ("fusion", "call"):
+                    callee = _attr(rest, "calls") or _attr(rest, "to_apply")
+                    if callee:
+                        flops += total(callee, depth + 1)
+                elif op == "while":
+                    n = self._trips(comp, rest, defs, loops)
+                    flops += n * total(_attr(rest, "body"), depth + 1)
+                elif op == "conditional":
+                    branches = re.findall(r"%([\w.\-]+)", _attr(rest, "branch_computations") or "")
+                    flops += max((total(b, depth + 1) for b in branches), default=0.0)
+            memo[comp] = flops
+            return flops
+
+        return total(self.entry) if self.entry else 0.0
+
+    def seconds(self, peak: float, bandwidth: float, loops: bool = True) -> float:
+        memo: dict = {}
+        flop_memo: dict = {}
+
+        def fused_flops(comp: str) -> float:
+            if comp not in flop_memo:
+                instrs = self.comps.get(comp, [])
+                shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
+                f = 0.0
+                for _n, r, op, rest in instrs:
+                    if op in ("dot", "convolution"):
+                        f += _dot_flops(r, op, rest, shapes)
+                    elif op == "fusion":
+                        f += fused_flops(_attr(rest, "calls") or "")
+                flop_memo[comp] = f
+            return flop_memo[comp]
+
+        def total(comp: str, depth: int = 0) -> float:
+            if comp in memo or depth > 64:
+                return memo.get(comp, 0.0)
+            instrs = self.comps.get(comp, [])
+            shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
+            defs = self._defs(comp)
+            size = {n: type_bytes(r) for n, r, _, _ in instrs}
+            secs = 0.0
+            for _name, result, op, rest in instrs:
+                if op in _FREE or op.endswith("-done"):
+                    continue
+                ops = [o for o in _operands(rest) if o in size]
+                if op == "while":
+                    n = self._trips(comp, rest, defs, loops)
+                    secs += n * total(_attr(rest, "body"), depth + 1)
+                    continue
+                if op == "call":
+                    secs += total(_attr(rest, "to_apply") or _attr(rest, "calls") or "", depth + 1)
+                    continue
+                if op == "conditional":
+                    branches = re.findall(r"%([\w.\-]+)", _attr(rest, "branch_computations") or "")
+                    secs += max((total(b, depth + 1) for b in branches), default=0.0)
+                    continue
+                flops, moved = 0.0, None
+                if op in ("dot", "convolution"):
+                    flops = _dot_flops(result, op, rest, shapes)
+                elif op == "fusion":
+                    callee = _attr(rest, "calls") or ""
+                    flops = fused_flops(callee)
+                    reads, written = self._fusion(callee)
+                    moved = written if written is not None else size.get(_name, 0.0)
+                    for i, o in enumerate(_operands(rest)):
+                        if o in size:
+                            r = reads.get(i)
+                            moved += size[o] if r is None else min(r, size[o])
+                elif op in _SLICES:
+                    moved = 2 * size.get(_name, 0.0)
+                elif op == "dynamic-update-slice":
+                    moved = 2 * (size[ops[1]] if len(ops) > 1 else 0.0)
+                elif op in ("copy", "copy-start"):
+                    moved = 2 * (size[ops[0]] if ops else 0.0)
+                if moved is None:
+                    moved = size.get(_name, 0.0) + sum(size[o] for o in ops)
+                secs += max(flops / peak, moved / bandwidth)
+            memo[comp] = secs
+            return secs
+
+        return total(self.entry) if self.entry else 0.0
+
+
 def matmul_flops(text: str, loops: bool = True) -> float:
     """Dot/convolution FLOPs of the module's entry computation, loop bodies times their trip
     count (`loops`), or once each (`loops=False`, what XLA's cost analysis assumes)."""
-    comps = _parse(text)
-    entry = None
-    for line in text.splitlines():
-        if line.lstrip().startswith("ENTRY"):
-            entry = _HEADER.match(line).group(1)
-            break
-    memo = {}
-
-    def total(comp: str, depth: int = 0) -> float:
-        if comp in memo or depth > 64:
-            return memo.get(comp, 0.0)
-        instrs = comps.get(comp, [])
-        shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
-        defs = {n: (r, o, rest) for n, r, o, rest in instrs}
-        flops = 0.0
-        for _name, result, op, rest in instrs:
-            if op in ("dot", "convolution"):
-                flops += _dot_flops(result, op, rest, shapes)
-            elif op == "fusion" or op == "call":
-                callee = _attr(rest, "calls") or _attr(rest, "to_apply")
-                if callee:
-                    flops += total(callee, depth + 1)
-            elif op == "while":
-                body, cond = _attr(rest, "body"), _attr(rest, "condition")
-                init = _operands(rest)[0] if _operands(rest) else ""
-                tup = _operands(defs[init][2]) if init in defs and defs[init][1] == "tuple" else []
-                n = _trip_count(comps, cond, body, tup, defs) if loops else 1
-                flops += n * total(body, depth + 1)
-            elif op == "conditional":
-                branches = re.findall(r"%([\w.\-]+)", (_attr(rest, "branch_computations") or ""))
-                flops += max((total(b, depth + 1) for b in branches), default=0.0)
-        memo[comp] = flops
-        return flops
-
-    return total(entry) if entry else 0.0
+    return _Module(text).flops(loops)
 
 
-def loop_factor(text: str) -> float:
-    """How many times more matmul FLOPs the module runs than XLA's cost analysis counts (>= 1;
-    1 without loops or where no matmul is found)."""
-    once = matmul_flops(text, loops=False)
-    return max(1.0, matmul_flops(text) / once) if once else 1.0
+def loop_factor(text: str, peak: float, bandwidth: float) -> float:
+    """How many times longer the module runs than with each loop body run once (what XLA's
+    cost analysis prices), by a roofline over its instructions: each at the larger of its
+    FLOPs over `peak` and its HBM bytes over `bandwidth`, loop bodies times their trip count.
+    Work outside the loops (an optimizer update, a gather of the LM head) counts once, at its
+    own cost, not scaled with the loops' matmuls. >= 1; 1 without loops."""
+    m = _Module(text)
+    once = m.seconds(peak, bandwidth, loops=False)
+    return max(1.0, m.seconds(peak, bandwidth) / once) if once else 1.0

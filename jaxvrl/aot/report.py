@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from jaxvrl.aot.loops import loop_factor, matmul_flops
+from jaxvrl.aot.loops import DTYPE_BYTES, loop_factor, matmul_flops
 
 GiB = 2**30
 FIT_FRACTION = 1.0  # of HBM; the compiler's own figures already include its reserves
@@ -48,8 +48,9 @@ class Report:
     breakdown: dict  # argument bytes per device by part (params, optimizer, batch, ...)
     bound_s: float | None = None  # decode step: weights + cache bytes over HBM bandwidth
     error: str | None = None  # the compiler's refusal (out of HBM)
-    # matmul FLOPs with loop bodies counted per iteration, over those counted once (XLA's
-    # cost analysis prices a loop body once: micro-batches, decode steps)
+    # the program's time with loop bodies run as often as they do over its time with each run
+    # once (what XLA's cost analysis prices: micro-batches, scanned layers, decode steps), by
+    # a roofline over its instructions (`loops.loop_factor`)
     loop_factor: float = 1.0
     matmul_flops: float = 0.0  # per device, loops counted
     decode_steps: int = 0  # sampler: estimate = prefill + this many decode steps
@@ -70,11 +71,6 @@ class Report:
 
 
 # ----------------------------------------------------------------------------- analysis
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1,
-}  # fmt: skip
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\w+)\[([\d,]*)\][^ ]*\s+([\w\-]+)\(")
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -98,10 +94,10 @@ def largest_arrays(hlo_text: str, k: int = 5) -> list[tuple[str, int, str]]:
         if comp in fused:
             continue
         m = _INSTR.match(line)
-        if not m or m.group(3) in _NO_BUFFER or m.group(1) not in _DTYPE_BYTES:
+        if not m or m.group(3) in _NO_BUFFER or m.group(1) not in DTYPE_BYTES:
             continue
         dims = [int(d) for d in m.group(2).split(",") if d]
-        size = int(math.prod(dims) * _DTYPE_BYTES[m.group(1)])
+        size = int(math.prod(dims) * DTYPE_BYTES[m.group(1)])
         shape = f"{m.group(1)}[{m.group(2)}]"
         if size > out.get(shape, (0, ""))[0]:
             out[shape] = (size, m.group(3))
@@ -193,8 +189,8 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
     mem = compiled.memory_analysis()
     cost = _cost(compiled)
     text = compiled.as_text()
-    # XLA prices each loop body once: scale its figures by the loops' real matmul work
-    factor = loop_factor(text)
+    # XLA prices each loop body once: scale its time by the loops' trip counts
+    factor = loop_factor(text, T.peak_flops(chip_slice), T.bandwidth(chip_slice))
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
     optimal = float(cost.get("optimal_seconds", -1.0))
@@ -261,8 +257,8 @@ def format_report(r: Report) -> str:
     how = "cost model" if r.optimal_s else "roofline of FLOPs and bytes: unpriced by the cost model"
     lines.append(
         f"  XLA cost analysis (each loop body once): {r.flops:.3e} FLOPs, "
-        f"{r.bytes_accessed:.3e} bytes accessed per device; matmul FLOPs with loops counted "
-        f"{r.matmul_flops:.3e} ({r.loop_factor:.2f}x those counted once)"
+        f"{r.bytes_accessed:.3e} bytes accessed per device; with loops counted: matmul FLOPs "
+        f"{r.matmul_flops:.3e}, time {r.loop_factor:.2f}x (roofline per instruction)"
     )
     if r.decode_steps:
         how = f"the program once, plus {r.decode_steps - 1} more decode steps at decode_step's estimate"

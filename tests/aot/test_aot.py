@@ -294,5 +294,41 @@ def test_matmul_flops_count_loop_bodies_per_iteration(i):
     text = compiled.as_text()
     assert loops.matmul_flops(text) == want
     once = rep._cost(compiled)["flops"]
-    assert loops.loop_factor(text) == pytest.approx(want / loops.matmul_flops(text, loops=False))
     assert once < 1.01 * loops.matmul_flops(text, loops=False) + 1e7  # what XLA prices
+
+
+def test_loop_factor_prices_work_outside_loops_once():
+    """A scan over stacked weights beside a large elementwise update (an optimizer's shape of
+    work): the cost model's time for the scanned program times the loop factor is the cost
+    model's time for the same program unrolled, where scaling the whole time by the matmul
+    FLOPs' factor (10) would count the update ten times."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    chip = T.parse("v5e-1")
+    mesh = Mesh(np.array(T.tpu_devices(chip)), ("d",))
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    def program(unroll):
+        def f(ws, x, big):
+            step = lambda h, w: (jnp.tanh(h @ w), None)  # noqa: E731
+            return jax.lax.scan(step, x, ws, unroll=unroll)[0], big * 0.9 + 1.0
+
+        return f
+
+    args = (sds((10, 1024, 1024), jnp.bfloat16), sds((1024, 1024), jnp.bfloat16))
+    args += (sds((32 * 2**20,), jnp.float32),)
+    seconds, factors = {}, {}
+    for name, unroll in (("scan", 1), ("unrolled", True)):
+        compiled = jax.jit(program(unroll)).lower(*args).compile()
+        text = compiled.as_text()
+        seconds[name] = rep._cost(compiled)["optimal_seconds"]
+        factors[name] = loops.loop_factor(text, T.peak_flops(chip), T.bandwidth(chip))
+        flops_factor = loops.matmul_flops(text) / loops.matmul_flops(text, loops=False)
+        if name == "scan":
+            assert flops_factor == 10  # the matmuls run 10 times, the update once
+    assert factors["unrolled"] == 1.0
+    estimate = seconds["scan"] * factors["scan"]
+    assert estimate == pytest.approx(seconds["unrolled"], rel=0.15)
+    assert seconds["scan"] * 10 > 3 * seconds["unrolled"]  # what the FLOP factor would say
