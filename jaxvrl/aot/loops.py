@@ -66,7 +66,7 @@ def _operands(rest: str) -> list[str]:
 
 def _attr(rest: str, key: str) -> str | None:
     """An attribute's value: a name (`calls=%f`), a word (`direction=LT`), a `{...}` list."""
-    m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.]+(?:->\w+)?|%?[\w.\-]+)", rest)
+    m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.]+(?:-[\w.]+)*)", rest)
     return m.group(1).lstrip("%") if m else None
 
 
@@ -365,6 +365,45 @@ class _Module:
             return secs
 
         return total(self.entry) if self.entry else 0.0
+
+    def collectives(self, loops: bool = True) -> dict[tuple[str, str], int]:
+        """{(op, result array type): times run} of the module's cross-device collectives
+        (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute; an
+        asynchronous pair counted once), loop bodies times their trip counts (`loops`)."""
+        counts: dict[tuple[str, str], int] = {}
+
+        def walk(comp: str, times: int, depth: int = 0) -> None:
+            if depth > 64:
+                return
+            defs = self._defs(comp)
+            for _n, result, op, rest in self.comps.get(comp, []):
+                kind = op.removesuffix("-start")
+                if kind in COLLECTIVES:
+                    arrays = _ARRAY.findall(result)
+                    # an asynchronous start's tuple holds its operand, then its result
+                    t, dims = arrays[-1] if op.endswith("-start") else arrays[0]
+                    key = (kind, f"{t}[{dims}]")
+                    counts[key] = counts.get(key, 0) + times
+                elif op == "while":
+                    n = self._trips(comp, rest, defs, loops)
+                    walk(_attr(rest, "body"), times * n, depth + 1)
+                elif op in ("call", "fusion"):  # a fusion may wrap one (all-reduce-scatter)
+                    walk(_attr(rest, "to_apply") or _attr(rest, "calls") or "", times, depth + 1)
+                elif op == "conditional":
+                    for b in re.findall(r"%([\w.\-]+)", _attr(rest, "branch_computations") or ""):
+                        walk(b, times, depth + 1)
+
+        if self.entry:
+            walk(self.entry, 1)
+        return counts
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(text: str, loops: bool = True) -> dict[tuple[str, str], int]:
+    """{(op, result array type): times run} of an optimized HLO module (`_Module.collectives`)."""
+    return _Module(text).collectives(loops)
 
 
 def matmul_flops(text: str, loops: bool = True) -> float:

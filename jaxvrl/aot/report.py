@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from jaxvrl.aot.loops import DTYPE_BYTES, loop_factor, matmul_flops
+from jaxvrl.aot.loops import DTYPE_BYTES, collectives, loop_factor, matmul_flops, type_bytes
 
 GiB = 2**30
 FIT_FRACTION = 1.0  # of HBM; the compiler's own figures already include its reserves
@@ -54,6 +54,9 @@ class Report:
     loop_factor: float = 1.0
     matmul_flops: float = 0.0  # per device, loops counted
     decode_steps: int = 0  # sampler: estimate = prefill + this many decode steps
+    # cross-device collectives the program runs, loops counted: {op: [times, bytes moved]}
+    # (bytes: each one's result, per device)
+    collectives: dict = dataclasses.field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -215,9 +218,19 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
         largest=largest_arrays(text),
         loop_factor=factor,
         matmul_flops=matmul_flops(text),
+        collectives=collectives_by_op(text),
         breakdown=breakdown,
         bound_s=bound_s,
     )
+
+
+def collectives_by_op(text: str) -> dict:
+    """{op: [times run, bytes of their results]} of an optimized HLO module, loops counted."""
+    out: dict = {}
+    for (op, shape), n in sorted(collectives(text).items()):
+        times, moved = out.get(op, (0, 0))
+        out[op] = [times + n, int(moved + n * type_bytes(shape))]
+    return out
 
 
 def with_decode_steps(sampler: Report, decode: Report, steps: int, chip_slice) -> Report:
@@ -273,6 +286,9 @@ def format_report(r: Report) -> str:
             f"  HBM-bandwidth bound (weights + KV cache read once): {r.bound_s * 1e3:.3f} ms; "
             f"estimate / bound = {r.estimate_s / r.bound_s:.2f}"
         )
+    if r.collectives:
+        runs = ", ".join(f"{op} {n} x ({_gib(b)})" for op, (n, b) in r.collectives.items())
+        lines.append(f"  collectives run (loops counted; bytes of their results): {runs}")
     big = "; ".join(f"{s} {_gib(b)} ({o})" for s, b, o in r.largest)
     lines.append(f"  largest arrays: {big}")
     return "\n".join(lines)

@@ -201,6 +201,17 @@ def row_shards(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def row_axes(rows: int) -> tuple[str, ...]:
+    """The mesh axes that split `rows` under the mesh the program is traced for (`jax.set_mesh`
+    / `use_abstract_mesh`): (data, fsdp) where larger than 1; () without a mesh, or where
+    they do not divide the rows."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return ()
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
 def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
     """Rows split over (data, fsdp); every other dimension replicated."""
     spec = [None] * ndim

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
 from jaxvrl.models.qwen2_5_vl import VisionInputs
+from jaxvrl.parallel.sharding import row_axes
 
 # CLIP normalisation used by the Qwen2-VL image processor: black = (0 - mean) / std.
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -116,11 +118,38 @@ def completion_logprobs(
     [B, N, D], equal to log_softmax(model.logits(hidden) / temperature) at the tokens and its
     entropy (`rl.token_entropy`).
 
-    The vocabulary projection runs over chunks of `chunk` tokens (0: `head_chunk`) in a
-    `lax.scan`, each under `jax.checkpoint`, so no [B, N, V] array exists in the forward or
-    the backward pass; one log-sum-exp serves both outputs. entropy: "none" | "value"
-    (no gradient flows through it) | "grad".
+    The vocabulary projection runs over chunks of `chunk` tokens (0: `head_chunk` of the rows
+    one device holds) in a `lax.scan`, each under `jax.checkpoint`, so no [B, N, V] array
+    exists in the forward or the backward pass; one log-sum-exp serves both outputs. entropy:
+    "none" | "value" (no gradient flows through it) | "grad".
+
+    Under a mesh whose row axes (data, fsdp) split the rows, the chunks run per device
+    (`shard_map` over those axes): the head's weights are gathered once, before the loop,
+    and their gradient summed over the row axes once, after it, where the compiler would
+    otherwise gather the whole head and all-reduce its gradient in every chunk.
     """
+    axes = row_axes(hidden.shape[0])
+    if not axes:
+        return _chunked_logprobs(model, model.head, hidden, tokens, temperature, entropy, chunk)
+    graphdef, head = nnx.split(model.head)
+    rows = PartitionSpec(axes)
+
+    def local(head, hidden, tokens):
+        out = _chunked_logprobs(
+            model, nnx.merge(graphdef, head), hidden, tokens, temperature, entropy, chunk
+        )
+        return out if entropy != "none" else (out[0], jnp.zeros((0,), jnp.float32))
+
+    logp, ent = jax.shard_map(
+        local,
+        in_specs=(PartitionSpec(), rows, rows),
+        out_specs=(rows, rows if entropy != "none" else PartitionSpec()),
+        axis_names=set(axes),
+    )(head, hidden, tokens)
+    return logp, None if entropy == "none" else ent
+
+
+def _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk):
     b, n, d = hidden.shape
     inv_t = 1.0 / max(temperature, 1e-6)
     k = chunk or head_chunk(b, n, model.config.text.vocab_size)
@@ -130,7 +159,7 @@ def completion_logprobs(
     ts = jnp.pad(tokens, ((0, 0), (0, pad))).reshape(b, c, k).swapaxes(0, 1)
 
     def one(h, t):
-        z = model.logits(h) * inv_t  # float32[B, k, V]
+        z = model.logits(h, head) * inv_t  # float32[B, k, V]
         lse = jax.nn.logsumexp(z, axis=-1)
         logp = jnp.take_along_axis(z, t[..., None], axis=-1)[..., 0] - lse
         if entropy == "none":

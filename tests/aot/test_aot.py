@@ -332,3 +332,40 @@ def test_loop_factor_prices_work_outside_loops_once():
     estimate = seconds["scan"] * factors["scan"]
     assert estimate == pytest.approx(seconds["unrolled"], rel=0.15)
     assert seconds["scan"] * 10 > 3 * seconds["unrolled"]  # what the FLOP factor would say
+
+
+def test_the_head_is_gathered_once_per_pass_not_per_chunk(tmp_path):
+    """The chunked log-probs' loop over token chunks, compiled for 4 TPU chips with the head
+    split over fsdp: its weights are all-gathered once and their gradient reduced once (the
+    compiler gathered and all-reduced them in every chunk: 16 each here)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxvrl.models import qwen2_5_vl as q
+    from jaxvrl.parallel import sharding as S
+    from jaxvrl.trainer.policy import completion_logprobs
+    from tests.models import hf_tiny
+
+    hf_tiny.build(tmp_path, seed=1)
+    model = q.load(tmp_path)
+    graphdef, params = nnx.split(model, nnx.Param)
+    mesh = S.make_mesh(fsdp=4, devices=T.tpu_devices(T.parse("v5e-4")))
+    shardings = S.param_shardings(params, mesh)
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+    )
+    b, n, d, v = 8, 64, model.config.text.hidden_size, model.config.text.vocab_size
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    hidden = jax.ShapeDtypeStruct((b, n, d), jnp.float32, sharding=rows)
+    tokens = jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=rows)
+
+    def loss(p, h, t):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            m = nnx.merge(graphdef, p)
+            lp, _ = completion_logprobs(m, h, t, 1.0, entropy="value", chunk=4)
+        return jnp.sum(lp)
+
+    step = jax.jit(jax.grad(loss), out_shardings=shardings)
+    text = step.lower(params, hidden, tokens).compile().as_text()
+    head = {k: c for k, c in loops.collectives(text).items() if k[1].endswith(f"[{d},{v}]")}
+    assert head and all(c == 1 for c in head.values()), head
+    assert {op for op, _ in head} == {"all-gather", "all-reduce"}

@@ -76,3 +76,59 @@ def test_head_chunk_bounds_the_logits_chunk():
     assert head_chunk(16, 64, 151936) == 10  # 16 x 10 x 151936 x 4 B ~ 93 MiB
     assert head_chunk(1, 5, 1000) == 5  # never more than the completion
     assert head_chunk(4096, 64, 151936) == 1
+
+
+def test_chunks_per_device_on_a_mesh_equal_one_device():
+    """Under a mesh splitting the rows (fsdp 4; data 2 x fsdp 2), the chunked head runs per
+    device with its weights gathered once: log-probs, entropies and gradients (params and
+    hidden) equal the one-device computation, untied and tied heads."""
+    from tests.parallel.common import run_with_devices
+
+    out = run_with_devices(
+        """
+        import tempfile
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxvrl.models import qwen2_5_vl as q
+        from jaxvrl.parallel import sharding as S
+        from jaxvrl.trainer.policy import completion_logprobs
+        from tests.models import hf_tiny as T
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+        for tie in (False, True):
+            path = tempfile.mkdtemp()
+            T.build(path, seed=3, tie=tie)
+            model = q.load(path)
+            graphdef, params = nnx.split(model, nnx.Param)
+            rng = np.random.default_rng(1)
+            b, n, d = 8, 9, model.config.text.hidden_size
+            hidden = jnp.asarray(rng.normal(size=(b, n, d)), jnp.float32)
+            tokens = jnp.asarray(rng.integers(0, model.config.text.vocab_size, (b, n)), jnp.int32)
+            w1, w2 = (jnp.asarray(rng.normal(size=(b, n)), jnp.float32) for _ in range(2))
+
+            def loss(p, h):
+                lp, ent = completion_logprobs(nnx.merge(graphdef, p), h, tokens, 1.3,
+                                              entropy="grad", chunk=2)
+                return jnp.sum(w1 * lp + w2 * ent), (lp, ent)
+
+            want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, hidden)
+            for sizes in (dict(fsdp=4), dict(data=2, fsdp=2)):
+                mesh = S.make_mesh(**sizes, devices=jax.devices()[:4])
+
+                def on_mesh(p, h):
+                    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                        assert S.row_axes(b) == tuple(sizes)  # the per-device path
+                        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, h)
+
+                assert S.row_axes(b) == ()  # no mesh here
+                p = jax.device_put(params, S.param_shardings(params, mesh))
+                h = jax.device_put(hidden, S.batch_sharding(mesh, 3))
+                got = jax.jit(on_mesh)(p, h)
+                for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
+                print("ok", tie, sizes)
+        """,
+        n=4,
+    )
+    assert out.count("ok") == 4, out

@@ -115,12 +115,16 @@ class Qwen2_5_VL(nnx.Module):
             x = jnp.where(is_pad[..., None], picked, x)
         return x
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32[..., V] from final hidden states."""
-        if self.config.tie_word_embeddings:
-            out = self.model.embed_tokens.attend(hidden)
-        else:
-            out = self.lm_head(hidden)
+    @property
+    def head(self) -> nnx.Module:
+        """The vocabulary projection: `lm_head`, or the token embedding when tied."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+
+    def logits(self, hidden: jax.Array, head: nnx.Module | None = None) -> jax.Array:
+        """float32[..., V] from final hidden states, through `head` (default: `self.head`; a
+        copy of it, e.g. gathered once outside a loop over token chunks)."""
+        head = self.head if head is None else head
+        out = head.attend(hidden) if self.config.tie_word_embeddings else head(hidden)
         return out.astype(jnp.float32)
 
     def forward(
