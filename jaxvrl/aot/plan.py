@@ -311,7 +311,14 @@ class Plan:
         )
         state = _with_shardings(state, self.mesh, self.rows)
         start = _with_shardings(np.zeros((self.rows,), np.int32), self.mesh, self.rows)
+        # as the sampler's loop reads them: cast once to the compute dtype before the loop
         params = self.init.state.params
+        cast = jax.eval_shape(
+            functools.partial(sampler_lib.compute_params, self.init.model_graphdef), params
+        )
+        params = jax.tree.map(
+            lambda x, c: jax.ShapeDtypeStruct(x.shape, c.dtype, sharding=x.sharding), params, cast
+        )
         fn = jax.jit(functools.partial(sampler_lib.decode_step, self.init.model_graphdef, cfg=cfg))
 
         def lower():

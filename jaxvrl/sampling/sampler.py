@@ -127,6 +127,27 @@ def _pick(logits, keys, index, cfg: SamplingConfig):
     return tok, rules.token_logprob(x, tok, 1.0, masked)
 
 
+# quantized weights (QLoRA): dequantized in their own dtype before the cast, left as stored
+_STORED = ("qvalue", "scale", "zero_point")
+
+
+def compute_params(graphdef, params):
+    """`params` with every floating leaf the model casts to its compute dtype where it uses
+    it (kernels, embeddings, biases, norms' weights, LoRA adapters) cast to that dtype once:
+    the same numbers at every use, read at half the bytes when float32 master weights serve
+    a bfloat16 model. Called inside the jitted sampler, so the copy lives for one call; a
+    no-op where the parameters are stored in the compute dtype."""
+    dtype = jnp.dtype(nnx.merge(graphdef, params).dtype)
+
+    def cast(path, x):
+        name = sharding.leaf_name(path)
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+            return x
+        return x if name.rsplit(".", 1)[-1] in _STORED else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def sample(
     graphdef,
     params,
@@ -160,7 +181,7 @@ def sample(
     already repeated (B = R, each prompt's G rows adjacent) and each is prefilled: the same
     rows and per-row keys (`row_keys`), so the same tokens, at G times the prefill's cost.
     """
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, compute_params(graphdef, params))
     rows, t = input_ids.shape
     g, n = num_samples, cfg.max_new_tokens
     expand = g if prefill_once else 1
@@ -269,8 +290,10 @@ def abstract_loop_state(model_config, rows: int, prompt_len: int, cfg: SamplingC
 def decode_step(graphdef, params, state: dict, start, rng, *, cfg: SamplingConfig) -> dict:
     """One decode step of `sample`'s loop as a program of its own (feed a token, write the
     cache, pick the next), with the stored weights: for pricing a step ahead of time
-    (`jaxvrl.aot`); `sample` runs the same `_decode_step` inside its loop."""
-    model = nnx.merge(graphdef, params)
+    (`jaxvrl.aot`); `sample` runs the same `_decode_step` inside its loop, on the parameters
+    cast once to the compute dtype (`compute_params`: give them so cast, as the loop reads
+    them)."""
+    model = nnx.merge(graphdef, compute_params(graphdef, params))
     stored = dataclasses.replace(cfg, decode_layout="model")
     rows = state["done"].shape[0]
     forms = _decode_forms(model, stored, rows, None)
