@@ -15,7 +15,7 @@ abstract devices, and compiles with the XLA TPU compiler (`libtpu`, `pip install
 
 For each it prints the compile time, HBM per device against the chip's, the XLA cost model's
 FLOPs and time (scaled for loop trip counts), the model FLOP utilisation that time implies,
-and the largest arrays; a last line holds the same numbers as JSON. Exit status 1 when a
+the collectives it runs (loops counted) and the largest arrays; a last line holds the same numbers as JSON. Exit status 1 when a
 program does not fit (with the knobs that help), 2 for a bad argument or no TPU compiler.
 
 Flags besides --config: --topology=NAME (a Cloud TPU accelerator type: v4-8, v5e-16 or
@@ -90,16 +90,15 @@ def main(argv=None) -> int:
     jobs = max(1, min(len(programs), int(ours.get("jobs", os.cpu_count() or 1))))
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         reports = list(pool.map(plan.compile, programs))
-    for r in reports:
-        print(format_report(r), flush=True)
     by_name = {r.name: r for r in reports}
     if "sampler" in by_name and "decode_step" in by_name and not by_name["sampler"].error:
+        # the sampler's program prices its decode loop's body once: priced as its prefill
+        # plus every decode step at the decode step's estimate
         steps = plan.c.rollout.max_new_tokens
         r = with_decode_steps(by_name["sampler"], by_name["decode_step"], steps, plan.slice)
         reports[reports.index(by_name["sampler"])] = r
-        print(
-            f"sampler with {steps} decode steps: estimated {r.estimate_s * 1e3:.1f} ms, MFU {100 * r.mfu:.1f}%"
-        )
+    for r in reports:
+        print(format_report(r), flush=True)
     failed = [r.name for r in reports if not r.fits]
     suggestion = None
     if failed:
