@@ -15,8 +15,9 @@ abstract devices, and compiles with the XLA TPU compiler (`libtpu`, `pip install
 
 For each it prints the compile time, HBM per device against the chip's, the XLA cost model's
 FLOPs and time (scaled for loop trip counts), the model FLOP utilisation that time implies,
-the collectives it runs (loops counted) and the largest arrays; a last line holds the same numbers as JSON. Exit status 1 when a
-program does not fit (with the knobs that help), 2 for a bad argument or no TPU compiler.
+the collectives it runs (loops counted) and the largest arrays; a last line holds the same
+numbers as JSON. Exit status 1 when a program does not fit (with the knobs that help), 2 for
+a bad argument or no TPU compiler.
 
 Flags besides --config: --topology=NAME (a Cloud TPU accelerator type: v4-8, v5e-16 or
 v5litepod-16, v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step (a subset),
