@@ -155,10 +155,10 @@ def _trip_count(comps, cond: str, body: str, init_tuple: list[str], defs: dict) 
             step = _step(comps, body, i)
             start = _constant_value(init_tuple[i], defs) if i < len(init_tuple) else None
             if not step or step <= 0 or start is None or consts[b] is None:
-                return 1
+                return None
             bound = consts[b] + (1 if direction == "LE" else 0)
             return max(1, -(-(bound - start) // step))
-    return 1
+    return None
 
 
 def _constant_value(name: str, defs: dict):
@@ -264,13 +264,16 @@ class _Module:
         self._fusions[callee] = out
         return out
 
-    def _trips(self, comp: str, rest: str, defs: dict, loops: bool) -> int:
+    def _trips(self, comp: str, rest: str, defs: dict, loops: bool, unread: int = 1) -> int:
+        """A while loop's trip count (1 without `loops`); `unread` where the program does not
+        say it (a loop that runs until a condition on data holds)."""
         if not loops:
             return 1
         body, cond = _attr(rest, "body"), _attr(rest, "condition")
         init = _operands(rest)[0] if _operands(rest) else ""
         tup = _operands(defs[init][2]) if init in defs and defs[init][1] == "tuple" else []
-        return _trip_count(self.comps, cond, body, tup, defs)
+        n = _trip_count(self.comps, cond, body, tup, defs)
+        return unread if n is None else n
 
     def flops(self, loops: bool = True) -> float:
         memo: dict = {}
@@ -300,7 +303,7 @@ class _Module:
 
         return total(self.entry) if self.entry else 0.0
 
-    def seconds(self, peak: float, bandwidth: float, loops: bool = True) -> float:
+    def seconds(self, peak: float, bandwidth: float, loops: bool = True, unread: int = 1) -> float:
         memo: dict = {}
         flop_memo: dict = {}
 
@@ -330,7 +333,7 @@ class _Module:
                     continue
                 ops = [o for o in _operands(rest) if o in size]
                 if op == "while":
-                    n = self._trips(comp, rest, defs, loops)
+                    n = self._trips(comp, rest, defs, loops, unread)
                     secs += n * total(_attr(rest, "body"), depth + 1)
                     continue
                 if op == "call":
@@ -412,12 +415,17 @@ def matmul_flops(text: str, loops: bool = True) -> float:
     return _Module(text).flops(loops)
 
 
-def loop_factor(text: str, peak: float, bandwidth: float) -> float:
+def loop_factor(text: str, peak: float, bandwidth: float, unread: int = 1) -> float:
     """How many times longer the module runs than with each loop body run once (what XLA's
     cost analysis prices), by a roofline over its instructions: each at the larger of its
     FLOPs over `peak` and its HBM bytes over `bandwidth`, loop bodies times their trip count.
     Work outside the loops (an optimizer update, a gather of the LM head) counts once, at its
-    own cost, not scaled with the loops' matmuls. >= 1; 1 without loops."""
+    own cost, not scaled with the loops' matmuls. A loop whose trip count the program does
+    not say (a sampler's decode loop, run until every row ends) counts `unread` times: 1 (the
+    default; the factor is then >= 1, and 1 without loops), or 0 to leave such loops out."""
     m = _Module(text)
     once = m.seconds(peak, bandwidth, loops=False)
-    return max(1.0, m.seconds(peak, bandwidth) / once) if once else 1.0
+    if not once:
+        return 1.0
+    ratio = m.seconds(peak, bandwidth, unread=unread) / once
+    return max(1.0, ratio) if unread else ratio

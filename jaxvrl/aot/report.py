@@ -57,6 +57,14 @@ class Report:
     # cross-device collectives the program runs, loops counted: {op: [times, bytes moved]}
     # (bytes: each one's result, per device)
     collectives: dict = dataclasses.field(default_factory=dict)
+    # the estimate with loops whose trip count the program does not say left out (the
+    # sampler's decode loop: what remains is its prefill)
+    fixed_s: float = 0.0
+    # sampler: its prefill, one decode step (the decode_step program's estimate) and that
+    # step's HBM-bandwidth bound; estimate_s = prefill_s + decode_steps x decode_step_s
+    prefill_s: float | None = None
+    decode_step_s: float | None = None
+    decode_bound_s: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -193,12 +201,14 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
     cost = _cost(compiled)
     text = compiled.as_text()
     # XLA prices each loop body once: scale its time by the loops' trip counts
-    factor = loop_factor(text, T.peak_flops(chip_slice), T.bandwidth(chip_slice))
+    peak, bandwidth = T.peak_flops(chip_slice), T.bandwidth(chip_slice)
+    factor = loop_factor(text, peak, bandwidth)
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
     optimal = float(cost.get("optimal_seconds", -1.0))
-    roofline = max(flops / T.peak_flops(chip_slice), accessed / T.bandwidth(chip_slice))
-    estimate = factor * (optimal if optimal > 0 else roofline)
+    roofline = max(flops / peak, accessed / bandwidth)
+    once = optimal if optimal > 0 else roofline
+    estimate = factor * once
     mfu = model_flops / (estimate * T.peak_flops(chip_slice)) if estimate > 0 else 0.0
     return Report(
         name=name,
@@ -219,6 +229,7 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
         loop_factor=factor,
         matmul_flops=matmul_flops(text),
         collectives=collectives_by_op(text),
+        fixed_s=once * loop_factor(text, peak, bandwidth, unread=0),
         breakdown=breakdown,
         bound_s=bound_s,
     )
@@ -234,15 +245,23 @@ def collectives_by_op(text: str) -> dict:
 
 
 def with_decode_steps(sampler: Report, decode: Report, steps: int, chip_slice) -> Report:
-    """The sampler's time as its prefill plus `steps` decode steps: XLA prices the program
-    with its decode loop's body once (one step), so add the other steps - 1 at the decode
-    step program's own estimate (every row running to max_new_tokens: the worst case)."""
+    """The sampler's time as its prefill plus `steps` decode steps: the decode loop runs
+    until every row ends, a trip count the program does not say, so the sampler's program is
+    priced without it (`fixed_s`: the prefill) and each decode step at the decode step
+    program's own estimate (every row running to max_new_tokens: the worst case)."""
     from jaxvrl.parallel import topology as T
 
-    once = sampler.estimate_s / sampler.loop_factor
-    estimate = once + (steps - 1) * decode.estimate_s
+    estimate = sampler.fixed_s + steps * decode.estimate_s
     mfu = sampler.model_flops / (estimate * T.peak_flops(chip_slice)) if estimate > 0 else 0.0
-    return dataclasses.replace(sampler, estimate_s=estimate, mfu=mfu, decode_steps=steps)
+    return dataclasses.replace(
+        sampler,
+        estimate_s=estimate,
+        mfu=mfu,
+        decode_steps=steps,
+        prefill_s=sampler.fixed_s,
+        decode_step_s=decode.estimate_s,
+        decode_bound_s=decode.bound_s,
+    )
 
 
 # ----------------------------------------------------------------------------- printing
@@ -274,7 +293,10 @@ def format_report(r: Report) -> str:
         f"{r.matmul_flops:.3e}, time {r.loop_factor:.2f}x (roofline per instruction)"
     )
     if r.decode_steps:
-        how = f"the program once, plus {r.decode_steps - 1} more decode steps at decode_step's estimate"
+        how = (
+            f"prefill {r.prefill_s * 1e3:.2f} ms, plus {r.decode_steps} decode steps at "
+            f"decode_step's estimate {r.decode_step_s * 1e3:.2f} ms"
+        )
     else:
         how = f"{how}, times {r.loop_factor:.2f}"
     lines.append(f"  estimated {r.estimate_s * 1e3:.2f} ms ({how})")

@@ -189,7 +189,12 @@ def test_tiny_model_compiles_for_a_tpu_slice(tiny_report):
     decode, sampler = r["programs"]["decode_step"], r["programs"]["sampler"]
     assert decode["bound_s"] > 0
     steps = sampler["decode_steps"]  # the sampler's time: its prefill and every decode step
-    assert steps == 8 and sampler["estimate_s"] > (steps - 1) * decode["estimate_s"]
+    assert steps == 8 and sampler["decode_step_s"] == decode["estimate_s"]
+    assert 0 < sampler["prefill_s"] == sampler["fixed_s"]
+    assert sampler["estimate_s"] == pytest.approx(
+        sampler["prefill_s"] + steps * decode["estimate_s"]
+    )
+    assert sampler["decode_bound_s"] == decode["bound_s"]
     # the VGR step scans over 2 policy updates after one pass over the batch's experience,
     # and the vision tower's blocked attention and the attention statistics' blocked pass
     # loop over blocks: XLA's count of one loop body is scaled up
@@ -329,6 +334,7 @@ def test_loop_factor_prices_work_outside_loops_once():
         if name == "scan":
             assert flops_factor == 10  # the matmuls run 10 times, the update once
     assert factors["unrolled"] == 1.0
+    assert loops.loop_factor(text, T.peak_flops(chip), T.bandwidth(chip), unread=0) == 1.0
     estimate = seconds["scan"] * factors["scan"]
     assert estimate == pytest.approx(seconds["unrolled"], rel=0.15)
     assert seconds["scan"] * 10 > 3 * seconds["unrolled"]  # what the FLOP factor would say
@@ -369,3 +375,27 @@ def test_the_head_is_gathered_once_per_pass_not_per_chunk(tmp_path):
     head = {k: c for k, c in loops.collectives(text).items() if k[1].endswith(f"[{d},{v}]")}
     assert head and all(c == 1 for c in head.values()), head
     assert {op for op, _ in head} == {"all-gather", "all-reduce"}
+
+
+def test_a_loop_of_unread_trip_count_can_be_left_out():
+    """A loop run until a condition on data holds (a sampler's decode loop) has no trip count
+    in the program: counted once by default, left out with unread=0, so what remains is the
+    work around it (the sampler's prefill)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    chip = T.parse("v5e-1")
+    mesh = Mesh(np.array(T.tpu_devices(chip)), ("d",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=rep)
+    n = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+
+    def f(x, n):
+        h = jnp.tanh(x @ x)  # before the loop: the "prefill"
+        body = lambda s: (jnp.tanh(s[0] @ x), s[1] + 1)  # noqa: E731
+        return jax.lax.while_loop(lambda s: s[1] < n, body, (h, 0))[0]
+
+    text = jax.jit(f).lower(x, n).compile().as_text()
+    peak, bw = T.peak_flops(chip), T.bandwidth(chip)
+    assert loops.loop_factor(text, peak, bw) == 1.0  # the loop's body counted once
+    left_out = loops.loop_factor(text, peak, bw, unread=0)
+    assert 0.3 < left_out < 0.7  # one matmul of the two priced once
