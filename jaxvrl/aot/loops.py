@@ -11,6 +11,7 @@ model's time can be scaled by how much of the work it left out (`loop_factor`).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -68,6 +69,11 @@ def _attr(rest: str, key: str) -> str | None:
     """An attribute's value: a name (`calls=%f`), a word (`direction=LT`), a `{...}` list."""
     m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.]+(?:-[\w.]+)*)", rest)
     return m.group(1).lstrip("%") if m else None
+
+
+def _branches(rest: str) -> list[str]:
+    """A conditional's branch computations."""
+    return re.findall(r"%([\w.\-]+)", _attr(rest, "branch_computations") or "")
 
 
 def _parse(text: str) -> dict[str, list[tuple]]:
@@ -275,50 +281,38 @@ class _Module:
         n = _trip_count(self.comps, cond, body, tup, defs)
         return unread if n is None else n
 
+    def _flops(self, comp: str, loops: bool, memo: dict, depth: int = 0) -> float:
+        """Matmul FLOPs of computation `comp` (fusions and calls inside it included), loop
+        bodies times their trip count (`loops`) or once."""
+        if comp in memo or depth > 64:
+            return memo.get(comp, 0.0)
+        instrs = self.comps.get(comp, [])
+        shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
+        defs = self._defs(comp)
+        flops = 0.0
+        for _name, result, op, rest in instrs:
+            if op in ("dot", "convolution"):
+                flops += _dot_flops(result, op, rest, shapes)
+            elif op in ("fusion", "call"):
+                callee = _attr(rest, "calls") or _attr(rest, "to_apply")
+                if callee:
+                    flops += self._flops(callee, loops, memo, depth + 1)
+            elif op == "while":
+                n = self._trips(comp, rest, defs, loops)
+                flops += n * self._flops(_attr(rest, "body"), loops, memo, depth + 1)
+            elif op == "conditional":
+                flops += max(
+                    (self._flops(b, loops, memo, depth + 1) for b in _branches(rest)), default=0.0
+                )
+        memo[comp] = flops
+        return flops
+
     def flops(self, loops: bool = True) -> float:
-        memo: dict = {}
-
-        def total(comp: str, depth: int = 0) -> float:
-            if comp in memo or depth > 64:
-                return memo.get(comp, 0.0)
-            instrs = self.comps.get(comp, [])
-            shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
-            defs = self._defs(comp)
-            flops = 0.0
-            for _name, result, op, rest in instrs:
-                if op in ("dot", "convolution"):
-                    flops += _dot_flops(result, op, rest, shapes)
-                elif op in ("fusion", "call"):
-                    callee = _attr(rest, "calls") or _attr(rest, "to_apply")
-                    if callee:
-                        flops += total(callee, depth + 1)
-                elif op == "while":
-                    n = self._trips(comp, rest, defs, loops)
-                    flops += n * total(_attr(rest, "body"), depth + 1)
-                elif op == "conditional":
-                    branches = re.findall(r"%([\w.\-]+)", _attr(rest, "branch_computations") or "")
-                    flops += max((total(b, depth + 1) for b in branches), default=0.0)
-            memo[comp] = flops
-            return flops
-
-        return total(self.entry) if self.entry else 0.0
+        return self._flops(self.entry, loops, {}) if self.entry else 0.0
 
     def seconds(self, peak: float, bandwidth: float, loops: bool = True, unread: int = 1) -> float:
         memo: dict = {}
-        flop_memo: dict = {}
-
-        def fused_flops(comp: str) -> float:
-            if comp not in flop_memo:
-                instrs = self.comps.get(comp, [])
-                shapes = {n: (_dims(r) or []) for n, r, _, _ in instrs}
-                f = 0.0
-                for _n, r, op, rest in instrs:
-                    if op in ("dot", "convolution"):
-                        f += _dot_flops(r, op, rest, shapes)
-                    elif op == "fusion":
-                        f += fused_flops(_attr(rest, "calls") or "")
-                flop_memo[comp] = f
-            return flop_memo[comp]
+        flop_memo: dict = {}  # fused computations' FLOPs (no loops inside a fusion)
 
         def total(comp: str, depth: int = 0) -> float:
             if comp in memo or depth > 64:
@@ -340,15 +334,14 @@ class _Module:
                     secs += total(_attr(rest, "to_apply") or _attr(rest, "calls") or "", depth + 1)
                     continue
                 if op == "conditional":
-                    branches = re.findall(r"%([\w.\-]+)", _attr(rest, "branch_computations") or "")
-                    secs += max((total(b, depth + 1) for b in branches), default=0.0)
+                    secs += max((total(b, depth + 1) for b in _branches(rest)), default=0.0)
                     continue
                 flops, moved = 0.0, None
                 if op in ("dot", "convolution"):
                     flops = _dot_flops(result, op, rest, shapes)
                 elif op == "fusion":
                     callee = _attr(rest, "calls") or ""
-                    flops = fused_flops(callee)
+                    flops = self._flops(callee, loops, flop_memo)
                     reads, written = self._fusion(callee)
                     moved = written if written is not None else size.get(_name, 0.0)
                     for i, o in enumerate(_operands(rest)):
@@ -393,7 +386,7 @@ class _Module:
                 elif op in ("call", "fusion"):  # a fusion may wrap one (all-reduce-scatter)
                     walk(_attr(rest, "to_apply") or _attr(rest, "calls") or "", times, depth + 1)
                 elif op == "conditional":
-                    for b in re.findall(r"%([\w.\-]+)", _attr(rest, "branch_computations") or ""):
+                    for b in _branches(rest):
                         walk(b, times, depth + 1)
 
         if self.entry:
@@ -401,18 +394,24 @@ class _Module:
         return counts
 
 
+@functools.lru_cache(maxsize=2)
+def _module(text: str) -> _Module:
+    """The parsed module of `text`, parsed once for the several figures read off it."""
+    return _Module(text)
+
+
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def collectives(text: str, loops: bool = True) -> dict[tuple[str, str], int]:
     """{(op, result array type): times run} of an optimized HLO module (`_Module.collectives`)."""
-    return _Module(text).collectives(loops)
+    return _module(text).collectives(loops)
 
 
 def matmul_flops(text: str, loops: bool = True) -> float:
     """Dot/convolution FLOPs of the module's entry computation, loop bodies times their trip
     count (`loops`), or once each (`loops=False`, what XLA's cost analysis assumes)."""
-    return _Module(text).flops(loops)
+    return _module(text).flops(loops)
 
 
 def loop_factor(text: str, peak: float, bandwidth: float, unread: int = 1) -> float:
@@ -423,7 +422,7 @@ def loop_factor(text: str, peak: float, bandwidth: float, unread: int = 1) -> fl
     own cost, not scaled with the loops' matmuls. A loop whose trip count the program does
     not say (a sampler's decode loop, run until every row ends) counts `unread` times: 1 (the
     default; the factor is then >= 1, and 1 without loops), or 0 to leave such loops out."""
-    m = _Module(text)
+    m = _module(text)
     once = m.seconds(peak, bandwidth, loops=False)
     if not once:
         return 1.0

@@ -209,7 +209,7 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
     roofline = max(flops / peak, accessed / bandwidth)
     once = optimal if optimal > 0 else roofline
     estimate = factor * once
-    mfu = model_flops / (estimate * T.peak_flops(chip_slice)) if estimate > 0 else 0.0
+    mfu = model_flops / (estimate * peak) if estimate > 0 else 0.0
     return Report(
         name=name,
         compile_s=compile_s,
