@@ -135,18 +135,12 @@ def completion_logprobs(
     rows = PartitionSpec(axes)
 
     def local(head, hidden, tokens):
-        out = _chunked_logprobs(
-            model, nnx.merge(graphdef, head), hidden, tokens, temperature, entropy, chunk
-        )
-        return out if entropy != "none" else (out[0], jnp.zeros((0,), jnp.float32))
+        head = nnx.merge(graphdef, head)
+        return _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk)
 
-    logp, ent = jax.shard_map(
-        local,
-        in_specs=(PartitionSpec(), rows, rows),
-        out_specs=(rows, rows if entropy != "none" else PartitionSpec()),
-        axis_names=set(axes),
+    return jax.shard_map(
+        local, in_specs=(PartitionSpec(), rows, rows), out_specs=rows, axis_names=set(axes)
     )(head, hidden, tokens)
-    return logp, None if entropy == "none" else ent
 
 
 def _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk):

@@ -127,6 +127,16 @@ def test_chunks_per_device_on_a_mesh_equal_one_device():
                 got = jax.jit(on_mesh)(p, h)
                 for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
+
+                def no_entropy(p, h):  # entropy "none": the log-probs alone come back
+                    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                        m = nnx.merge(graphdef, p)
+                        lp, ent = completion_logprobs(m, h, tokens, 1.3, chunk=2)
+                    assert ent is None
+                    return lp
+
+                lp = jax.jit(no_entropy)(p, h)
+                np.testing.assert_allclose(np.asarray(lp), np.asarray(want[0][1][0]), atol=2e-5, rtol=2e-5)
                 print("ok", tie, sizes)
         """,
         n=4,
