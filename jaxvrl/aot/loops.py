@@ -11,7 +11,6 @@ model's time can be scaled by how much of the work it left out (`loop_factor`).
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 
@@ -213,7 +212,7 @@ def _entry(text: str) -> str | None:
     return None
 
 
-class _Module:
+class Module:
     """An optimized HLO module's computations, walked with loop bodies counted once or per
     iteration: matmul FLOPs, and a roofline time (each instruction outside fusions at the
     larger of its FLOPs over the chip's peak and the bytes it reads and writes over the
@@ -394,27 +393,27 @@ class _Module:
         return counts
 
 
-@functools.lru_cache(maxsize=2)
-def _module(text: str) -> _Module:
-    """The parsed module of `text`, parsed once for the several figures read off it."""
-    return _Module(text)
-
-
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def collectives(text: str, loops: bool = True) -> dict[tuple[str, str], int]:
-    """{(op, result array type): times run} of an optimized HLO module (`_Module.collectives`)."""
-    return _module(text).collectives(loops)
+def _parsed(module: str | Module) -> Module:
+    """An optimized HLO module's text parsed, or a module already parsed (several figures
+    read off one module parse it once)."""
+    return module if isinstance(module, Module) else Module(module)
 
 
-def matmul_flops(text: str, loops: bool = True) -> float:
+def collectives(module: str | Module, loops: bool = True) -> dict[tuple[str, str], int]:
+    """{(op, result array type): times run} of an optimized HLO module (`Module.collectives`)."""
+    return _parsed(module).collectives(loops)
+
+
+def matmul_flops(module: str | Module, loops: bool = True) -> float:
     """Dot/convolution FLOPs of the module's entry computation, loop bodies times their trip
     count (`loops`), or once each (`loops=False`, what XLA's cost analysis assumes)."""
-    return _module(text).flops(loops)
+    return _parsed(module).flops(loops)
 
 
-def loop_factor(text: str, peak: float, bandwidth: float, unread: int = 1) -> float:
+def loop_factor(module: str | Module, peak: float, bandwidth: float, unread: int = 1) -> float:
     """How many times longer the module runs than with each loop body run once (what XLA's
     cost analysis prices), by a roofline over its instructions: each at the larger of its
     FLOPs over `peak` and its HBM bytes over `bandwidth`, loop bodies times their trip count.
@@ -422,7 +421,7 @@ def loop_factor(text: str, peak: float, bandwidth: float, unread: int = 1) -> fl
     own cost, not scaled with the loops' matmuls. A loop whose trip count the program does
     not say (a sampler's decode loop, run until every row ends) counts `unread` times: 1 (the
     default; the factor is then >= 1, and 1 without loops), or 0 to leave such loops out."""
-    m = _module(text)
+    m = _parsed(module)
     once = m.seconds(peak, bandwidth, loops=False)
     if not once:
         return 1.0

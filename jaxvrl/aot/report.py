@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from jaxvrl.aot.loops import DTYPE_BYTES, collectives, loop_factor, matmul_flops, type_bytes
+from jaxvrl.aot.loops import DTYPE_BYTES, Module, collectives, loop_factor, matmul_flops, type_bytes
 
 GiB = 2**30
 FIT_FRACTION = 1.0  # of HBM; the compiler's own figures already include its reserves
@@ -200,9 +200,10 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
     mem = compiled.memory_analysis()
     cost = _cost(compiled)
     text = compiled.as_text()
+    module = Module(text)  # parsed once for the figures below
     # XLA prices each loop body once: scale its time by the loops' trip counts
     peak, bandwidth = T.peak_flops(chip_slice), T.bandwidth(chip_slice)
-    factor = loop_factor(text, peak, bandwidth)
+    factor = loop_factor(module, peak, bandwidth)
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
     optimal = float(cost.get("optimal_seconds", -1.0))
@@ -227,18 +228,18 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
         mfu=mfu,
         largest=largest_arrays(text),
         loop_factor=factor,
-        matmul_flops=matmul_flops(text),
-        collectives=collectives_by_op(text),
-        fixed_s=once * loop_factor(text, peak, bandwidth, unread=0),
+        matmul_flops=matmul_flops(module),
+        collectives=collectives_by_op(module),
+        fixed_s=once * loop_factor(module, peak, bandwidth, unread=0),
         breakdown=breakdown,
         bound_s=bound_s,
     )
 
 
-def collectives_by_op(text: str) -> dict:
+def collectives_by_op(module: str | Module) -> dict:
     """{op: [times run, bytes of their results]} of an optimized HLO module, loops counted."""
     out: dict = {}
-    for (op, shape), n in sorted(collectives(text).items()):
+    for (op, shape), n in sorted(collectives(module).items()):
         times, moved = out.get(op, (0, 0))
         out[op] = [times + n, int(moved + n * type_bytes(shape))]
     return out
