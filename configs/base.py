@@ -104,6 +104,16 @@ def get_config(arg=None):
     c.rollout.temperature = 1.0  # sampling temperature; 0 = greedy
     c.rollout.top_p = 1.0  # nucleus sampling, in (0, 1]; 1 = off
     c.rollout.top_k = 0  # 0 = off
+    # The sampler's own layout over the same devices (docs/scaling.md#rollouts): the policy's
+    # weights are resharded and cast once per rollout phase (LoRA merged). tensor=1, data=-1:
+    # every device holds the whole model.
+    c.rollout.mesh = ml_collections.ConfigDict()
+    c.rollout.mesh.data = -1  # groups of devices splitting the rows; -1 = the rest
+    c.rollout.mesh.tensor = 0  # devices per group splitting heads, MLP, vocab; 0 = one host's
+    # compute dtype of sampling: auto (bfloat16 on accelerators, model.dtype on the CPU) |
+    # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from
+    # this dtype; recompute takes them from a pass in model.dtype.
+    c.rollout.dtype = "auto"
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.adv_estimator = "grpo"  # grpo | rloo | remax | reinforce_plus_plus | gae

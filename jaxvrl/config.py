@@ -33,6 +33,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat_policy": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
     "model.attention": ("auto", "xla", "flash", "splash", "cudnn"),
+    "rollout.dtype": ("auto", "float32", "bfloat16"),
     "algorithm.adv_estimator": ("grpo", "rloo", "remax", "reinforce_plus_plus", "gae"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),

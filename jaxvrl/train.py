@@ -47,7 +47,14 @@ from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn, reward_names
-from jaxvrl.sampling import Sampler, SamplingConfig, generation_config
+from jaxvrl.sampling import (
+    Sampler,
+    SamplingConfig,
+    generation_config,
+    rollout_dtype,
+    rollout_mesh,
+    rollout_sizes,
+)
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
@@ -192,12 +199,25 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
     )
 
 
+def rollout_layout(c, mesh) -> tuple:
+    """(mesh, dtype) the samplers run with: `rollout.mesh` over the devices of the training
+    mesh `mesh` and `rollout.dtype` resolved for them (None: model.dtype)."""
+    try:
+        rmesh = rollout_mesh(mesh, c.rollout.mesh.data, c.rollout.mesh.tensor)
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.mesh: {e}") from None
+    return rmesh, rollout_dtype(c.rollout.dtype, rmesh, c.model.dtype)
+
+
 def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     """-> (sampler, greedy): the rollout sampler and the greedy one for validation, for the
-    model graph `graph` (after init: with LoRA adapters) with config `mcfg`, run on `mesh`."""
+    model graph `graph` (after init: with LoRA adapters) with config `mcfg`, in the rollout
+    layout over the devices of the training mesh `mesh` (`rollout_layout`; None: one
+    device, the model's dtype)."""
     cfg = sampling_config(c, mcfg, tokenizer)
     greedy = dataclasses.replace(cfg, temperature=0.0)
-    return Sampler(graph, cfg, mesh), Sampler(graph, greedy, mesh)
+    rmesh, dtype = rollout_layout(c, mesh) if mesh is not None else (None, None)
+    return Sampler(graph, cfg, rmesh, dtype), Sampler(graph, greedy, rmesh, dtype)
 
 
 def make_rollout_phase(
@@ -331,6 +351,20 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
             f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
             "mesh.tensor"
         )
+    try:
+        sizes = rollout_sizes(
+            math.prod(mesh.shape.values()), processes, c.rollout.mesh.data, c.rollout.mesh.tensor
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.mesh: {e}") from None
+    rollout_rows = sizes["data"]
+    if (rows * processes) % rollout_rows:
+        raise ConfigError(
+            f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
+            f"({processes} processes) do not split evenly over the rollout's "
+            f"{rollout_rows} data groups (rollout.mesh.data): set rollout.mesh.data or "
+            "rollout.mesh.tensor so that they do"
+        )
     gbs = c.actor.global_batch_size
     if gbs is not None and (gbs < 1 or c.prompts_per_step % gbs):
         raise ConfigError(
@@ -424,9 +458,10 @@ def _run(c) -> dict:
     step_fn = build_train_step(s.graphdef, s.tx, step_cfg)
     train_step = R.jit_train_step(step_fn, mesh, s.state_shardings, s.ref_shardings)
     sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh)
-    phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, mesh)
+    rmesh = sampler.mesh  # the rollout's layout: the prompts go there
+    phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh)
     examples = val_examples(c, tokenizer)
-    validate = make_validate(c, examples, greedy, model.config, tokenizer, mesh, phase.decode)
+    validate = make_validate(c, examples, greedy, model.config, tokenizer, rmesh, phase.decode)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = R.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.rewards)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxvrl import train
 from jaxvrl.aot.report import (
@@ -36,7 +37,7 @@ from jaxvrl.models.attention import resolve
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
 from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel import topology as T
-from jaxvrl.parallel.sharding import row_shards
+from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
 from jaxvrl.sampling import Sampler
 from jaxvrl.sampling import sampler as sampler_lib
 from jaxvrl.trainer.build import init_train_state, mini_batches, step_config
@@ -105,6 +106,34 @@ def _with_shardings(tree, mesh, rows: int):
     return jax.tree.map(lambda x, s: _abstract(x, s), tree, shardings)
 
 
+def decoder_params(params, model_config):
+    """The parameters a decode step multiplies by: the text decoder's layers and the LM head
+    (an embedding lookup reads only the fed tokens' rows; a tied table is the head)."""
+    tied = bool(model_config.tie_word_embeddings)
+
+    def keep(path) -> bool:
+        name = leaf_name(path)
+        return not name.startswith("visual.") and (tied or "embed_tokens" not in name)
+
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [x for path, x in flat if keep(path)]
+
+
+def decode_shardings(state, mesh):
+    """Shardings of the decode loop's carry as the sampler lays it out on `mesh`: rows over
+    (data, fsdp), and the KV cache's keys [B, K, H, S] and values [B, K, S, H] also over the
+    tensor axis by KV head (the attention layers' constraint)."""
+    rows = state["done"].shape[0]
+    out = R.batch_shardings(state, mesh, rows=rows)
+    axes = {"k": ("batch", "heads", None, "length"), "v": ("batch", "heads", "length", None)}
+    cache = state["cache"]
+    for field, ax in axes.items():
+        leaves = getattr(cache, field)
+        specs = tuple(NamedSharding(mesh, logical_to_spec(ax, x.shape, mesh)) for x in leaves)
+        out["cache"] = dataclasses.replace(out["cache"], **{field: specs})
+    return out
+
+
 @dataclasses.dataclass
 class Plan:
     c: object
@@ -139,6 +168,17 @@ class Plan:
         return cls(c, s, mesh, name, model, init, rows, image_grid(c, mcfg.vision))
 
     # ------------------------------------------------------------------ shapes
+    @functools.cached_property
+    def rollout(self) -> tuple:
+        """(mesh, dtype) of the samplers: `rollout.mesh` over the slice's devices and
+        `rollout.dtype` resolved for them (None: model.dtype), as `jaxvrl.train` makes them."""
+        return train.rollout_layout(self.c, self.mesh)
+
+    def sampler(self, cfg=None) -> Sampler:
+        """The rollout sampler of the run, in the rollout's layout."""
+        mesh, dtype = self.rollout
+        return Sampler(self.init.model_graphdef, cfg or self.sampling_config(), mesh, dtype)
+
     @property
     def attention(self) -> str:
         """model.attention as the slice's programs run it ("auto" is splash on TPUs; the
@@ -177,11 +217,11 @@ class Plan:
         step's rows where the mesh's row shards do not divide the prompts (as the rollout,
         `trainer.rollout.sample_completions`, falls back to repeated rows)."""
         prompts = self.rows // self.c.rollout.num_generations
-        return prompts if prompts % row_shards(self.mesh) == 0 else self.rows
+        return prompts if prompts % row_shards(self.rollout[0]) == 0 else self.rows
 
     def prompts(self, pools: bool, rows: int | None = None) -> dict:
         """The sampler's inputs for `rows` prompts (default: the step's rows): the collated
-        prompt batch's arrays, abstract and sharded."""
+        prompt batch's arrays, abstract and sharded over the rollout mesh's rows."""
         b, p = rows or self.rows, self.prompt_len
         tree = dict(
             input_ids=np.zeros((b, p), np.int32),
@@ -191,7 +231,7 @@ class Plan:
             images=self._images(b),
             pools=self._pools(p, b) if pools else None,
         )
-        return _with_shardings(tree, self.mesh, b)
+        return _with_shardings(tree, self.rollout[0], b)
 
     def batch(self):
         """The train step's RolloutBatch, abstract and sharded."""
@@ -211,9 +251,9 @@ class Plan:
         batch = dataclasses.replace(batch, images=self._images(b))
         return _with_shardings(batch, self.mesh, self.rows)
 
-    def _rng(self):
+    def _rng(self, mesh=None):
         key = jax.eval_shape(lambda: jax.random.key(0))
-        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=R.replicated(self.mesh))
+        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=R.replicated(mesh or self.mesh))
 
     def sampling_config(self):
         return train.sampling_config(self.c, self.model.config)
@@ -274,81 +314,64 @@ class Plan:
         return lower, flops, breakdown, None
 
     def _sampler(self):
-        cfg = self.sampling_config()
-        sampler = Sampler(self.init.model_graphdef, cfg)
+        sampler = self.sampler()
         pools = "mdi" in self.c.reward.funcs or step_config(self.c).token_weights
         prompts = self.sampler_prompts
         p = self.prompts(pools, prompts)
-        params = self.init.state.params
+        params = self.init.state.params  # the trainer's: `prepare` puts them in the layout
+        ready = sampler.prepare(params)
         g = self.c.rollout.num_generations
 
         def lower():
-            with jax.set_mesh(self.mesh):
-                return sampler.lower(
-                    params,
-                    p["input_ids"],
-                    p["attention_mask"],
-                    p["position_ids"],
-                    p["deltas"],
-                    self._rng(),
-                    images=p["images"],
-                    pools=p["pools"],
-                    num_samples=g,
-                    prefill_once=prompts * g == self.rows,
-                )
+            return sampler.lower(
+                ready,
+                p["input_ids"],
+                p["attention_mask"],
+                p["position_ids"],
+                p["deltas"],
+                self._rng(sampler.mesh),
+                images=p["images"],
+                pools=p["pools"],
+                num_samples=g,
+                prefill_once=prompts * g == self.rows,
+            )
 
-        breakdown = {"params": per_device_bytes(params), "prompts": per_device_bytes(p)}
+        breakdown = {"params": per_device_bytes(ready.params), "prompts": per_device_bytes(p)}
         # one prefill per prompt, then every row's decode steps
         tokens = prompts * self.prompt_len + self.rows * self.new_tokens
         flops = 2.0 * self.params_count * tokens
         return lower, flops, breakdown, None
 
     def _decode_step(self):
-        cfg = self.sampling_config()
-        dtype = DTYPES[self.c.model.dtype]
+        sampler = self.sampler()
+        mesh = sampler.mesh
+        ready = sampler.prepare(self.init.state.params)  # as the sampler's loop reads them
+        dtype = nnx.merge(ready.graphdef, ready.params).dtype
         state = sampler_lib.abstract_loop_state(
-            self.model.config, self.rows, self.prompt_len, cfg, dtype
+            self.model.config, self.rows, self.prompt_len, sampler.cfg, dtype
         )
-        state = _with_shardings(state, self.mesh, self.rows)
-        start = _with_shardings(np.zeros((self.rows,), np.int32), self.mesh, self.rows)
-        # as the sampler's loop reads them: cast once to the compute dtype before the loop
-        params = self.init.state.params
-        cast = jax.eval_shape(
-            functools.partial(sampler_lib.compute_params, self.init.model_graphdef), params
-        )
-        params = jax.tree.map(
-            lambda x, c: jax.ShapeDtypeStruct(x.shape, c.dtype, sharding=x.sharding), params, cast
-        )
-        fn = jax.jit(functools.partial(sampler_lib.decode_step, self.init.model_graphdef, cfg=cfg))
+        state = jax.tree.map(lambda x, s: _abstract(x, s), state, decode_shardings(state, mesh))
+        start = _with_shardings(np.zeros((self.rows,), np.int32), mesh, self.rows)
+        # the carry is donated, as the loop updates it in place (else the step copies the cache)
+        step = functools.partial(sampler_lib.decode_step, ready.graphdef, cfg=sampler.cfg)
+        fn = jax.jit(step, donate_argnums=1)
 
         def lower():
-            with jax.set_mesh(self.mesh):
-                return fn.lower(params, state, start, self._rng())
+            with jax.set_mesh(mesh):
+                return fn.lower(ready.params, state, start, self._rng(mesh))
 
         cache = per_device_bytes(state["cache"])
-        weights = self._decoder_weight_bytes(dtype)
+        weights = per_device_bytes(decoder_params(ready.params, self.model.config))
         bound = (weights + cache) / T.bandwidth(self.slice)
-        breakdown = {"params": per_device_bytes(params), "kv_cache": cache}
+        breakdown = {"params": per_device_bytes(ready.params), "kv_cache": cache}
         flops = 2.0 * self._decoder_params * self.rows
         return lower, flops, breakdown, bound
 
     @functools.cached_property
     def _decoder_params(self) -> int:
-        """Parameters a decode step multiplies by: the text decoder's layers and the LM head
-        (an embedding lookup reads only the fed tokens' rows; a tied table is the head)."""
-        tied = bool(self.model.config.tie_word_embeddings)
-        total = 0
-        for path, x in nnx.to_flat_state(nnx.state(self.model, nnx.Param)):
-            names = [str(p) for p in path]
-            if names[0] == "visual" or ("embed_tokens" in names and not tied):
-                continue
-            total += math.prod(x.get_value().shape)
-        return total
-
-    def _decoder_weight_bytes(self, dtype) -> float:
-        """Bytes of weights one chip reads per decode step: the whole decoder in the compute
-        dtype (FSDP gathers every layer's weights), split only by the tensor axis."""
-        return self._decoder_params * jnp.dtype(dtype).itemsize / self.mesh.shape["tensor"]
+        """Parameters a decode step multiplies by (`decoder_params`)."""
+        tree = decoder_params(self.init.state.params, self.model.config)
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
     def suggest_micro_batches(self, failed: Report) -> int | None:
         """The smallest optim.micro_batches whose train step fits, trying first the count at
@@ -382,8 +405,11 @@ class Plan:
                 f"{shards} chips of mesh.data x mesh.fsdp, so each chip computes all of them: "
                 "fewer optim.micro_batches (or more rows) put fewer rows on each chip"
             )
+        rmesh, rdtype = self.rollout
+        rshape = " x ".join(f"{k} {v}" for k, v in rmesh.shape.items() if k != "fsdp")
         return (
-            f"{T.describe(self.slice)}; mesh {shape}\n"
+            f"{T.describe(self.slice)}; mesh {shape}; rollout mesh {rshape}, "
+            f"{rdtype or self.c.model.dtype}\n"
             f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
             f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "
             f"{self.c.model.remat_policy}, attention {self.attention}), text "

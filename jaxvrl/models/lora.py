@@ -250,6 +250,11 @@ def lora_off(params: nnx.State) -> nnx.State:
     return nnx.from_flat_state(flat)
 
 
+def wrapped(model: nnx.Module) -> bool:
+    """Whether `model` holds LoRA adapters or quantized layers (what `merge_lora` undoes)."""
+    return bool(_sites(model, (LoRALinear, QuantLinear)))
+
+
 def merge_lora(model: nnx.Module) -> nnx.Module:
     """A copy of `model` with each LoRALinear replaced by its base Linear holding
     W + A B alpha / r (float32 sum, cast back): an ordinary model for save() and sampling."""

@@ -1,5 +1,12 @@
 """Rollout sampling: a jitted KV-cache decoder."""
 
+from jaxvrl.sampling.layout import (
+    Layout,
+    RolloutParams,
+    rollout_dtype,
+    rollout_mesh,
+    rollout_sizes,
+)
 from jaxvrl.sampling.sampler import (
     SampleOutput,
     Sampler,
@@ -11,6 +18,11 @@ from jaxvrl.sampling.sampler import (
 )
 
 __all__ = [
+    "Layout",
+    "RolloutParams",
+    "rollout_dtype",
+    "rollout_mesh",
+    "rollout_sizes",
     "SampleOutput",
     "Sampler",
     "SamplingConfig",

@@ -32,6 +32,7 @@ from jaxvrl.sampling import rules
 from jaxvrl.sampling.cpu import decode as cpu_decode
 from jaxvrl.sampling.cpu import kernels as cpu_kernels
 from jaxvrl.sampling.cpu.decode import DecodeWeights
+from jaxvrl.sampling.layout import Layout, Preparer, compute_params
 from jaxvrl.sampling.rules import NEG_INF
 
 
@@ -125,27 +126,6 @@ def _pick(logits, keys, index, cfg: SamplingConfig):
     # The log-prob is that of the model's full distribution, so that it equals what a
     # teacher-forced forward pass (the trainer's old log-prob) computes.
     return tok, rules.token_logprob(x, tok, 1.0, masked)
-
-
-# quantized weights (QLoRA): dequantized in their own dtype before the cast, left as stored
-_STORED = ("qvalue", "scale", "zero_point")
-
-
-def compute_params(graphdef, params):
-    """`params` with every floating leaf the model casts to its compute dtype where it uses
-    it (kernels, embeddings, biases, norms' weights, LoRA adapters) cast to that dtype once:
-    the same numbers at every use, read at half the bytes when float32 master weights serve
-    a bfloat16 model. Called inside the jitted sampler, so the copy lives for one call; a
-    no-op where the parameters are stored in the compute dtype."""
-    dtype = jnp.dtype(nnx.merge(graphdef, params).dtype)
-
-    def cast(path, x):
-        name = sharding.leaf_name(path)
-        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
-            return x
-        return x if name.rsplit(".", 1)[-1] in _STORED else x.astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def sample(
@@ -353,7 +333,7 @@ def _transposed_decode(cfg: SamplingConfig) -> bool:
     return cfg.decode_layout == "transposed"
 
 
-def _prepare(graphdef, cfg: SamplingConfig, rows: int, params, reuse):
+def _prepare(graphdef, rows: int, params, reuse, *, cfg: SamplingConfig):
     """The decode weights for `rows` rows where the layout asks for them, else None."""
     if not _transposed_decode(cfg):
         return None
@@ -390,13 +370,20 @@ def _logits(model, forms, hidden: jax.Array) -> jax.Array:
 
 
 class Sampler:
-    """`sample` jitted for one model structure and sampling config; it owns its compiled
-    programs (one per batch, prompt length and patch-bucket shape: `compiles()`).
+    """`sample` jitted for one model structure and sampling config, in one layout (mesh and
+    compute dtype: `layout.py`); it owns its compiled programs (one per batch, prompt length
+    and patch-bucket shape: `compiles()`).
 
-        sampler = Sampler(graphdef, cfg, mesh)
-        weights = sampler.decode_weights(params, rows, reuse=weights)  # None off the CPU
-        out = sampler(params, ids, mask, positions, deltas, rng, images=..., pools=...,
+        sampler = Sampler(graphdef, cfg, mesh, dtype="bfloat16")
+        ready = sampler.prepare(params)  # once per rollout phase: LoRA merged, cast, resharded
+        weights = sampler.decode_weights(ready, rows, reuse=weights)  # None off the CPU
+        out = sampler(ready, ids, mask, positions, deltas, rng, images=..., pools=...,
                       decode_weights=weights, num_samples=G)
+
+    Calls take the policy's parameters as they are (prepared on each call) or `prepare`d
+    ones (`RolloutParams`, for every call of a phase); a sampler with the same layout (the
+    greedy one) takes those too. On one device, without LoRA and in the model's dtype,
+    `prepare` returns the parameters themselves.
 
     With num_samples=G the R given prompts are prefilled once each and sampled G times
     (B = R * G output rows, prompt-major; see `sample`); rows that are already repeated
@@ -407,33 +394,40 @@ class Sampler:
     as `reuse` for the next set of parameters: the packed buffer is then written in place
     rather than faulted in afresh (4 KiB pages: 40-60 ms for the 155 MB LM head of a 152k x
     256 model, about 1 s for Qwen2.5-0.5B's 2 GB). Without them a call prepares its own.
-    With `mesh`, programs are traced and run under it (activation constraints and the KV
-    cache follow the rows' sharding; CPU forms only on a one-device CPU mesh).
+    With `mesh` (the rollout mesh: `layout.rollout_mesh`), programs are traced and run under
+    it (activation constraints and the KV cache follow the rows' sharding and the tensor
+    axis; CPU forms only on a one-device CPU mesh); dtype: the compute dtype of sampling
+    (None: the model's).
     """
 
-    def __init__(self, graphdef, cfg: SamplingConfig, mesh=None):
+    def __init__(self, graphdef, cfg: SamplingConfig, mesh=None, dtype=None):
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
+        self.layout = Layout(mesh, None if dtype is None else jnp.dtype(dtype).name)
+        self.prepare = Preparer(graphdef, self.layout)
         self._sample = jax.jit(
-            functools.partial(sample, graphdef, cfg=cfg),
+            functools.partial(sample, cfg=cfg),
+            static_argnums=0,
             static_argnames=("num_samples", "prefill_once"),
         )
         self._prepare = jax.jit(
-            functools.partial(_prepare, graphdef, cfg), static_argnums=0, donate_argnums=2
+            functools.partial(_prepare, cfg=cfg), static_argnums=(0, 1), donate_argnums=3
         )
 
     def _mesh(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def __call__(self, params, input_ids, *args, **kwargs) -> SampleOutput:
+        ready = self.prepare(params)
         with self._mesh():
-            return self._sample(params, input_ids, *args, **kwargs)
+            return self._sample(ready.graphdef, ready.params, input_ids, *args, **kwargs)
 
     def decode_weights(self, params, rows: int, reuse: DecodeWeights | None = None):
-        """The decode weights of `params` for calls of `rows` rows, or None where decode
-        steps use the model's own weights (programs for accelerators). `reuse` (the previous
-        result) is donated: its buffer takes the new weights."""
+        """The decode weights of `params` (as they are or prepared) for calls of `rows` rows,
+        or None where decode steps use the model's own weights (programs for accelerators).
+        `reuse` (the previous result) is donated: its buffer takes the new weights."""
+        ready = self.prepare(params)
         with self._mesh():
-            return self._prepare(rows, params, reuse)
+            return self._prepare(ready.graphdef, rows, ready.params, reuse)
 
     def compiles(self) -> int:
         """Sampling programs compiled so far (a run logs it: one per shape)."""
@@ -442,8 +436,9 @@ class Sampler:
     def lower(self, params, input_ids, *args, **kwargs):
         """The sampling program lowered for these (abstract) arguments, without running or
         keeping anything: for compiling it ahead of time (`jaxvrl.aot`)."""
+        ready = self.prepare(params)
         with self._mesh():
-            return self._sample.lower(params, input_ids, *args, **kwargs)
+            return self._sample.lower(ready.graphdef, ready.params, input_ids, *args, **kwargs)
 
 
 def row_vision_inputs(pixel_values, grid_thw, input_ids, token_id, cfg, patch_bucket=None):

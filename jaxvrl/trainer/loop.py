@@ -21,7 +21,7 @@ from jaxvrl.logging import (
     token_weight_section,
 )
 from jaxvrl.trainer.rollout import (
-    KeptDecodeWeights,
+    PhaseWeights,
     Rollout,
     decode_completions,
     sample_completions,
@@ -36,7 +36,7 @@ def evaluate(
     tokenizer,
     rows_per_batch: int,
     mesh=None,
-    decode: KeptDecodeWeights | None = None,
+    decode: PhaseWeights | None = None,
 ) -> dict:
     """Greedy accuracy (mc_idx) and think-format rate on held-out examples.
 

@@ -270,14 +270,26 @@ class Rollout:
 
 
 @dataclasses.dataclass
-class KeptDecodeWeights:
-    """The samplers' decode weights (`Sampler.decode_weights`: on the CPU, the decoder's
-    weights as rows or packed for the CPU kernels), prepared once per rollout phase for its
-    parameters and row count and shared by the sampler and the greedy sampler. Packed ones
-    are kept for the next phase, whose parameters are packed into the same buffer."""
+class PhaseWeights:
+    """What the samplers make from the policy's parameters once per rollout phase and share
+    (the sampler and the greedy sampler: the same layout): the parameters in the rollout's
+    layout (`Sampler.prepare`: LoRA merged, cast to rollout.dtype, on rollout.mesh) and the
+    decode weights for each row count (`Sampler.decode_weights`: on the CPU, the decoder's
+    weights as rows or packed for the CPU kernels). `end_phase` drops them; packed decode
+    weights are kept for the next phase, whose parameters are packed into the same buffer."""
 
     current: dict = dataclasses.field(default_factory=dict)  # rows -> this phase's
     kept: dict = dataclasses.field(default_factory=dict)  # rows -> the last phase's, packed
+    source: object = None  # the parameters `ready` was made from
+    ready: object = None  # RolloutParams
+
+    def params(self, sampler, params):
+        """`params` in the sampler's layout, prepared at the phase's first call."""
+        if params is not self.source:
+            if self.source is not None:  # other parameters within a phase: start afresh
+                self.end_phase()
+            self.source, self.ready = params, sampler.prepare(params)
+        return self.ready
 
     def get(self, sampler, params, rows: int):
         if rows not in self.current:
@@ -288,7 +300,7 @@ class KeptDecodeWeights:
     def end_phase(self) -> None:
         """Forget this phase's parameters; keep the packed buffers for the next phase."""
         self.kept = {r: w for r, w in self.current.items() if w is not None and w.packed}
-        self.current = {}
+        self.current, self.source, self.ready = {}, None, None
 
 
 def repeat_prompts(batch: dict, g: int) -> dict:
@@ -317,7 +329,7 @@ def sample_completions(
     key,
     pools=None,
     mesh=None,
-    decode: KeptDecodeWeights | None = None,
+    decode: PhaseWeights | None = None,
     num_samples: int = 1,
 ):
     """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays.
@@ -331,7 +343,8 @@ def sample_completions(
     global arrays with rows split over (data, fsdp) (`runtime.place_batch`: on a pod each
     process passes its own rows), the key is replicated, and the outputs come back as this
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
-    decode weights of `params` are kept (None: the sampler prepares its own each call)."""
+    phase keeps `params` in the sampler's layout and their decode weights (None: the
+    sampler prepares its own each call)."""
     prefill_once = len(batch["input_ids"]) * jax.process_count() % row_shards(mesh) == 0
     if not prefill_once:
         batch = repeat_prompts(dict(batch, pools=pools), num_samples)
@@ -346,6 +359,7 @@ def sample_completions(
     weights = None
     rows = int(inputs["input_ids"].shape[0]) * (num_samples if prefill_once else 1)
     if decode is not None:
+        params = decode.params(sampler, params)
         weights = decode.get(sampler, params, rows)
     out = sampler(
         params,
@@ -398,7 +412,7 @@ class RolloutPhase:
     greedy: Sampler | None = None
     mesh: Mesh | None = None  # where the sampler's inputs go (None: the default device)
     accuracy: str | None = "mc_idx"
-    decode: KeptDecodeWeights = dataclasses.field(default_factory=KeptDecodeWeights)
+    decode: PhaseWeights = dataclasses.field(default_factory=PhaseWeights)
 
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""

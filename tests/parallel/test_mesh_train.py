@@ -139,6 +139,38 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
         "n_matrices": matrices,
         "step": int(state.step),
     }
+
+# the rollout's own layout: parameters on the fsdp=8 training mesh, prepared (resharded) for
+# rollout meshes over the same devices, one of them in another device order
+from jax.sharding import Mesh
+from jaxvrl.sampling import rollout_mesh
+
+train = R.mesh_from_config(ml_collections.ConfigDict(dict(data=1, fsdp=8, tensor=1)))
+on_train = R.put_on_mesh(host, S.param_shardings(host, train))
+layouts = {
+    "data2_tensor4": rollout_mesh(train, data=2, tensor=4),
+    "tensor8": rollout_mesh(train),
+    "reordered": Mesh(np.array(jax.devices())[::-1].reshape(2, 1, 4), S.MESH_AXES),
+}
+report["layouts"] = {}
+for name, rmesh in layouts.items():
+    g_s = Sampler(greedy.graphdef, greedy.cfg, rmesh)
+    r_s = Sampler(rollout.graphdef, rollout.cfg, rmesh)
+    ready = g_s.prepare(on_train)
+    kernel = dict(flat(ready.params))["model.layers.self_attn.q_proj.kernel"]
+    out = g_s(ready, *(R.place_batch(prompts, rmesh)[k] for k in
+              ("input_ids", "attention_mask", "position_ids", "deltas")),
+              jax.random.key(0), images=R.place_batch(prompts, rmesh)["images"])
+    d = R.place_batch(distinct, rmesh)
+    grp = r_s(ready, d["input_ids"], d["attention_mask"], d["position_ids"], d["deltas"],
+              jax.random.key(1), images=d["images"], num_samples=G)
+    report["layouts"][name] = {
+        "tokens": np.asarray(out.tokens).tolist(),
+        "groups": R.host_local(grp.tokens).tolist(),
+        "spec": str(kernel.sharding.spec),
+        "on_rollout_mesh": kernel.sharding.mesh == rmesh,
+        "source_kept": not any(x.is_deleted() for x in jax.tree.leaves(on_train)),
+    }
 print("REPORT" + json.dumps(report))
 """
 
@@ -179,6 +211,19 @@ def test_one_prefill_per_prompt_samples_match_one_device(report, mesh):
     got = np.asarray(report[mesh]["groups"])
     assert got.shape == (8 * G, 6)
     np.testing.assert_array_equal(got, report["one_device"]["groups"])
+
+
+@pytest.mark.parametrize("layout", ["data2_tensor4", "tensor8", "reordered"])
+def test_the_rollout_layout_samples_what_one_device_samples(report, layout):
+    """Parameters on the fsdp=8 training mesh, prepared for a rollout mesh (rows over data,
+    heads / MLP / vocabulary over tensor; one mesh in another device order than training's)
+    sample the greedy tokens and the G samples per prompt of one device; the weights are
+    split over the tensor axis only, and the training copy is left intact."""
+    got, one = report["layouts"][layout], report["one_device"]
+    assert got["tokens"] == one["tokens"]
+    np.testing.assert_array_equal(got["groups"], one["groups"])
+    assert got["on_rollout_mesh"] and got["source_kept"]
+    assert "tensor" in got["spec"] and "fsdp" not in got["spec"], got["spec"]
 
 
 def test_fsdp8_every_matrix_is_split_eight_ways(report):

@@ -1,6 +1,6 @@
 """`python -m jaxvrl.train` on a device mesh: on 8 simulated CPU devices the main job (GRPO
-with a KL loss, so the reference copy is sharded too) runs on the mesh (data=2, fsdp=4) and
-matches the same run on one device; a run resumed on the mesh equals an uninterrupted one bit
+with a KL loss, so the reference copy is sharded too) trains on the mesh (data=2, fsdp=4),
+samples on the rollout's own mesh (tensor=8), and matches the same run on one device; a run resumed on the mesh equals an uninterrupted one bit
 for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
 sampler in test_mesh_train.py.)
 
@@ -42,8 +42,10 @@ place_batch = R.place_batch
 def spy(batch, mesh):  # what the train loop and the sampler put on the mesh
     out = place_batch(batch, mesh)
     ids = out["input_ids"] if isinstance(out, dict) else out.input_ids
-    seen.append([dict(mesh.shape), len(ids.sharding.device_set),
-                 ids.addressable_shards[0].data.shape[0], ids.shape[0]])
+    entry = [dict(mesh.shape), len(ids.sharding.device_set),
+             ids.addressable_shards[0].data.shape[0], ids.shape[0]]
+    if entry not in seen:
+        seen.append(entry)
     return out
 
 
@@ -54,7 +56,7 @@ for name, overrides in RUNS:
     seen.clear()
     m = run(c)
     report[name] = {"compiles": {k: v for k, v in m.items() if k.startswith("compiles/")},
-                    "placed": seen[-1], "devices": jax.device_count()}
+                    "placed": list(seen), "devices": jax.device_count()}
 if COMPARE:  # 3 x 2 rows do not split over data x fsdp = 8: a clear error before any work
     from jaxvrl.config import ConfigError
 
@@ -118,8 +120,15 @@ def runs(tmp_path_factory):
 
 def test_the_runs_use_the_mesh(runs):
     report, _ = runs
-    assert report["one"]["placed"] == [{"data": 1, "fsdp": 1, "tensor": 1}, 1, 8, 8]
-    assert report["mesh"]["placed"] == [{"data": 2, "fsdp": 4, "tensor": 1}, 8, 1, 8]
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    # the validation and train batches (8 rows) and the prompts (4 rows: each once)
+    assert sorted(report["one"]["placed"], key=str) == [[one, 1, 4, 4], [one, 1, 8, 8]]
+    # the train batch on the training mesh, one row per device; the sampler's prompts on the
+    # rollout mesh (default: one host's 8 devices as one tensor group), every row on each
+    placed = report["mesh"]["placed"]
+    assert [{"data": 2, "fsdp": 4, "tensor": 1}, 8, 1, 8] in placed, placed
+    assert [{"data": 1, "fsdp": 1, "tensor": 8}, 8, 4, 4] in placed, placed
+    assert len(placed) == 3, placed  # and the validation batch
     for name in ("one", "mesh", "resumed"):
         assert report[name]["compiles"]["compiles/train_step"] == 1, report[name]
 

@@ -71,6 +71,15 @@ class Qwen2_5_VL(nnx.Module):
         self.model.remat_policy = policy
         self.visual.remat_policy = policy
 
+    def set_dtype(self, dtype) -> None:
+        """The compute dtype of every layer (the sampler's `rollout.dtype`); the parameters
+        keep theirs, cast where they are used. Part of the graphdef, so set it before
+        `nnx.split`."""
+        dtype = jnp.dtype(dtype)
+        for _, node in nnx.iter_graph(self):
+            if isinstance(node, nnx.Module) and "dtype" in vars(node):
+                node.dtype = dtype
+
     def set_attention(self, name: str, block: int = 512) -> None:
         """The attention implementation of the text decoder's and the vision tower's forward
         passes without a KV cache (config `model.attention`): auto | xla | flash | splash |

@@ -1,0 +1,217 @@
+"""The rollout's layout: the devices and dtype the sampler holds the policy's weights in.
+
+Training splits every weight over `mesh.fsdp`, so each matmul gathers its weights first. A
+train step amortises that over thousands of tokens per row; a decode step feeds one token per
+row and would gather the whole model at every step. Rollouts therefore take a layout of their
+own (`Layout`): a mesh over the same devices with a `data` axis (rows) and a `tensor` axis
+(attention heads, MLP columns and the vocabulary split across a group of devices, as in
+Megatron-LM, arXiv 1909.08053: each decode step reads each weight once per group and
+all-reduces the hidden state twice per layer), and a compute dtype.
+
+`Sampler.prepare` puts the policy's parameters into that layout once per rollout phase: LoRA
+adapters merged into their base weights, every floating weight cast to the rollout dtype and
+resharded, in one jitted program (plus, where the rollout mesh orders the devices otherwise
+than training's, a device-to-device move of whole shards). The copy lives until the phase
+drops it; nothing goes through the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+
+from jaxvrl.models import lora
+from jaxvrl.parallel import sharding
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """mesh: the rollout's mesh (None: wherever the arrays are, one device); dtype: the
+    compute dtype of the sampling model ("float32", "bfloat16"; None: the model's own)."""
+
+    mesh: Mesh | None = None
+    dtype: str | None = None
+
+
+@struct.dataclass
+class RolloutParams:
+    """The policy's parameters in a sampler's layout (`Sampler.prepare`): `params` for the
+    model structure `graphdef` (LoRA merged, the rollout's compute dtype), placed for
+    `layout`."""
+
+    params: Any
+    graphdef: Any = struct.field(pytree_node=False)
+    layout: Layout = struct.field(pytree_node=False)
+
+
+def rollout_mesh(mesh: Mesh, data: int = -1, tensor: int = 0) -> Mesh:
+    """A mesh (data, fsdp=1, tensor) over the devices of `mesh` for the sampler.
+
+    tensor: devices per tensor group (0: one host's devices); data: the number of groups (-1:
+    the devices left). Devices are taken host by host (in `mesh`'s order within a host), so
+    a tensor group that fits in a host lies within one, its all-reduces never leave it, and
+    each host's prompts stay on its own devices. Raises ValueError naming the sizes when they
+    do not fit the devices."""
+    devices = list(mesh.devices.reshape(-1))
+    sizes = rollout_sizes(len(devices), len({d.process_index for d in devices}), data, tensor)
+    order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, i))
+    grid = np.asarray([devices[i] for i in order]).reshape(sizes["data"], 1, sizes["tensor"])
+    return Mesh(grid, sharding.MESH_AXES)
+
+
+def rollout_sizes(devices: int, hosts: int, data: int = -1, tensor: int = 0) -> dict:
+    """The rollout mesh's axis sizes {data, fsdp: 1, tensor} for `devices` over `hosts`
+    (`rollout_mesh`)."""
+    return sharding.mesh_sizes(devices, data, 1, tensor or max(devices // hosts, 1))
+
+
+def rollout_dtype(name: str, mesh: Mesh | None, model_dtype) -> str | None:
+    """`rollout.dtype` resolved: "auto" is bfloat16 where the rollout runs on accelerators
+    and the model's compute dtype on the CPU; None where it is the model's compute dtype."""
+    if name not in DTYPES:
+        raise ValueError(f"rollout dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    model_dtype = jnp.dtype(model_dtype)
+    if name == "auto":
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        name = model_dtype.name if platform == "cpu" else "bfloat16"
+    return None if jnp.dtype(name) == model_dtype else name
+
+
+def sampling_state(graphdef, params, dtype: str | None):
+    """(graphdef, state) of the sampling model: LoRA merged into the base weights, compute
+    dtype `dtype` (None: the model's), every floating weight the model casts where it uses
+    it cast to that dtype."""
+    model = nnx.merge(graphdef, params)
+    if lora.wrapped(model):
+        model = lora.merge_lora(model)
+    if dtype is not None:
+        model.set_dtype(jnp.dtype(dtype))
+    graph, state = nnx.split(model)
+    return graph, compute_params(graph, state)
+
+
+# quantized weights (QLoRA): dequantized in their own dtype before the cast, left as stored
+_STORED = ("qvalue", "scale", "zero_point")
+
+
+def compute_params(graphdef, params):
+    """`params` with every floating leaf the model casts to its compute dtype where it uses
+    it (kernels, embeddings, biases, norms' weights, LoRA adapters) cast to that dtype once:
+    the same numbers at every use, read at half the bytes when float32 master weights serve
+    a bfloat16 model. The sampler calls it inside its jitted program (a no-op on prepared
+    parameters, already in the compute dtype)."""
+    dtype = jnp.dtype(nnx.merge(graphdef, params).dtype)
+
+    def cast(path, x):
+        name = sharding.leaf_name(path)
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+            return x
+        return x if name.rsplit(".", 1)[-1] in _STORED else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _is_abstract(tree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+class Preparer:
+    """Puts parameters of one model structure into one layout (`prepare`); its compiled
+    program is kept between calls."""
+
+    def __init__(self, graphdef, layout: Layout):
+        self.graphdef, self.layout = graphdef, layout
+        self._targets: dict = {}  # tree structure -> (graphdef, abstract state, shardings)
+        self._jitted: dict = {}
+
+    def target(self, params):
+        """(graphdef, abstract state, shardings or None) of the prepared parameters."""
+        key = jax.tree.structure(params)
+        if key not in self._targets:
+            seen = {}
+
+            def state(p):
+                seen["graph"], out = sampling_state(self.graphdef, p, self.layout.dtype)
+                return out
+
+            abstract = jax.eval_shape(state, params)
+            mesh = self.layout.mesh
+            shardings = None if mesh is None else sharding.param_shardings(abstract, mesh)
+            self._targets[key] = (seen["graph"], abstract, shardings)
+        return self._targets[key]
+
+    def __call__(self, params) -> RolloutParams:
+        if isinstance(params, RolloutParams):
+            if params.layout != self.layout:
+                raise ValueError(
+                    f"these parameters were prepared for {params.layout}, this sampler samples "
+                    f"with {self.layout}"
+                )
+            return params
+        graph, abstract, shardings = self.target(params)
+        if _is_abstract(params):  # for compiling ahead of time
+            if shardings is not None:
+                abstract = jax.tree.map(
+                    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                    abstract,
+                    shardings,
+                )
+            return RolloutParams(abstract, graph, self.layout)
+        if self._unchanged(params, graph, abstract, shardings):
+            return RolloutParams(params, graph, self.layout)
+        return RolloutParams(self._convert(params, shardings), graph, self.layout)
+
+    def _unchanged(self, params, graph, abstract, shardings) -> bool:
+        """Whether the parameters already are what `prepare` would make (one device, no LoRA,
+        the model's dtype): then they are used as they are, without a copy."""
+        if graph != self.graphdef:
+            return False
+        leaves, targets = jax.tree.leaves(params), jax.tree.leaves(abstract)
+        if any(x.dtype != t.dtype for x, t in zip(leaves, targets)):
+            return False
+        if shardings is None:
+            return True
+        return all(
+            getattr(x, "sharding", None) == s for x, s in zip(leaves, jax.tree.leaves(shardings))
+        )
+
+    def _convert(self, params, shardings):
+        def fn(p):
+            return sampling_state(self.graphdef, p, self.layout.dtype)[1]
+
+        if shardings is None:
+            return self._jit(fn, None, None)(params)
+        # one program cuts the new weights onto a mesh of the rollout's shape over the
+        # devices in the order the parameters' arrays have (a program's inputs and outputs
+        # share one device order); where the rollout mesh orders them otherwise, whole
+        # shards then move to their devices
+        order = _device_order(params)
+        mesh = self.layout.mesh
+        staging = mesh
+        if order != list(mesh.devices.flat):
+            staging = Mesh(np.asarray(order).reshape(mesh.devices.shape), mesh.axis_names)
+        staged = jax.tree.map(lambda s: NamedSharding(staging, s.spec), shardings)
+        out = self._jit(fn, staged, staging)(params)
+        return out if staging is mesh else jax.device_put(out, shardings)
+
+    def _jit(self, fn, out_shardings, mesh):
+        key = (jax.tree.structure(out_shardings), mesh)
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(fn, out_shardings=out_shardings)
+        return self._jitted[key]
+
+
+def _device_order(params) -> list:
+    """The devices of the parameters' arrays in their sharding's order."""
+    s = jax.tree.leaves(params)[0].sharding
+    if isinstance(s, NamedSharding):
+        return list(s.mesh.devices.flat)
+    return sorted(s.device_set, key=lambda d: d.id)
