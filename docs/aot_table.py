@@ -2,6 +2,8 @@
 
     python docs/aot_table.py run [--only SUBSTRING]   # compile the rows not stored yet (or
                                                       # those matching), keep their JSON
+        [--programs sampler,decode_step]              # ... only these programs, replacing
+                                                      # theirs in the stored rows
     python docs/aot_table.py render                   # the markdown table docs/scaling.md holds
     python docs/aot_table.py write                    # ... put into docs/scaling.md
 
@@ -68,20 +70,27 @@ def load() -> dict:
     return out
 
 
-def run(only: str | None) -> None:
+def run(only: str | None, programs: str | None = None) -> None:
     results = load()
     for row in ROWS:
         if (only and only not in row["key"]) or (not only and row["key"] in results):
-            continue  # a row already stored is compiled again only when named by --only
-        print(f"== {row['key']}: {row['cmd']}", flush=True)
+            if not (programs and row["key"] in results and (not only or only in row["key"])):
+                continue  # a stored row is compiled again only when named by --only/--programs
+        cmd = row["cmd"] + (f" --programs={programs}" if programs else "")
+        print(f"== {row['key']}: {cmd}", flush=True)
         env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
-        p = subprocess.run(row["cmd"].split(), capture_output=True, text=True, env=env)
+        p = subprocess.run(cmd.split(), capture_output=True, text=True, env=env)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if not lines:
             print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
             continue
         print("\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("{")))
-        results[row["key"]] = dict(row, report=json.loads(lines[-1]))
+        report = json.loads(lines[-1])
+        if programs and row["key"] in results:  # the other programs' figures are kept
+            kept = results[row["key"]]["report"]
+            kept["programs"].update(report["programs"])
+            report = dict(kept, **{k: v for k, v in report.items() if k.startswith("rollout")})
+        results[row["key"]] = dict(row, report=report)
         with open(RESULTS, "w") as f:
             for key in [r["key"] for r in ROWS if r["key"] in results]:
                 f.write(json.dumps(results[key]) + "\n")
@@ -129,7 +138,11 @@ def render() -> str:
         else:
             cells += ["-"] * 3
         d = p.get("decode_step")
-        cells += [f"{_ms(d['estimate_s'])} / {_ms(d['bound_s'])}" if d else "-"]
+        rmesh = rep.get("rollout_mesh")
+        where = ""
+        if rmesh:  # the rollout's layout (before it had one: the training mesh)
+            where = " (" + " x ".join(f"{k} {v}" for k, v in rmesh.items() if v > 1) + ")"
+        cells += [f"{_ms(d['estimate_s'])} / {_ms(d['bound_s'])}{where}" if d else "-"]
         cells += [f"`{row['cmd']}`"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
@@ -152,7 +165,8 @@ def write() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "run":
         only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
-        run(only)
+        progs = sys.argv[sys.argv.index("--programs") + 1] if "--programs" in sys.argv else None
+        run(only, progs)
     elif len(sys.argv) > 1 and sys.argv[1] == "write":
         write()
     else:

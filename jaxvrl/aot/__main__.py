@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     out = {
         "topology": plan.slice.name,
         "mesh": dict(plan.mesh.shape),
+        "rollout_mesh": dict(plan.rollout[0].shape),
+        "rollout_dtype": plan.rollout[1] or plan.c.model.dtype,
         "fits": not failed,
         "programs": {r.name: r.as_json() for r in reports},
     }

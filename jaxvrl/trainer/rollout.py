@@ -563,8 +563,13 @@ class RolloutPhase:
                 "rollout/sample_s": sample_s,
                 # decode steps per generation batch (the loop stops once every row ended)
                 "rollout/decode_steps": float(np.mean([i["decode_steps"] for i in infos])),
+                # generated tokens over the rows x decode steps the sampler ran: the share
+                # of its decode work that produced tokens (finished rows idle until the end)
+                "rollout/slot_utilization": sum(i["tokens"] for i in infos)
+                / max(sum(i["rows"] * i["decode_steps"] for i in infos), 1.0),
             }
         )
+        m["rollout/tokens_per_s"] = m["tokens_per_s"]
         if self.greedy is not None:
             m["reward/greedy_baseline"] = float(np.mean([x.baseline for x in sampled]))
         if self.replay is not None:
@@ -576,6 +581,6 @@ class RolloutPhase:
             finite = np.isfinite(vals)
             m[f"attn/{k}"] = float(np.mean(vals[finite])) if finite.any() else float("nan")
         # every process samples its own rows: log what all of them did, not process 0's share
-        sums = {"tokens_per_s", "replay/replaced", "replay/buffer_size"}
+        sums = {"tokens_per_s", "rollout/tokens_per_s", "replay/replaced", "replay/buffer_size"}
         sums |= {k for k in m if k.endswith("_failures")}
         return R.metrics_across_processes(m, weight=len(totals), sums=sums)

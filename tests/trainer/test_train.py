@@ -62,8 +62,14 @@ def test_every_config_runs_two_steps(path, tmp_path):
         "perception_token_fraction",
         "scaling_factor_mean",
         "tokens_per_s",
+        "rollout/tokens_per_s",
     ):
         assert key in rows[-1], key
+    for r in rows[1:]:  # generated tokens / (rows x decode steps) = mean length / steps
+        assert 0 < r["rollout/slot_utilization"] <= 1, r
+        if r["rollout/gen_batches"] == 1 and not cfg.filter.mask_truncated_completions:
+            want = r["response_length"] / r["rollout/decode_steps"]
+            assert abs(r["rollout/slot_utilization"] - want) < 1e-9 and 0 < want <= 1, r
     assert (tmp_path / "rollout_results.md").read_text().count("### Sample") >= 2
     assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
 
