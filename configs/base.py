@@ -114,6 +114,11 @@ def get_config(arg=None):
     # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from
     # this dtype; recompute takes them from a pass in model.dtype.
     c.rollout.dtype = "auto"
+    # Decode rows at once (jaxvrl/sampling/engine.py): 0 = every row of a generation batch
+    # until the longest ends; S > 0 = S slots, an ended row's slot taken by the next waiting
+    # row, over a paged KV cache (a prompt's pages shared by its samples). Same completions.
+    c.rollout.slots = 0
+    c.rollout.page_size = 16  # positions per KV-cache page (with rollout.slots > 0)
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.adv_estimator = "grpo"  # grpo | rloo | remax | reinforce_plus_plus | gae

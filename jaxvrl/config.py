@@ -62,6 +62,10 @@ FRACTIONS = {
 }
 
 
+# Counts: key -> the least allowed value.
+AT_LEAST = {"rollout.slots": 0, "rollout.page_size": 1}
+
+
 class ConfigError(ValueError):
     """A config file, argument or override that cannot be applied."""
 
@@ -241,6 +245,9 @@ def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None
     for key, (lo, hi) in FRACTIONS.items():
         if key in keys and not lo < get(key) <= hi:
             raise ConfigError(f"config.{key}={get(key)!r} in {source}: expected in ({lo}, {hi}]")
+    for key, least in AT_LEAST.items():
+        if key in keys and get(key) < least:
+            raise ConfigError(f"config.{key}={get(key)!r} in {source}: expected >= {least}")
     if {"algorithm.rollout_is", "actor.old_logprobs"} <= keys and get("algorithm.rollout_is"):
         if get("actor.old_logprobs") != "recompute":
             raise ConfigError(

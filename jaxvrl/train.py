@@ -188,7 +188,7 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
         eos = (tokenizer.eos_token_id,) if tokenizer is not None else ()
     r = c.rollout
     pad = (tokenizer.pad_token_id if tokenizer is not None else 0) or 0
-    return generation_config(
+    cfg = generation_config(
         mcfg,
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
@@ -197,6 +197,7 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
         eos_token_ids=eos,
         pad_token_id=pad,
     )
+    return dataclasses.replace(cfg, slots=r.slots, page_size=r.page_size)
 
 
 def rollout_layout(c, mesh) -> tuple:

@@ -98,8 +98,10 @@ def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
 
 def row_uniforms(keys: jax.Array, index) -> jax.Array:
     """float32[B] in [0, 1): row b's number from its own key keys[b] folded with `index` (the
-    token index), so that a row's draw depends on neither the batch's size nor its order."""
-    return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, index)))(keys)
+    token index; one for every row or int[B], each row's own), so that a row's draw depends
+    on neither the batch's size nor its order."""
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), keys.shape)
+    return jax.vmap(lambda k, i: jax.random.uniform(jax.random.fold_in(k, i)))(keys, index)
 
 
 def categorical_from_uniform(u: jax.Array, logits: jax.Array) -> jax.Array:

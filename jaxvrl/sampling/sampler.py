@@ -28,7 +28,7 @@ from flax import nnx, struct
 
 from jaxvrl.models.qwen2_5_vl import KVCache, get_rope_index, stack_vision_inputs, vision_inputs
 from jaxvrl.parallel import sharding
-from jaxvrl.sampling import rules
+from jaxvrl.sampling import engine, rules
 from jaxvrl.sampling.cpu import decode as cpu_decode
 from jaxvrl.sampling.cpu import kernels as cpu_kernels
 from jaxvrl.sampling.cpu.decode import DecodeWeights
@@ -73,6 +73,12 @@ class SamplingConfig:
     # cost of a second copy of those weights during the call), "auto" (transposed in programs
     # compiled for the CPU: the mesh in context decides, not the host).
     decode_layout: str = "auto"
+    # Rows decoded at once (`engine.py`): 0 decodes every row of a call together until the
+    # longest ends (the static sampler); S > 0 decodes S rows, each ended row's slot taken by
+    # the next waiting one, over a paged KV cache whose pages hold `page_size` positions
+    # (a prompt's pages shared by its samples). The same completions either way.
+    slots: int = 0
+    page_size: int = 16
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -144,6 +150,7 @@ def sample(
     decode_weights: DecodeWeights | None = None,
     num_samples: int = 1,
     prefill_once: bool = True,
+    limits=None,
 ) -> SampleOutput:
     """Traceable sampling core (jit it with `cfg`, `num_samples`, `prefill_once` static; see
     `Sampler`). Samples `num_samples` (G) completions of each of the R given rows.
@@ -160,7 +167,29 @@ def sample(
     R * G rows (prompt-major: row p * G + g is prompt p's sample g). Otherwise the R rows are
     already repeated (B = R, each prompt's G rows adjacent) and each is prefilled: the same
     rows and per-row keys (`row_keys`), so the same tokens, at G times the prefill's cost.
+
+    limits: optional int[B], the most tokens each output row may have (default: every row
+    max_new_tokens); a row that reaches its limit without EOS ends truncated.
     """
+    if cfg.slots and prefill_once:
+        return engine.sample_slots(
+            graphdef,
+            params,
+            input_ids,
+            attention_mask,
+            position_ids,
+            deltas,
+            rng,
+            cfg=cfg,
+            slots=cfg.slots,
+            page_size=cfg.page_size,
+            images=images,
+            videos=videos,
+            pools=pools,
+            decode_weights=decode_weights,
+            num_samples=num_samples,
+            limits=limits,
+        )
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     rows, t = input_ids.shape
     g, n = num_samples, cfg.max_new_tokens
@@ -199,7 +228,7 @@ def sample(
     tok, lp = _pick(_logits(model, forms, last), keys, 0, cfg)
     layers = model.config.text.num_hidden_layers if pools is not None else 0
     state = _loop_state(cache, tok, lp, n, cfg, layers)
-    step = functools.partial(_decode_step, model, forms, cfg, keys, start, pools)
+    step = functools.partial(_decode_step, model, forms, cfg, keys, start, pools, limits=limits)
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
     # once per chunk, which on GPUs saves a device-to-host sync per token.
     k = _chunk(n, cfg.check_every)
@@ -208,11 +237,13 @@ def sample(
         lambda s: jax.lax.fori_loop(0, k, lambda _, s: step(s), s),
         state,
     )
+    eos = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
+    ended = jnp.any(jnp.isin(s["tokens"], eos) & (s["mask"] > 0), axis=1)
     return SampleOutput(
         tokens=s["tokens"],
         logprobs=s["logprobs"],
         mask=s["mask"],
-        truncated=~s["done"],
+        truncated=~ended,  # no EOS: ran to max_new_tokens or to the row's limit
         steps=s["i"],
         vision_mass=s.get("vmass"),
         text_mass=s.get("xmass"),
@@ -285,10 +316,11 @@ def _chunk(n: int, most: int) -> int:
     return max(d for d in range(1, max(1, min(n, most)) + 1) if n % d == 0)
 
 
-def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict) -> dict:
+def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict, limits=None):
     """Write token i (picked at the previous step), feed it (one cache write), pick token i+1.
 
-    Rows already done emit pad with mask 0 and logprob 0.
+    Rows already done emit pad with mask 0 and logprob 0; a row whose limit (`limits` int[B],
+    or None) is i + 1 is done after token i.
     """
     i = s["i"]
     b = s["done"].shape[0]
@@ -313,7 +345,7 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict)
         cache=out.cache,
         next_tok=next_tok,
         next_lp=next_lp,
-        done=s["done"] | jnp.isin(tok, eos),
+        done=s["done"] | jnp.isin(tok, eos) | (False if limits is None else i + 1 >= limits),
         tokens=s["tokens"].at[:, i].set(tok),
         logprobs=s["logprobs"].at[:, i].set(jnp.where(live, s["next_lp"], 0.0)),
         mask=s["mask"].at[:, i].set(live.astype(jnp.float32)),
@@ -428,6 +460,13 @@ class Sampler:
         ready = self.prepare(params)
         with self._mesh():
             return self._prepare(ready.graphdef, rows, ready.params, reuse)
+
+    def decode_rows(self, rows: int, prefill_once: bool = True) -> int:
+        """The rows a call's decode steps run for `rows` output rows (what `decode_weights`
+        are prepared for): its slots where it has them, else every row."""
+        if self.cfg.slots and prefill_once:
+            return min(rows, self.cfg.slots)
+        return rows
 
     def compiles(self) -> int:
         """Sampling programs compiled so far (a run logs it: one per shape)."""

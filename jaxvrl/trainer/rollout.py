@@ -358,6 +358,7 @@ def sample_completions(
         key = R.replicate(key, mesh)
     weights = None
     rows = int(inputs["input_ids"].shape[0]) * (num_samples if prefill_once else 1)
+    rows = sampler.decode_rows(rows, prefill_once)
     if decode is not None:
         params = decode.params(sampler, params)
         weights = decode.get(sampler, params, rows)

@@ -86,6 +86,59 @@ class KVCache:
         return not isinstance(self.k, tuple)
 
 
+@struct.dataclass
+class PagedKVCache:
+    """A KV cache in pages, for decode steps whose rows write at their own positions (the
+    sampler's slots, `jaxvrl/sampling/engine.py`): every layer's keys k [pages, K, H, ps] and
+    values v [pages, K, ps, H] (the dense cache's layouts with the length axis cut into
+    pages of ps positions), and per row a page table, the validity of its keys and the slot
+    its next token is written to.
+
+    A row's logical sequence is its pages in table order: slot j is position j % ps of page
+    table[b, j // ps]. Rows may share pages that nobody writes (a prompt's pages, shared by
+    its samples); a row writes only into pages of its own. Keys are attended where `valid`,
+    so pages may hold gaps (a prompt padded to whole pages).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    table: jax.Array  # int32[B, n]: the pages of each row, in order
+    valid: jax.Array  # bool[B, n * ps]: which of the row's slots hold a key
+    write: jax.Array  # int32[B]: the slot the row's next token goes to
+
+    stacked = False  # one buffer per layer (the layers run as a loop)
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[-1]
+
+
+@struct.dataclass
+class _PagedLayer:
+    """One layer's pages with the rows' tables and write slots (`Attention.__call__`)."""
+
+    k: jax.Array
+    v: jax.Array
+    table: jax.Array
+    write: jax.Array
+
+    def write_and_read(self, k_new, v_new):
+        """Writes each row's new key/value [B, 1, K, H] at its write slot; returns the
+        updated pages and every row's keys [B, K, H, n * ps] and values [B, K, n * ps, H]
+        gathered from its pages (the dense cache's layouts)."""
+        ps = self.k.shape[-1]
+        page = jnp.take_along_axis(self.table, (self.write // ps)[:, None], axis=1)[:, 0]
+        off = self.write % ps
+        k_pages = self.k.at[page, :, :, off].set(k_new[:, 0].astype(self.k.dtype))
+        v_pages = self.v.at[page, :, off, :].set(v_new[:, 0].astype(self.v.dtype))
+        b, n = self.table.shape
+        kk = k_pages[self.table]  # [B, n, K, H, ps]
+        kk = kk.transpose(0, 2, 3, 1, 4).reshape(b, kk.shape[2], kk.shape[3], n * ps)
+        vv = v_pages[self.table]  # [B, n, K, ps, H]
+        vv = vv.transpose(0, 2, 1, 3, 4).reshape(b, vv.shape[2], n * ps, vv.shape[4])
+        return (k_pages, v_pages), kk, vv
+
+
 def mrope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
     """cos, sin: [B, T, head_dim] from position_ids int[3, B, T] (temporal, height, width).
 
@@ -155,19 +208,23 @@ class Attention(nnx.Module):
             return o_proj(out.reshape(b, t, -1)), (k, v), stats
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
-        k_cache, v_cache, index = kv
-        k = jax.lax.dynamic_update_slice(
-            k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
-        )  # [B, K, H, S]
-        v = jax.lax.dynamic_update_slice(
-            v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
-        )  # [B, K, S, H]
+        if isinstance(kv, _PagedLayer):  # write at each row's slot, read its pages densely
+            new_kv, k, v = kv.write_and_read(k, v)
+        else:
+            k_cache, v_cache, index = kv
+            k = jax.lax.dynamic_update_slice(
+                k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
+            )  # [B, K, H, S]
+            v = jax.lax.dynamic_update_slice(
+                v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
+            )  # [B, K, S, H]
+            new_kv = (k, v)
         # the cache stays split like the rows (and over kv heads with tensor parallelism)
         k = constrain(k, ("batch", "heads", None, "length"))
         v = constrain(v, ("batch", "heads", "length", None))
         if not own and forms.attention is not None:
             out, stats = forms.attention(qg, k, v, mask, scale, pools, x.dtype)
-            return o_proj(out.reshape(b, t, -1)), (k, v), stats
+            return o_proj(out.reshape(b, t, -1)), new_kv, stats
         logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
         probs = masked_softmax(logits * scale, mask[:, None, None])
         stats = pool_masses(probs, pools) if pools is not None else None
@@ -175,7 +232,7 @@ class Attention(nnx.Module):
         # multiplied by the transposed cache, 2.3x slower
         out = jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(x.dtype), v.astype(x.dtype))
         out = out.transpose(0, 3, 1, 2, 4)
-        return o_proj(out.reshape(b, t, -1)), (k, v), stats
+        return o_proj(out.reshape(b, t, -1)), new_kv, stats
 
 
 class DecoderLayer(nnx.Module):
@@ -262,6 +319,8 @@ class TextDecoder(nnx.Module):
         t = x.shape[1]
         cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
+        if isinstance(cache, PagedKVCache):
+            return self._paged(x, cos, sin, valid, cache, pools, forms)
         if cache is None:
             mask = valid  # key validity [B, T]; `attend` adds causality block by block
         else:
@@ -283,6 +342,29 @@ class TextDecoder(nnx.Module):
         x = self.norm(x)
         new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
         return x, new_cache, stats
+
+    def _paged(self, x, cos, sin, valid, cache: PagedKVCache, pools, forms):
+        """One decode step (T = 1) over a paged cache: each row's token is written at its
+        own slot and attends over its valid keys (the slots before it hold only its past)."""
+        b, t = x.shape[:2]
+        if t != 1:
+            raise ValueError(f"a paged cache takes one token per row, got {t}")
+        keys = cache.valid.at[jnp.arange(b), cache.write].set(valid[:, 0])
+        x = constrain(x, RESIDUAL)
+        call = functools.partial(DecoderLayer.__call__, implementation="xla")
+        ks, vs, a_v, a_x = [], [], [], []
+        for i in range(self.cfg.num_hidden_layers):
+            kv = _PagedLayer(cache.k[i], cache.v[i], cache.table, cache.write)
+            f = None if forms is None else forms.layer(i)
+            x, (k, v), stats = call(self.layer(i), x, cos, sin, keys[:, None, :], kv, pools, f)
+            ks.append(k)
+            vs.append(v)
+            if stats is not None:
+                a_v.append(stats[0])
+                a_x.append(stats[1])
+        stats = (jnp.stack(a_v), jnp.stack(a_x)) if pools is not None else None
+        new = PagedKVCache(tuple(ks), tuple(vs), cache.table, keys, cache.write + 1)
+        return self.norm(x), new, stats
 
     def _scan(self, layer_call, x, cos, sin, mask, cache, pools):
         """The layers as one scan: remat inside the body, the stacked cache's layers as xs,

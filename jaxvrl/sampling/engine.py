@@ -1,0 +1,208 @@
+"""Slots that refill: a decode batch of `slots` rows over a paged KV cache.
+
+The static sampler (`sampler.sample`) decodes every row of the rollout at once and runs until
+its longest row ends: with long-tailed completion lengths most rows idle at the end, and the
+cache holds `prompt + max_new_tokens` positions for every row. Here (`sample_slots`):
+
+- Each of the R prompts is prefilled once (its vision tower included); its keys and values
+  go into pages of `page_size` positions that all its samples' page tables point at (shared,
+  never written again). Work rows w = p * G + g (prompt-major, as the static sampler's rows)
+  each take their first token from the prompt's last logits with their own key.
+- `slots` rows decode together. Each slot owns `ceil(max_new_tokens / page_size)` pages for
+  its completion; its page table is its prompt's pages followed by its own. When a row ends
+  (EOS, or `max_new_tokens` tokens), the next waiting work row takes its slot at once, in the
+  same jitted loop (a device-side queue: every process takes the same decisions).
+- Every row draws token i with its key (call key, prompt, sample) folded with i, as the
+  static sampler does, so the completions, their log-probs and attention masses do not depend
+  on `slots`, the page size or the mesh: the static sampler is this engine's reference.
+
+Decode attention reads each slot's pages through the model's paged cache
+(`qwen2_5_vl.PagedKVCache`: a gather of the table's pages, then the dense form; the
+reference a TPU or GPU paged kernel must match).
+
+Shapes: R prompts of P tokens (left-padded), G samples each, W = R * G work rows, S slots, N
+= max_new_tokens, ps = page_size; pp = ceil(P / ps) prompt pages, pc = ceil(N / ps)
+completion pages per slot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxvrl.models.qwen2_5_vl import KVCache, PagedKVCache
+from jaxvrl.sampling import sampler as S  # the static sampler's picks, forms and outputs
+from jaxvrl.sampling.layout import compute_params
+
+
+def sample_slots(
+    graphdef,
+    params,
+    input_ids,
+    attention_mask,
+    position_ids,
+    deltas,
+    rng,
+    *,
+    cfg,
+    slots: int,
+    page_size: int,
+    images=None,
+    videos=None,
+    pools=None,
+    decode_weights=None,
+    num_samples: int = 1,
+    limits=None,
+):
+    """Traceable: `num_samples` (G) completions of each of the R prompts with `slots` decode
+    rows (at most W = R * G are used) and pages of `page_size` positions; the arguments and
+    the SampleOutput (W rows, prompt-major) are those of `sampler.sample` with
+    `prefill_once=True` (limits: int[W] or None), `steps` the decode steps run."""
+    if slots < 1 or page_size < 1:
+        raise ValueError(f"slots and page_size must be positive, got {slots}, {page_size}")
+    model = nnx.merge(graphdef, compute_params(graphdef, params))
+    r, p_len = input_ids.shape
+    g, n = num_samples, cfg.max_new_tokens
+    w, s, ps = r * g, min(slots, r * num_samples), page_size
+    pp, pc = -(-p_len // ps), -(-n // ps)
+    width = (pp + pc) * ps  # a row's logical slots: its prompt's pages, then its own
+    tcfg = model.config.text
+
+    # one prefill per prompt, into a dense cache of the prompt's length
+    out = model.forward(
+        input_ids,
+        attention_mask,
+        position_ids,
+        images=images,
+        videos=videos,
+        cache=KVCache.init(tcfg, r, p_len, model.dtype),
+        return_logits=False,
+    )
+    forms = S._decode_forms(model, cfg, s, decode_weights)
+    keys = S.row_keys(rng, r, g)  # [W]
+    last = jnp.repeat(S._logits(model, None, out.hidden[:, -1]), g, axis=0)  # [W, V]
+    first_tok, first_lp = S._pick(last, keys, 0, cfg)
+    start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # [R] next position
+
+    # pages: the R prompts' (pp each), then each slot's own (pc each)
+    kv, hd = tcfg.num_key_value_heads, tcfg.head_dim
+    gap = pp * ps - p_len
+
+    def prompt_k(x):  # [R, K, H, P] -> [R * pp, K, H, ps]
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, gap)))
+        return x.reshape(r, kv, hd, pp, ps).transpose(0, 3, 1, 2, 4).reshape(r * pp, kv, hd, ps)
+
+    def prompt_v(x):  # [R, K, P, H] -> [R * pp, K, ps, H]
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, gap), (0, 0)))
+        return x.reshape(r, kv, pp, ps, hd).transpose(0, 2, 1, 3, 4).reshape(r * pp, kv, ps, hd)
+
+    own = s * pc
+    k_pages = tuple(
+        jnp.concatenate([prompt_k(x), jnp.zeros((own, kv, hd, ps), x.dtype)]) for x in out.cache.k
+    )
+    v_pages = tuple(
+        jnp.concatenate([prompt_v(x), jnp.zeros((own, kv, ps, hd), x.dtype)]) for x in out.cache.v
+    )
+    tail = ((0, 0), (0, width - p_len))
+    prompt_valid = jnp.pad(out.cache.key_mask, tail)  # [R, width]
+    if pools is not None:
+        pools = {k: jnp.pad(v.astype(bool), tail) for k, v in pools.items()}
+    slot_ids = jnp.arange(s)
+
+    def table(rows):  # the page tables of slots running work rows `rows` [S]
+        prompt = jnp.minimum(rows, w - 1) // g
+        mine = r * pp + slot_ids[:, None] * pc + jnp.arange(pc)[None, :]
+        return jnp.concatenate([prompt[:, None] * pp + jnp.arange(pp)[None, :], mine], axis=1)
+
+    def valid(rows):
+        return prompt_valid[jnp.minimum(rows, w - 1) // g]
+
+    rows0 = slot_ids  # the first S work rows
+    layers = tcfg.num_hidden_layers if pools is not None else 0
+    state = dict(
+        cache=PagedKVCache(k_pages, v_pages, table(rows0), valid(rows0), jnp.full((s,), pp * ps)),
+        row=rows0,  # the work row each slot runs (w: idle)
+        t=jnp.zeros((s,), jnp.int32),  # its token index
+        next_tok=first_tok[:s],
+        next_lp=first_lp[:s],
+        queue=jnp.asarray(s, jnp.int32),  # the next waiting work row
+        steps=jnp.zeros((), jnp.int32),
+        # outputs, with a last row that idle slots write into
+        tokens=jnp.full((w + 1, n), cfg.pad_token_id, jnp.int32),
+        logprobs=jnp.zeros((w + 1, n), jnp.float32),
+        mask=jnp.zeros((w + 1, n), jnp.float32),
+        truncated=jnp.zeros((w + 1,), bool),
+    )
+    if layers:
+        state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
+        state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
+    eos = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
+
+    def step(st):
+        row, t = st["row"], st["t"]
+        live = row < w
+        safe = jnp.minimum(row, w - 1)
+        prompt = safe // g
+        tok = jnp.where(live, st["next_tok"], cfg.pad_token_id)
+        pos = jnp.broadcast_to((start[prompt] + t)[None, :, None], (3, s, 1))
+        slot_pools = None if pools is None else {k: v[prompt] for k, v in pools.items()}
+        o = model.forward(
+            tok[:, None],
+            live[:, None].astype(jnp.int32),
+            pos,
+            cache=st["cache"],
+            pools=slot_pools,
+            return_logits=False,
+            forms=forms,
+        )
+        out_row = jnp.where(live, row, w)
+        new = dict(st)
+        new["tokens"] = st["tokens"].at[out_row, t].set(tok)
+        new["logprobs"] = st["logprobs"].at[out_row, t].set(jnp.where(live, st["next_lp"], 0.0))
+        new["mask"] = st["mask"].at[out_row, t].set(live.astype(jnp.float32))
+        if layers:
+            new["vmass"] = st["vmass"].at[:, out_row, t].set(o.vision_mass[:, :, 0])
+            new["xmass"] = st["xmass"].at[:, out_row, t].set(o.text_mass[:, :, 0])
+        nxt, nlp = S._pick(S._logits(model, forms, o.hidden[:, 0]), keys[safe], t + 1, cfg)
+        is_eos = jnp.isin(tok, eos)
+        last = t + 1 == n if limits is None else (t + 1 == n) | (t + 1 >= limits[safe])
+        ended = live & (is_eos | last)
+        new["truncated"] = st["truncated"].at[out_row].set(ended & ~is_eos)
+        # ended slots take the next waiting rows, in slot order
+        order = jnp.cumsum(ended) - 1
+        take = st["queue"] + order
+        refill = ended & (take < w)
+        row2 = jnp.where(ended, jnp.where(refill, take, w), row)
+        new["queue"] = jnp.minimum(st["queue"] + jnp.sum(ended), w)
+        new["row"] = row2
+        new["t"] = jnp.where(ended, 0, t + 1)
+        first = jnp.minimum(row2, w - 1)
+        new["next_tok"] = jnp.where(refill, first_tok[first], nxt)
+        new["next_lp"] = jnp.where(refill, first_lp[first], nlp)
+        c = o.cache
+        new["cache"] = PagedKVCache(
+            c.k,
+            c.v,
+            jnp.where(refill[:, None], table(row2), c.table),
+            jnp.where(ended[:, None], valid(row2), c.valid),
+            pp * ps + new["t"],
+        )
+        new["steps"] = st["steps"] + jnp.any(live).astype(jnp.int32)
+        return new
+
+    k = max(1, cfg.check_every)
+    st = jax.lax.while_loop(
+        lambda st: jnp.any(st["row"] < w),
+        lambda st: jax.lax.fori_loop(0, k, lambda _, x: step(x), st),
+        state,
+    )
+    return S.SampleOutput(
+        tokens=st["tokens"][:w],
+        logprobs=st["logprobs"][:w],
+        mask=st["mask"][:w],
+        truncated=st["truncated"][:w],
+        steps=st["steps"],
+        vision_mass=st["vmass"][:, :w] if layers else None,
+        text_mass=st["xmass"][:, :w] if layers else None,
+    )

@@ -1,0 +1,130 @@
+"""Slots that refill over a paged cache (`engine.sample_slots`, `SamplingConfig.slots`): the
+completions, log-probs and attention masses of the static sampler (every row decoded at once,
+one prefill per prompt), for slot counts smaller than the rows and not dividing them, page
+sizes that divide neither the prompt nor the completion length, on text, image, two-image and
+video prompts, left-padded; a prompt's samples share its prefill (its vision tower runs once).
+
+Rows end at different lengths: every 9th token id ends a row, so lengths spread over the
+whole range of max_new_tokens (and some rows are truncated).
+
+Tolerance: the paged cache holds the same keys as the dense one, in another order and with
+other (masked) gaps, so softmax sums run in another order: log-probs and masses agree to
+1e-5 (observed ~1e-7); the sampled tokens are equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.models.qwen2_5_vl import vision
+from jaxvrl.sampling import Sampler
+from jaxvrl.sampling.sampler import generation_config
+from tests.models import hf_tiny as T
+from tests.sampling.test_prefill import inputs, prompts
+
+N = 10
+G = 3
+EOS = tuple(range(3, 290, 9))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine_model")
+    T.build(path, seed=5)
+    return q.load(path)
+
+
+def _cfg(model, temperature=1.0, **kw):
+    cfg = generation_config(model.config, max_new_tokens=N, temperature=temperature)
+    return dataclasses.replace(cfg, eos_token_ids=EOS, check_every=4, **kw)
+
+
+def _run(model, cfg, args, kw, key=7):
+    out = Sampler(nnx.graphdef(model), cfg)(
+        nnx.state(model), *args, jax.random.key(key), num_samples=G, **kw
+    )
+    return jax.tree.map(np.asarray, out)
+
+
+def _same(got, want):
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_array_equal(got.truncated, want.truncated)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    m = want.mask[None] > 0  # the static sampler also records masses after a row's end
+    for a, b in ((got.vision_mass, want.vision_mass), (got.text_mass, want.text_mass)):
+        np.testing.assert_allclose(np.where(m, a, 0), np.where(m, b, 0), atol=1e-5)
+
+
+# (prompt kind, slots, page size): 4 and 1 slots do not divide the 6 rows; the page sizes
+# divide neither the prompts' lengths nor N
+CASES = [("text", 4, 3), ("image", 1, 7), ("two_images", 5, 4), ("video", 4, 6)]
+
+
+@pytest.mark.parametrize("kind,slots,page", CASES)
+def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page):
+    ids, mask, vis = prompts(kind, np.random.default_rng(11))
+    args, kw = inputs(model, ids, mask, **vis)
+    want = _run(model, _cfg(model), args, kw)
+    lengths = want.mask.sum(1)
+    assert want.tokens.shape == (2 * G, N) and len(set(lengths.tolist())) > 2, lengths
+    got = _run(model, _cfg(model, slots=slots, page_size=page), args, kw)
+    _same(got, want)
+    # every token took a slot for a step; the longest row took a step per token
+    assert got.steps * min(slots, 2 * G) >= lengths.sum() and got.steps >= lengths.max()
+
+
+def test_greedy_slots_and_more_slots_than_rows(model):
+    ids, mask, vis = prompts("image", np.random.default_rng(12))
+    args, kw = inputs(model, ids, mask, **vis)
+    want = _run(model, _cfg(model, 0.0), args, kw)
+    _same(_run(model, _cfg(model, 0.0, slots=64, page_size=5), args, kw), want)
+
+
+def test_slot_steps_follow_the_lengths(model):
+    """With one slot the decode steps are the rows' lengths summed: nothing idles."""
+    ids, mask, vis = prompts("text", np.random.default_rng(13))
+    args, kw = inputs(model, ids, mask, **vis)
+    got = _run(model, _cfg(model, slots=1, page_size=4), args, kw)
+    assert got.steps == got.mask.sum()
+
+
+def test_the_vision_tower_runs_once_per_prompt_with_slots(model, monkeypatch):
+    rows = []
+    call = vision.VisionTower.__call__
+
+    def counted(self, inputs):
+        rows.append(inputs.pixel_values.shape[0])  # at trace time: rows reaching the tower
+        return call(self, inputs)
+
+    monkeypatch.setattr(vision.VisionTower, "__call__", counted)
+    ids, mask, vis = prompts("two_images", np.random.default_rng(6))
+    args, kw = inputs(model, ids, mask, **vis)
+    out = _run(model, _cfg(model, slots=2, page_size=4), args, kw)
+    assert rows == [2] and out.tokens.shape == (2 * G, N)
+
+
+def test_row_limits_end_rows_truncated_in_both_samplers(model):
+    ids, mask, vis = prompts("image", np.random.default_rng(14))
+    args, kw = inputs(model, ids, mask, **vis)
+    limits = np.array([1, 3, 10, 2, 7, 5], np.int32)
+    cfg = _cfg(model)
+    want = _run(model, cfg, args, kw)  # without limits
+    got = {}
+    for slots in (0, 4):
+        c = dataclasses.replace(cfg, slots=slots, page_size=4)
+        got[slots] = _run(model, c, args, dict(kw, limits=limits))
+    _same(got[4], got[0])
+    lengths = want.mask.sum(1)
+    np.testing.assert_array_equal(got[0].mask.sum(1), np.minimum(lengths, limits))
+    cut = lengths > limits  # rows the limits shortened: truncated, their tokens a prefix
+    assert cut.any() and got[0].truncated[cut].all()
+    for b in range(len(limits)):
+        k = int(got[0].mask[b].sum())
+        np.testing.assert_array_equal(got[0].tokens[b, :k], want.tokens[b, :k])
