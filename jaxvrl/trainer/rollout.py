@@ -322,6 +322,12 @@ def repeat_prompts(batch: dict, g: int) -> dict:
     return out
 
 
+def prefills_once(prompts: int, mesh) -> bool:
+    """Whether a process's `prompts` are sampled with one prefill each: where the mesh's row
+    shards divide them (else they are repeated on the host, `sample_completions`)."""
+    return prompts * jax.process_count() % row_shards(mesh) == 0
+
+
 def sample_completions(
     sampler,
     params,
@@ -345,7 +351,7 @@ def sample_completions(
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
     phase keeps `params` in the sampler's layout and their decode weights (None: the
     sampler prepares its own each call)."""
-    prefill_once = len(batch["input_ids"]) * jax.process_count() % row_shards(mesh) == 0
+    prefill_once = prefills_once(len(batch["input_ids"]), mesh)
     if not prefill_once:
         batch = repeat_prompts(dict(batch, pools=pools), num_samples)
         pools = batch["pools"]
@@ -461,6 +467,9 @@ class RolloutPhase:
             )
         info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
         info["decode_steps"] = float(out.steps)
+        # the rows each decode step ran: every row, or the sampler's slots
+        once = prefills_once(len(examples), self.mesh)
+        info["decode_rows"] = self.sampler.decode_rows(len(texts), once)
         return groups, info
 
     def _score(self, step: int, texts: list, lengths: np.ndarray, columns: dict):
@@ -567,7 +576,7 @@ class RolloutPhase:
                 # generated tokens over the rows x decode steps the sampler ran: the share
                 # of its decode work that produced tokens (finished rows idle until the end)
                 "rollout/slot_utilization": sum(i["tokens"] for i in infos)
-                / max(sum(i["rows"] * i["decode_steps"] for i in infos), 1.0),
+                / max(sum(i["decode_rows"] * i["decode_steps"] for i in infos), 1.0),
             }
         )
         m["rollout/tokens_per_s"] = m["tokens_per_s"]

@@ -572,3 +572,23 @@ def test_a_dataset_read_by_its_own_column_names_trains(tmp_path):
         f"{data}: no column 'image' for config.data.image_key; "
         "its columns: question, answer, image_path"
     )
+
+
+def test_the_slot_engine_leaves_the_run_unchanged(tmp_path):
+    """The mdi config (its reward reads the sampler's attention masses) with 3 slots for the 4
+    rows of a generation batch and pages of 5 positions: the same completions, rewards,
+    masses and losses as the static sampler; only the decode rows and steps differ."""
+    got = {}
+    for slots in (0, 3):
+        w = tmp_path / f"slots{slots}"
+        run(tiny_config("configs/mdi.py", w, "total_steps=2", "val_freq=100",
+                        f"rollout.slots={slots}", "rollout.page_size=5"))  # fmt: skip
+        got[slots] = _rows(w)
+    for a, b in zip(got[0], got[3]):
+        for k, v in a.items():
+            if k.startswith(("reward/", "attn/", "val/")) or k in ("response_length", "loss"):
+                assert abs(b[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, v, b[k])
+        if a["step"] > 0:  # 3 slots for 4 rows: more steps, each of 3 rows
+            assert 0 < b["rollout/slot_utilization"] <= 1, b
+            assert b["rollout/decode_steps"] >= a["rollout/decode_steps"], (a, b)
+    assert any(k.startswith("attn/") for k in got[0][-1])
