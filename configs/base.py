@@ -109,7 +109,8 @@ def get_config(arg=None):
     # every device holds the whole model.
     c.rollout.mesh = ml_collections.ConfigDict()
     c.rollout.mesh.data = -1  # groups of devices splitting the rows; -1 = the rest
-    c.rollout.mesh.tensor = 0  # devices per group splitting heads, MLP, vocab; 0 = one host's
+    # devices per group splitting heads, MLP, vocab; 0 = a host's, as many as divide the KV heads
+    c.rollout.mesh.tensor = 0
     # compute dtype of sampling: auto (bfloat16 on accelerators, model.dtype on the CPU) |
     # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from
     # this dtype; recompute takes them from a pass in model.dtype.

@@ -53,7 +53,6 @@ from jaxvrl.sampling import (
     generation_config,
     rollout_dtype,
     rollout_mesh,
-    rollout_sizes,
 )
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
@@ -200,13 +199,25 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
     return dataclasses.replace(cfg, slots=r.slots, page_size=r.page_size)
 
 
-def rollout_layout(c, mesh) -> tuple:
+def rollout_layout(c, mesh, kv_heads: int = 0, processes: int | None = None) -> tuple:
     """(mesh, dtype) the samplers run with: `rollout.mesh` over the devices of the training
-    mesh `mesh` and `rollout.dtype` resolved for them (None: model.dtype)."""
+    mesh `mesh` (tensor 0: a host's devices, as many as divide the model's `kv_heads`) and
+    `rollout.dtype` resolved for them (None: model.dtype). The step's rows (every process's
+    prompts_per_step x num_generations; processes: default this run's) must split over its
+    data groups."""
     try:
-        rmesh = rollout_mesh(mesh, c.rollout.mesh.data, c.rollout.mesh.tensor)
+        rmesh = rollout_mesh(mesh, c.rollout.mesh.data, c.rollout.mesh.tensor, kv_heads)
     except ValueError as e:
         raise ConfigError(f"config.rollout.mesh: {e}") from None
+    processes = jax.process_count() if processes is None else processes
+    rows, groups = c.prompts_per_step * c.rollout.num_generations, rmesh.shape["data"]
+    if (rows * processes) % groups:
+        raise ConfigError(
+            f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
+            f"({processes} processes) do not split evenly over the rollout's {groups} data "
+            "groups (rollout.mesh.data): set rollout.mesh.data or rollout.mesh.tensor so "
+            "that they do"
+        )
     return rmesh, rollout_dtype(c.rollout.dtype, rmesh, c.model.dtype)
 
 
@@ -217,7 +228,9 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     device, the model's dtype)."""
     cfg = sampling_config(c, mcfg, tokenizer)
     greedy = dataclasses.replace(cfg, temperature=0.0)
-    rmesh, dtype = rollout_layout(c, mesh) if mesh is not None else (None, None)
+    rmesh, dtype = None, None
+    if mesh is not None:
+        rmesh, dtype = rollout_layout(c, mesh, mcfg.text.num_key_value_heads)
     return Sampler(graph, cfg, rmesh, dtype), Sampler(graph, greedy, rmesh, dtype)
 
 
@@ -351,20 +364,6 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
             f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp "
             f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
             "mesh.tensor"
-        )
-    try:
-        sizes = rollout_sizes(
-            math.prod(mesh.shape.values()), processes, c.rollout.mesh.data, c.rollout.mesh.tensor
-        )
-    except ValueError as e:
-        raise ConfigError(f"config.rollout.mesh: {e}") from None
-    rollout_rows = sizes["data"]
-    if (rows * processes) % rollout_rows:
-        raise ConfigError(
-            f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
-            f"({processes} processes) do not split evenly over the rollout's "
-            f"{rollout_rows} data groups (rollout.mesh.data): set rollout.mesh.data or "
-            "rollout.mesh.tensor so that they do"
         )
     gbs = c.actor.global_batch_size
     if gbs is not None and (gbs < 1 or c.prompts_per_step % gbs):

@@ -172,7 +172,8 @@ class Plan:
     def rollout(self) -> tuple:
         """(mesh, dtype) of the samplers: `rollout.mesh` over the slice's devices and
         `rollout.dtype` resolved for them (None: model.dtype), as `jaxvrl.train` makes them."""
-        return train.rollout_layout(self.c, self.mesh)
+        kv = self.model.config.text.num_key_value_heads
+        return train.rollout_layout(self.c, self.mesh, kv, processes=self.slice.hosts)
 
     def sampler(self, cfg=None) -> Sampler:
         """The rollout sampler of the run, in the rollout's layout."""

@@ -52,25 +52,34 @@ class RolloutParams:
     layout: Layout = struct.field(pytree_node=False)
 
 
-def rollout_mesh(mesh: Mesh, data: int = -1, tensor: int = 0) -> Mesh:
+def rollout_mesh(mesh: Mesh, data: int = -1, tensor: int = 0, kv_heads: int = 0) -> Mesh:
     """A mesh (data, fsdp=1, tensor) over the devices of `mesh` for the sampler.
 
-    tensor: devices per tensor group (0: one host's devices); data: the number of groups (-1:
-    the devices left). Devices are taken host by host (in `mesh`'s order within a host), so
-    a tensor group that fits in a host lies within one, its all-reduces never leave it, and
-    each host's prompts stay on its own devices. Raises ValueError naming the sizes when they
-    do not fit the devices."""
+    tensor: devices per tensor group (0: the most of one host's devices that also divide
+    `kv_heads`, the model's KV heads, so that the KV cache splits by head rather than being
+    held whole by every device of a group); data: the number of groups (-1: the devices
+    left). Devices are taken host by host (in `mesh`'s order within a host), so a tensor
+    group that fits in a host lies within one, its all-reduces never leave it, and each
+    host's prompts stay on its own devices. Raises ValueError naming the sizes when they do
+    not fit the devices."""
     devices = list(mesh.devices.reshape(-1))
-    sizes = rollout_sizes(len(devices), len({d.process_index for d in devices}), data, tensor)
+    hosts = len({d.process_index for d in devices})
+    sizes = rollout_sizes(len(devices), hosts, data, tensor, kv_heads)
     order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, i))
     grid = np.asarray([devices[i] for i in order]).reshape(sizes["data"], 1, sizes["tensor"])
     return Mesh(grid, sharding.MESH_AXES)
 
 
-def rollout_sizes(devices: int, hosts: int, data: int = -1, tensor: int = 0) -> dict:
+def rollout_sizes(
+    devices: int, hosts: int, data: int = -1, tensor: int = 0, kv_heads: int = 0
+) -> dict:
     """The rollout mesh's axis sizes {data, fsdp: 1, tensor} for `devices` over `hosts`
     (`rollout_mesh`)."""
-    return sharding.mesh_sizes(devices, data, 1, tensor or max(devices // hosts, 1))
+    if not tensor:
+        per_host = max(devices // hosts, 1)
+        fits = [t for t in range(1, per_host + 1) if per_host % t == 0]
+        tensor = max(t for t in fits if not kv_heads or kv_heads % t == 0)
+    return sharding.mesh_sizes(devices, data, 1, tensor)
 
 
 def rollout_dtype(name: str, mesh: Mesh | None, model_dtype) -> str | None:

@@ -581,7 +581,7 @@ def test_the_slot_engine_leaves_the_run_unchanged(tmp_path):
     got = {}
     for slots in (0, 3):
         w = tmp_path / f"slots{slots}"
-        run(tiny_config("configs/mdi.py", w, "total_steps=2", "val_freq=100",
+        run(tiny_config("configs/mdi.py", w, "total_steps=1", "val_freq=100",
                         f"rollout.slots={slots}", "rollout.page_size=5"))  # fmt: skip
         got[slots] = _rows(w)
     for a, b in zip(got[0], got[3]):
