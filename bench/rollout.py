@@ -96,7 +96,9 @@ def main() -> None:
         f"max_new_tokens {n}; lengths log-normal (median {args.median:g}, sigma {args.sigma:g}): "
         f"mean {limits.mean():.1f}, max {limits.max()}, {tokens} tokens; page size {args.page_size}"
     )
-    print("| engine | decode rows | decode steps | slot-steps | vs static | slot utilization | wall s | tokens/s |")
+    print(
+        "| engine | decode rows | decode steps | slot-steps | vs static | slot utilization | wall s | tokens/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     static, secs = run(0)
     assert (static.mask.sum(1) == limits).all()
