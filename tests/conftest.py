@@ -30,3 +30,34 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# The files that take longest (half a minute to a few minutes each on the 2-core CI machine),
+# longest first. `pytest -n 2 --dist loadfile` hands whole files to the two workers in
+# collection order (with `--no-loadscope-reorder`, pyproject.toml; xdist's own order is by
+# test count), so a long file collected last leaves one worker idle while the other finishes
+# it; the long ones first (longest-processing-time scheduling) keep both busy to the end.
+LONG_FILES = (
+    "trainer/test_train.py",
+    "trainer/test_build.py",
+    "parallel/test_train_mesh.py",
+    "parallel/test_mesh_train.py",
+    "trainer/test_step.py",
+    "trainer/test_updates.py",
+    "aot/test_aot.py",
+    "parallel/test_runtime.py",
+    "parallel/test_multihost.py",
+    "trainer/test_ppo.py",
+    "sampling/test_engine.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        path = str(item.path).replace(os.sep, "/")
+        for i, name in enumerate(LONG_FILES):
+            if path.endswith("tests/" + name):
+                return i
+        return len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: tests keep their order within a file
