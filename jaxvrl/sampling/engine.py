@@ -46,8 +46,6 @@ def sample_slots(
     rng,
     *,
     cfg,
-    slots: int,
-    page_size: int,
     images=None,
     videos=None,
     pools=None,
@@ -55,10 +53,11 @@ def sample_slots(
     num_samples: int = 1,
     limits=None,
 ):
-    """Traceable: `num_samples` (G) completions of each of the R prompts with `slots` decode
-    rows (at most W = R * G are used) and pages of `page_size` positions; the arguments and
-    the SampleOutput (W rows, prompt-major) are those of `sampler.sample` with
+    """Traceable: `num_samples` (G) completions of each of the R prompts with `cfg.slots`
+    decode rows (at most W = R * G are used) and pages of `cfg.page_size` positions; the
+    arguments and the SampleOutput (W rows, prompt-major) are those of `sampler.sample` with
     `prefill_once=True` (limits: int[W] or None), `steps` the decode steps run."""
+    slots, page_size = cfg.slots, cfg.page_size
     if slots < 1 or page_size < 1:
         raise ValueError(f"slots and page_size must be positive, got {slots}, {page_size}")
     model = nnx.merge(graphdef, compute_params(graphdef, params))
@@ -137,7 +136,7 @@ def sample_slots(
     if layers:
         state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
         state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
-    eos = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
+    eos = S.eos_ids(cfg)
 
     def step(st):
         row, t = st["row"], st["t"]

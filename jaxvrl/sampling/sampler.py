@@ -86,6 +86,11 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return rules.top_p_filter(rules.top_k_filter(logits, top_k), top_p)
 
 
+def eos_ids(cfg: SamplingConfig) -> jax.Array:
+    """int32[E]: the ids that end a row (-1, no token, where there are none)."""
+    return jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
+
+
 def _filters(cfg: SamplingConfig, vocab: int) -> bool:
     """Whether top-k or top-p filtering changes the distribution."""
     return 0 < cfg.top_k < vocab or cfg.top_p < 1.0
@@ -181,8 +186,6 @@ def sample(
             deltas,
             rng,
             cfg=cfg,
-            slots=cfg.slots,
-            page_size=cfg.page_size,
             images=images,
             videos=videos,
             pools=pools,
@@ -237,8 +240,7 @@ def sample(
         lambda s: jax.lax.fori_loop(0, k, lambda _, s: step(s), s),
         state,
     )
-    eos = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
-    ended = jnp.any(jnp.isin(s["tokens"], eos) & (s["mask"] > 0), axis=1)
+    ended = jnp.any(jnp.isin(s["tokens"], eos_ids(cfg)) & (s["mask"] > 0), axis=1)
     return SampleOutput(
         tokens=s["tokens"],
         logprobs=s["logprobs"],
@@ -326,7 +328,7 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
     b = s["done"].shape[0]
     live = ~s["done"]
     tok = jnp.where(live, s["next_tok"], cfg.pad_token_id)
-    eos = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
+    eos = eos_ids(cfg)
     pos = jnp.broadcast_to((start + i)[None, :, None], (3, b, 1))
     out = model.forward(
         tok[:, None],

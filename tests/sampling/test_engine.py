@@ -22,7 +22,6 @@ import pytest
 from flax import nnx
 
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.models.qwen2_5_vl import vision
 from jaxvrl.sampling import Sampler
 from jaxvrl.sampling.sampler import generation_config
 from tests.models import hf_tiny as T
@@ -89,15 +88,8 @@ def test_greedy_slots_and_more_slots_than_rows(model):
     _same(_run(model, _cfg(model, 0.0, slots=64, page_size=5), args, kw), want)
 
 
-def test_the_vision_tower_runs_once_per_prompt_with_slots(model, monkeypatch):
-    rows = []
-    call = vision.VisionTower.__call__
-
-    def counted(self, inputs):
-        rows.append(inputs.pixel_values.shape[0])  # at trace time: rows reaching the tower
-        return call(self, inputs)
-
-    monkeypatch.setattr(vision.VisionTower, "__call__", counted)
+def test_the_vision_tower_runs_once_per_prompt_with_slots(model, tower_rows):
+    rows = tower_rows  # at trace time: rows reaching the tower
     ids, mask, vis = prompts("two_images", np.random.default_rng(6))
     args, kw = inputs(model, ids, mask, **vis)
     out = _run(model, _cfg(model, slots=2, page_size=4), args, kw)

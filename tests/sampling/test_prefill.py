@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.models.qwen2_5_vl import vision
 from jaxvrl.sampling import Sampler
 from jaxvrl.sampling.sampler import generation_config, row_vision_inputs
 from tests.models import hf_tiny as T
@@ -129,15 +128,8 @@ def test_one_sample_per_row_is_the_row_api(model, sampler):
     np.testing.assert_allclose(two.logprobs[:1], one.logprobs, atol=1e-5)
 
 
-def test_the_vision_tower_runs_once_per_prompt(model, monkeypatch):
-    rows = []
-    call = vision.VisionTower.__call__
-
-    def counted(self, inputs):
-        rows.append(inputs.pixel_values.shape[0])  # at trace time: rows reaching the tower
-        return call(self, inputs)
-
-    monkeypatch.setattr(vision.VisionTower, "__call__", counted)
+def test_the_vision_tower_runs_once_per_prompt(model, tower_rows):
+    rows = tower_rows  # at trace time: rows reaching the tower
     ids, mask, vis = prompts("two_images", np.random.default_rng(6))
     args, kw = inputs(model, ids, mask, **vis)
     cfg = generation_config(model.config, max_new_tokens=2, temperature=1.0)

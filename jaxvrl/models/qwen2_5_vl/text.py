@@ -85,6 +85,10 @@ class KVCache:
     def stacked(self) -> bool:
         return not isinstance(self.k, tuple)
 
+    def layer(self, i: int):
+        """What layer i's attention takes: (keys, values, write position)."""
+        return self.k[i], self.v[i], self.index
+
 
 @struct.dataclass
 class PagedKVCache:
@@ -111,6 +115,10 @@ class PagedKVCache:
     @property
     def page_size(self) -> int:
         return self.k[0].shape[-1]
+
+    def layer(self, i: int) -> _PagedLayer:
+        """What layer i's attention takes: its pages with the rows' tables and write slots."""
+        return _PagedLayer(self.k[i], self.v[i], self.table, self.write)
 
 
 @struct.dataclass
@@ -319,8 +327,14 @@ class TextDecoder(nnx.Module):
         t = x.shape[1]
         cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
+        x = constrain(x, RESIDUAL)
+        layer_call = functools.partial(
+            DecoderLayer.__call__,
+            implementation=attention_implementation(self.attention),
+            block=self.attention_block,
+        )
         if isinstance(cache, PagedKVCache):
-            return self._paged(x, cos, sin, valid, cache, pools, forms)
+            return self._paged(layer_call, x, cos, sin, valid, cache, pools, forms)
         if cache is None:
             mask = valid  # key validity [B, T]; `attend` adds causality block by block
         else:
@@ -328,12 +342,6 @@ class TextDecoder(nnx.Module):
             q_pos = cache.index + jnp.arange(t)
             k_pos = jnp.arange(cache.key_mask.shape[1])
             mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
-        x = constrain(x, RESIDUAL)
-        layer_call = functools.partial(
-            DecoderLayer.__call__,
-            implementation=attention_implementation(self.attention),
-            block=self.attention_block,
-        )
         scanned = self.scan_layers and forms is None and (cache is None or cache.stacked)
         if scanned:
             x, kv, stats = self._scan(layer_call, x, cos, sin, mask, cache, pools)
@@ -343,27 +351,17 @@ class TextDecoder(nnx.Module):
         new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
         return x, new_cache, stats
 
-    def _paged(self, x, cos, sin, valid, cache: PagedKVCache, pools, forms):
+    def _paged(self, layer_call, x, cos, sin, valid, cache: PagedKVCache, pools, forms):
         """One decode step (T = 1) over a paged cache: each row's token is written at its
         own slot and attends over its valid keys (the slots before it hold only its past)."""
         b, t = x.shape[:2]
         if t != 1:
             raise ValueError(f"a paged cache takes one token per row, got {t}")
         keys = cache.valid.at[jnp.arange(b), cache.write].set(valid[:, 0])
-        x = constrain(x, RESIDUAL)
-        call = functools.partial(DecoderLayer.__call__, implementation="xla")
-        ks, vs, a_v, a_x = [], [], [], []
-        for i in range(self.cfg.num_hidden_layers):
-            kv = _PagedLayer(cache.k[i], cache.v[i], cache.table, cache.write)
-            f = None if forms is None else forms.layer(i)
-            x, (k, v), stats = call(self.layer(i), x, cos, sin, keys[:, None, :], kv, pools, f)
-            ks.append(k)
-            vs.append(v)
-            if stats is not None:
-                a_v.append(stats[0])
-                a_x.append(stats[1])
-        stats = (jnp.stack(a_v), jnp.stack(a_x)) if pools is not None else None
-        new = PagedKVCache(tuple(ks), tuple(vs), cache.table, keys, cache.write + 1)
+        x, (ks, vs), stats = self._loop(
+            layer_call, x, cos, sin, keys[:, None, :], cache, pools, forms
+        )
+        new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
         return self.norm(x), new, stats
 
     def _scan(self, layer_call, x, cos, sin, mask, cache, pools):
@@ -381,12 +379,13 @@ class TextDecoder(nnx.Module):
         return x, kv, stats
 
     def _loop(self, layer_call, x, cos, sin, mask, cache, pools, forms):
-        """The layers one by one (unrolled); a stacked cache gives back a stacked one."""
+        """The layers one by one (unrolled); a stacked cache gives back a stacked one, a
+        paged one its pages."""
         call = remat(layer_call, self.remat_policy)
         ks, vs, a_v, a_x = [], [], [], []
         for i in range(self.cfg.num_hidden_layers):
             layer = self.layer(i)
-            kv = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+            kv = None if cache is None else cache.layer(i)
             if forms is None:
                 x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
             else:  # decode steps only: nothing to differentiate
