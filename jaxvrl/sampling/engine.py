@@ -56,14 +56,55 @@ def sample_slots(
     """Traceable: `num_samples` (G) completions of each of the R prompts with `cfg.slots`
     decode rows (at most W = R * G are used) and pages of `cfg.page_size` positions; the
     arguments and the SampleOutput (W rows, prompt-major) are those of `sampler.sample` with
-    `prefill_once=True` (limits: int[W] or None), `steps` the decode steps run."""
-    slots, page_size = cfg.slots, cfg.page_size
-    if slots < 1 or page_size < 1:
-        raise ValueError(f"slots and page_size must be positive, got {slots}, {page_size}")
+    `prefill_once=True` (limits: int[W] or None), `steps` the decode steps run. It is
+    `prefill_slots`, then `decode_slots`."""
+    carry = prefill_slots(
+        graphdef,
+        params,
+        input_ids,
+        attention_mask,
+        position_ids,
+        deltas,
+        rng,
+        cfg=cfg,
+        images=images,
+        videos=videos,
+        pools=pools,
+        num_samples=num_samples,
+        limits=limits,
+    )
+    return decode_slots(graphdef, params, carry, decode_weights, cfg=cfg)[0]
+
+
+def _check(cfg):
+    if cfg.slots < 1 or cfg.page_size < 1:
+        raise ValueError(f"slots and page_size must be positive, got {cfg.slots}, {cfg.page_size}")
+
+
+def prefill_slots(
+    graphdef,
+    params,
+    input_ids,
+    attention_mask,
+    position_ids,
+    deltas,
+    rng,
+    *,
+    cfg,
+    images=None,
+    videos=None,
+    pools=None,
+    num_samples: int = 1,
+    limits=None,
+) -> dict:
+    """Traceable: the R prompts' prefill (once each) into pages, and every work row's first
+    token: the carry `decode_slots` starts from. `pages` holds each layer's key and value
+    pages, the R prompts' (pp each) then room for each slot's own (pc each)."""
+    _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     r, p_len = input_ids.shape
-    g, n = num_samples, cfg.max_new_tokens
-    w, s, ps = r * g, min(slots, r * num_samples), page_size
+    g, n, ps = num_samples, cfg.max_new_tokens, cfg.page_size
+    s = min(cfg.slots, r * g)
     pp, pc = -(-p_len // ps), -(-n // ps)
     width = (pp + pc) * ps  # a row's logical slots: its prompt's pages, then its own
     tcfg = model.config.text
@@ -78,13 +119,10 @@ def sample_slots(
         cache=KVCache.init(tcfg, r, p_len, model.dtype),
         return_logits=False,
     )
-    forms = S._decode_forms(model, cfg, s, decode_weights)
     keys = S.row_keys(rng, r, g)  # [W]
     last = jnp.repeat(S._logits(model, None, out.hidden[:, -1]), g, axis=0)  # [W, V]
     first_tok, first_lp = S._pick(last, keys, 0, cfg)
-    start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # [R] next position
 
-    # pages: the R prompts' (pp each), then each slot's own (pc each)
     kv, hd = tcfg.num_key_value_heads, tcfg.head_dim
     gap = pp * ps - p_len
 
@@ -104,9 +142,35 @@ def sample_slots(
         jnp.concatenate([prompt_v(x), jnp.zeros((own, kv, ps, hd), x.dtype)]) for x in out.cache.v
     )
     tail = ((0, 0), (0, width - p_len))
-    prompt_valid = jnp.pad(out.cache.key_mask, tail)  # [R, width]
     if pools is not None:
         pools = {k: jnp.pad(v.astype(bool), tail) for k, v in pools.items()}
+    return dict(
+        pages=(k_pages, v_pages),
+        prompt_valid=jnp.pad(out.cache.key_mask, tail),  # [R, width]
+        pools=pools,
+        start=jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas,  # [R] next position
+        keys=keys,
+        first_tok=first_tok,
+        first_lp=first_lp,
+        limits=limits,
+    )
+
+
+def decode_slots(graphdef, params, carry: dict, decode_weights=None, *, cfg):
+    """Traceable: every work row's decode steps in `cfg.slots` slots, from `prefill_slots`'
+    carry. Returns (SampleOutput, the carry with the pages as the steps left them)."""
+    _check(cfg)
+    model = nnx.merge(graphdef, compute_params(graphdef, params))
+    keys, pools, limits = carry["keys"], carry["pools"], carry["limits"]
+    first_tok, first_lp, start = carry["first_tok"], carry["first_lp"], carry["start"]
+    prompt_valid = carry["prompt_valid"]
+    k_pages, v_pages = carry["pages"]
+    (r, width), w = prompt_valid.shape, keys.shape[0]
+    g, n, ps = w // r, cfg.max_new_tokens, cfg.page_size
+    s, pc = min(cfg.slots, w), -(-n // ps)
+    pp = width // ps - pc
+    tcfg = model.config.text
+    forms = S._decode_forms(model, cfg, s, decode_weights)
     slot_ids = jnp.arange(s)
 
     def table(rows):  # the page tables of slots running work rows `rows` [S]
@@ -196,7 +260,7 @@ def sample_slots(
         lambda st: jax.lax.fori_loop(0, k, lambda _, x: step(x), st),
         state,
     )
-    return S.SampleOutput(
+    out = S.SampleOutput(
         tokens=st["tokens"][:w],
         logprobs=st["logprobs"][:w],
         mask=st["mask"][:w],
@@ -205,3 +269,4 @@ def sample_slots(
         vision_mass=st["vmass"][:, :w] if layers else None,
         text_mass=st["xmass"][:, :w] if layers else None,
     )
+    return out, dict(carry, pages=(st["cache"].k, st["cache"].v))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -157,8 +158,9 @@ def sample(
     prefill_once: bool = True,
     limits=None,
 ) -> SampleOutput:
-    """Traceable sampling core (jit it with `cfg`, `num_samples`, `prefill_once` static; see
-    `Sampler`). Samples `num_samples` (G) completions of each of the R given rows.
+    """Traceable sampling core: `prefill`, then `decode` (jit it with `cfg`, `num_samples`,
+    `prefill_once` static; `Sampler` runs the two as programs of their own). Samples
+    `num_samples` (G) completions of each of the R given rows.
 
     input_ids, attention_mask: int[R, T] left-padded; position_ids int32[3, R, T] and deltas
     int32[R] from `get_rope_index`; images/videos: VisionInputs (packed or per row);
@@ -176,8 +178,48 @@ def sample(
     limits: optional int[B], the most tokens each output row may have (default: every row
     max_new_tokens); a row that reaches its limit without EOS ends truncated.
     """
+    carry = prefill(
+        graphdef,
+        params,
+        input_ids,
+        attention_mask,
+        position_ids,
+        deltas,
+        rng,
+        cfg=cfg,
+        images=images,
+        videos=videos,
+        pools=pools,
+        num_samples=num_samples,
+        prefill_once=prefill_once,
+        limits=limits,
+    )
+    return decode(graphdef, params, carry, decode_weights, cfg=cfg)[0]
+
+
+def prefill(
+    graphdef,
+    params,
+    input_ids,
+    attention_mask,
+    position_ids,
+    deltas,
+    rng,
+    *,
+    cfg: SamplingConfig,
+    images=None,
+    videos=None,
+    pools=None,
+    num_samples: int = 1,
+    prefill_once: bool = True,
+    limits=None,
+) -> dict:
+    """A rollout's first program (traceable; the arguments are `sample`'s): the vision tower
+    and the prompts' prefill, as the carry `decode` starts from (the rows' KV cache, their
+    last hidden states, next positions, keys, pools and limits; with `cfg.slots`, the slot
+    engine's pages: `engine.prefill_slots`)."""
     if cfg.slots and prefill_once:
-        return engine.sample_slots(
+        return engine.prefill_slots(
             graphdef,
             params,
             input_ids,
@@ -189,7 +231,6 @@ def sample(
             images=images,
             videos=videos,
             pools=pools,
-            decode_weights=decode_weights,
             num_samples=num_samples,
             limits=limits,
         )
@@ -200,7 +241,6 @@ def sample(
     if not prefill_once and rows % g:
         raise ValueError(f"{rows} repeated rows are not groups of num_samples={g}")
     b = rows * expand
-    forms = _decode_forms(model, cfg, b, decode_weights)  # the prefill uses the model's own
     # A cache per layer, with scanned layers too: prefill and decode steps loop over the
     # layers (per-layer slices of scanned parameters) and write each new key and value into
     # its layer's buffer in place. A stacked cache run through the decoder's scan made every
@@ -217,21 +257,37 @@ def sample(
         cache=cache,
         return_logits=False,
     )
-    # One copy of the prompt's cache per sample: decode steps write each row's own slots.
-    # (Sharing the prompt's pages between the G rows is left to a paged cache.)
-    cache = _repeat_cache(out.cache, expand)
-    start = jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas  # next position
-    start = _repeat(start, expand)
     if pools is not None:
         pools = {k: _repeat(jnp.pad(v, ((0, 0), (0, n))), expand) for k, v in pools.items()}
-    keys = row_keys(rng, b // g, g)
+    return dict(
+        # One copy of the prompt's cache per sample: decode steps write each row's own slots
+        # (the slot engine shares a prompt's pages between its samples instead).
+        cache=_repeat_cache(out.cache, expand),
+        last=_repeat(out.hidden[:, -1], expand),  # token 0 is picked from its logits
+        start=_repeat(jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas, expand),
+        keys=row_keys(rng, b // g, g),
+        pools=pools,
+        limits=limits,
+    )
+
+
+def decode(graphdef, params, carry: dict, decode_weights=None, *, cfg: SamplingConfig):
+    """A rollout's second program (traceable): every row's decode steps from `prefill`'s
+    carry. Returns (SampleOutput, the carry with the cache as the steps left it: jit it with
+    the carry donated and the cache is updated in place)."""
+    if "pages" in carry:
+        return engine.decode_slots(graphdef, params, carry, decode_weights, cfg=cfg)
+    model = nnx.merge(graphdef, compute_params(graphdef, params))
+    keys, pools, n = carry["keys"], carry["pools"], cfg.max_new_tokens
+    forms = _decode_forms(model, cfg, keys.shape[0], decode_weights)
     # token 0 is picked from the prefill's last logits; each decode step then feeds token i
     # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
-    last = _repeat(out.hidden[:, -1], expand)
-    tok, lp = _pick(_logits(model, forms, last), keys, 0, cfg)
+    tok, lp = _pick(_logits(model, forms, carry["last"]), keys, 0, cfg)
     layers = model.config.text.num_hidden_layers if pools is not None else 0
-    state = _loop_state(cache, tok, lp, n, cfg, layers)
-    step = functools.partial(_decode_step, model, forms, cfg, keys, start, pools, limits=limits)
+    state = _loop_state(carry["cache"], tok, lp, n, cfg, layers)
+    step = functools.partial(
+        _decode_step, model, forms, cfg, keys, carry["start"], pools, limits=carry["limits"]
+    )
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
     # once per chunk, which on GPUs saves a device-to-host sync per token.
     k = _chunk(n, cfg.check_every)
@@ -241,7 +297,7 @@ def sample(
         state,
     )
     ended = jnp.any(jnp.isin(s["tokens"], eos_ids(cfg)) & (s["mask"] > 0), axis=1)
-    return SampleOutput(
+    out = SampleOutput(
         tokens=s["tokens"],
         logprobs=s["logprobs"],
         mask=s["mask"],
@@ -250,6 +306,7 @@ def sample(
         vision_mass=s.get("vmass"),
         text_mass=s.get("xmass"),
     )
+    return out, dict(carry, cache=s["cache"])
 
 
 def _repeat(x: jax.Array, g: int) -> jax.Array:
@@ -438,6 +495,16 @@ class Sampler:
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
         self.layout = Layout(mesh, None if dtype is None else jnp.dtype(dtype).name)
         self.prepare = Preparer(graphdef, self.layout)
+        # a call runs two programs: the prefill, then the decode loop (the carry donated: the
+        # loop writes the cache in place); `lower` gives the two as one program
+        self._prefill = jax.jit(
+            functools.partial(prefill, cfg=cfg),
+            static_argnums=0,
+            static_argnames=("num_samples", "prefill_once"),
+        )
+        self._decode = jax.jit(
+            functools.partial(decode, cfg=cfg), static_argnums=0, donate_argnums=2
+        )
         self._sample = jax.jit(
             functools.partial(sample, cfg=cfg),
             static_argnums=0,
@@ -451,9 +518,21 @@ class Sampler:
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def __call__(self, params, input_ids, *args, **kwargs) -> SampleOutput:
+        return self.timed(params, input_ids, *args, **kwargs)[0]
+
+    def timed(self, params, *args, decode_weights=None, **kwargs) -> tuple[SampleOutput, dict]:
+        """`__call__`, and the seconds its two programs took: {"prefill_s", "decode_s"} (each
+        waited for: the decode loop starts once the prefill is done; compiling included)."""
         ready = self.prepare(params)
         with self._mesh():
-            return self._sample(ready.graphdef, ready.params, input_ids, *args, **kwargs)
+            t0 = time.perf_counter()
+            carry = jax.block_until_ready(
+                self._prefill(ready.graphdef, ready.params, *args, **kwargs)
+            )
+            t1 = time.perf_counter()
+            out, _ = self._decode(ready.graphdef, ready.params, carry, decode_weights)
+            out = jax.block_until_ready(out)
+        return out, {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
 
     def decode_weights(self, params, rows: int, reuse: DecodeWeights | None = None):
         """The decode weights of `params` (as they are or prepared) for calls of `rows` rows,
@@ -471,8 +550,9 @@ class Sampler:
         return rows
 
     def compiles(self) -> int:
-        """Sampling programs compiled so far (a run logs it: one per shape)."""
-        return self._sample._cache_size()
+        """Prefill programs compiled so far (a run logs it: one per shape; each has its
+        decode program)."""
+        return self._prefill._cache_size()
 
     def lower(self, params, input_ids, *args, **kwargs):
         """The sampling program lowered for these (abstract) arguments, without running or

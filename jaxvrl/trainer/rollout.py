@@ -337,8 +337,10 @@ def sample_completions(
     mesh=None,
     decode: PhaseWeights | None = None,
     num_samples: int = 1,
+    timed: bool = False,
 ):
-    """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays.
+    """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays
+    (with `timed`, and the seconds of its prefill and decode programs: `Sampler.timed`).
 
     num_samples: completions per prompt (G): the sampler prefills each of the batch's R
     prompts once and returns R * G rows, prompt-major. Where the mesh's row shards do not
@@ -368,7 +370,7 @@ def sample_completions(
     if decode is not None:
         params = decode.params(sampler, params)
         weights = decode.get(sampler, params, rows)
-    out = sampler(
+    out, times = sampler.timed(
         params,
         inputs["input_ids"],
         inputs["attention_mask"],
@@ -381,7 +383,8 @@ def sample_completions(
         num_samples=num_samples,
         prefill_once=prefill_once,
     )
-    return R.host_local(out)
+    out = R.host_local(out)
+    return (out, times) if timed else out
 
 
 def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -429,8 +432,16 @@ class RolloutPhase:
         pools = None
         if self.attention is not None:
             pools = prompts["pools"]
-        out = sample_completions(
-            self.sampler, params, prompts, key, pools, self.mesh, self.decode, num_samples=g
+        out, times = sample_completions(
+            self.sampler,
+            params,
+            prompts,
+            key,
+            pools,
+            self.mesh,
+            self.decode,
+            num_samples=g,
+            timed=True,
         )
         t_sample = time.time() - t0
         batch = repeat_prompts(prompts, g)  # the completions' rows: G per prompt
@@ -466,6 +477,7 @@ class RolloutPhase:
                 )
             )
         info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
+        info.update(times)  # prefill_s, decode_s
         info["decode_steps"] = float(out.steps)
         # the rows each decode step ran: every row, or the sampler's slots
         once = prefills_once(len(examples), self.mesh)
@@ -571,6 +583,9 @@ class RolloutPhase:
                 "rollout/kept_groups_fraction": got.kept / max(len(sampled), 1),
                 "rollout/filled_fraction": float(real.mean()),
                 "rollout/sample_s": sample_s,
+                # the sampler's two programs (compiling included at a new shape)
+                "rollout/prefill_s": sum(i["prefill_s"] for i in infos),
+                "rollout/decode_s": sum(i["decode_s"] for i in infos),
                 # decode steps per generation batch (the loop stops once every row ended)
                 "rollout/decode_steps": float(np.mean([i["decode_steps"] for i in infos])),
                 # generated tokens over the rows x decode steps the sampler ran: the share

@@ -67,6 +67,10 @@ def test_every_config_runs_two_steps(path, tmp_path):
         assert key in rows[-1], key
     for r in rows[1:]:  # generated tokens / (rows x decode steps) = mean length / steps
         assert 0 < r["rollout/slot_utilization"] <= 1, r
+        # the sampler's two programs, each waited for, inside the sampling time
+        spent = r["rollout/prefill_s"] + r["rollout/decode_s"]
+        assert r["rollout/prefill_s"] > 0 and r["rollout/decode_s"] > 0, r
+        assert spent <= r["rollout/sample_s"], r
         if r["rollout/gen_batches"] == 1 and not cfg.filter.mask_truncated_completions:
             want = r["response_length"] / r["rollout/decode_steps"]
             assert abs(r["rollout/slot_utilization"] - want) < 1e-9 and 0 < want <= 1, r
