@@ -50,6 +50,7 @@ from jaxvrl.rl.rewards import SafeReward, load_reward_fn, reward_names
 from jaxvrl.sampling import (
     Sampler,
     SamplingConfig,
+    decode_bytes,
     generation_config,
     rollout_dtype,
     rollout_mesh,
@@ -199,18 +200,25 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
     return dataclasses.replace(cfg, slots=r.slots, page_size=r.page_size)
 
 
-def rollout_layout(c, mesh, kv_heads: int = 0, processes: int | None = None) -> tuple:
+def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     """(mesh, dtype) the samplers run with: `rollout.mesh` over the devices of the training
-    mesh `mesh` (tensor 0: a host's devices, as many as divide the model's `kv_heads`) and
+    mesh `mesh` (tensor 0: the tensor group that reads the fewest bytes per device in a
+    decode step of the model with text config `text_cfg`: `layout.rollout_sizes`) and
     `rollout.dtype` resolved for them (None: model.dtype). The step's rows (every process's
     prompts_per_step x num_generations; processes: default this run's) must split over its
     data groups."""
+    processes = jax.process_count() if processes is None else processes
+    rows = c.prompts_per_step * c.rollout.num_generations
+    dtype = rollout_dtype(c.rollout.dtype, mesh, c.model.dtype)
+    length = c.data.max_prompt_length + c.rollout.max_new_tokens
+    weights, cache = decode_bytes(text_cfg, rows * processes, length, dtype or c.model.dtype)
+    kv = text_cfg.num_key_value_heads
     try:
-        rmesh = rollout_mesh(mesh, c.rollout.mesh.data, c.rollout.mesh.tensor, kv_heads)
+        m = c.rollout.mesh
+        rmesh = rollout_mesh(mesh, m.data, m.tensor, kv, weights, cache)
     except ValueError as e:
         raise ConfigError(f"config.rollout.mesh: {e}") from None
-    processes = jax.process_count() if processes is None else processes
-    rows, groups = c.prompts_per_step * c.rollout.num_generations, rmesh.shape["data"]
+    groups = rmesh.shape["data"]
     if (rows * processes) % groups:
         raise ConfigError(
             f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
@@ -230,7 +238,7 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     greedy = dataclasses.replace(cfg, temperature=0.0)
     rmesh, dtype = None, None
     if mesh is not None:
-        rmesh, dtype = rollout_layout(c, mesh, mcfg.text.num_key_value_heads)
+        rmesh, dtype = rollout_layout(c, mesh, mcfg.text)
     return Sampler(graph, cfg, rmesh, dtype), Sampler(graph, greedy, rmesh, dtype)
 
 

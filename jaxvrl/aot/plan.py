@@ -172,8 +172,8 @@ class Plan:
     def rollout(self) -> tuple:
         """(mesh, dtype) of the samplers: `rollout.mesh` over the slice's devices and
         `rollout.dtype` resolved for them (None: model.dtype), as `jaxvrl.train` makes them."""
-        kv = self.model.config.text.num_key_value_heads
-        return train.rollout_layout(self.c, self.mesh, kv, processes=self.slice.hosts)
+        text = self.model.config.text
+        return train.rollout_layout(self.c, self.mesh, text, processes=self.slice.hosts)
 
     def sampler(self, cfg=None) -> Sampler:
         """The rollout sampler of the run, in the rollout's layout."""

@@ -3,6 +3,7 @@
 from jaxvrl.sampling.layout import (
     Layout,
     RolloutParams,
+    decode_bytes,
     rollout_dtype,
     rollout_mesh,
     rollout_sizes,
@@ -20,6 +21,7 @@ from jaxvrl.sampling.sampler import (
 __all__ = [
     "Layout",
     "RolloutParams",
+    "decode_bytes",
     "rollout_dtype",
     "rollout_mesh",
     "rollout_sizes",

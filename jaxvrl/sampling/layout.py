@@ -52,34 +52,73 @@ class RolloutParams:
     layout: Layout = struct.field(pytree_node=False)
 
 
-def rollout_mesh(mesh: Mesh, data: int = -1, tensor: int = 0, kv_heads: int = 0) -> Mesh:
+def rollout_mesh(
+    mesh: Mesh,
+    data: int = -1,
+    tensor: int = 0,
+    kv_heads: int = 0,
+    weight_bytes: float = 0,
+    cache_bytes: float = 0,
+) -> Mesh:
     """A mesh (data, fsdp=1, tensor) over the devices of `mesh` for the sampler.
 
-    tensor: devices per tensor group (0: the most of one host's devices that also divide
-    `kv_heads`, the model's KV heads, so that the KV cache splits by head rather than being
-    held whole by every device of a group); data: the number of groups (-1: the devices
-    left). Devices are taken host by host (in `mesh`'s order within a host), so a tensor
-    group that fits in a host lies within one, its all-reduces never leave it, and each
-    host's prompts stay on its own devices. Raises ValueError naming the sizes when they do
-    not fit the devices."""
+    tensor: devices per tensor group (0: chosen among the divisors of a host's devices by
+    `rollout_sizes`, so a decode step reads as few bytes per device as it can); data: the
+    number of groups (-1: the devices left). Devices are taken host by host (in `mesh`'s
+    order within a host), so a tensor group that fits in a host lies within one, its
+    all-reduces never leave it, and each host's prompts stay on its own devices. Raises
+    ValueError naming the sizes when they do not fit the devices."""
     devices = list(mesh.devices.reshape(-1))
     hosts = len({d.process_index for d in devices})
-    sizes = rollout_sizes(len(devices), hosts, data, tensor, kv_heads)
+    sizes = rollout_sizes(len(devices), hosts, data, tensor, kv_heads, weight_bytes, cache_bytes)
     order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, i))
     grid = np.asarray([devices[i] for i in order]).reshape(sizes["data"], 1, sizes["tensor"])
     return Mesh(grid, sharding.MESH_AXES)
 
 
 def rollout_sizes(
-    devices: int, hosts: int, data: int = -1, tensor: int = 0, kv_heads: int = 0
+    devices: int,
+    hosts: int,
+    data: int = -1,
+    tensor: int = 0,
+    kv_heads: int = 0,
+    weight_bytes: float = 0,
+    cache_bytes: float = 0,
 ) -> dict:
     """The rollout mesh's axis sizes {data, fsdp: 1, tensor} for `devices` over `hosts`
-    (`rollout_mesh`)."""
+    (`rollout_mesh`).
+
+    tensor 0 picks t among the divisors of a host's devices. A decode step reads per device
+    the weights over t and its group's share of the KV cache: the group's rows (1 / (devices
+    / t) of them) over min(t, kv_heads) heads' devices (a tensor group larger than the KV
+    heads holds each head on t / kv_heads devices). With the sizes given (`weight_bytes`:
+    the weights a decode step reads, `cache_bytes`: the whole rollout's cache), t minimises
+    weight_bytes / t + cache_bytes * t / (devices * min(t, kv_heads)); without them, the
+    largest t that divides the KV heads."""
     if not tensor:
         per_host = max(devices // hosts, 1)
         fits = [t for t in range(1, per_host + 1) if per_host % t == 0]
-        tensor = max(t for t in fits if not kv_heads or kv_heads % t == 0)
+        split = [t for t in fits if not kv_heads or kv_heads % t == 0]
+        tensor = max(split)
+        if kv_heads and weight_bytes:
+
+            def read(t):
+                return weight_bytes / t + cache_bytes * t / (devices * min(t, kv_heads))
+
+            tensor = min(fits, key=lambda t: (read(t), t))
     return sharding.mesh_sizes(devices, data, 1, tensor)
+
+
+def decode_bytes(text_cfg, rows: int, length: int, dtype) -> tuple[int, int]:
+    """(weights, cache): the bytes of the text decoder's and LM head's weights one decode
+    step multiplies by, and of the KV cache of `rows` rows of `length` positions, in `dtype`."""
+    d, f, hd = text_cfg.hidden_size, text_cfg.intermediate_size, text_cfg.head_dim
+    q, kv = text_cfg.num_attention_heads * hd, text_cfg.num_key_value_heads * hd
+    per_layer = d * (q + 2 * kv) + q * d + 3 * d * f
+    size = jnp.dtype(dtype).itemsize
+    weights = (text_cfg.num_hidden_layers * per_layer + d * text_cfg.vocab_size) * size
+    cache = 2 * text_cfg.num_hidden_layers * kv * rows * length * size
+    return weights, cache
 
 
 def rollout_dtype(name: str, mesh: Mesh | None, model_dtype) -> str | None:

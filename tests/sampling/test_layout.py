@@ -19,7 +19,8 @@ from flax import nnx
 
 from jaxvrl.models import lora
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.sampling import RolloutParams, Sampler, rollout_dtype, rollout_sizes
+from jaxvrl.models.qwen2_5_vl.config import TextConfig
+from jaxvrl.sampling import RolloutParams, Sampler, decode_bytes, rollout_dtype, rollout_sizes
 from jaxvrl.sampling.sampler import generation_config, sample
 from tests.models import hf_tiny as T
 from tests.sampling.test_prefill import inputs, prompts
@@ -124,6 +125,15 @@ def test_rollout_sizes_and_dtype():
     assert rollout_sizes(8, 2, kv_heads=4) == {"data": 2, "fsdp": 1, "tensor": 4}
     with pytest.raises(ValueError, match="does not divide"):
         rollout_sizes(8, 1, tensor=3)
+    # with the bytes a decode step reads: a group past the KV heads when the weights
+    # outweigh the cache it replicates (per device, w / t + c * t / (devices * min(t, kv)))
+    w, c = decode_bytes(TextConfig(), rows=64, length=2048, dtype=jnp.bfloat16)  # 3B sizes
+    assert w == 2 * (36 * (2048 * (2048 + 512) + 2048 * 2048 + 3 * 2048 * 11008) + 2048 * 151936)
+    assert c == 2 * 2 * 36 * 256 * 64 * 2048
+    assert rollout_sizes(16, 4, kv_heads=2, weight_bytes=w, cache_bytes=c)["tensor"] == 4
+    assert rollout_sizes(16, 4, kv_heads=2, weight_bytes=w, cache_bytes=64 * c)["tensor"] == 2
+    # one host of 8: 2.75 GB per device at t = 4 against 3.18 at t = 8 and 3.57 at t = 2
+    assert rollout_sizes(8, 1, kv_heads=2, weight_bytes=w, cache_bytes=c)["tensor"] == 4
     assert rollout_dtype("auto", None, jnp.float32) is None  # this CPU: the model's
     assert rollout_dtype("bfloat16", None, jnp.float32) == "bfloat16"
     assert rollout_dtype("float32", None, jnp.float32) is None
