@@ -226,7 +226,7 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
             "groups (rollout.mesh.data): set rollout.mesh.data or rollout.mesh.tensor so "
             "that they do"
         )
-    return rmesh, rollout_dtype(c.rollout.dtype, rmesh, c.model.dtype)
+    return rmesh, dtype  # the same devices' platform as `mesh`'s
 
 
 def make_samplers(graph, mcfg, tokenizer, c, mesh=None):

@@ -2,7 +2,8 @@
 
 The static sampler (`sampler.sample`) decodes every row of the rollout at once and runs until
 its longest row ends: with long-tailed completion lengths most rows idle at the end, and the
-cache holds `prompt + max_new_tokens` positions for every row. Here (`sample_slots`):
+cache holds `prompt + max_new_tokens` positions for every row. Here (`prefill_slots`, then
+`decode_slots`, dispatched by `sampler.prefill` and `sampler.decode` when `cfg.slots` is set):
 
 - Each of the R prompts is prefilled once (its vision tower included); its keys and values
   go into pages of `page_size` positions that all its samples' page tables point at (shared,
@@ -34,46 +35,6 @@ from flax import nnx
 from jaxvrl.models.qwen2_5_vl import KVCache, PagedKVCache
 from jaxvrl.sampling import sampler as S  # the static sampler's picks, forms and outputs
 from jaxvrl.sampling.layout import compute_params
-
-
-def sample_slots(
-    graphdef,
-    params,
-    input_ids,
-    attention_mask,
-    position_ids,
-    deltas,
-    rng,
-    *,
-    cfg,
-    images=None,
-    videos=None,
-    pools=None,
-    decode_weights=None,
-    num_samples: int = 1,
-    limits=None,
-):
-    """Traceable: `num_samples` (G) completions of each of the R prompts with `cfg.slots`
-    decode rows (at most W = R * G are used) and pages of `cfg.page_size` positions; the
-    arguments and the SampleOutput (W rows, prompt-major) are those of `sampler.sample` with
-    `prefill_once=True` (limits: int[W] or None), `steps` the decode steps run. It is
-    `prefill_slots`, then `decode_slots`."""
-    carry = prefill_slots(
-        graphdef,
-        params,
-        input_ids,
-        attention_mask,
-        position_ids,
-        deltas,
-        rng,
-        cfg=cfg,
-        images=images,
-        videos=videos,
-        pools=pools,
-        num_samples=num_samples,
-        limits=limits,
-    )
-    return decode_slots(graphdef, params, carry, decode_weights, cfg=cfg)[0]
 
 
 def _check(cfg):

@@ -98,14 +98,14 @@ def rollout_sizes(
     if not tensor:
         per_host = max(devices // hosts, 1)
         fits = [t for t in range(1, per_host + 1) if per_host % t == 0]
-        split = [t for t in fits if not kv_heads or kv_heads % t == 0]
-        tensor = max(split)
         if kv_heads and weight_bytes:
 
             def read(t):
                 return weight_bytes / t + cache_bytes * t / (devices * min(t, kv_heads))
 
             tensor = min(fits, key=lambda t: (read(t), t))
+        else:
+            tensor = max(t for t in fits if not kv_heads or kv_heads % t == 0)
     return sharding.mesh_sizes(devices, data, 1, tensor)
 
 

@@ -1,4 +1,4 @@
-"""Slots that refill over a paged cache (`engine.sample_slots`, `SamplingConfig.slots`): the
+"""Slots that refill over a paged cache (`engine.prefill_slots` / `decode_slots`, `SamplingConfig.slots`): the
 completions, log-probs and attention masses of the static sampler (every row decoded at once,
 one prefill per prompt), for slot counts smaller than the rows and not dividing them, page
 sizes that divide neither the prompt nor the completion length, on text, image, two-image and
