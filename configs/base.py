@@ -109,7 +109,8 @@ def get_config(arg=None):
     # every device holds the whole model.
     c.rollout.mesh = ml_collections.ConfigDict()
     c.rollout.mesh.data = -1  # groups of devices splitting the rows; -1 = the rest
-    # devices per group splitting heads, MLP, vocab; 0 = a host's, as many as divide the KV heads
+    # devices per group splitting heads, MLP, vocab; 0 = the divisor of a host's devices whose
+    # decode step reads the fewest bytes per device (weights / group + its share of the cache)
     c.rollout.mesh.tensor = 0
     # compute dtype of sampling: auto (bfloat16 on accelerators, model.dtype on the CPU) |
     # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from

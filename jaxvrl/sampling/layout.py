@@ -89,19 +89,21 @@ def rollout_sizes(
     (`rollout_mesh`).
 
     tensor 0 picks t among the divisors of a host's devices. A decode step reads per device
-    the weights over t and its group's share of the KV cache: the group's rows (1 / (devices
-    / t) of them) over min(t, kv_heads) heads' devices (a tensor group larger than the KV
-    heads holds each head on t / kv_heads devices). With the sizes given (`weight_bytes`:
-    the weights a decode step reads, `cache_bytes`: the whole rollout's cache), t minimises
-    weight_bytes / t + cache_bytes * t / (devices * min(t, kv_heads)); without them, the
-    largest t that divides the KV heads."""
+    the weights over t and its group's share of the KV cache (the group's rows: 1 / (devices
+    / t) of them), split over the group's devices by KV head where t divides the KV heads;
+    otherwise every device of the group holds the group's whole cache (the model's sharding
+    leaves an axis that does not divide a dimension unsplit). With the sizes given
+    (`weight_bytes`: the weights a decode step reads, `cache_bytes`: the whole rollout's
+    cache), t minimises that sum; without them, t is the largest that divides the KV heads.
+    """
     if not tensor:
         per_host = max(devices // hosts, 1)
         fits = [t for t in range(1, per_host + 1) if per_host % t == 0]
         if kv_heads and weight_bytes:
 
             def read(t):
-                return weight_bytes / t + cache_bytes * t / (devices * min(t, kv_heads))
+                by_head = t if kv_heads % t == 0 else 1
+                return weight_bytes / t + cache_bytes * t / (devices * by_head)
 
             tensor = min(fits, key=lambda t: (read(t), t))
         else:

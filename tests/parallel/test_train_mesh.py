@@ -1,6 +1,6 @@
 """`python -m jaxvrl.train` on a device mesh: on 8 simulated CPU devices the main job (GRPO
 with a KL loss, so the reference copy is sharded too) trains on the mesh (data=2, fsdp=4),
-samples on the rollout's own mesh (data=2, tensor=4), and matches the same run on one device; a run resumed on the mesh equals an uninterrupted one bit
+samples on the rollout's own mesh (data=4, tensor=2), and matches the same run on one device; a run resumed on the mesh equals an uninterrupted one bit
 for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
 sampler in test_mesh_train.py.)
 
@@ -125,12 +125,12 @@ def test_the_runs_use_the_mesh(runs):
     assert sorted(report["one"]["placed"], key=str) == [[one, 1, 4, 4], [one, 1, 8, 8]]
     # the train batch on the training mesh, one row per device; the sampler's 4 prompts and
     # the 8 validation rows on the rollout mesh (default: the tensor group reading the fewest
-    # bytes per device, for the tiny model's weights, which outweigh its cache, 4 devices:
-    # each of its 2 KV heads on 2 of them; 2 data groups), split over its data groups
+    # bytes per device, for the tiny model 2 devices, its KV heads; 4 data groups), split
+    # over its data groups
     placed = report["mesh"]["placed"]
-    rollout = {"data": 2, "fsdp": 1, "tensor": 4}
+    rollout = {"data": 4, "fsdp": 1, "tensor": 2}
     assert [{"data": 2, "fsdp": 4, "tensor": 1}, 8, 1, 8] in placed, placed
-    assert [rollout, 8, 2, 4] in placed and [rollout, 8, 4, 8] in placed, placed
+    assert [rollout, 8, 1, 4] in placed and [rollout, 8, 2, 8] in placed, placed
     assert len(placed) == 3, placed
     for name in ("one", "mesh", "resumed"):
         assert report[name]["compiles"]["compiles/train_step"] == 1, report[name]

@@ -125,15 +125,18 @@ def test_rollout_sizes_and_dtype():
     assert rollout_sizes(8, 2, kv_heads=4) == {"data": 2, "fsdp": 1, "tensor": 4}
     with pytest.raises(ValueError, match="does not divide"):
         rollout_sizes(8, 1, tensor=3)
-    # with the bytes a decode step reads: a group past the KV heads when the weights
-    # outweigh the cache it replicates (per device, w / t + c * t / (devices * min(t, kv)))
+    # with the bytes a decode step reads: a group past the KV heads when the weights outweigh
+    # the cache each of its devices then holds whole (per device, w / t + c * t / devices;
+    # w / t + c / devices where t divides the KV heads)
     w, c = decode_bytes(TextConfig(), rows=64, length=2048, dtype=jnp.bfloat16)  # 3B sizes
     assert w == 2 * (36 * (2048 * (2048 + 512) + 2048 * 2048 + 3 * 2048 * 11008) + 2048 * 151936)
     assert c == 2 * 2 * 36 * 256 * 64 * 2048
     assert rollout_sizes(16, 4, kv_heads=2, weight_bytes=w, cache_bytes=c)["tensor"] == 4
     assert rollout_sizes(16, 4, kv_heads=2, weight_bytes=w, cache_bytes=64 * c)["tensor"] == 2
-    # one host of 8: 2.75 GB per device at t = 4 against 3.18 at t = 8 and 3.57 at t = 2
-    assert rollout_sizes(8, 1, kv_heads=2, weight_bytes=w, cache_bytes=c)["tensor"] == 4
+    # 16 devices, t = 4: 1.54 + 1.21 GB per device against 3.09 + 0.30 at t = 2; one host of
+    # 8: 3.09 + 0.60 at t = 2 against 1.54 + 2.42 at t = 4 and 0.77 + 4.83 at t = 8
+    assert rollout_sizes(8, 1, kv_heads=2, weight_bytes=w, cache_bytes=c)["tensor"] == 2
+    assert rollout_sizes(8, 1, kv_heads=2, weight_bytes=w, cache_bytes=c / 2)["tensor"] == 4
     assert rollout_dtype("auto", None, jnp.float32) is None  # this CPU: the model's
     assert rollout_dtype("bfloat16", None, jnp.float32) == "bfloat16"
     assert rollout_dtype("float32", None, jnp.float32) is None
