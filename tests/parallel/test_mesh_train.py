@@ -1,6 +1,7 @@
 """Sharded training: on 8 simulated CPU devices, 3 train steps on meshes (data=8),
 (fsdp=8) and (data=2, fsdp=2, tensor=2) give the losses and parameters of one device, the
-sampler gives the same greedy tokens, and with fsdp=8 each device holds 1/8 of every
+sampler gives the same greedy tokens and grouped samples on the last of them (every axis
+split; the rollout's own meshes, below, are what the trainer samples on), and with fsdp=8 each device holds 1/8 of every
 fsdp-sharded parameter (and of its optimizer state).
 
 Tolerance: float32 everywhere; a mesh changes only the order of reductions (partial matmul
@@ -106,8 +107,10 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
         state, m, _ = step(state, ref, batch, k)
         losses.append(float(m["loss"]))
     diffs = [float(np.max(np.abs(params1[p] - np.asarray(v)))) for p, v in flat(state.params)]
-    tokens = sample(R.put_on_mesh(host, psh), R.place_batch(prompts, mesh))
-    groups = sample_groups(R.put_on_mesh(host, psh), R.place_batch(distinct, mesh))
+    tokens = groups = np.zeros(0)
+    if sizes["tensor"] == 2:  # parameters as training shards them, rows over data x fsdp
+        tokens = sample(R.put_on_mesh(host, psh), R.place_batch(prompts, mesh))
+        groups = sample_groups(R.put_on_mesh(host, psh), R.place_batch(distinct, mesh))
 
     # shardings: params per the rules, kept across steps; momentum and reference like params
     fsdp_sharded, matrices = 0, 0
@@ -198,16 +201,14 @@ def test_three_steps_match_one_device(report, mesh):
     assert got["max_param_diff"] < 1e-6
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_greedy_tokens_match_one_device(report, mesh):
-    assert report[mesh]["tokens"] == report["one_device"]["tokens"]
+def test_greedy_tokens_match_one_device(report):
+    assert report[MESHES[2]]["tokens"] == report["one_device"]["tokens"]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_one_prefill_per_prompt_samples_match_one_device(report, mesh):
+def test_one_prefill_per_prompt_samples_match_one_device(report):
     """8 prompts over the mesh's rows, each prefilled once and sampled G times: per-row keys
     make the sampled tokens those of one device."""
-    got = np.asarray(report[mesh]["groups"])
+    got = np.asarray(report[MESHES[2]]["groups"])
     assert got.shape == (8 * G, 6)
     np.testing.assert_array_equal(got, report["one_device"]["groups"])
 
