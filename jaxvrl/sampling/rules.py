@@ -23,23 +23,13 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
-def token_logprob(
-    logits: jax.Array, tokens: jax.Array, temperature: float, masked: jax.Array | None = None
-) -> jax.Array:
+def token_logprob(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
     """float32[B]: log-prob of tokens int[B] under softmax(logits / temperature), the model's
-    full distribution (no top-k/top-p renormalisation): what a teacher-forced pass computes.
-
-    masked: optional float[B, M], logits that were set to NEG_INF in `logits` (suppressed
-    tokens) but still belong to the distribution's normaliser.
-    """
+    full distribution (no top-k/top-p renormalisation, suppressed tokens in the normaliser):
+    what a teacher-forced pass computes."""
     x = logits / temperature if temperature != 1.0 else logits
     top = jnp.max(x, axis=-1)
-    if masked is not None:
-        masked = masked / temperature if temperature != 1.0 else masked
-        top = jnp.maximum(top, jnp.max(masked, axis=-1))
     total = jnp.sum(jnp.exp(x - top[:, None]), axis=-1)
-    if masked is not None:
-        total = total + jnp.sum(jnp.exp(masked - top[:, None]), axis=-1)
     return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - (top + jnp.log(total))
 
 

@@ -85,3 +85,39 @@ def test_token_logprob_is_full_distribution():
     lp2 = rules.token_logprob(x, jnp.array([0]), 2.0)
     ref = np.log(np.sqrt(0.5) / np.sum(np.sqrt([0.5, 0.25, 0.15, 0.1])))
     np.testing.assert_allclose(lp2, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_the_samplers_pick_never_takes_a_suppressed_id_and_counts_it_in_the_logprob(
+    monkeypatch, temperature
+):
+    """The XLA form of a decode step's pick (the CPU kernels switched off, as in a program for
+    an accelerator): a suppressed id holding a row's maximum, or far above the rest, is never
+    chosen; each log-prob is that of the full distribution (suppressed ids in the
+    normaliser, a float64 reference); an id outside the vocabulary is ignored."""
+    from jaxvrl.sampling import sampler as S
+    from jaxvrl.sampling.cpu import kernels
+
+    monkeypatch.setattr(kernels, "usable", lambda: False)
+    rng = np.random.default_rng(3)
+    b, v = 64, 300
+    x = rng.standard_normal((b, v)).astype(np.float32) * 2
+    suppress = (0, 7, v - 1, v + 5)
+    x[:8, 7] = 40.0  # far above the rest: every draw would take it
+    x[8:16, v - 1] = x[8:16].max(axis=1) + 1e-3
+    cfg = S.SamplingConfig(4, temperature=temperature, suppress_token_ids=suppress)
+    keys = jax.random.split(jax.random.key(0), b)
+    tok, lp = jax.jit(lambda y, k: S._pick(y, k, 2, cfg))(jnp.asarray(x), keys)
+    tok, lp = np.asarray(tok), np.asarray(lp)
+    assert not np.isin(tok, suppress).any(), tok
+    t = temperature if temperature > 0 else 1.0
+    x64 = x.astype(np.float64) / t
+    logsm = x64 - x64.max(1, keepdims=True)
+    logsm -= np.log(np.exp(logsm).sum(1, keepdims=True))
+    np.testing.assert_allclose(lp, logsm[np.arange(b), tok], rtol=0, atol=2e-5)
+    if temperature == 0.0:
+        allowed = x64.copy()
+        allowed[:, [0, 7, v - 1]] = -np.inf
+        np.testing.assert_array_equal(tok, allowed.argmax(1))
+    else:  # the rows' draws are not all the same token
+        assert len(set(tok[16:].tolist())) > 10

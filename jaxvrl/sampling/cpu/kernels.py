@@ -205,8 +205,8 @@ def rows_by_weight(buf: jax.Array, x: jax.Array, n: int, offset: int = 0) -> jax
 def greedy_pick(logits: jax.Array, suppress=()) -> tuple[jax.Array, jax.Array]:
     """(int32[B], float32[B]): each row's first maximum among the ids not in `suppress`, and
     its log-prob under softmax over all V logits (the suppressed ones included), like
-    `rules.first_argmax` on the suppressed logits and `rules.token_logprob` with them kept
-    aside. float32 logits [B, V] (check `available`)."""
+    `rules.first_argmax` on the suppressed logits and `rules.token_logprob` on all of them.
+    float32 logits [B, V] (check `available`)."""
     b = logits.shape[0]
     out = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32))
     ids = jnp.asarray(tuple(suppress), jnp.int32).reshape(-1)
