@@ -76,6 +76,13 @@ def test_every_config_runs_two_steps(path, tmp_path):
             assert abs(r["rollout/slot_utilization"] - want) < 1e-9 and 0 < want <= 1, r
     assert (tmp_path / "rollout_results.md").read_text().count("### Sample") >= 2
     assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    if path.endswith("ppo.py"):  # the critic, its optimizer and the adaptive KL run and are saved
+        for key in ("train/vf_loss", "train/critic_grad_norm", "train/kl_coef", "train/kl_reward"):
+            assert np.isfinite(rows[-1][key]), key
+        assert rows[-1]["train/policy_updated"] == 1
+        _, arrays = _final_params(tmp_path)
+        assert any("critic_params" in k and "head" in k for k in arrays)
+        assert any("kl_coef" in k for k in arrays)
 
 
 def _final_params(workdir):
