@@ -1,8 +1,8 @@
 """Sharded training: on 8 simulated CPU devices, 3 train steps on meshes (data=8),
 (fsdp=8) and (data=2, fsdp=2, tensor=2) give the losses and parameters of one device, the
 sampler gives the same greedy tokens and grouped samples on the last of them (every axis
-split; the rollout's own meshes, below, are what the trainer samples on), and with fsdp=8 each device holds 1/8 of every
-fsdp-sharded parameter (and of its optimizer state).
+split; the rollout's own meshes, below, are what the trainer samples on), and with fsdp=8
+each device holds 1/8 of every fsdp-sharded parameter (and of its optimizer state).
 
 Tolerance: float32 everywhere; a mesh changes only the order of reductions (partial matmul
 sums over fsdp/tensor shards, gradient sums over data shards), so losses agree to rtol 1e-5
