@@ -5,6 +5,7 @@ top of a plain transformers forward, on the same model and batch.
     python bench/tprl_overhead.py                  # small config, 2 prompts x G=4, 256 tokens
     python bench/tprl_overhead.py --new-tokens 64 --rounds 3
     python bench/tprl_overhead.py --only jaxvrl    # or hf
+    python bench/tprl_overhead.py --only jaxvrl --dtype bfloat16 --attention xla,flash,cudnn  # GPU
     python bench/tprl_overhead.py --only jaxvrl --attention xla,flash --algorithms GRPO,VGR \
         --prompts 1 --group 2 --new-tokens 2048 --rounds 2   # attention implementations
 
@@ -255,6 +256,12 @@ def main(argv=None):
     ap.add_argument("--only", choices=["jaxvrl", "hf"], default=None)
     ap.add_argument("--attention", default="auto", help="comma-separated: auto,xla,flash,...")
     ap.add_argument("--algorithms", default="GRPO,TPRL,VGR", help="comma-separated subset")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="jaxvrl's compute dtype (parameters stay float32); cudnn needs bfloat16",
+    )
     args = ap.parse_args(argv)
     if MMAP_ENV not in os.environ:  # freed large buffers go back to the OS: RSS peaks are real
         os.environ[MMAP_ENV] = str(128 * 1024)
@@ -277,12 +284,13 @@ def main(argv=None):
     tok, rows = rl_step.tokenizer_and_rows(args)
     with tempfile.TemporaryDirectory() as ckpt:
         n_params = rl_step.make_checkpoint(args, tok, ckpt)
-        model = load(ckpt)
+        model = load(ckpt, dtype=jax.numpy.dtype(args.dtype), param_dtype=jax.numpy.float32)
         rb = make_batch(args, tok, rows, model.config)
         b, length = rb.input_ids.shape
         print(
             f"# model: {args.size} ({n_params / 1e6:.1f}M params), batch {b} rows x {length} "
-            f"tokens ({args.new_tokens} completion), {args.image_size}px images, float32",
+            f"tokens ({args.new_tokens} completion), {args.image_size}px images, jaxvrl "
+            f"{args.dtype} on {jax.devices()[0].platform}",
             flush=True,
         )
         jx = run_jaxvrl(args, model, rb) if args.only in (None, "jaxvrl") else {}

@@ -281,6 +281,38 @@ def test_cudnn_arguments_through_the_xla_backend(name):
     _close(out(q, k, v), ref)
 
 
+def _gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _gpu(), reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("name", ["causal_left_padding", "segments"])
+def test_cudnn_on_a_gpu_matches_xla(name):
+    # the cuDNN kernel itself (bfloat16 inputs) against the dense reference in float32 on the
+    # same bfloat16 values: outputs, gradients, statistics (its second, blocked pass); GQA
+    q, k, v, w, kw, mask = _case(name)
+    kw = {key: val for key, val in kw.items() if key not in ("block_q", "block_k")}
+    kw["pools"] = _pools(3, kw.get("key_valid", np.ones(mask[:, 0].shape, bool)))
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    with jax.default_matmul_precision("highest"):
+        ref_out, ref_stats, ref_grads = _grads(
+            *(x.astype(jnp.float32) for x in (q, k, v)), w, kw, "xla"
+        )
+    out, stats, grads = _grads(q, k, v, w, kw, "cudnn")
+    assert out.dtype == jnp.bfloat16
+    # bfloat16 rounding of the kernel's output and of its gradients (8 bits of mantissa), on
+    # values of the size of the largest reference
+    for got, want, what in [(out, ref_out, "out"), *zip(grads, ref_grads, ("dq", "dk", "dv"))]:
+        _close(np.float32(got), want, rtol=2e-2, err_msg=what)
+    _close(stats[0], ref_stats[0], rtol=1e-2, err_msg="A_V")
+    _close(stats[1], ref_stats[1], rtol=1e-2, err_msg="A_X")
+    blind = ~mask.any(-1)
+    assert np.all(np.float32(out)[blind] == 0)
+
+
 def test_precision_wrapper_keeps_values_and_gradients():
     # the wrapper that traces splash's forward and backward at one matmul precision
     def fn(q, k, v, i, j):

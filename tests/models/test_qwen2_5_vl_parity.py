@@ -207,3 +207,36 @@ def test_per_row_vision_layout_matches_packed(tiny):
     out = model.forward(ids, mask, pos, images=jax.tree.map(jax.numpy.asarray, per_row))
     m = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(out.logits)[m], np.asarray(packed.logits)[m], atol=2e-5)
+
+
+def _gpu() -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _gpu(), reason="cuDNN attention needs a GPU")
+def test_cudnn_model_on_a_gpu(tiny):
+    """The bfloat16 model with cuDNN attention in the text decoder gives the dense attention's
+    logits and greedy tokens on a left-padded batch with images (the kernel on a GPU)."""
+    _, _, path = tiny
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(10)
+    grids = [[1, 6, 10], [1, 4, 4]]
+    rows = [T.prompt(rng, images=grids[:1], text_len=(5, 6)), T.prompt(rng, images=grids[1:])]
+    ids, mask = T.left_pad(rows)
+    pv = T.patches(rng, grids)
+    out = {}
+    for name in ("xla", "cudnn"):
+        model = q.load(path, dtype=jnp.bfloat16, attention=name)
+        out[name] = np.float32(
+            model(ids, mask, pixel_values=pv, image_grid_thw=np.array(grids)).logits
+        )
+    m = mask.astype(bool)
+    scale = np.abs(out["xla"][m]).max()
+    assert np.abs(out["cudnn"][m] - out["xla"][m]).max() <= 3e-2 * scale
+    np.testing.assert_array_equal(out["cudnn"][m].argmax(-1), out["xla"][m].argmax(-1))
