@@ -28,10 +28,11 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 import numpy as np
 
-from jaxvrl.remote import bound_remote_io, is_remote
+from jaxvrl.remote import bound_remote_io, forget_listings, is_remote
 
 log = logging.getLogger("jaxvrl")
 RUN_INFO = "run.json"
@@ -135,6 +136,36 @@ def checkpoint_steps(workdir: str) -> tuple[str, list[int]]:
     return directory, steps
 
 
+METADATA_ATTEMPTS = 4  # reads of a remote checkpoint's array metadata before giving up
+
+
+def _tree_metadata(ocp, path, attempts: int):
+    """The array metadata (shapes, dtypes) saved with a checkpoint's `state` item. Read through
+    the handler, not `Checkpointer.metadata`, which answers None for any failure. A remote read
+    that fails is tried again (after 1, 2, 4 s; the filesystem's cached listings dropped, as a
+    stale one can hide a file) up to `attempts` times; then an ExportError names the path and
+    the last error."""
+    handler = ocp.PyTreeCheckpointHandler()
+    for attempt in range(attempts):
+        try:
+            return handler.metadata(path)
+        except Exception as e:  # noqa: BLE001 - named in the error below
+            error = e
+        if attempt + 1 < attempts:
+            log.warning(
+                "reading %s/_METADATA failed (%s: %s); trying again",
+                path,
+                type(error).__name__,
+                error,
+            )
+            time.sleep(2**attempt)
+            forget_listings()
+    raise ExportError(
+        f"cannot read the checkpoint's array metadata at {path}/_METADATA "
+        f"({attempts} attempt{'s' * (attempts > 1)}): {type(error).__name__}: {error}"
+    ) from error
+
+
 class StateReader:
     """The arrays of one checkpoint step's `state` item, read by key onto the host as numpy
     (orbax partial restore: nothing else is read)."""
@@ -147,7 +178,8 @@ class StateReader:
         self.path = epath.Path(directory) / str(step) / "state"
         with _quiet_orbax():
             self.checkpointer = ocp.PyTreeCheckpointer()
-            meta = self.checkpointer.metadata(self.path).item_metadata
+            attempts = METADATA_ATTEMPTS if is_remote(directory) else 1
+            meta = _tree_metadata(ocp, self.path, attempts)
         self.shapes = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in meta.items()}
 
     def read(self, keys) -> dict[str, np.ndarray]:

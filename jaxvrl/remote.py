@@ -69,6 +69,18 @@ def bound_remote_io(url: str | None) -> None:
     fsspec.config.conf.setdefault("gs", {}).setdefault("requests_timeout", request_timeouts())
 
 
+def forget_listings() -> None:
+    """Drops the directory listings that fsspec's GCS filesystems have cached (gcsfs answers
+    "no such file" from a cached listing of the parent that lacks it), so the next access
+    asks the bucket."""
+    if importlib.util.find_spec("gcsfs") is None:
+        return
+    import gcsfs
+
+    for fs in list(gcsfs.GCSFileSystem._cache.values()):
+        fs.invalidate_cache()
+
+
 @contextlib.contextmanager
 def naming(what: str):
     """Names `what` (e.g. 'uploading x to gs://b/run/x') on an exception raised inside: logged,

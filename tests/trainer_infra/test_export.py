@@ -246,6 +246,11 @@ def test_errors_name_what_is_wrong(runs, tmp_path, capsys):
     r = E.export(str(old), str(tmp_path / "old_hf"), base_model=EMBEDDED)
     assert r.dtype == "float32" and (tmp_path / "old_hf" / "model.safetensors").exists()
 
+    # a step whose array metadata is gone: named, not an AttributeError from orbax's None
+    (old / "checkpoints" / "2" / "state" / "_METADATA").unlink()
+    with pytest.raises(E.ExportError, match=r"array metadata at .*2/state/_METADATA \(1 attempt\)"):
+        E.export(str(old), str(tmp_path / "old_hf2"), base_model=EMBEDDED)
+
     # the command line: exit status 2 and the message
     with pytest.raises(SystemExit) as e:
         E.main(["--workdir", runs["full"], "--step", "5", "--out", str(tmp_path / "x")])
@@ -253,6 +258,30 @@ def test_errors_name_what_is_wrong(runs, tmp_path, capsys):
     E.main(["--workdir", runs["full"], "--out", str(tmp_path / "cli"), "--dtype", "bfloat16"])
     assert "exported step 2" in capsys.readouterr().out
     assert E.parse_size("5GB") == 5 * 10**9 and E.parse_size("2MiB") == 2 * 2**20
+
+
+def test_a_failed_remote_metadata_read_is_tried_again(monkeypatch):
+    # a read that fails (a transient error, or a stale cached listing) is retried with backoff
+    # and the filesystems' cached listings dropped; the last failure is named
+    calls, sleeps, forgets = [], [], []
+
+    class Handler:
+        def metadata(self, path):
+            calls.append(path)
+            if len(calls) < 3:
+                raise FileNotFoundError(f"{path}/_METADATA")
+            return {"params/w": "meta"}
+
+    class Ocp:
+        PyTreeCheckpointHandler = Handler
+
+    monkeypatch.setattr(E.time, "sleep", sleeps.append)
+    monkeypatch.setattr(E, "forget_listings", lambda: forgets.append(1))
+    assert E._tree_metadata(Ocp, "gs://b/run/checkpoints/2/state", 4) == {"params/w": "meta"}
+    assert len(calls) == 3 and sleeps == [1, 2] and len(forgets) == 2
+    calls.clear()
+    with pytest.raises(E.ExportError, match=r"gs://b/s/_METADATA \(2 attempts\): FileNotFound"):
+        E._tree_metadata(Ocp, "gs://b/s", 2)
 
 
 def test_policy_sources_map_lora_and_qlora_keys():
