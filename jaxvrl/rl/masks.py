@@ -46,34 +46,54 @@ def top_k_count(n: jax.Array, top_p: float) -> jax.Array:
     return jnp.clip(k, 0, n)
 
 
-def _descending_rank(scores: jax.Array, valid: jax.Array) -> jax.Array:
-    """int32[B, T] rank of each position when sorting by (padding last, score descending,
-    position ascending); 0 = best. A NaN score counts as -inf (still above padding)."""
-    b, t = scores.shape
-    key = -scores.astype(jnp.float32)
-    # Equal scores made bit-identical (-0.0 vs 0.0, NaN vs -inf), so that ties are broken
-    # by position alone whatever float order the backend's sort uses.
-    key = jnp.where(key == 0, 0.0, key)
-    key = jnp.where(jnp.isnan(key), jnp.inf, key)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    _, _, order = jax.lax.sort(
-        ((~valid).astype(jnp.int32), key, pos), dimension=1, num_keys=2, is_stable=True
-    )
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    return jnp.zeros((b, t), jnp.int32).at[rows, order].set(pos)
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values: a < b <=> key(a) < key(b), -inf lowest,
+    +inf highest (NaN must be mapped to a number first; -0.0 sorts just below 0.0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _kth_smallest(keys: jax.Array, valid: jax.Array, k: jax.Array, bits: int) -> jax.Array:
+    """uint32[B]: per row, the smallest v with #{t : valid[t] and keys[t] <= v} >= k (k >= 1;
+    keys uint32[B, T] below 2**bits). Radix selection: one count over the row per bit, from the
+    highest bit down, instead of a sort."""
+
+    def one_bit(i, v):
+        bit = jnp.uint32(bits - 1) - i.astype(jnp.uint32)
+        low = (jnp.uint32(1) << bit) - jnp.uint32(1)  # v's bit is 0: is the answer <= v | low?
+        count = jnp.sum(valid & (keys <= (v | low)[:, None]), axis=-1)
+        return jnp.where(count >= k, v, v | (jnp.uint32(1) << bit))
+
+    return jax.lax.fori_loop(0, bits, one_bit, jnp.zeros(keys.shape[0], jnp.uint32))
 
 
 def top_p_token_mask(scores: jax.Array, mask: jax.Array, top_p: float) -> jax.Array:
     """Perception mask (TGF, VPPO): per row, 1 on the k = ceil(n * top_p) completion tokens
     with the largest score, n = the row's completion-token count.
 
-    Exactly k per row (k is clipped to [0, n]); equal scores go to the earlier position;
-    padding is never selected. scores, mask: [B, T]. Returns float32[B, T].
+    Exactly k per row (k is clipped to [0, n]); equal scores go to the earlier position (-0.0
+    and 0.0 are equal; a NaN score counts as -inf); padding is never selected. scores, mask:
+    [B, T]. Returns float32[B, T].
+
+    The k-th largest score is found by radix selection on the scores' bits (32 counts over
+    the row), then the earliest of the scores equal to it by a selection on positions: exact,
+    with no sort (a sort of a long row is slow to compile for TPUs).
     """
+    b, t = scores.shape
     valid = mask > 0
-    rank = _descending_rank(scores, valid)
     k = top_k_count(jnp.sum(valid, axis=-1), top_p)
-    return ((rank < k[:, None]) & valid).astype(jnp.float32)
+    x = scores.astype(jnp.float32)
+    x = jnp.where(jnp.isnan(x), -jnp.inf, jnp.where(x == 0, 0.0, x))
+    keys = ~_ordered_bits(x)  # ascending keys = descending scores
+    v = _kth_smallest(keys, valid, k, 32)[:, None]
+    above = valid & (keys < v)  # fewer than k of them, by v's minimality
+    ties = valid & (keys == v)
+    need = k - jnp.sum(above, axis=-1)  # >= 1 where k >= 1
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.uint32), (b, t))
+    last = _kth_smallest(pos, ties, need, max(1, (t - 1).bit_length()))[:, None]
+    chosen = above | (ties & (pos <= last) & (need > 0)[:, None])
+    return chosen.astype(jnp.float32)
 
 
 def entropy_token_mask(

@@ -104,6 +104,30 @@ def test_top_p_mask_properties(top_p, seed):
     assert np.asarray(padded)[:, t:].sum() == 0
 
 
+def test_top_p_mask_on_any_float_matches_a_sort():
+    # mixed signs, infinities, subnormals, signed zeros, NaN and ties, rows of 1..997 tokens:
+    # the selection equals numpy's stable sort by (score descending, position); no sort op
+    rng = np.random.default_rng(7)
+    b, t = 5, 997
+    specials = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38])
+    scores = rng.standard_normal((b, t)).astype(np.float32) * 10.0 ** rng.integers(-30, 30, (b, t))
+    scores = np.where(rng.random((b, t)) < 0.1, rng.choice(specials, (b, t)), scores)
+    scores[1] = np.round(scores[1])  # many ties
+    lengths = np.array([t, 1, 500, 0, 996])
+    mask = (np.arange(t)[None] < lengths[:, None]) & (rng.random((b, t)) < 0.9)
+    mask[1, 0] = True
+    fn = jax.jit(rl.top_p_token_mask, static_argnums=2)
+    assert "sort" not in str(jax.make_jaxpr(fn, static_argnums=2)(scores, mask, 0.4))
+    for top_p in (0.001, 0.4, 0.77, 1.0):
+        out = np.asarray(fn(jnp.asarray(scores), jnp.asarray(mask.astype(np.float32)), top_p))
+        for i in range(b):
+            idx = np.flatnonzero(mask[i])
+            x = np.where(np.isnan(scores[i, idx]), -np.inf, scores[i, idx]) + 0.0  # -0.0 -> 0.0
+            k = math.ceil(len(idx) * fractions.Fraction(str(top_p)))
+            want = idx[np.lexsort((idx, -x))[:k]]  # last key first: score desc, then position
+            np.testing.assert_array_equal(np.flatnonzero(out[i]), np.sort(want), err_msg=f"{i}")
+
+
 def test_entropy_mask_scopes():
     ent = jnp.array([[3.0, 0.0, 1.0], [2.0, 2.5, 0.0]])
     mask = jnp.array([[1, 1, 1], [1, 1, 0]])
