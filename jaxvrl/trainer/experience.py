@@ -29,8 +29,10 @@ from jaxvrl.trainer.policy import (
     blacken_patches,
     completion_hidden,
     completion_logprobs,
+    interleave_rows,
     micro_split,
     split_rows,
+    unpair_rows,
 )
 from jaxvrl.trainer.state import StepConfig, TrainState, join, split_trainable
 
@@ -71,18 +73,32 @@ def no_grad_passes(
             m, h, tokens, cfg.temperature, **kw
         )[0]
         res = {}
+        paired = cfg.old_pass and aug_mb is not None and aug_mb.pixel_values.ndim == 3
         if cfg.old_pass:
-            hidden, out = completion_hidden(model, mb, pools=cfg.token_weights)
-            res["old_logp"], res["entropy"] = completion_logprobs(
-                model, hidden, tokens, cfg.temperature, entropy="value"
+            # with a perturbed pass, the clean and the perturbed rows run as one batch of
+            # interleaved rows: one forward (weights gathered once, one program to compile)
+            both = interleave_rows(mb, mb.replace(images=aug_mb)) if paired else mb
+            hidden, out = completion_hidden(model, both, pools=cfg.token_weights)
+            logp, entropy = completion_logprobs(
+                model,
+                hidden,
+                jnp.repeat(tokens, 2, axis=0) if paired else tokens,
+                cfg.temperature,
+                entropy="value",
             )
+            if paired:
+                (logp, res["aug_logp"]), (entropy, _) = unpair_rows(logp), unpair_rows(entropy)
+                hidden = unpair_rows(hidden)[0]
+            res["old_logp"], res["entropy"] = logp, entropy
             if cfg.token_weights:
                 n = mb.completion_length
-                res["vision_mass"] = out.vision_mass[:, :, -n - 1 : -1]
-                res["text_mass"] = out.text_mass[:, :, -n - 1 : -1]
+                for name in ("vision_mass", "text_mass"):
+                    mass = getattr(out, name)  # [L, rows, T]
+                    mass = unpair_rows(mass, axis=1)[0] if paired else mass
+                    res[name] = mass[:, :, -n - 1 : -1]
             if critic is not None and critic[0] is None:
                 res["values"] = critic_lib.head_values(hidden, critic[1])
-        if aug_mb is not None:
+        if aug_mb is not None and not paired:
             res["aug_logp"] = logprobs(model, completion_hidden(model, mb, images=aug_mb)[0])
         if ref is not None:
             res["ref_logp"] = logprobs(ref, completion_hidden(ref, mb)[0])

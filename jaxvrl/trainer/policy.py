@@ -73,6 +73,20 @@ def micro_split(batch: RolloutBatch, m: int) -> RolloutBatch:
     return rows.replace(position_ids=jnp.moveaxis(rows.position_ids, 2, 1))
 
 
+def interleave_rows(first: RolloutBatch, second: RolloutBatch) -> RolloutBatch:
+    """One batch of 2B rows: row 2i is row i of `first`, row 2i + 1 row i of `second` (same
+    shapes). Where rows are split over devices, each device keeps the pairs of its own rows."""
+    a, b = _rows_first(first), _rows_first(second)
+    both = jax.tree.map(lambda x, y: jnp.stack([x, y], 1).reshape((-1,) + x.shape[1:]), a, b)
+    return both.replace(position_ids=jnp.moveaxis(both.position_ids, 0, 1))
+
+
+def unpair_rows(x: jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The rows of an interleaved batch's array back apart: (even rows, odd rows) of `axis`."""
+    pairs = x.reshape(x.shape[:axis] + (-1, 2) + x.shape[axis + 1 :])
+    return jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)
+
+
 def batch_rows(batch: RolloutBatch, idx: jax.Array) -> RolloutBatch:
     """The rows idx int32[b] of a batch, as a batch of b rows."""
     rows = take_rows(_rows_first(batch), idx)
