@@ -463,8 +463,17 @@ _flash_kernel.defvjp(_flash_kernel_fwd, _flash_kernel_bwd)
 
 
 def _sees_any(vis: Visibility, causal: bool) -> jax.Array:
-    """bool[B, T]: queries that may see at least one key (a fused reduction, no [T, S] buffer).
-    The kernels below give such rows an average of masked values rather than zeros."""
+    """bool[B, T]: queries that may see at least one key. The kernels below give the other
+    rows an average of masked values rather than zeros. Without segments in O(T + S): a query
+    sees a key iff the row's first valid key position is at or before its own (causal), or
+    the row has a valid key at all; with segments from the [B, T, S] rule, reduced as fused."""
+    b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
+    if vis.q_segments is None:
+        if not causal:
+            return jnp.broadcast_to(jnp.any(vis.key_valid, axis=-1)[:, None], (b, t))
+        never = jnp.iinfo(jnp.int32).max
+        first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
+        return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
     return jnp.any(visibility_mask(vis, causal), axis=-1)
 
 

@@ -313,6 +313,25 @@ def test_cudnn_on_a_gpu_matches_xla(name):
     assert np.all(np.float32(out)[blind] == 0)
 
 
+@pytest.mark.parametrize("name", CASES + ["no_valid_key"])
+def test_which_queries_see_a_key(name):
+    # the kernels' blind-row rule (O(T + S) without segments) against the dense mask
+    if name == "no_valid_key":
+        q, k, v, _, kw, _ = _case("causal_left_padding")
+        kw = dict(kw, key_valid=np.zeros_like(kw["key_valid"]))
+    else:
+        q, k, v, _, kw, _ = _case(name)
+    causal = kw.get("causal", True)
+    positions = kw.get("q_positions"), kw.get("k_positions")
+    vis = A._visibility(
+        q, k, kw.get("key_valid"), *positions, kw.get("q_segments"), kw.get("k_segments"), causal
+    )
+    for c in {causal, False}:
+        want = np.asarray(A.visibility_mask(vis, c)).any(-1)
+        want = np.broadcast_to(want, (q.shape[0], q.shape[1]))
+        np.testing.assert_array_equal(A._sees_any(vis, c), want, err_msg=f"causal={c}")
+
+
 def test_precision_wrapper_keeps_values_and_gradients():
     # the wrapper that traces splash's forward and backward at one matmul precision
     def fn(q, k, v, i, j):
