@@ -78,7 +78,7 @@ def top_p_token_mask(scores: jax.Array, mask: jax.Array, top_p: float) -> jax.Ar
 
     The k-th largest score is found by radix selection on the scores' bits (32 counts over
     the row), then the earliest of the scores equal to it by a selection on positions: exact,
-    with no sort (a sort of a long row is slow to compile for TPUs).
+    and with no multi-key sort and scatter (an order of magnitude faster on the CPU).
     """
     b, t = scores.shape
     valid = mask > 0

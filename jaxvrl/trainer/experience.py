@@ -76,7 +76,7 @@ def no_grad_passes(
         paired = cfg.old_pass and aug_mb is not None and aug_mb.pixel_values.ndim == 3
         if cfg.old_pass:
             # with a perturbed pass, the clean and the perturbed rows run as one batch of
-            # interleaved rows: one forward (weights gathered once, one program to compile)
+            # interleaved rows: one forward reads each layer's weights once for both
             both = interleave_rows(mb, mb.replace(images=aug_mb)) if paired else mb
             hidden, out = completion_hidden(model, both, pools=cfg.token_weights)
             logp, entropy = completion_logprobs(
