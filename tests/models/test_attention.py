@@ -288,7 +288,10 @@ def _gpu() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _gpu(), reason="cuDNN attention needs a GPU")
+needs_gpu = pytest.mark.skipif(not _gpu(), reason="cuDNN attention needs a GPU")
+
+
+@needs_gpu
 @pytest.mark.parametrize("name", ["causal_left_padding", "segments"])
 def test_cudnn_on_a_gpu_matches_xla(name):
     # the cuDNN kernel itself (bfloat16 inputs) against the dense reference in float32 on the

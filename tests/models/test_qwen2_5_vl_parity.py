@@ -9,6 +9,7 @@ import torch
 
 from jaxvrl.models import qwen2_5_vl as q
 from tests.models import hf_tiny as T
+from tests.models.test_attention import needs_gpu
 
 
 def hf_logits(hf, ids, mask=None, images=(), videos=(), pv=None, pvv=None, spg=None):
@@ -209,16 +210,7 @@ def test_per_row_vision_layout_matches_packed(tiny):
     np.testing.assert_allclose(np.asarray(out.logits)[m], np.asarray(packed.logits)[m], atol=2e-5)
 
 
-def _gpu() -> bool:
-    import jax
-
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.skipif(not _gpu(), reason="cuDNN attention needs a GPU")
+@needs_gpu
 def test_cudnn_model_on_a_gpu(tiny):
     """The bfloat16 model with cuDNN attention in the text decoder gives the dense attention's
     logits and greedy tokens on a left-padded batch with images (the kernel on a GPU)."""
