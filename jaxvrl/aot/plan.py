@@ -381,7 +381,7 @@ class Plan:
         shards = row_shards(self.mesh)
         m0 = self.c.optim.micro_batches
         room = max(failed.hbm_bytes - failed.argument_bytes - failed.output_bytes, 1)
-        start = max(m0 + 1, math.ceil(m0 * failed.temp_bytes / room))
+        start = max(m0 + 1, math.ceil(m0 * failed.peak_temp_bytes / room))
         for m in range(start, self.rows + 1):
             if self.rows % m or (self.rows // m) % shards:
                 continue

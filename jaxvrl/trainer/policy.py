@@ -137,16 +137,42 @@ def completion_logprobs(
     exists in the forward or the backward pass; one log-sum-exp serves both outputs. entropy:
     "none" | "value" (no gradient flows through it) | "grad".
 
-    Under a mesh whose row axes (data, fsdp) split the rows, the chunks run per device
-    (`shard_map` over those axes): the head's weights are gathered once, before the loop,
-    and their gradient summed over the row axes once, after it, where the compiler would
-    otherwise gather the whole head and all-reduce its gradient in every chunk.
+    Under a mesh whose row axes (data, fsdp) split the rows, the head runs per device
+    (`shard_map` over those axes). Where fsdp splits the rows and the vocabulary, it is
+    vocabulary-parallel: each device keeps its 1/fsdp slice of the head's vocabulary, and
+    computes that slice's logits for every row of its fsdp group (hidden states all-gathered,
+    [fsdp * B, N, D]); the log-sum-exp, the chosen token's logit and the entropy's terms
+    are combined over the slices with collectives on [rows, chunk] arrays. No device ever
+    holds the whole head or its whole gradient (at 7B: 1.0 GiB of bf16 weights and a 2.0
+    GiB float32 gradient per device otherwise), and the hidden states moved instead of the
+    weights are fewer bytes at RL lengths. Otherwise (data alone splits the rows, or fsdp
+    does not divide the vocabulary) each device runs its rows against the whole head,
+    gathered once before the loop and its gradient summed once after it, where the
+    compiler would otherwise gather and reduce it in every chunk.
     """
     axes = row_axes(hidden.shape[0])
     if not axes:
         return _chunked_logprobs(model, model.head, hidden, tokens, temperature, entropy, chunk)
     graphdef, head = nnx.split(model.head)
     rows = PartitionSpec(axes)
+    vocab = model.config.text.vocab_size
+    mesh = jax.sharding.get_abstract_mesh()
+    if "fsdp" in axes and vocab % mesh.shape["fsdp"] == 0:
+        # the vocabulary dimension of every head array (kernel [D, V], embedding [V, D],
+        # quantized values and scales) split over fsdp
+        slices = jax.tree.map(
+            lambda x: PartitionSpec(*("fsdp" if n == vocab else None for n in x.shape)), head
+        )
+
+        def local(head, hidden, tokens):
+            head = nnx.merge(graphdef, head)
+            return _vocab_parallel_logprobs(
+                model, head, hidden, tokens, temperature, entropy, chunk, "fsdp"
+            )
+
+        return jax.shard_map(
+            local, in_specs=(slices, rows, rows), out_specs=rows, axis_names=set(axes)
+        )(head, hidden, tokens)
 
     def local(head, hidden, tokens):
         head = nnx.merge(graphdef, head)
@@ -157,17 +183,45 @@ def completion_logprobs(
     )(head, hidden, tokens)
 
 
-def _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk):
-    b, n, d = hidden.shape
-    inv_t = 1.0 / max(temperature, 1e-6)
-    k = chunk or head_chunk(b, n, model.config.text.vocab_size)
-    c = -(-n // k)
-    pad = c * k - n
-    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, c, k, d).swapaxes(0, 1)
-    ts = jnp.pad(tokens, ((0, 0), (0, pad))).reshape(b, c, k).swapaxes(0, 1)
+def _vocab_parallel_logprobs(model, head, hidden, tokens, temperature, entropy, chunk, axis):
+    """Per device, inside `shard_map`: `head` holds this device's slice of the vocabulary
+    (the `axis` index-th of its equal parts); hidden [B, N, D] and tokens [B, N] its rows.
+    Returns this device's rows' log-probs and entropies."""
+    b, n, _ = hidden.shape
+    parts = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
+    width = model.config.text.vocab_size // parts
+    hidden = jax.lax.all_gather(hidden, axis, tiled=True)  # [parts * B, N, D]
+    tokens = jax.lax.all_gather(tokens, axis, tiled=True) - me * width
+    mine = (tokens >= 0) & (tokens < width)  # the chosen token lies in this slice
+    tokens = jnp.clip(tokens, 0, width - 1)
 
-    def one(h, t):
-        z = model.logits(h, head) * inv_t  # float32[B, k, V]
+    def logp_and_entropy(z, t, on):
+        # two rounds of collectives per chunk: the rows' max over the whole vocabulary, then
+        # one sum of three terms. With the max m and S = sum exp(z - m):
+        # lse = m + log S, and the entropy -sum p (z - lse) = sum exp(z - m) (m - z) / S +
+        # log S, a sum of non-negative terms as on one device (no cancellation).
+        top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(z, axis=-1)), axis)
+        gap = top[..., None] - z  # >= 0
+        e = jnp.exp(-gap)
+        chosen = jnp.where(on, jnp.take_along_axis(z, t[..., None], axis=-1)[..., 0], 0.0)
+        spread = None if entropy == "none" else jnp.sum(e * gap, axis=-1)
+        total, chosen, spread = jax.lax.psum((jnp.sum(e, axis=-1), chosen, spread), axis)
+        logp = chosen - top - jnp.log(total)
+        if entropy == "none":
+            return logp, None
+        ent = spread / total + jnp.log(total)
+        return logp, ent if entropy == "grad" else jax.lax.stop_gradient(ent)
+
+    logp, ent = _over_chunks(
+        model, head, hidden, (tokens, mine), temperature, chunk, width, logp_and_entropy
+    )
+    own = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, me * b, b)  # noqa: E731
+    return own(logp), own(ent)
+
+
+def _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk):
+    def logp_and_entropy(z, t):
         lse = jax.nn.logsumexp(z, axis=-1)
         logp = jnp.take_along_axis(z, t[..., None], axis=-1)[..., 0] - lse
         if entropy == "none":
@@ -176,8 +230,27 @@ def _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk):
         lp = lp if entropy == "grad" else jax.lax.stop_gradient(lp)
         return logp, -jnp.sum(jnp.exp(lp) * lp, axis=-1)
 
+    vocab = model.config.text.vocab_size
+    return _over_chunks(model, head, hidden, (tokens,), temperature, chunk, vocab, logp_and_entropy)
+
+
+def _over_chunks(model, head, hidden, per_token, temperature, chunk, vocab, fn):
+    """fn(logits float32[B, k, vocab] / temperature, *per_token chunks) -> (logp, ent or
+    None), over chunks of k tokens in a `lax.scan`, each under `jax.checkpoint`."""
+    b, n, d = hidden.shape
+    inv_t = 1.0 / max(temperature, 1e-6)
+    k = chunk or head_chunk(b, n, vocab)
+    c = -(-n // k)
+    pad = c * k - n
+    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, c, k, d).swapaxes(0, 1)
+    split = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, c, k).swapaxes(0, 1)  # noqa: E731
+
+    def one(h, *xs):
+        return fn(model.logits(h, head) * inv_t, *xs)
+
     one = jax.checkpoint(one, prevent_cse=False)
-    _, (logp, ent) = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, (hs, ts))
+    xs = (hs,) + tuple(split(x) for x in per_token)
+    _, (logp, ent) = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, xs)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, c * k)[:, :n]  # noqa: E731
     return unchunk(logp), None if ent is None else unchunk(ent)
 

@@ -79,9 +79,10 @@ def test_head_chunk_bounds_the_logits_chunk():
 
 
 def test_chunks_per_device_on_a_mesh_equal_one_device():
-    """Under a mesh splitting the rows (fsdp 4; data 2 x fsdp 2), the chunked head runs per
-    device with its weights gathered once: log-probs, entropies and gradients (params and
-    hidden) equal the one-device computation, untied and tied heads."""
+    """Under a mesh splitting the rows, the chunked head runs per device: vocabulary-parallel
+    where fsdp splits the rows (fsdp 4; data 2 x fsdp 2), the whole head gathered once where
+    data alone does (data 4). Log-probs, entropies and gradients (params and hidden) equal
+    the one-device computation, untied and tied heads."""
     from tests.parallel.common import run_with_devices
 
     out = run_with_devices(
@@ -113,7 +114,7 @@ def test_chunks_per_device_on_a_mesh_equal_one_device():
                 return jnp.sum(w1 * lp + w2 * ent), (lp, ent)
 
             want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, hidden)
-            for sizes in (dict(fsdp=4), dict(data=2, fsdp=2)):
+            for sizes in (dict(fsdp=4), dict(data=2, fsdp=2), dict(data=4)):
                 mesh = S.make_mesh(**sizes, devices=jax.devices()[:4])
 
                 def on_mesh(p, h):
@@ -141,4 +142,4 @@ def test_chunks_per_device_on_a_mesh_equal_one_device():
         """,
         n=4,
     )
-    assert out.count("ok") == 4, out
+    assert out.count("ok") == 6, out
