@@ -38,6 +38,12 @@ Implementations (`IMPLEMENTATIONS`; `resolve` maps "auto" and a platform to one 
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bfloat16/float16).
   Causality is its index-causal flag; key validity or segments, when given, a bool
   [B, 1, T, S] mask (which it turns into a bias of that size).
+- banded (not a name: what every implementation but "xla" runs when the caller passes
+  `window`, its promise that no query sees a key `window` or more positions away): dense
+  logits of each block of `window` queries against the keys of its block and the two beside
+  it, [B, T / window, K, G, window, 3 window], and plain autodiff. The vision tower's window
+  blocks (windows of at most 64 consecutive patches) run it: three small dense kernels, where
+  "flash" would loop over blocks nearly all skipped and the kernels would compute all pairs.
 The two kernels know causality only by index, so they serve self-attention with default
 positions (training forward, prefill without a cache, the vision tower). A causal call with
 explicit positions (a cache extend or decode step) runs "flash", or "xla" when T == 1; so the
@@ -177,6 +183,7 @@ def attend(
     block_q: int = 512,
     block_k: int = 512,
     interpret: bool = False,
+    window: int | None = None,
 ):
     """Attention of q float[B, T, N, H] over k, v float[B, S, K, H] (N = K*G).
 
@@ -186,7 +193,11 @@ def attend(
     attention only within equal ids. pools: None or {"vision", "text", "prompt"}: bool[B, S].
     scale multiplies the logits. block_q, block_k: block sizes of "flash" (clipped to T, S)
     and "splash" (rounded up to multiples of 128). interpret: run Pallas kernels in the
-    interpreter (CPU tests).
+    interpreter (CPU tests). window: a promise of the caller that no query sees a key
+    `window` or more positions away (self-attention, T == S; e.g. segments that are runs of
+    at most `window` consecutive positions, as the vision tower's windows are): every
+    implementation but "xla" (the reference) then runs the banded dense form, each block of
+    `window` queries against the three blocks of keys around it.
 
     Returns (out [B, T, N, H] in q's dtype, stats): stats is None without pools, else
     (A_V, A_X) float32[B, T], gradient-free.
@@ -218,7 +229,11 @@ def attend(
     if implementation in ("splash", "cudnn") and explicit_positions:
         # kernels with an index-causal mask cannot take a cache's positions
         implementation = "xla" if t == 1 else "flash"
-    if implementation == "xla":
+    if window is not None and implementation != "xla":
+        if k.shape[1] != t or window < 1:
+            raise ValueError(f"window={window} needs self-attention (T == S), got {t}, {k.shape}")
+        out, masses = _banded(q, k, v, vis, pool, scale=scale, causal=causal, window=window)
+    elif implementation == "xla":
         out, masses = _xla(q, k, v, vis, pool, scale=scale, causal=causal)
     elif implementation == "flash":
         out, masses = _flash(q, k, v, vis, pool, blocks)
@@ -257,6 +272,52 @@ def _xla(q, k, v, vis: Visibility, pool, *, scale, causal):
         p = lax.stop_gradient(probs)
         masses = jnp.einsum("BKGTS,BSP->BTP", p, pool.astype(jnp.float32)) / n
     return out.reshape(b, t, n, h), masses
+
+
+# ---------------------------------------------------------------------------------------------
+# banded: dense attention of each block of `window` queries over the keys of its own block and
+# the two beside it, for attention no wider than the window
+
+
+def _banded(q, k, v, vis: Visibility, pool, *, scale, causal, window):
+    """Exact where no query sees a key `window` or more positions away: the keys a query of
+    block i may see then lie in blocks i - 1, i, i + 1. Logits [B, T / window, K, G, window,
+    3 window]: O(T * window), no loop, plain autodiff."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    c = window
+    nb = -(-t // c)
+    tp = nb * c
+
+    def around(x, fill):
+        """[B, T, ...] -> [B, nb, 3c, ...]: each block's keys with its neighbours'."""
+        x = _pad_axis(x, 1, tp, fill)
+        x = jnp.concatenate([jnp.full_like(x[:, :c], fill), x, jnp.full_like(x[:, :c], fill)], 1)
+        x = x.reshape(x.shape[0], nb + 2, c, *x.shape[2:])
+        return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
+
+    qb = _pad_axis(q, 1, tp, 0).reshape(b, nb, c, kh, n // kh, h)
+    kb, vb = around(k.astype(q.dtype), 0), around(v.astype(q.dtype), 0)  # [B, nb, 3c, K, H]
+    logits = jnp.einsum("BNcKGH,BNsKH->BNKGcs", qb, kb) * scale
+    rows = lambda x: _pad_axis(x, 1, tp, 0).reshape(x.shape[0], nb, c)  # noqa: E731
+    mask = around(vis.key_valid, False)[:, :, None, :]  # [B, nb, 1, 3c]
+    if causal:
+        qp, kp = rows(vis.q_positions), around(vis.k_positions, 0)
+        mask = mask & (kp[:, :, None, :] <= qp[:, :, :, None])
+    if vis.q_segments is not None:
+        qs, ks = rows(vis.q_segments), around(vis.k_segments, 0)
+        mask = mask & (qs[:, :, :, None] == ks[:, :, None, :])
+    mask = mask[:, :, None, None]  # [B, nb, 1, 1, c, 3c]
+    logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+    out = jnp.einsum("BNKGcs,BNsKH->BNcKGH", probs.astype(q.dtype), vb)
+    out = out.reshape(b, tp, n, h)[:, :t]
+    masses = None
+    if pool is not None:
+        pb = around(pool.astype(jnp.float32), 0.0)  # [B, nb, 3c, P]
+        masses = jnp.einsum("BNKGcs,BNsP->BNcP", lax.stop_gradient(probs), pb) / n
+        masses = masses.reshape(b, tp, -1)[:, :t]
+    return out, masses
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,16 @@ class VisionConfig:
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
 
+    @property
+    def window_units(self) -> int:
+        """Merge units along one side of an attention window."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @property
+    def window_patches(self) -> int:
+        """Patches in a whole attention window (64 for Qwen2.5-VL); edge windows hold fewer."""
+        return self.window_units**2 * self.merge_unit
+
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:

@@ -8,10 +8,14 @@ device program only sees arrays of static shape: a batch padded to `num_patches`
 Attention goes through `jaxvrl.models.attention.attend` with segment ids (one per window, or
 one per frame in the full-attention blocks), never a [heads, N, N] mask. The tower runs on rows
 of patches [B, N, ...]: the packed layout is one row, the per-row layout B rows, each attending
-only within itself. The kernels with a static mask ("splash", "cudnn") compute every block
-their mask allows whatever the segments, i.e. all N^2 pairs of a row, while the windows of
-Qwen2.5-VL are 64 patches wide; "flash" skips every block in which no query sees a key, so the
-tower runs "flash" where the model is configured for a kernel.
+only within itself. A window is a run of at most `window_patches` consecutive patches (64 in
+Qwen2.5-VL; padding is cut into windows as wide), so with any implementation but "xla" the
+window blocks run the banded dense form of `attend`: each block of 64 patches against the
+192 around it, a few plain kernels where a blocked kernel would loop over blocks that are
+almost all skipped (the kernels with a static mask, "splash" and "cudnn", would compute all
+N^2 pairs). The full-attention blocks run the model's kernel ("flash" in place of "cudnn",
+whose segments would be a dense [N, N] mask); in the scan over blocks, a `lax.cond` on each
+block's kind picks between the two.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def _window_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> tuple[np.ndarray,
     windows at the bottom/right edges (HF pads the index grid with -100 and drops those slots).
     """
     merge = cfg.spatial_merge_size
-    ws = cfg.window_size // merge // cfg.patch_size
+    ws = cfg.window_units
     index, window_ids, offset, next_window = [], [], 0, 0
     for t, h, w in grid_thw:
         gh, gw = h // merge, w // merge
@@ -139,8 +143,12 @@ def vision_inputs(
         np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]) if len(grid) else [],
     )
     frame_units = np.concatenate([frame[::unit], np.full(n_units - n_valid_units, -1)])
-    # win_ids is already in window order; frame ids are in processor order.
-    window_units = np.concatenate([win_ids, np.full(n_units - n_valid_units, -1)])
+    # win_ids is already in window order; frame ids are in processor order. Padding units get
+    # windows of their own, as wide as whole ones, so every window is a run of at most
+    # `window_patches` consecutive patches (what the banded attention relies on).
+    first_pad = int(win_ids.max()) + 1 if len(win_ids) else 0
+    pad_windows = first_pad + np.arange(n_units - n_valid_units) // cfg.window_units**2
+    window_units = np.concatenate([win_ids, pad_windows])
     rot = np.concatenate([_rot_pos(grid, merge), np.zeros((n - n_valid, 2), np.int64)])
     rot = rot.reshape(n_units, unit, 2)[window_index].reshape(n, 2)
     return VisionInputs(
@@ -161,28 +169,57 @@ class VisionAttention(nnx.Module):
         self.proj = linear(d, d, bias=True, **kw)
         self.num_heads = cfg.num_heads
 
-    def __call__(self, x, cos, sin, segments, *, implementation="xla", block=512):
-        """x: [B, N, D]; cos/sin: float32[B, N, H]; segments: int32[B, N] (attend within a
-        segment); implementation, block: `attend`'s implementation and block size."""
+    def __call__(self, x, cos, sin, segments: Segments, *, implementation="xla", block=512):
+        """x: [B, N, D]; cos/sin: float32[B, N, H]; segments: whom each patch attends to (a
+        window or its frame); implementation, block: `attend`'s implementation and block size."""
         b, n, d = x.shape
         hd = d // self.num_heads
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, hd)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q = apply_rope(q.astype(jnp.float32), cos, sin).astype(x.dtype)
         k = apply_rope(k.astype(jnp.float32), cos, sin).astype(x.dtype)
-        out, _ = attend(
-            q,
-            k,
-            v,
-            scale=hd**-0.5,
-            causal=False,
-            q_segments=segments,
-            k_segments=segments,
-            implementation=implementation,
-            block_q=block,
-            block_k=block,
-        )
+
+        def run(ids, window=None):
+            out, _ = attend(
+                q,
+                k,
+                v,
+                scale=hd**-0.5,
+                causal=False,
+                q_segments=ids,
+                k_segments=ids,
+                implementation=implementation,
+                block_q=block,
+                block_k=block,
+                window=window,  # "xla", the reference, does not read it
+            )
+            return out
+
+        if segments.flag is None:  # which kind of block is known when tracing
+            out = run(segments.frames) if segments.full else run(segments.windows, segments.window)
+        elif implementation == "xla":  # one dense form, with the block's segment ids
+            out = run(jnp.where(segments.flag, segments.frames, segments.windows))
+        else:
+            out = jax.lax.cond(
+                segments.flag,
+                lambda: run(segments.frames),
+                lambda: run(segments.windows, segments.window),
+            )
         return self.proj(out.reshape(b, n, d))
+
+
+@struct.dataclass
+class Segments:
+    """Whom the patches of a block attend to: `frames` int32[B, N] (one id per image frame)
+    in a full-attention block, else `windows` int32[B, N] (one id per window: runs of at
+    most `window` consecutive patches). The kind of block: `flag` (a traced bool, inside the
+    scan over blocks) or, where it is None, `full`."""
+
+    frames: jax.Array
+    windows: jax.Array
+    flag: jax.Array | None = None
+    full: bool = struct.field(pytree_node=False, default=False)
+    window: int = struct.field(pytree_node=False, default=0)
 
 
 class VisionBlock(nnx.Module):
@@ -193,7 +230,7 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(cfg, **kw)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True, **kw)
 
-    def __call__(self, x, cos, sin, segments, *, implementation="xla", block=512):
+    def __call__(self, x, cos, sin, segments: Segments, *, implementation="xla", block=512):
         h = self.attn(self.norm1(x), cos, sin, segments, implementation=implementation, block=block)
         x = x + h
         return constrain(x + self.mlp(self.norm2(x)), PATCHES)
@@ -220,11 +257,11 @@ class VisionTower(nnx.Module):
 
     scan_layers: the blocks are one `VisionBlock` with a leading block axis [depth, ...] on
     its parameters, run by one scan over all blocks; each block's flag (full attention or
-    not, from `fullatt_block_indexes`) rides along as the scan's xs and selects its segment
-    ids, the only difference between the two kinds. Nothing else changes per kind: "xla"
-    builds its mask from the segments either way, and "flash" decides which key blocks to
-    skip from the segments at run time (a `lax.cond` per block), so a window block skips as
-    much as it does unrolled. Else `nnx.List` of blocks and a Python loop (the reference).
+    not, from `fullatt_block_indexes`) rides along as the scan's xs and picks its attention
+    (`Segments`), the only difference between the two kinds: "xla" builds its mask from the
+    selected segment ids, the other implementations take a `lax.cond` between the full
+    blocks' kernel and the window blocks' banded form. Else `nnx.List` of blocks and a Python
+    loop (the reference), each block's kind known when tracing.
     """
 
     def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs, scan_layers: bool = True):
@@ -256,10 +293,11 @@ class VisionTower(nnx.Module):
         return jnp.cos(emb), jnp.sin(emb)
 
     def implementation(self) -> str:
-        """The `attend` implementation of the tower: the model's, but "flash" for the kernels
-        with a static mask (see the module docstring)."""
+        """The `attend` implementation of the tower's full-attention blocks: the model's, but
+        "flash" for cuDNN (its segments would be a dense [N, N] mask). The window blocks run
+        the banded dense form with every implementation but "xla" (the module docstring)."""
         name = attention_implementation(self.attention)
-        return "flash" if name in ("splash", "cudnn") else name
+        return "flash" if name == "cudnn" else name
 
     def __call__(self, vi: VisionInputs) -> jax.Array:
         """Merged patch embeddings in processor order: [N / merge unit, out_hidden] for packed
@@ -282,19 +320,18 @@ class VisionTower(nnx.Module):
             implementation=self.implementation(),
             block=self.attention_block,
         )
+        segments = Segments(vi.full_segments, vi.window_segments, window=cfg.window_patches)
         if self.scan_layers:
             call = remat(block_call, self.remat_policy, prevent_cse=False)
 
             def body(blk, x, is_full):
-                segments = jnp.where(is_full, vi.full_segments, vi.window_segments)
-                return call(blk, x, cos, sin, segments), None
+                return call(blk, x, cos, sin, segments.replace(flag=is_full)), None
 
             flags = jnp.asarray([i in full for i in range(cfg.depth)])
             x, _ = scan_layers(self.blocks, body, x, flags)
         else:
             call = remat(block_call, self.remat_policy)
             for i, blk in enumerate(self.blocks):
-                segments = vi.full_segments if i in full else vi.window_segments
-                x = call(blk, x, cos, sin, segments)
+                x = call(blk, x, cos, sin, segments.replace(full=i in full))
         out = jnp.take_along_axis(self.merger(x), vi.reverse_index[:, :, None], axis=1)
         return out if rows else out[0]
