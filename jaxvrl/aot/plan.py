@@ -183,11 +183,15 @@ class Plan:
     @property
     def attention(self) -> str:
         """model.attention as the slice's programs run it ("auto" is splash on TPUs; the
-        vision tower runs flash in place of a kernel)."""
+        vision tower's window blocks run the banded dense form with any but xla, its
+        full-attention blocks flash in place of cudnn)."""
         name = self.c.model.attention
         impl = resolve(name, "tpu")
         text = name if impl == name else f"{name}: {impl}"
-        return text + (" (vision tower: flash)" if impl in ("splash", "cudnn") else "")
+        if impl == "xla":
+            return text
+        full = "flash" if impl == "cudnn" else impl
+        return text + f" (vision tower: banded windows, {full} full blocks)"
 
     @property
     def prompt_len(self) -> int:

@@ -140,8 +140,8 @@ def completion_logprobs(
     Under a mesh whose row axes (data, fsdp) split the rows, the head runs per device
     (`shard_map` over those axes). Where fsdp splits the rows and the vocabulary, it is
     vocabulary-parallel: each device keeps its 1/fsdp slice of the head's vocabulary, and
-    computes that slice's logits for every row of its fsdp group (hidden states all-gathered,
-    [fsdp * B, N, D]); the log-sum-exp, the chosen token's logit and the entropy's terms
+    computes that slice's logits for every row of its fsdp group (hidden states all-gathered
+    chunk by chunk, [fsdp * B, chunk, D]); the log-sum-exp, the chosen token's logit and the entropy's terms
     are combined over the slices with collectives on [rows, chunk] arrays. No device ever
     holds the whole head or its whole gradient (at 7B: 1.0 GiB of bf16 weights and a 2.0
     GiB float32 gradient per device otherwise), and the hidden states moved instead of the
@@ -191,7 +191,8 @@ def _vocab_parallel_logprobs(model, head, hidden, tokens, temperature, entropy, 
     parts = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
     width = model.config.text.vocab_size // parts
-    hidden = jax.lax.all_gather(hidden, axis, tiled=True)  # [parts * B, N, D]
+    # the group's tokens gathered once; its hidden states chunk by chunk inside the loop
+    # ([parts * B, chunk, D] at a time: at 16k tokens the whole [parts * B, N, D] is GiBs)
     tokens = jax.lax.all_gather(tokens, axis, tiled=True) - me * width
     mine = (tokens >= 0) & (tokens < width)  # the chosen token lies in this slice
     tokens = jnp.clip(tokens, 0, width - 1)
@@ -214,7 +215,15 @@ def _vocab_parallel_logprobs(model, head, hidden, tokens, temperature, entropy, 
         return logp, ent if entropy == "grad" else jax.lax.stop_gradient(ent)
 
     logp, ent = _over_chunks(
-        model, head, hidden, (tokens, mine), temperature, chunk, width, logp_and_entropy
+        model,
+        head,
+        hidden,
+        (tokens, mine),
+        temperature,
+        chunk,
+        width,
+        logp_and_entropy,
+        gather=lambda h: jax.lax.all_gather(h, axis, tiled=True),
     )
     own = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, me * b, b)  # noqa: E731
     return own(logp), own(ent)
@@ -234,24 +243,28 @@ def _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk):
     return _over_chunks(model, head, hidden, (tokens,), temperature, chunk, vocab, logp_and_entropy)
 
 
-def _over_chunks(model, head, hidden, per_token, temperature, chunk, vocab, fn):
-    """fn(logits float32[B, k, vocab] / temperature, *per_token chunks) -> (logp, ent or
-    None), over chunks of k tokens in a `lax.scan`, each under `jax.checkpoint`."""
+def _over_chunks(model, head, hidden, per_token, temperature, chunk, vocab, fn, gather=None):
+    """fn(logits float32[R, k, vocab] / temperature, *per_token chunks [R, k]) -> (logp, ent
+    or None) [R, k], over chunks of k tokens in a `lax.scan`, each under `jax.checkpoint`.
+    hidden [B, N, D]; per_token arrays [R, N]: R = B, or with `gather` (a chunk of hidden
+    [B, k, D] -> [R, k, D]) the rows it gathers."""
     b, n, d = hidden.shape
+    rows = per_token[0].shape[0]
     inv_t = 1.0 / max(temperature, 1e-6)
-    k = chunk or head_chunk(b, n, vocab)
+    k = chunk or head_chunk(rows, n, vocab)
     c = -(-n // k)
     pad = c * k - n
     hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, c, k, d).swapaxes(0, 1)
-    split = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, c, k).swapaxes(0, 1)  # noqa: E731
+    split = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(rows, c, k).swapaxes(0, 1)  # noqa: E731
 
     def one(h, *xs):
+        h = h if gather is None else gather(h)
         return fn(model.logits(h, head) * inv_t, *xs)
 
     one = jax.checkpoint(one, prevent_cse=False)
     xs = (hs,) + tuple(split(x) for x in per_token)
     _, (logp, ent) = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, xs)
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, c * k)[:, :n]  # noqa: E731
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(rows, c * k)[:, :n]  # noqa: E731
     return unchunk(logp), None if ent is None else unchunk(ent)
 
 
