@@ -5,6 +5,8 @@ Shapes: B rows, L = P + N tokens (left-padded prompt of P, completion of N), V v
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -141,8 +143,8 @@ def completion_logprobs(
     (`shard_map` over those axes). Where fsdp splits the rows and the vocabulary, it is
     vocabulary-parallel: each device keeps its 1/fsdp slice of the head's vocabulary, and
     computes that slice's logits for every row of its fsdp group (hidden states all-gathered
-    chunk by chunk, [fsdp * B, chunk, D]); the log-sum-exp, the chosen token's logit and the entropy's terms
-    are combined over the slices with collectives on [rows, chunk] arrays. No device ever
+    chunk by chunk, [fsdp * B, chunk, D]); the log-sum-exp, the chosen token's logit and the
+    entropy's terms are combined over the slices with collectives on [rows, chunk] arrays. No device ever
     holds the whole head or its whole gradient (at 7B: 1.0 GiB of bf16 weights and a 2.0
     GiB float32 gradient per device otherwise), and the hidden states moved instead of the
     weights are fewer bytes at RL lengths. Otherwise (data alone splits the rows, or fsdp
@@ -156,30 +158,22 @@ def completion_logprobs(
     graphdef, head = nnx.split(model.head)
     rows = PartitionSpec(axes)
     vocab = model.config.text.vocab_size
-    mesh = jax.sharding.get_abstract_mesh()
-    if "fsdp" in axes and vocab % mesh.shape["fsdp"] == 0:
+    if "fsdp" in axes and vocab % jax.sharding.get_abstract_mesh().shape["fsdp"] == 0:
         # the vocabulary dimension of every head array (kernel [D, V], embedding [V, D],
         # quantized values and scales) split over fsdp
-        slices = jax.tree.map(
+        head_spec = jax.tree.map(
             lambda x: PartitionSpec(*("fsdp" if n == vocab else None for n in x.shape)), head
         )
-
-        def local(head, hidden, tokens):
-            head = nnx.merge(graphdef, head)
-            return _vocab_parallel_logprobs(
-                model, head, hidden, tokens, temperature, entropy, chunk, "fsdp"
-            )
-
-        return jax.shard_map(
-            local, in_specs=(slices, rows, rows), out_specs=rows, axis_names=set(axes)
-        )(head, hidden, tokens)
+        run = functools.partial(_vocab_parallel_logprobs, axis="fsdp")
+    else:
+        head_spec, run = PartitionSpec(), _chunked_logprobs
 
     def local(head, hidden, tokens):
         head = nnx.merge(graphdef, head)
-        return _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk)
+        return run(model, head, hidden, tokens, temperature, entropy, chunk)
 
     return jax.shard_map(
-        local, in_specs=(PartitionSpec(), rows, rows), out_specs=rows, axis_names=set(axes)
+        local, in_specs=(head_spec, rows, rows), out_specs=rows, axis_names=set(axes)
     )(head, hidden, tokens)
 
 
