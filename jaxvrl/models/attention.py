@@ -40,10 +40,13 @@ Implementations (`IMPLEMENTATIONS`; `resolve` maps "auto" and a platform to one 
   [B, 1, T, S] mask (which it turns into a bias of that size).
 - banded (not a name: what every implementation but "xla" runs when the caller passes
   `window`, its promise that no query sees a key `window` or more positions away): dense
-  logits of each block of `window` queries against the keys of its block and the two beside
-  it, [B, T / window, K, G, window, 3 window], and plain autodiff. The vision tower's window
-  blocks (windows of at most 64 consecutive patches) run it: three small dense kernels, where
-  "flash" would loop over blocks nearly all skipped and the kernels would compute all pairs.
+  logits of each block of c >= `window` queries against the keys of its block and the two
+  beside it, [B, T / c, K, G, c, 3c], and plain autodiff. c is the window, rounded up to a
+  multiple of 128 for TPUs (whole lane tiles: with c = 64 XLA's TPU compiler relaid the keys
+  out in a copy that cost more compile time than any other kernel of the 7B train step). The
+  vision tower's window blocks (windows of at most 64 consecutive patches) run it: three
+  small dense kernels, where "flash" would loop over blocks nearly all skipped and the
+  kernels would compute all pairs.
 The two kernels know causality only by index, so they serve self-attention with default
 positions (training forward, prefill without a cache, the vision tower). A causal call with
 explicit positions (a cache extend or decode step) runs "flash", or "xla" when T == 1; so the
@@ -78,7 +81,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxvrl.parallel.sharding import MESH_AXES, logical_to_spec
+from jaxvrl.parallel.sharding import MESH_AXES, logical_to_spec, target_platform
 
 IMPLEMENTATIONS = ("xla", "flash", "splash", "cudnn")
 POOLS = ("vision", "text", "prompt")  # the order of the pool axis P
@@ -197,7 +200,7 @@ def attend(
     `window` or more positions away (self-attention, T == S; e.g. segments that are runs of
     at most `window` consecutive positions, as the vision tower's windows are): every
     implementation but "xla" (the reference) then runs the banded dense form, each block of
-    `window` queries against the three blocks of keys around it.
+    at least `window` queries against the three blocks of keys around it.
 
     Returns (out [B, T, N, H] in q's dtype, stats): stats is None without pools, else
     (A_V, A_X) float32[B, T], gradient-free.
@@ -232,7 +235,8 @@ def attend(
     if window is not None and implementation != "xla":
         if k.shape[1] != t or window < 1:
             raise ValueError(f"window={window} needs self-attention (T == S), got {t}, {k.shape}")
-        out, masses = _banded(q, k, v, vis, pool, scale=scale, causal=causal, window=window)
+        block = _round_up(window, 128) if target_platform() == "tpu" else window
+        out, masses = _banded(q, k, v, vis, pool, scale=scale, causal=causal, block=block)
     elif implementation == "xla":
         out, masses = _xla(q, k, v, vis, pool, scale=scale, causal=causal)
     elif implementation == "flash":
@@ -275,17 +279,17 @@ def _xla(q, k, v, vis: Visibility, pool, *, scale, causal):
 
 
 # ---------------------------------------------------------------------------------------------
-# banded: dense attention of each block of `window` queries over the keys of its own block and
-# the two beside it, for attention no wider than the window
+# banded: dense attention of each block of queries over the keys of its own block and the two
+# beside it, for attention no wider than a block
 
 
-def _banded(q, k, v, vis: Visibility, pool, *, scale, causal, window):
-    """Exact where no query sees a key `window` or more positions away: the keys a query of
-    block i may see then lie in blocks i - 1, i, i + 1. Logits [B, T / window, K, G, window,
-    3 window]: O(T * window), no loop, plain autodiff."""
+def _banded(q, k, v, vis: Visibility, pool, *, scale, causal, block):
+    """Exact where no query sees a key `block` or more positions away: the keys a query of
+    block i may see then lie in blocks i - 1, i, i + 1. Logits [B, T / block, K, G, block,
+    3 block]: O(T * block), no loop, plain autodiff."""
     b, t, n, h = q.shape
     kh = k.shape[2]
-    c = window
+    c = block
     nb = -(-t // c)
     tp = nb * c
 

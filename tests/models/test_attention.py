@@ -177,11 +177,13 @@ def _runs(rng, t, window):
         (2, 33, 4, 2, 5, True, True),  # GQA, causal, per-row runs, left padding
         (2, 16, 2, 1, 16, False, True),  # one window covering every query
         (1, 9, 2, 2, 1, False, False),  # each query alone
+        (2, 300, 2, 1, 8, False, True),  # on TPUs 128-wide blocks: three of them, the last cut
     ],
 )
-def test_banded_matches_xla(b, t, n, kh, window, causal, per_row):
+def test_banded_matches_xla(b, t, n, kh, window, causal, per_row, monkeypatch):
     """The banded form (window given, any implementation but xla) against the dense reference
-    on outputs, gradients and statistics, where segments are runs of at most `window`."""
+    on outputs, gradients and statistics, where segments are runs of at most `window`; with
+    blocks as wide as the window (CPU) and, for a TPU program, rounded up to 128."""
     rng = np.random.default_rng(t + window)
     q, k, v, w = _inputs(t, b, t, t, n, kh)
     seg = np.stack([_runs(rng, t, window) for _ in range(b)]) if per_row else _runs(rng, t, window)
@@ -189,13 +191,16 @@ def test_banded_matches_xla(b, t, n, kh, window, causal, per_row):
     kv[-1, -1] = False  # an invalid key inside a window
     kw = dict(key_valid=kv, causal=causal, q_segments=seg, k_segments=seg, pools=_pools(3, kv))
     ref_out, ref_stats, ref_grads = _grads(q, k, v, w, kw, "xla")
-    for impl in ("flash", "splash"):
+    runs = [("flash", "cpu"), ("splash", "cpu"), ("splash", "tpu")]
+    for impl, platform in runs:
+        monkeypatch.setattr(A, "target_platform", lambda p=platform: p)
         out, stats, grads = _grads(q, k, v, w, dict(kw, window=window), impl)
         _close(out, ref_out, err_msg=f"{impl} out")
         for name_, g, ref in zip("qkv", grads, ref_grads):
             _close(g, ref, err_msg=f"{impl} d{name_}")
         _close(stats[0], ref_stats[0], err_msg="A_V")
         _close(stats[1], ref_stats[1], err_msg="A_X")
+    monkeypatch.setattr(A, "target_platform", lambda: "cpu")
     # a window narrower than the runs breaks the promise: the banded form then differs
     if window > 2 and not causal:
         out, _, _ = _grads(q, k, v, w, dict(kw, window=max(1, window // 4)), "flash")
