@@ -225,8 +225,13 @@ def attend(
         raise ValueError(
             f"attention implementation {implementation!r}: one of {IMPLEMENTATIONS}{hint}"
         )
+    sees_self = _sees_self(t, k.shape[1], key_valid, q_positions, q_segments, k_segments, causal)
     blocks = _Blocks(
-        float(scale), causal, max(1, min(block_q, t)), max(1, min(block_k, k.shape[1]))
+        float(scale),
+        causal,
+        max(1, min(block_q, t)),
+        max(1, min(block_k, k.shape[1])),
+        sees_self,
     )
     explicit_positions = causal and q_positions is not None
     if implementation in ("splash", "cudnn") and explicit_positions:
@@ -334,6 +339,9 @@ class _Blocks:
     causal: bool
     block_q: int
     block_k: int
+    # every query sees at least its own key (self-attention, no key masked, the same segment
+    # ids on both sides): the kernels' rows are never blind
+    sees_self: bool = False
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -527,6 +535,18 @@ _flash_kernel.defvjp(_flash_kernel_fwd, _flash_kernel_bwd)
 # kernels with a static mask: splash (TPU, Pallas) and cuDNN (GPU)
 
 
+def _sees_self(t, s, key_valid, q_positions, q_segments, k_segments, causal) -> bool:
+    """Whether `attend`'s arguments alone promise that every query sees at least its own key:
+    self-attention (T == S) with no key masked, default positions when causal, and the very
+    same segment ids (one array) for queries and keys."""
+    return (
+        key_valid is None
+        and t == s
+        and q_segments is k_segments
+        and (not causal or q_positions is None)
+    )
+
+
 def _sees_any(vis: Visibility, causal: bool) -> jax.Array:
     """bool[B, T]: queries that may see at least one key. The kernels below give the other
     rows an average of masked values rather than zeros. Without segments in O(T + S): a query
@@ -540,6 +560,13 @@ def _sees_any(vis: Visibility, causal: bool) -> jax.Array:
         first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
         return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
     return jnp.any(visibility_mask(vis, causal), axis=-1)
+
+
+def _zero_blind(out, vis: Visibility, cfg: _Blocks):
+    """The kernels' out [B, T, N, H] with rows that see no key set to zero."""
+    if cfg.sees_self:
+        return out
+    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0)
 
 
 def _splash(q, k, v, vis: Visibility, cfg: _Blocks, *, interpret: bool):
@@ -589,8 +616,7 @@ def _splash(q, k, v, vis: Visibility, cfg: _Blocks, *, interpret: bool):
         # "highest"); products of bfloat16 inputs are exact at the default precision
         kernel = _at_precision(kernel, "default")
     out = kernel(qt, kt, vt, *segments)
-    out = out[:, :, :t].transpose(0, 2, 1, 3)
-    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0).astype(q.dtype)
+    return _zero_blind(out[:, :, :t].transpose(0, 2, 1, 3), vis, cfg).astype(q.dtype)
 
 
 def _at_precision(fn, precision: str):
@@ -642,7 +668,7 @@ def _cudnn(q, k, v, vis: Visibility, cfg: _Blocks, *, masked: bool, backend: str
     out = jax.nn.dot_product_attention(
         q, k, v, mask=mask, scale=cfg.scale, is_causal=cfg.causal, implementation=backend
     )
-    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0).astype(q.dtype)
+    return _zero_blind(out, vis, cfg).astype(q.dtype)
 
 
 def _round_up(x: int, multiple: int) -> int:

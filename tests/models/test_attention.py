@@ -378,6 +378,16 @@ def test_which_queries_see_a_key(name):
         want = np.asarray(A.visibility_mask(vis, c)).any(-1)
         want = np.broadcast_to(want, (q.shape[0], q.shape[1]))
         np.testing.assert_array_equal(A._sees_any(vis, c), want, err_msg=f"causal={c}")
+        # where the arguments promise that every query sees itself, the kernels skip the rule
+        args = kw.get("key_valid"), positions[0], kw.get("q_segments"), kw.get("k_segments"), c
+        if A._sees_self(q.shape[1], k.shape[1], *args):
+            assert want.all(), f"causal={c}"
+    # the promise holds for the vision tower's calls only: one segment array, no key masked
+    seg = np.repeat([0, 1, -1], [3, 2, 1])
+    assert A._sees_self(6, 6, None, None, seg, seg, False)
+    assert not A._sees_self(6, 6, None, None, seg, seg.copy(), False)
+    assert not A._sees_self(6, 6, np.ones(6, bool), None, seg, seg, False)
+    assert not A._sees_self(6, 6, None, np.arange(6), None, None, True)
 
 
 def test_precision_wrapper_keeps_values_and_gradients():

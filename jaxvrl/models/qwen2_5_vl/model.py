@@ -113,14 +113,17 @@ class Qwen2_5_VL(nnx.Module):
             if inputs is None:
                 continue
             is_pad = input_ids == token
-            if inputs.pixel_values.ndim == 3:
-                feats = self.visual(inputs).astype(x.dtype)  # [B, U, D]
+            # the tower's features in window order; the k-th pad takes the processor's k-th,
+            # found through reverse_index: one gather of features (and one backward scatter)
+            feats = self.visual.window_order(inputs).astype(x.dtype)
+            reverse = jnp.asarray(inputs.reverse_index)
+            if inputs.pixel_values.ndim == 3:  # feats [B, U, D]
                 rank = jnp.clip(jnp.cumsum(is_pad, axis=1) - 1, 0, feats.shape[1] - 1)
-                picked = jnp.take_along_axis(feats, rank[..., None], axis=1)
-            else:
-                feats = self.visual(inputs).astype(x.dtype)  # [U, D]
+                slot = jnp.take_along_axis(reverse, rank, axis=1)
+                picked = jnp.take_along_axis(feats, slot[..., None], axis=1)
+            else:  # feats [U, D]
                 rank = jnp.cumsum(is_pad.reshape(-1)).reshape(is_pad.shape) - 1
-                picked = feats[jnp.clip(rank, 0, feats.shape[0] - 1)]
+                picked = feats[reverse[jnp.clip(rank, 0, feats.shape[0] - 1)]]
             x = jnp.where(is_pad[..., None], picked, x)
         return x
 

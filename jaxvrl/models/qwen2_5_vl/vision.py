@@ -49,7 +49,8 @@ PATCHES = ("batch", "length", "act_embed")
 class VisionInputs:
     """Packed patches of several images/videos plus their host-computed layout.
 
-    pixel_values:    float[N, C*T*P*P], patches in processor order (N may include padding).
+    pixel_values:    float[N, C*T*P*P], patches in window order (`vision_inputs` reorders the
+                     processor's; N may include padding, last).
     rot_pos:         int32[N, 2] (row, col) rotary position of each patch, window order.
     window_index:    int32[U] original merge unit at each window-order slot (U = N / merge unit).
     reverse_index:   int32[U] inverse permutation of window_index.
@@ -114,8 +115,11 @@ def _window_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> tuple[np.ndarray,
 def vision_inputs(
     pixel_values, grid_thw, cfg: VisionConfig, num_patches: int | None = None
 ) -> VisionInputs:
-    """Host-side layout of packed patches. Pads to `num_patches` rows (a multiple of the merge
-    unit) so that batches with different grids share one compiled program."""
+    """Host-side layout of packed patches (pixel_values in the processor's order). Pads to
+    `num_patches` rows (a multiple of the merge unit) so that batches with different grids
+    share one compiled program, and puts the patches in window order: the embedding is
+    patch-wise, so reordering the pixels here is reordering its output, without a gather (and
+    its backward scatter) in the program."""
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     pv = np.asarray(pixel_values)
     unit, merge = cfg.merge_unit, cfg.spatial_merge_size
@@ -152,7 +156,7 @@ def vision_inputs(
     rot = np.concatenate([_rot_pos(grid, merge), np.zeros((n - n_valid, 2), np.int64)])
     rot = rot.reshape(n_units, unit, 2)[window_index].reshape(n, 2)
     return VisionInputs(
-        pixel_values=pv,
+        pixel_values=pv.reshape(n_units, unit, -1)[window_index].reshape(n, -1),
         rot_pos=rot.astype(np.int32),
         window_index=window_index.astype(np.int32),
         reverse_index=reverse_index.astype(np.int32),
@@ -303,16 +307,22 @@ class VisionTower(nnx.Module):
         """Merged patch embeddings in processor order: [N / merge unit, out_hidden] for packed
         inputs (pixel_values [N, C*T*P*P]), [B, N / merge unit, out_hidden] for per-row inputs
         (every field with a leading row axis)."""
+        out = self.window_order(vi)
+        index = jnp.asarray(vi.reverse_index)
+        if out.ndim == 2:
+            return out[index]
+        return jnp.take_along_axis(out, index[:, :, None], axis=1)
+
+    def window_order(self, vi: VisionInputs) -> jax.Array:
+        """`__call__`'s embeddings in window order (the u-th is the processor's
+        `window_index[u]`-th), as the blocks compute them."""
         cfg = self.cfg
         vi = jax.tree.map(jnp.asarray, vi)
         rows = vi.pixel_values.ndim == 3
         if not rows:
             vi = jax.tree.map(lambda a: a[None], vi)
-        x = self.patch_embed(vi.pixel_values.astype(self.dtype))  # [B, N, D]
-        b, n, _ = x.shape
-        units = x.reshape(b, n // cfg.merge_unit, cfg.merge_unit, -1)
-        units = jnp.take_along_axis(units, vi.window_index[:, :, None, None], axis=1)
-        x = constrain(units.reshape(b, n, -1), PATCHES)
+        x = self.patch_embed(vi.pixel_values.astype(self.dtype))  # [B, N, D], window order
+        x = constrain(x, PATCHES)
         cos, sin = self.rotary(vi.rot_pos)
         full = set(cfg.fullatt_block_indexes)
         block_call = functools.partial(
@@ -333,5 +343,5 @@ class VisionTower(nnx.Module):
             call = remat(block_call, self.remat_policy)
             for i, blk in enumerate(self.blocks):
                 x = call(blk, x, cos, sin, segments.replace(full=i in full))
-        out = jnp.take_along_axis(self.merger(x), vi.reverse_index[:, :, None], axis=1)
+        out = self.merger(x)
         return out if rows else out[0]
