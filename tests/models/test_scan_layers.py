@@ -97,6 +97,19 @@ def test_logits_and_attention_statistics_equal(models, batch, attention):
     _close(a.text_mass, b.text_mass)
 
 
+def test_full_attention_blocks_pad_little(models):
+    # the kernel's block for the tower's full-attention blocks: halved from the model's while
+    # padding to whole blocks would add more than 1/16 of the patches
+    visual = models[0].visual
+    block, visual.attention_block = visual.attention_block, 512
+    try:
+        assert visual.full_block(3136) == 256  # 784 px: 3,328 padded, not 3,584
+        assert visual.full_block(3584) == 512 and visual.full_block(3500) == 512
+        assert visual.full_block(1100) == 128 and visual.full_block(40) == 128
+    finally:
+        visual.attention_block = block
+
+
 @pytest.mark.parametrize("policy", ["full", "dots_saveable"])
 def test_gradients_equal_with_remat_inside_the_scan(models, batch, policy):
     w = jax.random.normal(jax.random.key(0), (*batch["input_ids"].shape, 300))
