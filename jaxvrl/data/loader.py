@@ -24,20 +24,10 @@ import math
 
 import numpy as np
 
+from jaxvrl.data.buckets import length_bucket, pow2_bucket
 from jaxvrl.data.rows import DataError, EncodeOptions, SkipStats, encode_row
 
 PATCH_DIM = 3 * 2 * 14 * 14  # C x temporal_patch_size x patch x patch
-
-
-def pow2_bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum); 0 stays 0 (no vision input at all)."""
-    if n <= 0:
-        return 0
-    return max(minimum, 1 << (n - 1).bit_length())
-
-
-def prompt_length_bucket(n: int, step: int) -> int:
-    return max(step, -(-n // step) * step)
 
 
 def _pack(arrays: list, grids: list, rows_of: list, dim: int, min_patch_bucket: int):
@@ -96,7 +86,7 @@ def collate_flat(
     """
     rows = [ex for ex in examples for _ in range(group_size)]
     r = len(rows)
-    p = prompt_length_bucket(max(len(x["prompt_ids"]) for x in rows), prompt_bucket)
+    p = length_bucket(max(len(x["prompt_ids"]) for x in rows), prompt_bucket)
     ids = np.full((r, p), pad_id, np.int32)
     mask = np.zeros((r, p), np.int32)
     for i, x in enumerate(rows):

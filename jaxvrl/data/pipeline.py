@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxvrl.data.buckets import length_bucket, pow2_bucket
 from jaxvrl.data.prompts import pool_token_ids
 from jaxvrl.data.rows import (  # noqa: F401 -- re-exported for callers of this module
     DataError,
@@ -73,14 +74,6 @@ class EpochIterator:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
 
-def _bucket(n: int, step: int) -> int:
-    return max(step, -(-n // step) * step)
-
-
-def patch_bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
-
-
 def collate(
     examples: list,
     repeat: int,
@@ -96,7 +89,7 @@ def collate(
     has_image bool[B], pools (bool[B, P] each) and the examples per row (`rows`).
     """
     rows = [ex for ex in examples for _ in range(repeat)]
-    p = _bucket(max(len(r["prompt_ids"]) for r in rows), prompt_bucket)
+    p = length_bucket(max(len(r["prompt_ids"]) for r in rows), prompt_bucket)
     pad_id = tokenizer.pad_token_id or 0
     ids = np.full((len(rows), p), pad_id, np.int32)
     mask = np.zeros((len(rows), p), np.int32)
@@ -110,7 +103,7 @@ def collate(
     has_image = np.array([len(g) > 0 for g in grids])
     images = None
     if has_image.any():
-        npatch = patch_bucket(max(len(r["pixel_values"]) for r in rows))
+        npatch = pow2_bucket(max(len(r["pixel_values"]) for r in rows), minimum=16)
         images = stack_vision_inputs(
             [
                 vision_inputs(r["pixel_values"], r["image_grid_thw"], model_config.vision, npatch)
