@@ -12,7 +12,6 @@ import pytest
 from PIL import Image
 
 from jaxvrl.data.columns import RowFormat, RowMapper
-from jaxvrl.data.loader import collate_flat
 from jaxvrl.data.rows import DataError, EncodeOptions, SkipStats, encode_rows, load_image
 from jaxvrl.data.sources import open_source, open_sources, read_rows
 from tests.data.conftest import png
@@ -241,8 +240,7 @@ def test_video_key_and_video_fps(tokenizer, tmp_path):
     assert stats.total == 0
     assert examples[0]["second_per_grid_ts"].tolist() == [2.0]  # 2 frames per patch at 1 fps
     assert examples[1]["video_grid_thw"].tolist() == [[2, 4, 4], [1, 4, 4]]
-    batch = collate_flat(examples, 1, pad_id=0)
-    assert batch["second_per_grid_ts"].tolist() == [2.0, 2.0, 2.0, 0.0]  # padded to 4 videos
+    assert examples[1]["second_per_grid_ts"].tolist() == [2.0, 2.0]
     examples, _ = _encode(rows[:1], tokenizer, tmp_path, video_fps=4.0, **kw)
     assert examples[0]["second_per_grid_ts"].tolist() == [0.5]
     with pytest.raises(ValueError, match="video_fps"):
