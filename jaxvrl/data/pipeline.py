@@ -1,9 +1,8 @@
-"""List-based encoding and collation for the trainer's per-row vision layout.
+"""Collation for the trainer's per-row vision layout.
 
-`encode_rows` (in `jaxvrl.data.rows`) encodes rows eagerly, `EpochIterator` walks them in
-deterministic shuffled epochs, and `collate` builds a batch with per-row `VisionInputs`. The
-trainer draws its training prompts from the grain pipeline (`jaxvrl.data.loader.make_dataset`
-with `batch_fn=list`) and collates them here; validation examples are encoded eagerly.
+`collate` builds a batch with per-row `VisionInputs` from encoded examples. The trainer draws
+its training prompts from the grain pipeline (`jaxvrl.data.loader.make_dataset`) and collates
+them here; validation examples are encoded eagerly (`encode_rows`, in `jaxvrl.data.rows`).
 
 Static shapes: prompts are left-padded to a multiple of `prompt_bucket` tokens and each row's
 patches to a power of two (at least 16), so a run compiles at most
@@ -16,14 +15,7 @@ import numpy as np
 
 from jaxvrl.data.buckets import length_bucket, pow2_bucket
 from jaxvrl.data.prompts import pool_token_ids
-from jaxvrl.data.rows import (  # noqa: F401 -- re-exported for callers of this module
-    DataError,
-    EncodeOptions,
-    SkipStats,
-    encode_row,
-    encode_rows,
-    load_image,
-)
+from jaxvrl.data.rows import EncodeOptions, encode_rows  # noqa: F401 -- re-exported
 from jaxvrl.data.sources import read_rows  # noqa: F401 -- re-exported
 from jaxvrl.models.qwen2_5_vl import (
     attention_pools,
@@ -31,47 +23,6 @@ from jaxvrl.models.qwen2_5_vl import (
     stack_vision_inputs,
     vision_inputs,
 )
-
-
-class EpochIterator:
-    """Deterministic shuffled epochs over encoded examples, sharded per process; its state
-    (epoch, position) is a small dict that goes into the checkpoint."""
-
-    def __init__(
-        self,
-        examples: list,
-        batch_size: int,
-        seed: int = 0,
-        shard_index: int = 0,
-        shard_count: int = 1,
-        shuffle: bool = True,
-    ):
-        self.examples = examples[shard_index::shard_count]
-        if len(self.examples) < batch_size:
-            raise DataError(
-                f"{len(self.examples)} usable rows, fewer than one batch of {batch_size}"
-            )
-        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
-        self.epoch, self.pos = 0, 0
-
-    def _order(self) -> np.ndarray:
-        n = len(self.examples)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, self.epoch]).permutation(n)
-
-    def __next__(self) -> list:
-        if self.pos + self.batch_size > len(self.examples):
-            self.epoch, self.pos = self.epoch + 1, 0
-        idx = self._order()[self.pos : self.pos + self.batch_size]
-        self.pos += self.batch_size
-        return [self.examples[i] for i in idx]
-
-    def get_state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed}
-
-    def set_state(self, state: dict) -> None:
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
 
 def collate(

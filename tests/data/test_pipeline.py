@@ -1,10 +1,9 @@
-"""The list-based path the trainer uses today: pipeline.encode_rows, EpochIterator, and collate
-with bounded shapes; older processor/prompt parity checks kept as a second guard."""
+"""The path the trainer uses today: rows encoded (encode_rows, or the grain loader) and
+collated with bounded shapes; older processor parity checks kept as a second guard."""
 
 from __future__ import annotations
 
 import base64
-import io
 import json
 
 import numpy as np
@@ -12,25 +11,12 @@ import pytest
 from PIL import Image
 
 from jaxvrl.data import synthetic
-from jaxvrl.data.pipeline import (
-    DataError,
-    EncodeOptions,
-    EpochIterator,
-    collate,
-    encode_rows,
-    read_rows,
-)
+from jaxvrl.data.loader import make_dataset
+from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.processor import process_images, process_video
-from jaxvrl.data.prompts import encode_prompt
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VLConfig
 from jaxvrl.train import EMBEDDED
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(EMBEDDED)
+from tests.data.conftest import png
 
 
 @pytest.fixture(scope="module")
@@ -73,56 +59,8 @@ def test_process_video_layout():
     np.testing.assert_allclose(p[-1, :, 0], p[-1, :, 1])
 
 
-def _hf_processor(tokenizer):
-    """transformers' Qwen2.5-VL processor for images and text. Its video processor needs
-    torchvision, which cannot be installed beside the pinned CPU torch, so it is left out."""
-    from transformers import Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    class ImageTextProcessor(Qwen2_5_VLProcessor):
-        def __init__(self, tokenizer):  # ProcessorMixin.__init__ insists on a video processor
-            self.image_processor = Qwen2VLImageProcessorPil()
-            self.video_processor = None
-            self.tokenizer = tokenizer
-            self.chat_template = tokenizer.chat_template
-            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-
-    return ImageTextProcessor(tokenizer)
-
-
-def test_chat_prompt_ids_equal_hf_processor(tokenizer):
-    proc = _hf_processor(tokenizer)
-    rng = np.random.default_rng(0)
-    imgs = [
-        Image.fromarray(rng.integers(0, 256, s, dtype=np.uint8))
-        for s in [(60, 90, 3), (200, 120, 3)]
-    ]
-    for n_img, system in ((0, None), (1, None), (2, "Be brief."), (1, "sys")):
-        content = [{"type": "image"}] * n_img + [{"type": "text", "text": "What is shown? A. x"}]
-        msgs = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": content}
-        ]
-        text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        ref = proc(text=[text], images=imgs[:n_img] or None, return_tensors="np")
-        _, grid = process_images(imgs[:n_img])
-        ours = encode_prompt(
-            tokenizer, "What is shown? A. x", grid if n_img else None, system=system
-        )
-        assert ours == ref["input_ids"][0].tolist()
-
-
-def _png(color=(255, 0, 0), size=(40, 40)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def test_bad_rows_are_counted_and_good_rows_intact(tmp_path, tokenizer):
-    (tmp_path / "ok.png").write_bytes(_png())
+    (tmp_path / "ok.png").write_bytes(png())
     (tmp_path / "corrupt.png").write_bytes(b"not an image")
     Image.new("RGB", (1100, 50)).save(tmp_path / "big.png")
     rows = [
@@ -135,7 +73,7 @@ def test_bad_rows_are_counted_and_good_rows_intact(tmp_path, tokenizer):
         {"images": ["ok.png"], "label_idx": 2},
         {
             "problem": "good two",
-            "images": [{"bytes": base64.b64encode(_png((0, 0, 255))).decode()}],
+            "images": [{"bytes": base64.b64encode(png((0, 0, 255))).decode()}],
             "label_idx": 3,
         },
     ]
@@ -156,19 +94,6 @@ def test_bad_rows_are_counted_and_good_rows_intact(tmp_path, tokenizer):
     assert ex[1]["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
-def test_invalid_files_fail_at_start_with_path_and_line(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"problem": "a"}\n{"problem": \n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSONL"):
-        read_rows(str(bad))
-    pq = tmp_path / "bad.parquet"
-    pq.write_bytes(b"PAR1garbage")
-    with pytest.raises(DataError, match="bad.parquet: not a readable parquet"):
-        read_rows(str(pq))
-    with pytest.raises(DataError, match="not found"):
-        read_rows(str(tmp_path / "none.jsonl"))
-
-
 def test_parquet_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -177,27 +102,12 @@ def test_parquet_rows(tmp_path):
         {
             "problem": ["q1", "q2"],
             "label_idx": [0, 1],
-            "images": [[{"bytes": _png()}], [{"bytes": _png()}]],
+            "images": [[{"bytes": png()}], [{"bytes": png()}]],
         }
     )
     pq.write_table(table, tmp_path / "x.parquet")
     rows = read_rows(str(tmp_path / "x.parquet"))
     assert [r["problem"] for r in rows] == ["q1", "q2"]
-
-
-def test_iterator_resumes_to_the_same_next_batch():
-    data = list(range(23))
-    a = EpochIterator(data, 4, seed=3)
-    for _ in range(7):  # crosses an epoch boundary
-        next(a)
-    state = json.loads(json.dumps(a.get_state()))
-    expect = [next(a) for _ in range(4)]
-    b = EpochIterator(data, 4, seed=3)
-    b.set_state(state)
-    assert [next(b) for _ in range(4)] == expect
-    shard0 = EpochIterator(data, 2, shard_index=0, shard_count=2)
-    shard1 = EpochIterator(data, 2, shard_index=1, shard_count=2)
-    assert not set(shard0.examples) & set(shard1.examples)
 
 
 def test_builtin_task_is_deterministic_balanced_and_needs_the_image():
@@ -218,13 +128,13 @@ def test_builtin_task_is_deterministic_balanced_and_needs_the_image():
 
 def test_distinct_shapes_over_an_epoch_within_bound(tokenizer, model_config):
     rows = synthetic.make_split("train", 128)
-    ex, stats = encode_rows(rows, tokenizer, EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT))
-    assert stats.total == 0
-    it = EpochIterator(ex, 8, seed=0)
+    opts = EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT)
+    ds, stats = make_dataset(rows, tokenizer, opts, batch_size=8, num_epochs=1)
     shapes = set()
-    for _ in range(len(ex) // 8):
-        b = collate(next(it), 4, model_config, tokenizer, prompt_bucket=32)
+    for examples in ds:
+        b = collate(examples, 4, model_config, tokenizer, prompt_bucket=32)
         shapes.add((b["input_ids"].shape, b["images"].pixel_values.shape))
+    assert stats.total == 0
     bound = (256 // 32) * 1  # prompt buckets x patch buckets for one image size
     print(f"distinct batch shapes over one epoch: {len(shapes)} (bound {bound}): {shapes}")
     assert 1 <= len(shapes) <= bound
