@@ -9,16 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxvrl.data import default_tokenizer_path, encode_prompt, process_images, process_video
+from jaxvrl.data import encode_prompt, process_images, process_video
 
 TEXT = "What is shown? A. red B. green"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_path())
 
 
 class _VideoGrids:

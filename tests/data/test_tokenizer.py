@@ -5,8 +5,6 @@ from __future__ import annotations
 import filecmp
 import os
 
-import pytest
-
 from jaxvrl.data import build_tokenizer, default_tokenizer_path, special_token_ids
 
 FILES = (
@@ -15,13 +13,6 @@ FILES = (
     "chat_template.jinja",
     "special_tokens_map.json",
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_path())
 
 
 def test_shipped_files_equal_a_fresh_build(tmp_path):
