@@ -1,8 +1,9 @@
 """Data: Qwen2.5-VL image/video processing (numpy + PIL), chat prompts, the built-in visual task.
 
-Grain pipelines live in `jaxvrl.data.loader` (imported on demand: it pulls in grain), the older
-list-based encoder and collate in `jaxvrl.data.pipeline`, file sources in `jaxvrl.data.sources`
-and a dataset's columns by name (keys, a format hook) in `jaxvrl.data.columns`.
+Grain pipelines live in `jaxvrl.data.loader` (imported on demand: it pulls in grain), row
+encoding in `jaxvrl.data.rows`, the trainer's collate in `jaxvrl.data.pipeline` (its shape
+buckets in `jaxvrl.data.buckets`), file sources in `jaxvrl.data.sources` and a dataset's
+columns by name (keys, a format hook) in `jaxvrl.data.columns`.
 """
 
 from jaxvrl.data.processor import process_images, process_video, smart_resize, to_rgb
