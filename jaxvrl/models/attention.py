@@ -93,10 +93,11 @@ def resolve(implementation: str, platform: str) -> str:
 
     "auto" gives the dense reference on the CPU (small programs, where the dense softmax is
     fastest), the splash kernel on TPUs and the blocked plain-JAX attention on GPUs (cuDNN
-    wants bfloat16 or float16 and has not been run here); any other name must be one of
-    IMPLEMENTATIONS and is returned unchanged. Splash computes every block its static mask
-    allows: with narrow segments (the vision tower's windows) "flash", which skips the blocks
-    no query of a block may see, does far less work."""
+    wants bfloat16 or float16; bench/RESULTS.md has the three timed in small train steps on
+    an H100); any other name must be one of IMPLEMENTATIONS and is returned unchanged. Splash
+    computes every block its static mask allows: with narrow segments (the vision tower's
+    windows) "flash", which skips the blocks no query of a block may see, does far less
+    work."""
     if implementation == "auto":
         if platform not in ("cpu", "gpu", "tpu"):
             raise ValueError(f"unknown platform {platform!r} (expected cpu, gpu or tpu)")
@@ -663,12 +664,22 @@ def _per_device(fn, args, kinds):
 def _cudnn(q, k, v, vis: Visibility, cfg: _Blocks, *, masked: bool, backend: str = "cudnn"):
     """`jax.nn.dot_product_attention` (cuDNN flash attention: bfloat16/float16 on a GPU).
     Causality is its index-causal flag; key validity and segments, when given, a bool
-    [B, 1, T, S] mask, which the kernel turns into a bias of that size."""
-    mask = visibility_mask(vis, False)[:, None] if masked else None
+    [B, 1, T, S] mask, which the kernel turns into a bias of that size. The mask is
+    broadcast to whole T and S: the rule gives [B, 1, S] for key validity alone, and cuDNN
+    takes no bias broadcast over T. With a bias cuDNN's training kernels take even T and S
+    only: odd lengths get one padded query (seeing every real key, its output dropped) and one
+    padded key (seen by no query); T == S when causal, so the causal diagonal is kept."""
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    mask = None
+    if masked:
+        mask = jnp.broadcast_to(visibility_mask(vis, False), (b, t, s))
+        tp, sp = _round_up(t, 2), _round_up(s, 2)
+        mask = _pad_axis(_pad_axis(mask, 2, sp, False), 1, tp, True)[:, None]
+        q, k, v = _pad_axis(q, 1, tp, 0), _pad_axis(k, 1, sp, 0), _pad_axis(v, 1, sp, 0)
     out = jax.nn.dot_product_attention(
         q, k, v, mask=mask, scale=cfg.scale, is_causal=cfg.causal, implementation=backend
     )
-    return _zero_blind(out, vis, cfg).astype(q.dtype)
+    return _zero_blind(out[:, :t], vis, cfg).astype(q.dtype)
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -311,9 +311,19 @@ def test_kernels_run_flash_or_xla_for_cache_positions():
 
 
 @pytest.mark.parametrize("name", ["causal_left_padding", "segments"])
-def test_cudnn_arguments_through_the_xla_backend(name):
+def test_cudnn_arguments_through_the_xla_backend(name, monkeypatch):
     # the cuDNN path's mapping (mask, causal flag, scale, GQA, zeroed blind rows) checked with
-    # jax.nn.dot_product_attention's XLA backend: no GPU here
+    # jax.nn.dot_product_attention's XLA backend: no GPU here. The mask must be a whole
+    # [B, 1, T, S] with T and S even: the cuDNN backend rejects one broadcast over T, and odd
+    # lengths with a bias in training (the XLA backend accepts both); T = 13 here, padded
+    masks = []
+    dpa = jax.nn.dot_product_attention
+
+    def recording(*args, mask=None, **kwargs):
+        masks.append(None if mask is None else mask.shape)
+        return dpa(*args, mask=mask, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
     q, k, v, _, kw, _ = _case(name)
     kw = {key: val for key, val in kw.items() if key not in ("block_q", "block_k")}
     ref, _ = jax.jit(lambda q, k, v: A.attend(q, k, v, scale=H**-0.5, **kw))(q, k, v)
@@ -324,6 +334,8 @@ def test_cudnn_arguments_through_the_xla_backend(name):
     blocks = A._Blocks(H**-0.5, causal, 512, 512)
     out = jax.jit(lambda q, k, v: A._cudnn(q, k, v, vis, blocks, masked=True, backend="xla"))
     _close(out(q, k, v), ref)
+    even = lambda n: n + n % 2
+    assert masks == [(q.shape[0], 1, even(q.shape[1]), even(k.shape[1]))]
 
 
 def _gpu() -> bool:
