@@ -11,47 +11,106 @@ minutes. A real run sets at least the model and the data:
 
 `--config configs/X.py:runlocal` shrinks any config further (2 steps, 2 prompts x 2
 completions of 8 tokens) for smoke tests, big_vision style.
+
+Each key is declared once: `c.key = setting(default, rules...)  # what it does`; the rules
+(jaxvrl/config.py) are checked before a run loads anything, naming the key that breaks one.
+A key without `setting` is checked by its type alone.
 """
 
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from jaxvrl.config import parse_arg
+from jaxvrl import models
+from jaxvrl.config import (
+    FRACTION,
+    NON_EMPTY,
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    Each,
+    Range,
+    agree,
+    at_least,
+    one_of,
+    ordered,
+    parse_arg,
+    reward_metric_rule,
+    reward_names_rule,
+    setting,
+)
+from jaxvrl.data.synthetic import QUESTIONS
+from jaxvrl.models.attention import IMPLEMENTATIONS
+from jaxvrl.models.lora import QTYPES
+from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES
+from jaxvrl.rl.advantages import ESTIMATORS
+from jaxvrl.rl.attention import LAYER_SETS
+from jaxvrl.rl.losses import AGG_MODES, KL_CONTROLLERS, KL_KINDS
+from jaxvrl.rl.masks import ENTROPY_SCOPES
+from jaxvrl.sampling.layout import DTYPES as ROLLOUT_DTYPES
+from jaxvrl.train import MATMUL_PRECISIONS
+from jaxvrl.trainer.build import SCHEDULES
+from jaxvrl.trainer.state import OLD_LOGPROBS, ROLLOUT_IS
+
+# Rules that several keys share, or that read other keys.
+MESH_AXIS = agree(lambda v, c: v == -1 or v >= 1, "-1 (the rest of the devices) or >= 1")
+ONE_REST = agree(
+    lambda v, c: [c.mesh.data, c.mesh.fsdp, v].count(-1) <= 1,
+    "at most one of mesh.data, mesh.fsdp, mesh.tensor set to -1",
+)
+RECOMPUTED = agree(
+    lambda v, c: c.actor.old_logprobs == "recompute",
+    "null unless actor.old_logprobs=recompute (it weighs the recomputed old log-probs "
+    "against the sampler's)",
+)
+DIVIDES_PROMPTS = agree(
+    lambda v, c: c.prompts_per_step % v == 0,
+    "a divisor of prompts_per_step (the rollout batch splits into whole mini-batches)",
+)
+PRESET = agree(
+    lambda v, c: v.lower() in models.preset_names(),
+    "a published config: " + ", ".join(models.preset_names()),
+)
 
 
 def get_config(arg=None):
     arg = parse_arg(arg, runlocal=False)
     c = ml_collections.ConfigDict()
-    c.name = "base"  # the run's name: printed at start, stored in <workdir>/run.json
-    c.seed = 0  # data order, built-in task, LoRA / critic init, sampling
+    # the run's name: printed at start, stored in <workdir>/run.json
+    c.name = setting("base", NON_EMPTY)
+    c.seed = setting(0, NON_NEGATIVE)  # data order, built-in task, LoRA / critic init, sampling
     c.workdir = placeholder(str)  # None: runs/<config>-<YYYYmmdd-HHMMSS>; gs:// allowed
     c.resume = True  # continue from the latest checkpoint in workdir
     # <workdir>/checkpoints/<step> of another run: start from its parameters (fresh optimizer,
     # step 0); ignored when workdir has a checkpoint to resume
     c.load_checkpoint_path = placeholder(str)
-    c.total_steps = 60  # training (rollout) steps; the cosine schedule ends here
-    c.prompts_per_step = 8  # prompts per step; rows = prompts_per_step * num_generations
-    c.val_freq = 20  # validate every this many steps (and at the last step)
+    # training (rollout) steps; the cosine schedule ends here
+    c.total_steps = setting(60, at_least(1))
+    # prompts per step; rows = prompts_per_step * num_generations
+    c.prompts_per_step = setting(8, at_least(1))
+    c.val_freq = setting(20, NON_NEGATIVE)  # validate every this many steps (and at the last step)
     c.val_before_train = True  # validate at step 0
     c.val_only = False  # validate and exit
-    c.val_size = 96  # held-out prompts of the built-in task
-    c.save_freq = 20  # checkpoint every this many steps (0: only at the end)
-    c.max_to_keep = 2  # checkpoints kept in workdir/checkpoints
-    c.max_nonfinite_steps = 10  # stop after this many consecutive non-finite updates
-    c.log_rollouts_every = 5  # steps between entries of the markdown logs
-    c.log_samples = 8  # samples per markdown entry
-    c.time_budget_s = 0  # save and stop cleanly after this many seconds; 0 = no limit
+    c.val_size = setting(96, at_least(1))  # held-out prompts of the built-in task
+    c.save_freq = setting(20, NON_NEGATIVE)  # checkpoint every this many steps (0: only at the end)
+    c.max_to_keep = setting(2, at_least(1))  # checkpoints kept in workdir/checkpoints
+    # stop after this many consecutive non-finite updates
+    c.max_nonfinite_steps = setting(10, at_least(1))
+    c.log_rollouts_every = setting(5, NON_NEGATIVE)  # steps between entries of the markdown logs
+    c.log_samples = setting(8, NON_NEGATIVE)  # samples per markdown entry
+    # save and stop cleanly after this many seconds; 0 = no limit
+    c.time_budget_s = setting(0, NON_NEGATIVE)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = placeholder(str)  # HF checkpoint dir; None = the embedded tiny checkpoint
     # a published config without weights (qwen2.5-vl-3b | 7b | 32b | 72b): shapes for
     # `python -m jaxvrl.aot` only; training needs model.path
-    c.model.preset = placeholder(str)
-    c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-    c.model.param_dtype = "float32"  # master weights (float32 with bfloat16 compute)
+    c.model.preset = setting(None, PRESET, type=str)
+    c.model.dtype = setting("float32", one_of(*models.DTYPES))  # compute dtype: float32 | bfloat16
+    # master weights (float32 with bfloat16 compute)
+    c.model.param_dtype = setting("float32", one_of(*models.DTYPES))
     # gradient checkpointing of every decoder layer and vision block: none | full |
     # dots_saveable | dots_with_no_batch_dims_saveable (docs/scaling.md: full beyond toy sizes)
-    c.model.remat_policy = "none"
+    c.model.remat_policy = setting("none", one_of(*REMAT_POLICIES))
     # decoder layers and vision blocks stacked on a leading layer axis and run by a scan, so
     # the layer program compiles once (docs/scaling.md); False: unrolled, the same outputs.
     # Part of the param tree: a checkpoint resumes only with the value it was saved with
@@ -59,12 +118,12 @@ def get_config(arg=None):
     # attention of the forward passes without a KV cache (train step, scoring, the vision
     # tower): auto | xla | flash | splash | cudnn. auto follows the mesh's devices: splash on
     # TPUs, flash on GPUs, xla (dense) on the CPU; see jaxvrl/models/attention.py
-    c.model.attention = "auto"
+    c.model.attention = setting("auto", one_of("auto", *IMPLEMENTATIONS))
     # float32 matmuls of the programs a run builds: default (the backend's own: full float32
     # on the CPU, TF32 on recent NVIDIA GPUs, one bfloat16 pass on TPUs) | high (3 bfloat16
     # passes on TPUs, TF32 on GPUs) | highest (full float32 everywhere, several times slower
     # on TPUs). bfloat16 compute is unaffected.
-    c.model.matmul_precision = "default"
+    c.model.matmul_precision = setting("default", one_of(*MATMUL_PRECISIONS))
 
     c.data = ml_collections.ConfigDict()
     # comma-separated JSONL / JSON / parquet files (local or gs://); None = the built-in task
@@ -85,175 +144,243 @@ def get_config(arg=None):
     c.data.image_key = placeholder(str)
     c.data.video_key = placeholder(str)  # a video's frame list (or a list of them); null: `videos`
     c.data.choices_key = placeholder(str)  # the options list; null: `choices`
-    c.data.video_fps = 2.0  # frames per second of the videos' frame lists (temporal positions)
+    # frames per second of the videos' frame lists (temporal positions)
+    c.data.video_fps = setting(2.0, POSITIVE)
     # module:function or path/to/file.py:function mapping each raw row (a dict) to a row with
     # the built-in names (problem, images, label_idx / answer, ...); the keys read its output
     c.data.format = placeholder(str)
-    c.data.max_prompt_length = 256  # tokens; longer prompts are skipped and counted
-    c.data.max_image_side = 1024  # px; larger images are skipped and counted
-    c.data.min_pixels = 56 * 56  # images resized to at least this area, px
-    c.data.max_pixels = 28 * 28 * 256  # images resized to at most this area, px (28 x 28 per token)
+    # tokens; longer prompts are skipped and counted
+    c.data.max_prompt_length = setting(256, at_least(1))
+    c.data.max_image_side = setting(1024, at_least(1))  # px; larger images are skipped and counted
+    c.data.min_pixels = setting(56 * 56, at_least(1))  # images resized to at least this area, px
+    # images resized to at most this area, px (28 x 28 per token)
+    c.data.max_pixels = setting(
+        28 * 28 * 256, at_least(1), agree(lambda v, c: v >= c.data.min_pixels, ">= data.min_pixels")
+    )
     c.data.system_prompt = placeholder(str)  # None: the built-in task's, none for files
-    c.data.prompt_bucket = 32  # prompt lengths padded to a multiple (one compile per bucket)
-    c.data.synthetic_train_size = 2048  # built-in task only
-    c.data.synthetic_kinds = ("colour",)  # built-in task question kinds: colour, shape
+    # prompt lengths padded to a multiple (one compile per bucket)
+    c.data.prompt_bucket = setting(32, at_least(1))
+    c.data.synthetic_train_size = setting(2048, at_least(1))  # built-in task only
+    # built-in task question kinds: colour, shape
+    c.data.synthetic_kinds = setting(("colour",), Each(one_of(*QUESTIONS), allow_empty=False))
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.num_generations = 8  # G completions per prompt (the group)
-    c.rollout.max_new_tokens = 16  # response_length / max_completion_length
-    c.rollout.temperature = 1.0  # sampling temperature; 0 = greedy
-    c.rollout.top_p = 1.0  # nucleus sampling, in (0, 1]; 1 = off
-    c.rollout.top_k = 0  # 0 = off
+    c.rollout.num_generations = setting(8, at_least(1))  # G completions per prompt (the group)
+    c.rollout.max_new_tokens = setting(16, at_least(1))  # response_length / max_completion_length
+    c.rollout.temperature = setting(1.0, NON_NEGATIVE)  # sampling temperature; 0 = greedy
+    c.rollout.top_p = setting(1.0, FRACTION)  # nucleus sampling, in (0, 1]; 1 = off
+    c.rollout.top_k = setting(0, NON_NEGATIVE)  # 0 = off
     # The sampler's own layout over the same devices (docs/scaling.md#rollouts): the policy's
     # weights are resharded and cast once per rollout phase (LoRA merged). tensor=1, data=-1:
     # every device holds the whole model.
     c.rollout.mesh = ml_collections.ConfigDict()
-    c.rollout.mesh.data = -1  # groups of devices splitting the rows; -1 = the rest
+    # groups of devices splitting the rows; -1 = the rest
+    c.rollout.mesh.data = setting(-1, MESH_AXIS)
     # devices per group splitting heads, MLP, vocab; 0 = the divisor of a host's devices whose
     # decode step reads the fewest bytes per device (weights / group + its share of the cache)
-    c.rollout.mesh.tensor = 0
+    c.rollout.mesh.tensor = setting(0, NON_NEGATIVE)
     # compute dtype of sampling: auto (bfloat16 on accelerators, model.dtype on the CPU) |
     # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from
     # this dtype; recompute takes them from a pass in model.dtype.
-    c.rollout.dtype = "auto"
+    c.rollout.dtype = setting("auto", one_of(*ROLLOUT_DTYPES))
     # Decode rows at once (jaxvrl/sampling/engine.py): 0 = every row of a generation batch
     # until the longest ends; S > 0 = S slots, an ended row's slot taken by the next waiting
     # row, over a paged KV cache (a prompt's pages shared by its samples). Same completions.
-    c.rollout.slots = 0
-    c.rollout.page_size = 16  # positions per KV-cache page (with rollout.slots > 0)
+    c.rollout.slots = setting(0, NON_NEGATIVE)
+    # positions per KV-cache page (with rollout.slots > 0)
+    c.rollout.page_size = setting(16, at_least(1))
 
     c.algorithm = ml_collections.ConfigDict()
-    c.algorithm.adv_estimator = "grpo"  # grpo | rloo | remax | reinforce_plus_plus | gae
+    # grpo | rloo | remax | reinforce_plus_plus | gae
+    c.algorithm.adv_estimator = setting("grpo", one_of(*ESTIMATORS))
     c.algorithm.norm_adv_by_std = True  # False = Dr.GRPO
-    c.algorithm.gamma = 1.0  # discount (gae, reinforce_plus_plus)
-    c.algorithm.lam = 1.0  # GAE lambda (gae only)
+    c.algorithm.gamma = setting(1.0, PROBABILITY)  # discount (gae, reinforce_plus_plus)
+    c.algorithm.lam = setting(1.0, PROBABILITY)  # GAE lambda (gae only)
     c.algorithm.use_kl_in_reward = False  # subtract kl_ctrl.kl_coef * KL from the reward
-    c.algorithm.kl_penalty = "kl"  # KL-in-reward estimator: kl | abs | mse | low_var_kl
+    # KL-in-reward estimator: kl | abs | mse | low_var_kl
+    c.algorithm.kl_penalty = setting("kl", one_of(*KL_KINDS))
     c.algorithm.kl_ctrl = ml_collections.ConfigDict()
-    c.algorithm.kl_ctrl.type = "fixed"  # fixed | adaptive
-    c.algorithm.kl_ctrl.kl_coef = 0.001  # beta, the KL-in-reward weight (adaptive: its start)
-    c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive only: the KL beta steers towards
-    c.algorithm.kl_ctrl.horizon = 10000  # adaptive only: larger = slower beta changes
+    c.algorithm.kl_ctrl.type = setting("fixed", one_of(*KL_CONTROLLERS))  # fixed | adaptive
+    # beta, the KL-in-reward weight (adaptive: its start)
+    c.algorithm.kl_ctrl.kl_coef = setting(0.001, NON_NEGATIVE)
+    # adaptive only: the KL beta steers towards
+    c.algorithm.kl_ctrl.target_kl = setting(0.1, POSITIVE)
+    # adaptive only: larger = slower beta changes
+    c.algorithm.kl_ctrl.horizon = setting(10000, at_least(1))
     # verl's rollout correction, with actor.old_logprobs=recompute: the loss's per-token terms
     # times min(exp(recomputed - sampler), threshold), per token or per sequence (exp of the
     # row's summed difference); null = off. For sampling in other numerics (bf16) than training
-    c.algorithm.rollout_is = placeholder(str)  # null | token | sequence
-    c.algorithm.rollout_is_threshold = 2.0  # cap of the rollout_is weights
+    # null | token | sequence
+    c.algorithm.rollout_is = setting(None, one_of(*ROLLOUT_IS), RECOMPUTED, type=str)
+    c.algorithm.rollout_is_threshold = setting(2.0, POSITIVE)  # cap of the rollout_is weights
 
     c.actor = ml_collections.ConfigDict()
     # Policy updates per rollout batch: each of ppo_epochs epochs walks the batch in
     # prompts_per_step / global_batch_size mini-batches (rows = global_batch_size x
     # num_generations, shuffled between epochs), one optimizer update each; optim.micro_batches
     # splits each mini-batch. null = prompts_per_step (one mini-batch)
-    c.actor.global_batch_size = placeholder(int)
-    c.actor.ppo_epochs = 1  # passes over each rollout batch (>= 1)
+    c.actor.global_batch_size = setting(None, at_least(1), DIVIDES_PROMPTS, type=int)
+    c.actor.ppo_epochs = setting(1, at_least(1))  # passes over each rollout batch (>= 1)
     # the ratio's old log-probs: sampler (those the rollout returned; no extra pass) or
     # recompute (a no-grad pass before the first update; logs rollout/logprob_abs_diff_*).
     # With one update per batch the loss pass's own (detached) log-probs are exact and used
-    c.actor.old_logprobs = "sampler"
+    c.actor.old_logprobs = setting("sampler", one_of(*OLD_LOGPROBS))
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    c.actor.loss_agg_mode = "seq-mean-token-mean"
-    c.actor.clip_ratio_low = 0.2  # PPO ratio clip below: 1 - low
-    c.actor.clip_ratio_high = 0.2  # PPO ratio clip above: 1 + high (DAPO clip-higher: 0.28)
-    c.actor.clip_ratio_dual = 3.0  # dual clip: for A < 0 the loss is at most -A * dual
+    c.actor.loss_agg_mode = setting("seq-mean-token-mean", one_of(*AGG_MODES))
+    # PPO ratio clip below: 1 - low
+    c.actor.clip_ratio_low = setting(0.2, Range(0, 1, hi_open=True))
+    # PPO ratio clip above: 1 + high (DAPO clip-higher: 0.28)
+    c.actor.clip_ratio_high = setting(0.2, NON_NEGATIVE)
+    # dual clip: for A < 0 the loss is at most -A * dual
+    c.actor.clip_ratio_dual = setting(3.0, Range(1, lo_open=True))
     c.actor.use_kl_loss = False  # add kl_loss_coef * KL(policy || reference) to the loss
-    c.actor.kl_loss_coef = 0.0  # KL loss weight (with use_kl_loss; 0 = off)
-    c.actor.kl_loss_type = "low_var_kl"  # kl | abs | mse | low_var_kl
+    c.actor.kl_loss_coef = setting(0.0, NON_NEGATIVE)  # KL loss weight (with use_kl_loss; 0 = off)
+    c.actor.kl_loss_type = setting("low_var_kl", one_of(*KL_KINDS))  # kl | abs | mse | low_var_kl
     c.actor.entropy_coef = 0.0  # entropy bonus
     c.actor.use_entropy_penalty = False  # VPPO: + coef * agg(-logp)
-    c.actor.entropy_penalty_coef = 0.06  # the entropy penalty's weight (with use_entropy_penalty)
+    # the entropy penalty's weight (with use_entropy_penalty)
+    c.actor.entropy_penalty_coef = setting(0.06, NON_NEGATIVE)
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
-    c.critic.lr = 1e-5  # the critic's AdamW learning rate (constant, no weight decay)
-    c.critic.warmup_steps = 0  # the policy is not updated before this step (the critic is)
-    c.critic.grad_clip = 1.0  # the critic's gradient global-norm clip
-    c.critic.cliprange_value = 0.5  # value clip: new values within old +- this
-    c.critic.value_loss_coef = 0.5  # the value loss's weight
+    # the critic's AdamW learning rate (constant, no weight decay)
+    c.critic.lr = setting(1e-5, POSITIVE)
+    # the policy is not updated before this step (the critic is)
+    c.critic.warmup_steps = setting(0, NON_NEGATIVE)
+    c.critic.grad_clip = setting(1.0, POSITIVE)  # the critic's gradient global-norm clip
+    c.critic.cliprange_value = setting(0.5, POSITIVE)  # value clip: new values within old +- this
+    c.critic.value_loss_coef = setting(0.5, NON_NEGATIVE)  # the value loss's weight
     c.critic.share_backbone = False  # True: value head on the policy's hidden states
 
     c.tprl = ml_collections.ConfigDict()  # VPPO (arXiv 2510.09285)
     c.tprl.enable_perception_filtering = False  # loss only on the most image-dependent tokens
-    c.tprl.top_p_perception_tokens = 0.2  # fraction of each row's tokens it keeps, in (0, 1]
-    c.tprl.black_prob = 0.5  # patch blackening probability of the perturbed image
+    # fraction of each row's tokens it keeps, in (0, 1]
+    c.tprl.top_p_perception_tokens = setting(0.2, FRACTION)
+    # patch blackening probability of the perturbed image
+    c.tprl.black_prob = setting(0.5, PROBABILITY)
     c.tprl.enable_entropy_filtering = False  # loss only on high-entropy tokens (arXiv 2506.01939)
-    c.tprl.top_p_entropy_tokens = 0.2  # fraction of tokens it keeps (per scope), in (0, 1]
-    c.tprl.entropy_filter_scope = "sequence"  # sequence | batch
+    # fraction of tokens it keeps (per scope), in (0, 1]
+    c.tprl.top_p_entropy_tokens = setting(0.2, FRACTION)
+    c.tprl.entropy_filter_scope = setting("sequence", one_of(*ENTROPY_SCOPES))  # sequence | batch
     c.tprl.enable_trajectory_reweighting = False  # TAS
-    c.tprl.trajectory_scaling_min = 0.8  # TAS: the smallest advantage scale, in [0, 1]
+    # TAS: the smallest advantage scale, in [0, 1]
+    c.tprl.trajectory_scaling_min = setting(0.8, PROBABILITY)
 
     c.vgr = ml_collections.ConfigDict()  # attention-derived token weights
     c.vgr.enable_token_weights = False  # weight each token's loss by its vision/text attention
-    c.vgr.token_weight_clip = (0.2, 3.0)  # (low, high) clip of the weights over their row mean
-    c.vgr.token_weight_smooth_sigma = 0.0  # 0 = no smoothing
-    c.vgr.token_weight_last_k_layers = 0  # >0: mean over the last K layers (wins over layer_set)
-    c.vgr.layer_set = "all"  # all | early | middle | late
+    # (low, high) clip of the weights over their row mean
+    c.vgr.token_weight_clip = setting((0.2, 3.0), Each(NON_NEGATIVE, length=2), ordered)
+    c.vgr.token_weight_smooth_sigma = setting(0.0, NON_NEGATIVE)  # 0 = no smoothing
+    # >0: mean over the last K layers (wins over layer_set)
+    c.vgr.token_weight_last_k_layers = setting(0, NON_NEGATIVE)
+    c.vgr.layer_set = setting("all", one_of(*LAYER_SETS))  # all | early | middle | late
 
     c.reward = ml_collections.ConfigDict()
-    c.reward.funcs = ("mc_idx", "think_format")  # built-ins, module:fn or path.py:fn
-    c.reward.weights = (4.0, 1.0)  # one per func (the regular weights)
+    # built-ins, module:fn or path.py:fn
+    c.reward.funcs = setting(("mc_idx", "think_format"), Each(NON_EMPTY, allow_empty=False))
+    # one per func (the regular weights)
+    c.reward.weights = setting((4.0, 1.0), Each(Range(), length="reward.funcs", allow_empty=False))
     # one per func: the names its metrics (reward/<name>, reward/<name>_failures), the markdown
     # logs and the filters use. () = a built-in's name, else the function's (a.py:fn -> fn)
-    c.reward.names = ()
-    c.reward.early_weights = ()  # two-stage: weights for the first early_steps
-    c.reward.early_steps = 0  # steps that use early_weights (0 = off)
-    c.reward.mdi_balance_ratio = 2.0  # R in clip(1 - |ln MDI| / ln R, 0, 1)
+    c.reward.names = setting((), reward_names_rule)
+    # two-stage: weights for the first early_steps
+    c.reward.early_weights = setting((), Each(Range(), length="reward.funcs"))
+    c.reward.early_steps = setting(0, NON_NEGATIVE)  # steps that use early_weights (0 = off)
+    # R in clip(1 - |ln MDI| / ln R, 0, 1)
+    c.reward.mdi_balance_ratio = setting(2.0, Range(1, lo_open=True))
 
     c.filter = ml_collections.ConfigDict()
     c.filter.dynamic_sampling = False  # DAPO: drop groups whose metric is constant
-    c.filter.dynamic_sampling_metric = "overall"  # overall (total reward) or a reward name
+    # overall (total reward) or a reward name
+    c.filter.dynamic_sampling_metric = setting("overall", reward_metric_rule)
     # generation batches per step to fill it with informative groups; short: the rest is
     # padding (mask 0). 0 = no limit (an error after a whole pass over the data)
-    c.filter.max_num_gen_batches = 1
+    c.filter.max_num_gen_batches = setting(1, NON_NEGATIVE)
     c.filter.online_filtering = False  # keep filter_low < mean score < filter_high
     # overall (the weighted total: 0..5 with the built-in mc_idx 4 + think_format 1, so the
     # default 0.01 / 0.99 suit a reward name such as mc_idx better) or a reward name
-    c.filter.filter_key = "overall"
+    c.filter.filter_key = setting("overall", reward_metric_rule)
     c.filter.filter_low = 0.01  # online filtering: keep a group if its mean score > this
-    c.filter.filter_high = 0.99  # online filtering: keep a group if its mean score < this
+    # online filtering: keep a group if its mean score < this
+    c.filter.filter_high = setting(
+        0.99, agree(lambda v, c: v > c.filter.filter_low, "> filter.filter_low")
+    )
     # uninformative groups (and slots dynamic sampling left empty) are replaced by
     # stored informative groups of earlier steps, each used once. Not in the checkpoint: a
     # resumed run starts with an empty buffer
     c.filter.replay_buffer = ml_collections.ConfigDict()
     c.filter.replay_buffer.enable = False  # True: refill uninformative groups from the buffer
-    c.filter.replay_buffer.capacity = 64  # groups
-    c.filter.replay_buffer.min_std = 1e-6  # informative: std >= min_std and
+    c.filter.replay_buffer.capacity = setting(64, at_least(1))  # groups
+    c.filter.replay_buffer.min_std = setting(1e-6, NON_NEGATIVE)  # informative: std >= min_std and
     c.filter.replay_buffer.min_mean = float("-inf")  # min_mean <= mean <= max_mean
-    c.filter.replay_buffer.max_mean = float("inf")  # informative: mean <= max_mean
+    # informative: mean <= max_mean
+    c.filter.replay_buffer.max_mean = setting(
+        float("inf"),
+        agree(
+            lambda v, c: v >= c.filter.replay_buffer.min_mean, ">= filter.replay_buffer.min_mean"
+        ),
+    )
     c.filter.mask_truncated_completions = False  # DAPO: completions without EOS leave the loss
-    c.filter.overlong_buffer_len = 0  # soft overlong punishment over the last N tokens; 0 = off
-    c.filter.overlong_penalty_factor = 1.0  # overlong penalty at max_new_tokens: -factor
+    # soft overlong punishment over the last N tokens; 0 = off
+    c.filter.overlong_buffer_len = setting(
+        0,
+        NON_NEGATIVE,
+        agree(lambda v, c: v <= c.rollout.max_new_tokens, "<= rollout.max_new_tokens"),
+    )
+    # overlong penalty at max_new_tokens: -factor
+    c.filter.overlong_penalty_factor = setting(1.0, NON_NEGATIVE)
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.lr = 3e-4  # the policy's AdamW peak learning rate
-    c.optim.schedule = "constant"  # constant | cosine (after warmup, to lr * min_lr_ratio)
-    c.optim.min_lr_ratio = 0.0  # cosine only: the learning rate at the last step, over lr
-    c.optim.warmup_steps = 0  # linear warm-up from 0 over this many steps
-    c.optim.betas = (0.9, 0.999)  # AdamW (beta1, beta2)
-    c.optim.weight_decay = 0.0  # AdamW decoupled weight decay
-    c.optim.grad_clip = 1.0  # global norm
-    c.optim.micro_batches = 1  # gradient accumulation: rows split into this many chunks
+    c.optim.lr = setting(3e-4, NON_NEGATIVE)  # the policy's AdamW peak learning rate (0: frozen)
+    # constant | cosine (after warmup, to lr * min_lr_ratio)
+    c.optim.schedule = setting("constant", one_of(*SCHEDULES))
+    # cosine only: the learning rate at the last step, over lr
+    c.optim.min_lr_ratio = setting(0.0, PROBABILITY)
+    c.optim.warmup_steps = setting(0, NON_NEGATIVE)  # linear warm-up from 0 over this many steps
+    # AdamW (beta1, beta2)
+    c.optim.betas = setting((0.9, 0.999), Each(Range(0, 1, hi_open=True), length=2))
+    c.optim.weight_decay = setting(0.0, NON_NEGATIVE)  # AdamW decoupled weight decay
+    c.optim.grad_clip = setting(1.0, POSITIVE)  # global norm
+    # gradient accumulation: rows split into this many chunks
+    c.optim.micro_batches = setting(1, at_least(1))
 
     # device mesh axis sizes, one of them may be -1 (the rest of the devices); their product is
     # the device count (docs/scaling.md). One device: a 1x1x1 mesh
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # data parallel: batch sharded, parameters replicated
-    c.mesh.fsdp = -1  # FSDP: batch and parameters sharded; -1 = the rest
-    c.mesh.tensor = 1  # tensor parallel: mlp, heads and vocab sharded
+    c.mesh.data = setting(1, MESH_AXIS)  # data parallel: batch sharded, parameters replicated
+    c.mesh.fsdp = setting(-1, MESH_AXIS)  # FSDP: batch and parameters sharded; -1 = the rest
+    c.mesh.tensor = setting(1, MESH_AXIS, ONE_REST)  # tensor parallel: mlp, heads and vocab sharded
 
     # multi-host: jax.distributed.initialize before anything touches a device (launch/*.sh)
     c.distributed = ml_collections.ConfigDict()
     c.distributed.enable = False  # True: from the platform's environment unless set below
     c.distributed.coordinator_address = placeholder(str)  # host:port of process 0; None: env
-    c.distributed.num_processes = placeholder(int)  # processes (hosts) in the run; None: env
-    c.distributed.process_id = placeholder(int)  # this process's index; None: env
+    # processes (hosts) in the run; None: env
+    c.distributed.num_processes = setting(None, at_least(1), type=int)
+    # this process's index; None: env
+    c.distributed.process_id = setting(
+        None,
+        NON_NEGATIVE,
+        agree(
+            lambda v, c: c.distributed.num_processes is None or v < c.distributed.num_processes,
+            "< distributed.num_processes",
+        ),
+        type=int,
+    )
 
     c.lora = ml_collections.ConfigDict()
-    c.lora.rank = 0  # 0 = off (full fine-tuning)
-    c.lora.alpha = 16.0  # adapter scale alpha / rank
-    c.lora.dropout = 0.05  # dropout on the adapters' input (training only)
-    c.lora.target_modules = ("q_proj", "v_proj")  # Linear names (last path part) or path regexes
+    c.lora.rank = setting(0, NON_NEGATIVE)  # 0 = off (full fine-tuning)
+    c.lora.alpha = setting(16.0, POSITIVE)  # adapter scale alpha / rank
+    # dropout on the adapters' input (training only)
+    c.lora.dropout = setting(0.05, Range(0, 1, hi_open=True))
+    # Linear names (last path part) or path regexes
+    c.lora.target_modules = setting(("q_proj", "v_proj"), Each(NON_EMPTY, allow_empty=False))
     c.lora.train_vision = False  # also adapt the vision tower
-    c.lora.quantize = "none"  # QLoRA base weights: none | int8 | int4 | nf4 (needs qwix)
+    # QLoRA base weights: none | int8 | int4 | nf4 (needs qwix)
+    c.lora.quantize = setting(
+        "none",
+        one_of("none", *QTYPES),
+        agree(lambda v, c: v == "none" or c.lora.rank > 0, "none unless lora.rank > 0"),
+    )
 
     if arg.runlocal:
         runlocal(c)
@@ -262,12 +389,12 @@ def get_config(arg=None):
 
 def runlocal(c):
     """A smoke-test shrink: seconds per step on a CPU."""
-    c.total_steps = 2
-    c.val_freq = 2
-    c.save_freq = 0
-    c.prompts_per_step = 2
-    c.rollout.num_generations = 2
-    c.rollout.max_new_tokens = 8
-    c.val_size = 4
-    c.data.synthetic_train_size = 16
-    c.log_rollouts_every = 1
+    c.total_steps = setting(2, at_least(1))
+    c.val_freq = setting(2, NON_NEGATIVE)
+    c.save_freq = setting(0, NON_NEGATIVE)
+    c.prompts_per_step = setting(2, at_least(1))
+    c.rollout.num_generations = setting(2, at_least(1))
+    c.rollout.max_new_tokens = setting(8, at_least(1))
+    c.val_size = setting(4, at_least(1))
+    c.data.synthetic_train_size = setting(16, at_least(1))
+    c.log_rollouts_every = setting(1, NON_NEGATIVE)

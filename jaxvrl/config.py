@@ -12,13 +12,14 @@ error naming close keys, never a silently new option.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_collections
 from ml_collections.config_dict import FieldReference
@@ -27,47 +28,151 @@ _NONE = ("none", "null")
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
-# Enumerated options: key -> allowed values (checked when the key exists).
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
-    "model.param_dtype": ("float32", "bfloat16"),
-    "model.remat_policy": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
-    "model.attention": ("auto", "xla", "flash", "splash", "cudnn"),
-    "rollout.dtype": ("auto", "float32", "bfloat16"),
-    "algorithm.adv_estimator": ("grpo", "rloo", "remax", "reinforce_plus_plus", "gae"),
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
-    "lora.quantize": ("none", "int8", "int4", "nf4"),
-    "actor.loss_agg_mode": (
-        "token-mean",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-sum-norm",
-    ),
-    "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
-    "actor.old_logprobs": ("sampler", "recompute"),
-    "algorithm.rollout_is": (None, "token", "sequence"),
-    "tprl.entropy_filter_scope": ("sequence", "batch"),
-    "vgr.layer_set": ("all", "early", "middle", "late"),
-    "optim.schedule": ("constant", "cosine"),
-}
-
-# Fractions: key -> (low, high), low exclusive, high inclusive.
-FRACTIONS = {
-    "rollout.top_p": (0.0, 1.0),
-    "tprl.top_p_perception_tokens": (0.0, 1.0),
-    "tprl.top_p_entropy_tokens": (0.0, 1.0),
-    "tprl.trajectory_scaling_min": (-1e-9, 1.0),
-    "tprl.black_prob": (-1e-9, 1.0),
-}
-
-
-# Counts: key -> the least allowed value.
-AT_LEAST = {"rollout.slots": 0, "rollout.page_size": 1}
-
 
 class ConfigError(ValueError):
-    """A config file, argument or override that cannot be applied."""
+    """A setting, config file, argument or override that cannot be applied; also a model's
+    config.json that cannot be read. Entry points print it as one line and exit 2."""
+
+
+# --- Settings and their rules -------------------------------------------------------------
+# A config file declares a key once, with its default, its comment and its rules:
+#     c.optim.lr = setting(3e-4, POSITIVE)  # the policy's AdamW peak learning rate
+# A rule is a callable (value, config) -> None when the value is allowed, else the text of
+# what is allowed. `validate` checks every declared rule before a run loads anything.
+
+
+class Setting(FieldReference):
+    """A config value with its rules (an ml_collections FieldReference: overrides keep it, so
+    the rules hold whatever sets the value). `nullable`: None is allowed (rules are then
+    skipped); a setting declared with None as its default is nullable."""
+
+    def __init__(self, default, rules=(), field_type=None, nullable=None):
+        super().__init__(default, field_type=field_type or type(default))
+        self.rules = tuple(rules)
+        self.nullable = default is None if nullable is None else nullable
+
+
+def setting(default, *rules, type=None, nullable=None) -> Setting:  # noqa: A002
+    """`default` checked by `rules` (each `rule(value, config) -> None | what is allowed`);
+    `type` for a None default (a typed placeholder)."""
+    return Setting(default, rules, type, nullable)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    choices: tuple
+
+    def __call__(self, value, config=None):
+        if value not in self.choices:
+            return "one of " + ", ".join("null" if c is None else str(c) for c in self.choices)
+        return None
+
+
+def one_of(*choices) -> OneOf:
+    return OneOf(tuple(choices))
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """lo <= value <= hi (either end open, or None: unbounded)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __call__(self, value, config=None):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            return f"a number {self.text()}"
+        low_ok = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        high_ok = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+        return None if low_ok and high_ok else self.text()
+
+    def text(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {self.hi}"
+        return (
+            f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Each:
+    """Every item of a sequence passes `rule`; `length`: the count it must have, or the key of
+    a sequence setting it must be as long as."""
+
+    rule: Callable | None = None
+    length: int | str | None = None
+    allow_empty: bool = True
+
+    def __call__(self, value, config=None):
+        if not isinstance(value, tuple | list):
+            return "a list"
+        if isinstance(self.length, str):
+            n = len(get(config, self.length))
+            if len(value) != n and (value or not self.allow_empty):
+                return f"{n} values, one per {self.length} item ({len(value)} given)"
+        elif self.length is not None and len(value) != self.length:
+            return f"{self.length} values ({len(value)} given)"
+        elif not value and not self.allow_empty:
+            return "at least one value"
+        for x in value:
+            why = self.rule(x, config) if self.rule else None
+            if why:
+                return f"each value {why} ({x!r} is not)"
+        return None
+
+
+def ordered(value, config=None):
+    """A (low, high) pair with low <= high."""
+    if len(value) == 2 and value[0] <= value[1]:
+        return None
+    return "(low, high) with low <= high"
+
+
+@dataclasses.dataclass(frozen=True)
+class Agree:
+    """`test(value, config)` is true; `text` says what it asks."""
+
+    test: Callable
+    text: str
+
+    def __call__(self, value, config=None):
+        return None if self.test(value, config) else self.text
+
+
+def agree(test: Callable, text: str) -> Agree:
+    return Agree(test, text)
+
+
+def at_least(n) -> Range:
+    return Range(n)
+
+
+NON_EMPTY = Agree(lambda v, c: bool(v), "a non-empty value")
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0, 1, lo_open=True)  # a share that keeps something: (0, 1]
+PROBABILITY = Range(0, 1)
+
+
+def get(config, key: str):
+    """The value at dotted `key` of `config`."""
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def settings(cfg: ml_collections.ConfigDict, prefix: str = ""):
+    """(dotted key, Setting) for every declared setting of `cfg`."""
+    for k, field in cfg._fields.items():
+        if isinstance(field, ml_collections.ConfigDict):
+            yield from settings(field, f"{prefix}{k}.")
+        elif isinstance(field, Setting):
+            yield prefix + k, field
 
 
 def parse_argv(argv: list[str]) -> tuple[str, list[str]]:
@@ -216,7 +321,9 @@ def apply_override(cfg: ml_collections.ConfigDict, item: str, source: str = "the
     for p in parents:
         node = node[p]
     current = node[leaf]
-    nullable = isinstance(node._fields.get(leaf), FieldReference)  # placeholder(type)
+    field = node._fields.get(leaf)
+    # placeholder(type), or a setting declared nullable
+    nullable = isinstance(field, FieldReference) and getattr(field, "nullable", True)
     typ = node.get_type(leaf) if current is not None or nullable else type(None)
     value = _parse_value(raw if eq else None, current, typ, nullable, key)
     try:
@@ -226,59 +333,42 @@ def apply_override(cfg: ml_collections.ConfigDict, item: str, source: str = "the
 
 
 def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None:
-    """Checks enumerated options, fractions, reward weight counts, reward names and the
-    filters' reward names; raises ConfigError."""
-    keys = set(flat_keys(cfg))
+    """Checks every declared setting's rules (`setting`); raises ConfigError naming the first
+    key whose value breaks one, the value, and what is allowed."""
+    for key, field in settings(cfg):
+        value = field.get()
+        if value is None:
+            if field.nullable:
+                continue
+            raise ConfigError(f"config.{key}=null in {source}: expected a value")
+        for rule in field.rules:
+            why = rule(value, cfg)
+            if why:
+                raise ConfigError(f"config.{key}={value!r} in {source}: expected {why}")
 
-    def get(key):
-        node = cfg
-        for p in key.split("."):
-            node = node[p]
-        return node
 
-    for key, allowed in CHOICES.items():
-        if key in keys and get(key) not in allowed:
-            raise ConfigError(
-                f"config.{key}={get(key)!r} in {source}: expected one of "
-                f"{', '.join('null' if a is None else a for a in allowed)}"
-            )
-    for key, (lo, hi) in FRACTIONS.items():
-        if key in keys and not lo < get(key) <= hi:
-            raise ConfigError(f"config.{key}={get(key)!r} in {source}: expected in ({lo}, {hi}]")
-    for key, least in AT_LEAST.items():
-        if key in keys and get(key) < least:
-            raise ConfigError(f"config.{key}={get(key)!r} in {source}: expected >= {least}")
-    if {"algorithm.rollout_is", "actor.old_logprobs"} <= keys and get("algorithm.rollout_is"):
-        if get("actor.old_logprobs") != "recompute":
-            raise ConfigError(
-                f"config.algorithm.rollout_is={get('algorithm.rollout_is')!r} in {source} "
-                "weighs the recomputed old log-probs against the sampler's: set "
-                "config.actor.old_logprobs=recompute"
-            )
-    if {"reward.funcs", "reward.weights"} <= keys:
-        n = len(get("reward.funcs"))
-        if len(get("reward.weights")) != n:
-            raise ConfigError(
-                f"config.reward.weights in {source} has {len(get('reward.weights'))} values "
-                f"for {n} config.reward.funcs {tuple(get('reward.funcs'))}"
-            )
-        early = get("reward.early_weights") if "reward.early_weights" in keys else ()
-        if early and len(early) != n:
-            raise ConfigError(
-                f"config.reward.early_weights in {source} has {len(early)} values for {n} funcs"
-            )
-        funcs = tuple(get("reward.funcs"))
-        try:
-            names = reward_names(funcs, get("reward.names") if "reward.names" in keys else ())
-        except ValueError as e:
-            raise ConfigError(f"{e} (in {source})") from None
-        allowed = ("overall", *names, *(f for f in funcs if f not in names))
-        for key in ("filter.dynamic_sampling_metric", "filter.filter_key"):
-            if key in keys and get(key) not in allowed:
-                raise ConfigError(
-                    f"config.{key}={get(key)!r} in {source}: expected overall (the total "
-                    f"reward) or a reward's name: {', '.join(('overall', *names))}"
-                )
+def _name_problem(names, cfg):
+    try:
+        reward_names(tuple(get(cfg, "reward.funcs")), tuple(names))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def reward_names_rule(names, cfg):
+    """Rule of `reward.names`: the functions' metric names are distinct and allowed."""
+    why = _name_problem(names, cfg)
+    return None if why is None else f"names that identify each reward: {why}"
+
+
+def reward_metric_rule(value, cfg):
+    """Rule of a filter's reward key: overall (the total) or a reward's name."""
+    funcs = tuple(get(cfg, "reward.funcs"))
+    names = reward_names(funcs, tuple(get(cfg, "reward.names")))
+    allowed = ("overall", *names, *(f for f in funcs if f not in names))
+    if value in allowed:
+        return None
+    return f"overall (the total reward) or a reward's name: {', '.join(('overall', *names))}"
 
 
 # reward metric names the run uses for its own metrics (reward/total, ...)

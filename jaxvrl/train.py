@@ -33,9 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxvrl import rl
-from jaxvrl.checkpoint import Checkpointer, PreemptionFlag, stop_requested_everywhere
-from jaxvrl.config import ConfigError, describe_config, load_config, parse_argv
+from jaxvrl import models, rl
+from jaxvrl.checkpoint import (
+    Checkpointer,
+    PreemptionFlag,
+    saved_with_other_settings,
+    stop_requested_everywhere,
+)
+from jaxvrl.config import ConfigError, describe_config, load_config, parse_argv, validate
 from jaxvrl.data import synthetic
 from jaxvrl.data.columns import RowFormat
 from jaxvrl.data.loader import make_dataset
@@ -143,12 +148,11 @@ def load_model(c):
             "python -m jaxvrl.aot); set config.model.path to a checkpoint to train"
         )
     path = localize_dir(c.model.path or EMBEDDED)  # gs://: copied into a local cache once
-    dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
         model = load(
             path,
-            dtype=dtypes[c.model.dtype],
-            param_dtype=dtypes[c.model.param_dtype],
+            dtype=models.DTYPES[c.model.dtype],
+            param_dtype=models.DTYPES[c.model.param_dtype],
             scan_layers=c.model.scan_layers,
         )
     model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
@@ -169,6 +173,7 @@ def run_info(c) -> dict:
         "model_path": path if not path or is_remote(path) else os.path.abspath(path),
         "dtype": c.model.dtype,
         "param_dtype": c.model.param_dtype,
+        "scan_layers": c.model.scan_layers,
         "lora": {
             "rank": lc.rank,
             "alpha": lc.alpha,
@@ -373,18 +378,10 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
             f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
             "mesh.tensor"
         )
-    gbs = c.actor.global_batch_size
-    if gbs is not None and (gbs < 1 or c.prompts_per_step % gbs):
-        raise ConfigError(
-            f"config.actor.global_batch_size = {gbs} prompts per update does not divide "
-            f"config.prompts_per_step = {c.prompts_per_step}: the rollout batch must split "
-            "into whole mini-batches"
-        )
-    if c.actor.ppo_epochs < 1:
-        raise ConfigError(f"config.actor.ppo_epochs = {c.actor.ppo_epochs}: expected >= 1")
+    gbs = c.actor.global_batch_size  # a divisor of prompts_per_step (its setting's rule)
     updates = c.prompts_per_step // (gbs or c.prompts_per_step)
     m, total = c.optim.micro_batches, rows * processes // updates
-    if m < 1 or total % m:
+    if total % m:
         raise ConfigError(
             f"config.optim.micro_batches = {m} does not divide the {total} rows of a "
             f"{'mini-batch' if updates > 1 else 'step'} (actor.global_batch_size or "
@@ -434,7 +431,10 @@ def matmul_precision(name: str):
 
 def run(c) -> dict:
     """Train (or only validate) per config `c`; returns the last step's scalars plus the
-    compile counts (`compiles/*`). Programs are traced at `model.matmul_precision`."""
+    compile counts (`compiles/*`). Programs are traced at `model.matmul_precision`. Every
+    setting's rules are checked first (`load_config` did so too; a caller may have changed
+    the ConfigDict since)."""
+    validate(c)
     with matmul_precision(c.model.matmul_precision):
         return _run(c)
 
@@ -451,6 +451,10 @@ def _run(c) -> dict:
     if not is_remote(c.workdir):
         os.makedirs(c.workdir, exist_ok=True)
     logdir = mirror.local if mirror else c.workdir
+    # checkpoints resume only into the model they were saved from (checked before any loading)
+    other = c.resume and saved_with_other_settings(c.workdir, run_info(c))
+    if other:
+        raise ConfigError(f"{c.workdir}: saved with {other}; use another workdir or set it back")
     if primary:
         write_run_info(logdir, run_info(c))
 
@@ -502,10 +506,10 @@ def _run(c) -> dict:
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
             metrics.update(counters.update(metrics))
-            if done % c.val_freq == 0 or done == c.total_steps:
+            if (c.val_freq and done % c.val_freq == 0) or done == c.total_steps:
                 metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
-            if step % c.log_rollouts_every == 0:
+            if c.log_rollouts_every and step % c.log_rollouts_every == 0:
                 logs.markdown(done, rollout, R.host_local(extras), tokenizer)
             if mirror:
                 mirror.push()  # at most every 30 s
@@ -547,12 +551,16 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     show = "--help_config" in argv
-    path, overrides = parse_argv([a for a in argv if a != "--help_config"])
-    config = load_config(path, overrides)
-    if show:  # every key with its value (after the overrides) and its comment in base.py
-        print(describe_config(config, path))
-        return
-    final = run(config)
+    try:
+        path, overrides = parse_argv([a for a in argv if a != "--help_config"])
+        config = load_config(path, overrides)
+        if show:  # every key with its value (after the overrides) and its comment in base.py
+            print(describe_config(config, path))
+            return
+        final = run(config)
+    except ConfigError as e:  # the user's to fix: one line, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if "val/accuracy" in final:
         print(f"final val/accuracy {final['val/accuracy']:.3f}", flush=True)
     if math.isnan(final.get("loss", 0.0)):

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxvrl import train
+from jaxvrl import models, train
 from jaxvrl.aot.report import (
     Report,
     analyse,
@@ -38,18 +38,10 @@ from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
 from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel import topology as T
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
-from jaxvrl.sampling import Sampler
-from jaxvrl.sampling import sampler as sampler_lib
+from jaxvrl.sampling import Sampler, static
 from jaxvrl.trainer.build import init_train_state, mini_batches, step_config
 from jaxvrl.trainer.rollout import assemble
 from jaxvrl.trainer.step import build_train_step
-
-PRESETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "presets")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def preset_names() -> list[str]:
-    return sorted(f[: -len(".json")] for f in os.listdir(PRESETS) if f.endswith(".json"))
 
 
 def model_config(c) -> tuple[str, Qwen2_5_VLConfig]:
@@ -57,11 +49,10 @@ def model_config(c) -> tuple[str, Qwen2_5_VLConfig]:
     of `model.path`'s config.json (no weights are read)."""
     preset = c.model.get("preset")
     if preset:
-        path = os.path.join(PRESETS, f"{preset.lower()}.json")
+        path = os.path.join(models.PRESETS, f"{preset.lower()}.json")
         if not os.path.exists(path):
-            raise ConfigError(
-                f"config.model.preset={preset!r}: unknown; known: {', '.join(preset_names())}"
-            )
+            known = ", ".join(models.preset_names())
+            raise ConfigError(f"config.model.preset={preset!r}: unknown; known: {known}")
         with open(path) as f:
             return preset, Qwen2_5_VLConfig.from_hf_dict(json.load(f), source=path)
     if not c.model.path:
@@ -151,7 +142,7 @@ class Plan:
         mesh = R.mesh_from_config(c.mesh, devices=T.tpu_devices(s))
         train.check_rows(c, mesh, processes=s.hosts)
         name, mcfg = model_config(c)
-        dtype, param_dtype = DTYPES[c.model.dtype], DTYPES[c.model.param_dtype]
+        dtype, param_dtype = models.DTYPES[c.model.dtype], models.DTYPES[c.model.param_dtype]
         model = nnx.eval_shape(
             lambda: Qwen2_5_VL(
                 mcfg,
@@ -352,13 +343,13 @@ class Plan:
         mesh = sampler.mesh
         ready = sampler.prepare(self.init.state.params)  # as the sampler's loop reads them
         dtype = nnx.merge(ready.graphdef, ready.params).dtype
-        state = sampler_lib.abstract_loop_state(
+        state = static.abstract_loop_state(
             self.model.config, self.rows, self.prompt_len, sampler.cfg, dtype
         )
         state = jax.tree.map(lambda x, s: _abstract(x, s), state, decode_shardings(state, mesh))
         start = _with_shardings(np.zeros((self.rows,), np.int32), mesh, self.rows)
         # the carry is donated, as the loop updates it in place (else the step copies the cache)
-        step = functools.partial(sampler_lib.decode_step, ready.graphdef, cfg=sampler.cfg)
+        step = functools.partial(static.decode_step, ready.graphdef, cfg=sampler.cfg)
         fn = jax.jit(step, donate_argnums=1)
 
         def lower():

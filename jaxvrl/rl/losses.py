@@ -12,6 +12,7 @@ from jaxvrl.rl.advantages import last_token_rewards
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
+KL_CONTROLLERS = ("fixed", "adaptive")  # the KL-in-reward coefficient: constant or adaptive_kl_coef
 
 
 def agg_denominator(mask: jax.Array, mode: str) -> jax.Array:

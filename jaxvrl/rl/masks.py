@@ -10,6 +10,8 @@ import fractions
 import jax
 import jax.numpy as jnp
 
+ENTROPY_SCOPES = ("sequence", "batch")  # top entropy tokens per row, or over the batch
+
 # ceil(n * p) in floating point rounds 10 * 0.3 = 3.0000000000000004 up to 4, so a static top_p
 # is read as the nearest fraction num/den with den <= 10^4 (exact for decimals of up to four
 # digits) and k is computed in int32 without overflow.
@@ -108,7 +110,7 @@ def entropy_token_mask(
     if scope == "batch":
         flat = top_p_token_mask(entropy.reshape(1, -1), mask.reshape(1, -1), top_p)
         return flat.reshape(entropy.shape)
-    raise ValueError(f"entropy_filter_scope must be 'sequence' or 'batch', got {scope!r}")
+    raise ValueError(f"entropy_filter_scope must be one of {ENTROPY_SCOPES}, got {scope!r}")
 
 
 def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:

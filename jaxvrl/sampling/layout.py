@@ -26,10 +26,11 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from jaxvrl import models
 from jaxvrl.models import lora
 from jaxvrl.parallel import sharding
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", *models.DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

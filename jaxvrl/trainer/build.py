@@ -86,6 +86,9 @@ def learning_rate(o, total_steps: int, updates_per_step: int = 1):
     return lambda count: per_step(count // updates_per_step)
 
 
+SCHEDULES = ("constant", "cosine")
+
+
 def _schedule(o, total_steps: int, warm: int):
     if o.schedule == "constant":
         return optax.linear_schedule(0.0, o.lr, warm) if warm else o.lr

@@ -15,8 +15,9 @@ from flax import nnx
 from jaxvrl.aot import loops
 from jaxvrl.aot import report as rep
 from jaxvrl.aot.__main__ import main
-from jaxvrl.aot.plan import PRESETS, Plan, preset_names
+from jaxvrl.aot.plan import Plan
 from jaxvrl.config import load_config
+from jaxvrl.models import PRESETS, preset_names
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig
 from jaxvrl.parallel import topology as T
 
@@ -210,7 +211,7 @@ def test_programs_compiled_for_a_tpu_use_no_cpu_kernels():
     same step traced on this CPU host for a TPU mesh must be the TPU program, without them."""
     import functools
 
-    from jaxvrl.sampling import sampler as S
+    from jaxvrl.sampling import static
     from jaxvrl.sampling.cpu import kernels as cpu_kernels
 
     plan = Plan.build(load_config("configs/grpo.py:runlocal", []), "v5e-4")
@@ -218,8 +219,8 @@ def test_programs_compiled_for_a_tpu_use_no_cpu_kernels():
     assert "jaxvrl_" not in lower().as_text()
     if cpu_kernels.available():  # the same step for this host's CPU does use them
         cfg = plan.sampling_config()
-        state = S.abstract_loop_state(plan.model.config, 2, 8, cfg, np.float32)
-        fn = jax.jit(functools.partial(S.decode_step, plan.init.model_graphdef, cfg=cfg))
+        state = static.abstract_loop_state(plan.model.config, 2, 8, cfg, np.float32)
+        fn = jax.jit(functools.partial(static.decode_step, plan.init.model_graphdef, cfg=cfg))
         params = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.init.state.params
         )

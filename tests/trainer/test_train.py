@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxvrl.config import ConfigError, load_config, parse_argv
+from jaxvrl.config import ConfigError, load_config, parse_argv, validate
 from jaxvrl.train import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -184,9 +184,9 @@ def test_rows_must_split_over_the_mesh_and_the_micro_batches():
     c.rollout.num_generations = 2
     c.actor.global_batch_size = 3  # 2 mini-batches of 6 rows
     check_rows(c, mesh)
-    c.actor.global_batch_size = 4
-    with pytest.raises(ConfigError, match=r"global_batch_size = 4 .*prompts_per_step = 6"):
-        check_rows(c, mesh)
+    c.actor.global_batch_size = 4  # a rule of the setting, checked before the mesh exists
+    with pytest.raises(ConfigError, match=r"global_batch_size=4 .*divisor of prompts_per_step"):
+        validate(c)
     c.actor.global_batch_size, c.optim.micro_batches = 3, 4
     with pytest.raises(
         ConfigError, match=r"micro_batches = 4 does not divide the 6 rows of a mini"

@@ -146,9 +146,10 @@ def test_validation_of_choices_fractions_and_weights():
         cfg_of("actor.kl_loss_type=k3")
     with pytest.raises(ConfigError, match=r"tprl\.top_p_perception_tokens=0\.0"):
         cfg_of("tprl.top_p_perception_tokens=0")
-    with pytest.raises(ConfigError, match=r"reward\.weights .* 3 values for 2"):
+    per_func = r".*2 values, one per reward\.funcs item"
+    with pytest.raises(ConfigError, match=r"reward\.weights=\(1\.0, 2\.0, 3\.0\)" + per_func):
         cfg_of("reward.weights=1,2,3")
-    with pytest.raises(ConfigError, match=r"early_weights .* 1 values for 2"):
+    with pytest.raises(ConfigError, match=r"early_weights=\(1,\)" + per_func + r" \(1 given\)"):
         cfg_of("reward.early_weights=1")
     with pytest.raises(ConfigError, match=r"filter\.filter_key='acc'.*overall, mc_idx, think_"):
         cfg_of("filter.filter_key=acc")

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any
 
+from jaxvrl.config import ConfigError
+
 MODEL_TYPES = ("qwen2_5_vl",)
 # Gradient checkpointing of decoder layers and vision blocks (`model.remat_policy`).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -26,10 +28,6 @@ def checkpoint_policy(name: str):
     if name == "full":
         return None
     return getattr(jax.checkpoint_policies, name)
-
-
-class ConfigError(ValueError):
-    """A checkpoint's config.json that jaxvrl cannot load."""
 
 
 @dataclasses.dataclass(frozen=True)
