@@ -14,6 +14,11 @@ against). Every item, each process's replay file included, is written before orb
 the step (renames its temporary directory, or on gs:// writes its commit marker), so a step
 that lacks one of them is never listed as complete.
 
+A step whose files were damaged afterwards (missing, cut short, not decodable) is skipped by
+`restore_latest`: named in a warning and moved aside to `<step>.damaged` (orbax lists integer
+names only, so it is neither restored nor counted by max_to_keep, and the step can be saved
+again), and the newest step that reads back is restored.
+
 Resume order (train.py): build the abstract train state (`jax.eval_shape` + shardings, or the
 freshly initialised state), `restore_latest(abstract)` fills it with the saved arrays in the
 target's shardings and dtypes, then the data iterator, the RNG, the running totals and the
@@ -25,21 +30,60 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import gc
+import json
+import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxvrl.parallel import runtime
-from jaxvrl.remote import bound_remote_io, naming
+from jaxvrl.remote import bound_remote_io, forget_listings, is_remote, naming
+
+log = logging.getLogger("jaxvrl")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the restore target."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A step whose files are missing, cut short or not decodable (`what`: the item and the
+    failure, in one line)."""
+
+    def __init__(self, step: int, directory: str, what: str):
+        super().__init__(f"checkpoint step {step} in {directory} is damaged ({what})")
+        self.step, self.what = step, what
+
+
+# tensorstore's status codes for data that is absent, cut short or not decodable; the others
+# (PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) say nothing about the files
+_DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
+_DAMAGE_TYPES = (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, KeyError)
+
+
+def _damage(e: BaseException | None) -> str | None:
+    """What a failure to read a step says about its files, in one line; None when it shows
+    no damage (a permission, the network, a target that does not fit: raised as is, so that
+    no good step is ever moved aside). The cause chain is searched: orbax wraps tensorstore's
+    errors in a bare Exception."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).split("\n", 1)[0].split(" [tensorstore_spec=", 1)[0]
+        if isinstance(e, _DAMAGE_TYPES):
+            return f"{type(e).__name__}: {text}"[:400]
+        if isinstance(e, ValueError) and text.startswith(_DAMAGE_CODES):
+            return text[:400]
+        e = e.__cause__ or e.__context__
+    return None
 
 
 @dataclasses.dataclass
@@ -130,7 +174,7 @@ class ProcessBytesHandler(ocp.AsyncCheckpointHandler):
             counts = {int(s.rsplit("-of-", 1)[-1]) for s in saved if "-of-" in s}
             if len(counts) == 1 and counts != {n}:
                 _check_process_count(counts.pop(), directory.parent.name, "replay buffers")
-            raise CheckpointError(f"{path} is missing (saved: {saved})")
+            raise FileNotFoundError(f"{path} is missing (saved: {saved})")
         return path.read_bytes()
 
     def metadata(self, directory):
@@ -189,6 +233,30 @@ def _decode_data_state(d, step: int):
     if d["kind"] != "per_process":  # written by a single process before per-process states
         return _decode_one(d)
     return _decode_one(_this_process(d["value"], step, "data-iterator states"))
+
+
+def _drop_failed_reads() -> None:
+    """Collects the array reads orbax left unfinished when one of them failed, without the
+    "Exception ignored" report each would print when collected later (orbax turns the
+    GeneratorExit that closes them into an Exception naming the whole TensorStore spec)."""
+    hook = sys.unraisablehook
+
+    def quiet(u):
+        if "Encountered error while reading array index" not in str(u.exc_value):
+            hook(u)
+
+    sys.unraisablehook = quiet
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 class Checkpointer:
@@ -283,45 +351,55 @@ class Checkpointer:
             f"unexpected {extra[:5]}"
         )
 
+    def _item(self, step: int, name: str, args=None):
+        """Item `name` of `step` restored with `args` (None: the names of the step's items,
+        listed rather than read from orbax's metadata, which warns about each item it has no
+        handler for). A failure that shows the files damaged raises DamagedCheckpoint naming
+        the item; any other is raised as is."""
+        try:
+            if args is None:
+                return {p.name for p in (epath.Path(self.directory) / str(step)).iterdir()}
+            return self.manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+        except Exception as e:
+            what = _damage(e)
+            if what is None:
+                with naming(f"restoring checkpoint step {step} from {self.directory}"):
+                    raise
+        _drop_failed_reads()
+        raise DamagedCheckpoint(step, self.directory, f"{name}: {what}")
+
     def restore_step(self, step: int, abstract_state, rng_sharding=None) -> Restored:
         """Restores `step` into abstract_state's structure, shardings and dtypes (its leaves:
         jax.ShapeDtypeStruct with sharding, or arrays). rng_sharding: where the RNG key goes
-        (default: the first device, or replicated over all devices with several processes)."""
+        (default: the first device, or replicated over all devices with several processes).
+        Raises DamagedCheckpoint when an item's files are missing, cut short or unreadable,
+        CheckpointError when the step does not fit the target."""
         if step not in self.manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
-        json_items = ["info", "meta", "data"]
-        saved_items = self.manager.item_metadata(step)
-        if "counters" in saved_items:
-            json_items.append("counters")
-        where = f"restoring checkpoint step {step} from {self.directory}"
-        with naming(where):
-            head = self.manager.restore(
-                step, args=ocp.args.Composite(**{k: ocp.args.JsonRestore() for k in json_items})
-            )
+        saved_items = self._item(step, "its items")
+        json_items = ["info", "meta", "data"] + (["counters"] if "counters" in saved_items else [])
+        head = {k: self._item(step, k, ocp.args.JsonRestore()) for k in json_items}
         info = head["info"]
         leaves, treedef = jax.tree.flatten(abstract_state)
         keys = tree_keys(abstract_state)
         self._check_keys(step, info["keys"], keys)
-        items = {"state": ocp.args.StandardRestore(dict(zip(keys, map(_abstract_leaf, leaves))))}
-        if info["rng_shape"] is not None:
-            target = jax.ShapeDtypeStruct(tuple(info["rng_shape"]), np.uint32)
-            rng_target = _abstract_leaf(target, rng_sharding)
-            items["rng"] = ocp.args.StandardRestore({"key_data": rng_target})
-        if "replay" in saved_items:
-            items["replay"] = ProcessBytesRestore()
-        with naming(where):
-            out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        arrays = out["state"]
+        target = dict(zip(keys, map(_abstract_leaf, leaves)))
+        arrays = self._item(step, "state", ocp.args.StandardRestore(target))
         restored = []
         for k in keys:
             x = arrays[k]
             impl = info["key_impls"].get(k)
             restored.append(jax.random.wrap_key_data(x, impl=impl) if impl else x)
         rng = None
-        if "rng" in items:
-            rng = out["rng"]["key_data"]
+        if info["rng_shape"] is not None:
+            shape = jax.ShapeDtypeStruct(tuple(info["rng_shape"]), np.uint32)
+            rng_target = {"key_data": _abstract_leaf(shape, rng_sharding)}
+            rng = self._item(step, "rng", ocp.args.StandardRestore(rng_target))["key_data"]
             if info["rng_impl"]:
                 rng = jax.random.wrap_key_data(rng, impl=info["rng_impl"])
+        replay = None
+        if "replay" in saved_items:
+            replay = self._item(step, "replay", ProcessBytesRestore())
         return Restored(
             step=step,
             state=jax.tree.unflatten(treedef, restored),
@@ -333,15 +411,62 @@ class Checkpointer:
                 if "counters" in head
                 else None
             ),
-            replay=out["replay"] if "replay" in items else None,
+            replay=replay,
         )
 
     def restore_latest(self, abstract_state, rng_sharding=None) -> Restored | None:
-        """The latest step restored into abstract_state, or None when there is none."""
-        step = self.latest_step()
-        if step is None:
+        """The newest step that reads back, restored into abstract_state; None when there is
+        no step. Each newer step whose files are damaged (on any process) is named in one
+        warning and moved aside (`_move_aside`); when no step reads back, nothing is moved and
+        CheckpointError names each step's damage."""
+        damaged: list[DamagedCheckpoint] = []
+        for step in reversed(self.all_steps()):
+            try:
+                restored, failed = self.restore_step(step, abstract_state, rng_sharding), None
+            except DamagedCheckpoint as e:
+                failed = e
+            # every process resumes from the same step (a collective with several)
+            if not runtime.any_process(failed is not None):
+                break
+            damaged.append(failed or DamagedCheckpoint(step, self.directory, "on another host"))
+        else:
+            if damaged:
+                raise CheckpointError(
+                    f"no checkpoint in {self.directory} reads back (none was moved): "
+                    + "; ".join(f"step {e.step}: {e.what}" for e in damaged)
+                )
             return None
-        return self.restore_step(step, abstract_state, rng_sharding)
+        for e in damaged:
+            aside = self._move_aside(e.step)
+            log.warning("%s: moved to %s; resuming from step %d", e, aside, restored.step)
+        return restored
+
+    def _move_aside(self, step: int) -> str:
+        """Renames `<directory>/<step>` to `<step>.damaged` (`.damaged-2`, ... when taken) on
+        process 0, then every process lists the steps again: orbax lists integer names only,
+        so it neither restores nor garbage-collects the damaged copy, and `step` can be saved
+        again. -> the new path. On gs:// a move is a copy, then a delete (one cut short leaves
+        the step to be found damaged again)."""
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(self.directory)
+        n, name = 1, f"{step}.damaged"
+        while fs.exists(f"{root}/{name}"):
+            n += 1
+            name = f"{step}.damaged-{n}"
+        _sync_processes(f"jaxvrl_move_aside_{step}")  # every process chose `name` first
+        if jax.process_index() == 0:
+            src, dst = f"{root}/{step}", f"{root}/{name}"
+            with naming(f"moving {self.directory}/{step} aside to {name}"):
+                if is_remote(self.directory):  # (gcsfs's mv tries an API not every bucket has)
+                    fs.copy(src, dst, recursive=True)
+                    fs.rm(src, recursive=True)
+                else:
+                    os.rename(src, dst)
+        _sync_processes(f"jaxvrl_moved_aside_{step}")
+        forget_listings()  # gcsfs would answer from its cached listing of the directory
+        self.manager.reload()
+        return f"{self.directory}/{name}"
 
     def restore(self, step: int, abstract_state, rng_impl=None):
         """-> (state, rng, meta): restore_step's parts for callers that keep the iterator
@@ -358,6 +483,49 @@ class Checkpointer:
         with naming(f"finishing the checkpoints in {self.directory}"):
             self.manager.wait_until_finished()
             self.manager.close()
+
+
+# The settings in `<workdir>/run.json` (train.run_info) that a workdir's checkpoints depend
+# on: run.json key ('.' into the lora dict) -> the config key it records.
+SAVED_WITH = {
+    "model_path": "model.path",
+    "param_dtype": "model.param_dtype",
+    "scan_layers": "model.scan_layers",
+    **{f"lora.{k}": f"lora.{k}" for k in ("rank", "alpha", "target_modules", "quantize")},
+    "lora.train_vision": "lora.train_vision",
+}
+
+
+def _settings(info: dict) -> dict:
+    """run.json contents -> {SAVED_WITH key: value as JSON holds it (paths without a trailing
+    '/')}."""
+    flat = {**info, **{f"lora.{k}": v for k, v in (info.get("lora") or {}).items()}}
+    flat = json.loads(json.dumps({k: flat[k] for k in SAVED_WITH if k in flat}))
+    return {k: v.rstrip("/") if isinstance(v, str) else v for k, v in flat.items()}
+
+
+def saved_with_other_settings(workdir: str, info: dict) -> str | None:
+    """How the run that saved `<workdir>/checkpoints` (local or gs://) was set up otherwise
+    than this one (`info`: what this run writes to run.json): '<config key>=<saved>, this
+    run has <this>' for the first SAVED_WITH setting that differs. None when none does, or
+    there is no checkpoint or no `<workdir>/run.json`; a setting the saved run.json lacks
+    (written before it was recorded) is not compared."""
+    import fsspec
+
+    bound_remote_io(workdir)
+    fs, root = fsspec.core.url_to_fs(workdir)
+    ckpts, path = f"{root.rstrip('/')}/checkpoints", f"{root.rstrip('/')}/run.json"
+    with naming(f"reading {workdir}/run.json"):
+        listed = fs.ls(ckpts, detail=False) if fs.isdir(ckpts) else []
+        steps = [p for p in listed if p.rstrip("/").rsplit("/", 1)[-1].isdigit()]
+        if not steps or not fs.exists(path):
+            return None
+        saved = _settings(json.loads(fs.cat_file(path)))
+    now = _settings(info)
+    for k, key in SAVED_WITH.items():
+        if k in saved and saved[k] != now.get(k):
+            return f"{key}={saved[k]}, this run has {now.get(k)}"
+    return None
 
 
 class PreemptionFlag:

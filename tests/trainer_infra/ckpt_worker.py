@@ -2,6 +2,7 @@
 
 python ckpt_worker.py sigterm DIR  : a loop that saves and exits 0 when SIGTERM arrives
 python ckpt_worker.py gcs          : save/restore against a loopback GCS emulator
+python ckpt_worker.py gcs-damaged  : resume past a damaged step against the emulator
 """
 
 from __future__ import annotations
@@ -72,9 +73,61 @@ def gcs_round_trip() -> None:
     )
 
 
+def gcs_damaged() -> None:
+    """Steps 1-3 in the bucket, step 3's largest array file cut in half: restore_latest warns,
+    moves 3 aside and restores 2; steps 3 and 4 are saved again, max_to_keep=2 keeps them."""
+    from tests.trainer_infra.gcs_emulator import start_emulator
+
+    server, url = start_emulator()
+    import gcsfs
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxvrl.checkpoint import Checkpointer
+
+    directory, root = "gs://jaxvrl-test/damaged/checkpoints", "jaxvrl-test/damaged/checkpoints"
+    fs = gcsfs.GCSFileSystem(endpoint_url=url, token="anon")
+
+    def listed():
+        fs.invalidate_cache()
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root))
+
+    def weights(step):  # random: the array data is the largest file of the step
+        return {"w": jnp.asarray(np.random.default_rng(step).normal(size=(64, 64)), jnp.float32)}
+
+    ckpt = Checkpointer(directory, max_to_keep=3)
+    for step in (1, 2, 3):
+        ckpt.save(step, weights(step), data_state={"pos": step})
+    ckpt.close()
+    size, big = max((fs.size(p), p) for p in fs.find(f"{root}/3/state"))
+    fs.pipe(big, fs.cat(big)[: size // 2])
+    ckpt = Checkpointer(directory, max_to_keep=2)
+    r = ckpt.restore_latest(weights(0))
+    after_restore = listed()
+    for step in (3, 4):
+        ckpt.save(step, weights(10 * step))
+    ckpt.close()
+    fresh = Checkpointer(directory)
+    last = fresh.restore_latest(weights(0))
+    fresh.close()
+    out = {
+        "damaged_file": big.rsplit("/3/", 1)[-1],
+        "restored": r.step,
+        "restored_ok": np.array_equal(r.state["w"], weights(2)["w"]) and r.data_state == {"pos": 2},
+        "after_restore": after_restore,
+        "after_saves": listed(),
+        "last": last.step,
+        "last_ok": np.array_equal(last.state["w"], weights(40)["w"]),
+    }
+    server.stop()
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if sys.argv[1] == "sigterm":
         sigterm_loop(sys.argv[2])
+    elif sys.argv[1] == "gcs-damaged":
+        gcs_damaged()
     else:
         gcs_round_trip()
