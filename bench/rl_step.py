@@ -117,6 +117,8 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
     import optax
     from flax import nnx
 
+    from configs import base as base_config
+    from jaxvrl.config import set_values
     from jaxvrl.data import synthetic
     from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
     from jaxvrl.data.prompts import special_token_ids
@@ -144,15 +146,19 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
     )
     sampler = Sampler(nnx.graphdef(model), scfg)
     kept = {}  # the decode weights, packed into the same buffer every iteration
-    step_cfg = StepConfig(
-        group_size=args.group,
-        mini_batches=args.updates,
-        old_logprobs=args.old_logprobs,
-        loss_agg_mode="seq-mean-token-mean",
-        use_kl_loss=True,
-        kl_loss_coef=KL_COEF,
-        kl_loss_type="low_var_kl",
-    )
+    if args.prompts % args.updates:
+        raise SystemExit(f"--updates {args.updates} must divide --prompts {args.prompts}")
+    settings = {
+        "rollout.num_generations": args.group,
+        "prompts_per_step": args.prompts,
+        "actor.global_batch_size": args.prompts // args.updates,  # --updates mini-batches
+        "actor.old_logprobs": args.old_logprobs,
+        "actor.loss_agg_mode": "seq-mean-token-mean",
+        "actor.use_kl_loss": True,
+        "actor.kl_loss_coef": KL_COEF,
+        "actor.kl_loss_type": "low_var_kl",
+    }
+    step_cfg = StepConfig.of(set_values(base_config.get_config(), settings))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.0))
     graphdef, params = nnx.split(model, nnx.Param)
     ref_params = jax.tree.map(jnp.array, params)

@@ -100,20 +100,30 @@ def make_batch(args, tok, rows, mcfg):
 
 # ----------------------------------------------------------------------------- jaxvrl
 def step_configs(group: int, names=("GRPO", "TPRL", "VGR")) -> dict:
+    from configs import base as base_config
+    from jaxvrl.config import set_values
     from jaxvrl.trainer.step import StepConfig
 
-    base = dict(group_size=group, loss_agg_mode="token-mean", clip_ratio_high=0.28)
+    grpo = {
+        "rollout.num_generations": group,
+        "actor.loss_agg_mode": "token-mean",
+        "actor.clip_ratio_high": 0.28,
+    }
+    base = StepConfig.of(set_values(base_config.get_config(), grpo))
     configs = {
-        "GRPO": StepConfig(**base),
-        "TPRL": StepConfig(
-            **base,
-            perception_filtering=True,
-            top_p_perception_tokens=0.4,
-            entropy_filtering=True,
-            top_p_entropy_tokens=0.4,
-            trajectory_reweighting=True,
+        "GRPO": base,
+        "TPRL": base.with_values(
+            {
+                "tprl.enable_perception_filtering": True,
+                "tprl.top_p_perception_tokens": 0.4,
+                "tprl.enable_entropy_filtering": True,
+                "tprl.top_p_entropy_tokens": 0.4,
+                "tprl.enable_trajectory_reweighting": True,
+            }
         ),
-        "VGR": StepConfig(**base, token_weights=True, token_weight_last_k_layers=2),
+        "VGR": base.with_values(
+            {"vgr.enable_token_weights": True, "vgr.token_weight_last_k_layers": 2}
+        ),
     }
     unknown = set(names) - set(configs)
     if unknown:

@@ -90,7 +90,7 @@ def get_config(arg=None):
     c.val_freq = setting(20, NON_NEGATIVE)  # validate every this many steps (and at the last step)
     c.val_before_train = True  # validate at step 0
     c.val_only = False  # validate and exit
-    c.val_size = setting(96, at_least(1))  # held-out prompts of the built-in task
+    c.val_size = setting(96, NON_NEGATIVE)  # held-out prompts of the built-in task (0: none)
     c.save_freq = setting(20, NON_NEGATIVE)  # checkpoint every this many steps (0: only at the end)
     c.max_to_keep = setting(2, at_least(1))  # checkpoints kept in workdir/checkpoints
     # stop after this many consecutive non-finite updates
@@ -389,12 +389,12 @@ def get_config(arg=None):
 
 def runlocal(c):
     """A smoke-test shrink: seconds per step on a CPU."""
-    c.total_steps = setting(2, at_least(1))
-    c.val_freq = setting(2, NON_NEGATIVE)
-    c.save_freq = setting(0, NON_NEGATIVE)
-    c.prompts_per_step = setting(2, at_least(1))
-    c.rollout.num_generations = setting(2, at_least(1))
-    c.rollout.max_new_tokens = setting(8, at_least(1))
-    c.val_size = setting(4, at_least(1))
-    c.data.synthetic_train_size = setting(16, at_least(1))
-    c.log_rollouts_every = setting(1, NON_NEGATIVE)
+    c.total_steps = 2
+    c.val_freq = 2
+    c.save_freq = 0
+    c.prompts_per_step = 2
+    c.rollout.num_generations = 2
+    c.rollout.max_new_tokens = 8
+    c.val_size = 4
+    c.data.synthetic_train_size = 16
+    c.log_rollouts_every = 1

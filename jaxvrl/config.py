@@ -166,6 +166,22 @@ def get(config, key: str):
     return node
 
 
+def set_values(cfg: ml_collections.ConfigDict, values) -> ml_collections.ConfigDict:
+    """Sets each dotted key of `values` (a mapping) in `cfg` as an override would (type-checked;
+    an unknown key is a ConfigError naming close ones); returns `cfg`."""
+    keys = flat_keys(cfg)
+    for key, value in values.items():
+        if key not in keys:
+            raise ConfigError(_unknown_key_message(key, keys, "the values"))
+        *parents, leaf = key.split(".")
+        node = get(cfg, ".".join(parents)) if parents else cfg
+        try:
+            node[leaf] = value
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.{key}={value!r}: {e}") from None
+    return cfg
+
+
 def settings(cfg: ml_collections.ConfigDict, prefix: str = ""):
     """(dotted key, Setting) for every declared setting of `cfg`."""
     for k, field in cfg._fields.items():

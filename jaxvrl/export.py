@@ -32,11 +32,12 @@ import time
 
 import numpy as np
 
+from jaxvrl import models
 from jaxvrl.remote import bound_remote_io, forget_listings, is_remote
 
 log = logging.getLogger("jaxvrl")
 RUN_INFO = "run.json"
-EMBEDDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
+EMBEDDED = models.EMBEDDED
 DTYPES = ("float32", "bfloat16", "float16")
 # Files copied from the base model beside the weights, by prefix (config.json is rewritten).
 _LICENSE_FILES = ("LICENSE", "NOTICE")

@@ -3,13 +3,14 @@
     python -m jaxvrl.train --config configs/tprl.py [--config.key=value ...]
 
 Read top to bottom: setup (model and tokenizer, data, train state, samplers, the rollout
-phase, resume), then the loop in `run`: rollout phase, train step, logs, checkpoint. Only this
-file reads the ConfigDict.
+phase, resume), then the loop in `run`: rollout phase, train step, logs, checkpoint. The
+ConfigDict is read here and by the constructors of jaxvrl/trainer/build.py; the train step
+reads its frozen copy (`StepConfig`).
 
 Resume order: the fresh train state is the restore target; the checkpoint's arrays, RNG key,
 data-iterator state, running totals and replay buffer replace it (dynamic sampling carries
-nothing from one step to the next: its surplus groups are dropped); metrics and markdown logs written after the checkpoint's
-step are dropped, so the resumed run writes each step once.
+nothing from one step to the next: its surplus groups are dropped); metrics and markdown logs
+written after the checkpoint's step are dropped, so the resumed run writes each step once.
 
 Devices (docs/scaling.md): one SPMD program on the mesh `config.mesh` (data, fsdp, tensor;
 one device is a 1x1x1 mesh), several hosts joined by `config.distributed`. The train state is
@@ -68,7 +69,7 @@ from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
 from jaxvrl.trainer.step import build_train_step
 
 log = logging.getLogger("jaxvrl")
-EMBEDDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
+EMBEDDED = models.EMBEDDED
 
 
 def encode_options(c) -> EncodeOptions:
@@ -276,7 +277,7 @@ def make_rollout_phase(
         filter_low=f.filter_low,
         filter_high=f.filter_high,
     )
-    stats = "mdi" in c.reward.funcs or step_cfg.token_weights
+    stats = "mdi" in c.reward.funcs or step_cfg.vgr.enable_token_weights
     replay = None
     if rb.enable:
         replay = rl.ReplayBuffer(rb.capacity, rb.min_std, rb.min_mean, rb.max_mean)
@@ -296,7 +297,7 @@ def make_rollout_phase(
         ),
         opts=opts,
         attention=(c.vgr.layer_set, c.vgr.token_weight_last_k_layers) if stats else None,
-        with_pools=step_cfg.token_weights,
+        with_pools=step_cfg.vgr.enable_token_weights,
         mdi_balance_ratio=c.reward.mdi_balance_ratio,
         replay=replay,
         greedy=greedy if c.algorithm.adv_estimator == "remax" else None,

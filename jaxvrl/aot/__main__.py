@@ -21,9 +21,8 @@ a bad argument or no TPU compiler.
 
 Flags besides --config: --topology=NAME (a Cloud TPU accelerator type: v4-8, v5e-16 or
 v5litepod-16, v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step (a subset),
---jobs=N (programs compiled at once, default: the host's cores),
---suggest (when the train step does not fit: compile it with more micro-batches until one
-does). Larger meshes: --config.mesh.data / fsdp / tensor as for training.
+--jobs=N (programs compiled at once, default: the host's cores), --suggest (when the train
+step does not fit: more micro-batches until one does). Meshes: --config.mesh.* as in training.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from jaxvrl.parallel import runtime as R
 from jaxvrl.parallel import topology as T
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
 from jaxvrl.sampling import Sampler, static
-from jaxvrl.trainer.build import init_train_state, mini_batches, step_config
+from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.rollout import assemble
 from jaxvrl.trainer.step import build_train_step
 
@@ -241,7 +241,7 @@ class Plan:
             np.ones((b, n), np.float32),
             np.zeros((b,), np.float32),
             np.ones((b,), bool),
-            pools=self._pools(p, b) if step_config(self.c).token_weights else None,
+            pools=self._pools(p, b) if step_config(self.c).vgr.enable_token_weights else None,
             old_logprobs=np.zeros((b, n), np.float32),  # the sampler's, as the rollout gives
         )
         batch = dataclasses.replace(batch, images=self._images(b))
@@ -311,7 +311,7 @@ class Plan:
 
     def _sampler(self):
         sampler = self.sampler()
-        pools = "mdi" in self.c.reward.funcs or step_config(self.c).token_weights
+        pools = "mdi" in self.c.reward.funcs or step_config(self.c).vgr.enable_token_weights
         prompts = self.sampler_prompts
         p = self.prompts(pools, prompts)
         params = self.init.state.params  # the trainer's: `prepare` puts them in the layout
@@ -391,7 +391,7 @@ class Plan:
         m = self.model.config
         shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
         cfg = step_config(self.c)
-        updates = mini_batches(self.c)  # per epoch; each reads rows / updates rows
+        updates = cfg.mini_batches  # per epoch; each reads rows / updates rows
         micro_rows = self.rows // updates // cfg.micro_batches
         shards = row_shards(self.mesh)
         warn = ""

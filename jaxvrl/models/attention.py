@@ -1,72 +1,21 @@
-"""Multi-head attention behind one function, `attend`, with implementations chosen by name.
+"""Multi-head attention behind one function, `attend`, with implementations chosen by name
+(docs/attention.md gives the whole description).
 
-Decision: the model calls `attend(q, k, v, *, scale, key_valid, q_positions, k_positions,
-q_segments, k_segments, causal, pools, implementation, block_q, block_k, interpret)` and
-never builds a [T, S] mask. Who may see whom is given by O(T + S) arrays, from which every
-implementation builds its own mask, block by block where it works in blocks:
+The model calls `attend(q, k, v, *, scale, key_valid, q_positions, k_positions, q_segments,
+k_segments, causal, pools, implementation, ...)` and never builds a [T, S] mask: who may see
+whom is given by O(T + S) arrays,
 
     visible(b, t, s) = key_valid[b, s]
                        and (not causal or k_positions[b, s] <= q_positions[b, t])
-                       and (no segments or q_segments[b, t] == k_segments[b, s])
+                       and (no segments or q_segments[b, t] == k_segments[b, s]),
 
-That one rule covers every caller. The text decoder's training forward and a prefill without
-a cache pass no positions (0..T-1 for queries and keys); a cache extend (T > 1) and a decode
-step (T = 1) pass query positions `index + arange(T)` against key positions `arange(S)` of the
-whole cache, and key_valid = the cache's valid-key mask (left padding, unwritten slots). The
-vision tower passes causal=False and segment ids (one per window, or one per frame for its
-full-attention blocks); its packed patches are one row (B = 1). Positions and segments may
-be shared by the batch ([T], [S]) or per row ([B, T], [B, S]). The scale is an argument
-because callers differ (head_dim ** -0.5 in both Qwen2.5-VL towers, not in every model).
-
-Einsum letters: B batch, T query positions, S key positions, N query heads, K key/value
-heads, G query heads per key/value head (N = K*G), H head dim, P key pools.
-
-Implementations (`IMPLEMENTATIONS`; `resolve` maps "auto" and a platform to one of them):
-- "xla": dense logits [B, K, G, T, S] and a float32 softmax; the reference.
-- "flash": blocked attention in plain JAX (FlashAttention, arXiv 2205.14135 and 2307.08691):
-  a loop over query blocks, and inside it over key blocks with an online softmax (running max,
-  running sum, float32 accumulator). Key blocks that no query of the block may see are skipped.
-  A custom VJP saves the output and the per-row log-sum-exp and recomputes each block's
-  probabilities in the backward pass (dQ, dK, dV with D = rowsum(dO * O)), so neither pass
-  holds more than one [B, N, block_q, block_k] block of logits. T and S need not divide the
-  block sizes (queries are padded and dropped, keys padded as invalid). GQA reads each
-  key/value head once for its G query heads.
-- "splash": the Pallas TPU splash kernel (jax.experimental.pallas.ops.tpu.splash_attention),
-  one row at a time. Causality is its static CausalMask (key index <= query index), key
-  validity and segments become its SegmentIds; T and S are padded to multiples of 128. Under
-  a mesh it runs in shard_map (rows split like "batch", heads like "heads").
-- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bfloat16/float16).
-  Causality is its index-causal flag; key validity or segments, when given, a bool
-  [B, 1, T, S] mask (which it turns into a bias of that size).
-- banded (not a name: what every implementation but "xla" runs when the caller passes
-  `window`, its promise that no query sees a key `window` or more positions away): dense
-  logits of each block of c >= `window` queries against the keys of its block and the two
-  beside it, [B, T / c, K, G, c, 3c], and plain autodiff. c is the window, rounded up to a
-  multiple of 128 for TPUs (whole lane tiles: with c = 64 XLA's TPU compiler relaid the keys
-  out in a copy that cost more compile time than any other kernel of the 7B train step). The
-  vision tower's window blocks (windows of at most 64 consecutive patches) run it: three
-  small dense kernels, where "flash" would loop over blocks nearly all skipped and the
-  kernels would compute all pairs.
-The two kernels know causality only by index, so they serve self-attention with default
-positions (training forward, prefill without a cache, the vision tower). A causal call with
-explicit positions (a cache extend or decode step) runs "flash", or "xla" when T == 1; so the
-model passes its configured implementation everywhere and no positions where there is no cache.
-
-All keep the dense softmax's conventions: float32 softmax, and a query that may see no key
-(a fully masked row) gets a zero output and zero statistics, not NaN (the kernels average
-masked values there; their outputs are zeroed).
-
-Attention statistics: with pools = {"vision", "text", "prompt"} bool[B, S] key masks, `attend`
-also returns (A_V, A_X) float32[B, T]: the heads-averaged attention mass on the vision and text
-pools divided by the mass on the prompt pool (0 where the prompt mass is 0). The mass of a pool
-for one query and head is sum over the pool's visible keys of exp(s - lse_all) =
-exp(lse_pool - lse_all). "flash" keeps one running sum per pool in the frame of the running max
-it already carries (rescaled by the same factor as the running sum over all keys), so the
-statistics cost one extra [B, N, block_q, P] product per block and no second pass. With
-"splash" and "cudnn", whose kernels return no per-row sums, the statistics come from a second,
-blocked pass of the same loop without values (the logits once more, no [T, S]). Statistics
-carry no gradient (they feed rewards and token weights): the gradients of `out` are the same
-with or without them.
+from which every implementation builds its own mask, block by block where it works in blocks:
+"xla" (dense, the reference), "flash" (blocked, online softmax, custom VJP), "splash" (the
+Pallas TPU kernel), "cudnn" (`jax.nn.dot_product_attention`); callers that promise a `window`
+get the banded dense form. A fully masked row gets zero output and statistics, not NaN. With
+`pools`, `attend` also returns the heads-averaged attention mass on the vision and text key
+pools (no gradient). Einsum letters: B batch, T query positions, S key positions, N query
+heads, K key/value heads, G query heads per key/value head (N = K*G), H head dim, P pools.
 """
 
 from __future__ import annotations

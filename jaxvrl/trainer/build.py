@@ -1,6 +1,5 @@
 """From the ConfigDict to the pieces of the train step: StepConfig, the optimizer and the
-initial TrainState. train.py calls these; they are the one place that maps config keys onto
-the step (PPO critic and LoRA plug in here)."""
+initial TrainState (PPO critic and LoRA plug in here). train.py calls these."""
 
 from __future__ import annotations
 
@@ -14,64 +13,9 @@ from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer.state import StepConfig, TrainState, split_trainable
 
 
-def mini_batches(c) -> int:
-    """Policy updates per epoch: prompts_per_step / actor.global_batch_size (None: one)."""
-    gbs = c.actor.global_batch_size
-    return 1 if gbs is None else max(1, c.prompts_per_step // gbs)
-
-
 def step_config(c) -> StepConfig:
-    a, p, t, v = c.algorithm, c.actor, c.tprl, c.vgr
-    return StepConfig(
-        group_size=c.rollout.num_generations,
-        temperature=c.rollout.temperature if c.rollout.temperature > 0 else 1.0,
-        micro_batches=c.optim.micro_batches,
-        mini_batches=mini_batches(c),
-        epochs=p.ppo_epochs,
-        old_logprobs=p.old_logprobs,
-        rollout_is=a.rollout_is,
-        rollout_is_threshold=a.rollout_is_threshold,
-        adv_estimator=a.adv_estimator,
-        norm_adv_by_std=a.norm_adv_by_std,
-        clip_ratio_low=p.clip_ratio_low,
-        clip_ratio_high=p.clip_ratio_high,
-        clip_ratio_dual=p.clip_ratio_dual,
-        loss_agg_mode=p.loss_agg_mode,
-        use_kl_loss=p.use_kl_loss,
-        kl_loss_coef=p.kl_loss_coef,
-        kl_loss_type=p.kl_loss_type,
-        entropy_coef=p.entropy_coef,
-        use_entropy_penalty=p.use_entropy_penalty,
-        entropy_penalty_coef=p.entropy_penalty_coef,
-        perception_filtering=t.enable_perception_filtering,
-        top_p_perception_tokens=t.top_p_perception_tokens,
-        black_prob=t.black_prob,
-        entropy_filtering=t.enable_entropy_filtering,
-        top_p_entropy_tokens=t.top_p_entropy_tokens,
-        entropy_filter_scope=t.entropy_filter_scope,
-        trajectory_reweighting=t.enable_trajectory_reweighting,
-        trajectory_scaling_min=t.trajectory_scaling_min,
-        token_weights=v.enable_token_weights,
-        token_weight_clip=tuple(v.token_weight_clip),
-        token_weight_smooth_sigma=v.token_weight_smooth_sigma,
-        token_weight_last_k_layers=v.token_weight_last_k_layers,
-        token_weight_layer_set=v.layer_set,
-        gamma=a.gamma,
-        lam=a.lam,
-        critic_lr=c.critic.lr,
-        critic_grad_clip=c.critic.grad_clip,
-        critic_warmup_steps=c.critic.warmup_steps,
-        critic_share_backbone=c.critic.share_backbone,
-        cliprange_value=c.critic.cliprange_value,
-        value_loss_coef=c.critic.value_loss_coef,
-        use_kl_in_reward=a.use_kl_in_reward,
-        kl_in_reward_type=a.kl_penalty,
-        kl_ctrl_type=a.kl_ctrl.type,
-        kl_target=a.kl_ctrl.target_kl,
-        kl_horizon=a.kl_ctrl.horizon,
-        lora=c.lora.rank > 0,
-        lora_train_vision=c.lora.train_vision,
-    )
+    """The train step's settings: the run's config, frozen."""
+    return StepConfig.of(c)
 
 
 def learning_rate(o, total_steps: int, updates_per_step: int = 1):
@@ -147,19 +91,19 @@ def init_train_state(model, c):
     tx = make_optimizer(c.optim, c.total_steps, cfg.updates)
     graphdef, params = nnx.split(model, nnx.Param)
     ref_params = None
-    if cfg.needs_ref and not cfg.lora:
+    if cfg.needs_ref and not cfg.uses_lora:
         # distinct buffers: the step donates the state, and one buffer cannot be donated twice
         ref_params = jax.tree.map(jnp.array, params)
     trainable, _ = split_trainable(params, cfg)
     state = TrainState(
         params, tx.init(trainable), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     )
-    if cfg.critic:
+    if cfg.has_critic:
         hidden = model.config.text.hidden_size
-        cp = critic_lib.init_params(trainable, hidden, c.seed, cfg.critic_share_backbone)
-        ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+        cp = critic_lib.init_params(trainable, hidden, c.seed, cfg.critic.share_backbone)
+        ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
         state = state.replace(critic_params=cp, critic_opt_state=ctx.init(cp))
-    if cfg.use_kl_in_reward:
+    if cfg.algorithm.use_kl_in_reward:
         state = state.replace(kl_coef=jnp.asarray(c.algorithm.kl_ctrl.kl_coef, jnp.float32))
     return graphdef, tx, state, ref_params
 

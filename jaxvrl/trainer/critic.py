@@ -59,19 +59,20 @@ def head_values(hidden: jax.Array, head: dict) -> jax.Array:
     return jnp.einsum("BND,DO->BNO", h, head["kernel"])[..., 0] + head["bias"][0]
 
 
-def value_loss_terms(v: jax.Array, aux: dict, mask: jax.Array, clip: float):
-    """Clipped value loss of one micro-batch over the global token count aux["vf_total"] (so
-    micro-batch losses add up to the batch's) and its metrics weighted by the token share."""
+def value_loss_terms(v, old_values, returns, mask: jax.Array, clip: float, total):
+    """Clipped value loss of one micro-batch over the global token count `total` (so
+    micro-batch losses add up to the batch's) and its metrics weighted by the token share.
+    v, old_values, returns: float32[b, N]."""
     vf, metrics = rl.value_loss(
         v,
-        aux["old_values"],
-        aux["returns"],
+        old_values,
+        returns,
         mask,
         clip_range=clip,
         loss_agg_mode="token-mean",
-        denominator=aux["vf_total"],
+        denominator=total,
     )
-    share = jnp.sum(mask > 0) / jnp.maximum(aux["vf_total"], 1.0)
+    share = jnp.sum(mask > 0) / jnp.maximum(total, 1.0)
     return vf, {"vf_loss": vf, **jax.tree.map(lambda x: x * share, metrics)}
 
 
@@ -80,15 +81,17 @@ def loss(
     frozen,
     graphdef,
     mb: RolloutBatch,
-    aux: dict,
+    old_values,
+    returns,
     clip: float,
     coef: float,
     total_tokens,
 ):
     """coef * clipped value loss of one micro-batch, token-mean over the global token count
-    (so micro-batch losses add up to the batch's). aux: old_values, returns [b, N]."""
+    (so micro-batch losses add up to the batch's). old_values, returns: float32[b, N]."""
     backbone = critic_params["backbone"]
     full = backbone if frozen is None else nnx.merge_state(backbone, frozen)
     v = values(graphdef, full, critic_params["head"], mb)
-    vf, metrics = value_loss_terms(v, dict(aux, vf_total=total_tokens), mb.completion_mask, clip)
+    mask = mb.completion_mask
+    vf, metrics = value_loss_terms(v, old_values, returns, mask, clip, total_tokens)
     return coef * vf, metrics

@@ -128,7 +128,7 @@ class RunLogs:
         if progress:
             self.progress.update(step - 1, scalars)
 
-    def markdown(self, step: int, rollout: Rollout, extras: dict, tokenizer) -> None:
+    def markdown(self, step: int, rollout: Rollout, extras, tokenizer) -> None:
         """The step's samples (real groups only): prompts, completions, rewards and
         advantages; VGR token weights `word(w)`; per-row attention metrics."""
         rows = [
@@ -141,14 +141,14 @@ class RunLogs:
             return
         groups, g_size = rollout.groups, len(rollout.groups[0].texts)
         index = [gi * g_size + j for gi, j in rows]
-        adv = np.asarray(extras["advantages"])[index]
+        adv = np.asarray(extras.advantages)[index]
         parts = {k: [groups[gi].parts[k][j] for gi, j in rows] for k in groups[rows[0][0]].parts}
         totals = [groups[gi].totals[j] for gi, j in rows]
         prompts = [groups[gi].example.get("problem", "") for gi, _ in rows]
         texts = [groups[gi].texts[j] for gi, j in rows]
         self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv))
-        if extras.get("token_weights") is not None:
-            weights = np.asarray(extras["token_weights"])[index]
+        if extras.token_weights is not None:
+            weights = np.asarray(extras.token_weights)[index]
             pieces = []
             for (gi, j), w in zip(rows, weights):
                 n = int(groups[gi].mask[j].sum())

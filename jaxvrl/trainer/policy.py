@@ -12,12 +12,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
+from jaxvrl.data.processor import CLIP_MEAN, CLIP_STD
 from jaxvrl.models.qwen2_5_vl import VisionInputs
 from jaxvrl.parallel.sharding import row_axes
-
-# CLIP normalisation used by the Qwen2-VL image processor: black = (0 - mean) / std.
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @struct.dataclass
@@ -269,8 +266,8 @@ def blacken_patches(images: VisionInputs, rng: jax.Array, prob: float) -> Vision
     pixel 0 in each channel.
     """
     pv = images.pixel_values  # [N, D] packed or [B, N, D] per row
-    channels = len(IMAGE_MEAN)
-    black = jnp.asarray([-m / s for m, s in zip(IMAGE_MEAN, IMAGE_STD)], pv.dtype)
+    channels = len(CLIP_MEAN)  # black = (0 - mean) / std of the processor's normalisation
+    black = jnp.asarray([-m / s for m, s in zip(CLIP_MEAN, CLIP_STD)], pv.dtype)
     black_row = jnp.repeat(black, pv.shape[-1] // channels)
     drop = jax.random.bernoulli(rng, prob, pv.shape[:-1])
     return images.replace(pixel_values=jnp.where(drop[..., None], black_row, pv))

@@ -1,5 +1,5 @@
-"""What the train step is configured by and what it carries between steps: StepConfig (read
-from the ConfigDict by build.py only) and TrainState (donated to every step)."""
+"""What the train step is configured by and what it carries between steps: StepConfig (the
+run's config, frozen) and TrainState (donated to every step)."""
 
 from __future__ import annotations
 
@@ -7,85 +7,66 @@ import dataclasses
 from typing import Any
 
 import jax
+import ml_collections
 from flax import nnx, struct
 
+from jaxvrl.config import set_values
 from jaxvrl.models import lora
 
+# the ratio's old log-probs: the rollout's, or a no-grad pass before the first update
 OLD_LOGPROBS = ("sampler", "recompute")
-ROLLOUT_IS = (None, "token", "sequence")
+ROLLOUT_IS = (None, "token", "sequence")  # verl's rollout correction: off, per token, per row
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Everything the step needs, read from the ConfigDict by train.py only."""
+    """The train step's settings: the run's ConfigDict, frozen (hashable), read by group as
+    `cfg.actor.clip_ratio_low` (the keys of configs/base.py, nothing copied), and what
+    follows from it (the properties below)."""
 
-    group_size: int
-    temperature: float = 1.0
-    micro_batches: int = 1
-    # Several policy updates per rollout batch: each of `epochs` epochs walks the batch in
-    # `mini_batches` mini-batches (rows shuffled between epochs), one optax update each.
-    mini_batches: int = 1
-    epochs: int = 1
-    # Old log-probs of the ratio: "sampler" (the rollout's, carried in the batch) or
-    # "recompute" (a no-grad pass of the policy before the first update).
-    old_logprobs: str = "sampler"
-    # Truncated importance weight min(exp(recomputed - sampler), threshold) on the loss, per
-    # token or per sequence, for sampling in other numerics than training (recompute only).
-    rollout_is: str | None = None
-    rollout_is_threshold: float = 2.0
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_dual: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    use_entropy_penalty: bool = False
-    entropy_penalty_coef: float = 0.0
-    perception_filtering: bool = False
-    top_p_perception_tokens: float = 0.2
-    black_prob: float = 0.5
-    entropy_filtering: bool = False
-    top_p_entropy_tokens: float = 0.2
-    entropy_filter_scope: str = "sequence"
-    trajectory_reweighting: bool = False
-    trajectory_scaling_min: float = 0.8
-    token_weights: bool = False
-    token_weight_clip: tuple[float, float] = (0.2, 3.0)
-    token_weight_smooth_sigma: float = 0.0
-    token_weight_last_k_layers: int = 0
-    token_weight_layer_set: str = "all"
-    # GAE and the critic (adv_estimator="gae")
-    gamma: float = 1.0
-    lam: float = 1.0
-    critic_lr: float = 1e-5
-    critic_grad_clip: float = 1.0
-    critic_warmup_steps: int = 0  # the policy is not updated before this step
-    critic_share_backbone: bool = False  # value head on the policy's hidden states
-    cliprange_value: float = 0.5
-    value_loss_coef: float = 0.5
-    # KL subtracted from the token-level reward (verl's use_kl_in_reward)
-    use_kl_in_reward: bool = False
-    kl_in_reward_type: str = "kl"
-    kl_ctrl_type: str = "fixed"  # fixed | adaptive
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
-    # LoRA: only the adapters (and the vision tower with lora_train_vision) are trained
-    lora: bool = False
-    lora_train_vision: bool = False
+    config: ml_collections.FrozenConfigDict
 
-    def __post_init__(self):
-        if self.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"old_logprobs={self.old_logprobs!r}: one of {OLD_LOGPROBS}")
-        if self.rollout_is not in ROLLOUT_IS:
-            raise ValueError(f"rollout_is={self.rollout_is!r}: one of {ROLLOUT_IS}")
-        if self.rollout_is and self.old_logprobs != "recompute":
-            raise ValueError("rollout_is needs old_logprobs='recompute' (it weighs the two)")
-        if min(self.mini_batches, self.epochs, self.micro_batches) < 1:
-            raise ValueError("mini_batches, epochs and micro_batches must be >= 1")
+    @classmethod
+    def of(cls, c: ml_collections.ConfigDict) -> StepConfig:
+        return cls(ml_collections.FrozenConfigDict(c))
+
+    def with_values(self, values) -> StepConfig:
+        """A copy with the dotted keys of `values` set, e.g. {"optim.micro_batches": 2}."""
+        return StepConfig.of(set_values(self.config.as_configdict(), values))
+
+    def __getattr__(self, name: str):  # a group of the config: cfg.actor, cfg.tprl, ...
+        if name == "config":  # not yet set (copying, unpickling)
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+    @property
+    def group_size(self) -> int:
+        return self.config.rollout.num_generations
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature the log-probs are taken at (greedy, 0, samples at 1)."""
+        t = self.config.rollout.temperature
+        return t if t > 0 else 1.0
+
+    @property
+    def micro_batches(self) -> int:
+        return self.config.optim.micro_batches
+
+    @property
+    def mini_batches(self) -> int:
+        """Policy updates per epoch: prompts_per_step / actor.global_batch_size (None: one)."""
+        gbs = self.config.actor.global_batch_size
+        return 1 if gbs is None else max(1, self.config.prompts_per_step // gbs)
+
+    @property
+    def epochs(self) -> int:
+        return self.config.actor.ppo_epochs
+
+    @property
+    def uses_lora(self) -> bool:
+        """Only the adapters (and the vision tower with lora.train_vision) are trained."""
+        return self.config.lora.rank > 0
 
     @property
     def updates(self) -> int:
@@ -94,16 +75,22 @@ class StepConfig:
 
     @property
     def needs_perturbed(self) -> bool:
-        return self.perception_filtering or self.trajectory_reweighting
+        return self.tprl.enable_perception_filtering or self.tprl.enable_trajectory_reweighting
 
     @property
     def needs_ref(self) -> bool:
-        return (self.use_kl_loss and self.kl_loss_coef > 0) or self.use_kl_in_reward
+        return (
+            self.actor.use_kl_loss and self.actor.kl_loss_coef > 0
+        ) or self.algorithm.use_kl_in_reward
 
     @property
     def shapes_tokens(self) -> bool:
         """Whether token masks, token weights or TAS read per-token old-policy quantities."""
-        return self.needs_perturbed or self.entropy_filtering or self.token_weights
+        return (
+            self.needs_perturbed
+            or self.tprl.enable_entropy_filtering
+            or self.vgr.enable_token_weights
+        )
 
     @property
     def shaping_in_loss(self) -> bool:
@@ -123,9 +110,9 @@ class StepConfig:
         micro-batches or updates, or when asked for (old_logprobs="recompute")."""
         split = self.micro_batches > 1 or self.updates > 1
         return (
-            self.use_kl_in_reward
-            or self.critic
-            or self.old_logprobs == "recompute"
+            self.algorithm.use_kl_in_reward
+            or self.has_critic
+            or self.actor.old_logprobs == "recompute"
             or (self.shapes_tokens and split)
         )
 
@@ -133,16 +120,16 @@ class StepConfig:
     def sampler_old(self) -> bool:
         """Whether the ratio's old log-probs are the sampler's (RolloutBatch.old_logprobs):
         several updates read them, fixed; one update uses the current policy's, exact."""
-        return self.updates > 1 and self.old_logprobs == "sampler"
+        return self.updates > 1 and self.actor.old_logprobs == "sampler"
 
     @property
-    def critic(self) -> bool:
-        return self.adv_estimator == "gae"
+    def has_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
 
     @property
     def trainable(self):
         """nnx filter of the policy's (and critic backbone's) trained params."""
-        return lora.trainable_filter(self.lora, self.lora_train_vision)
+        return lora.trainable_filter(self.uses_lora, self.lora.train_vision)
 
 
 @struct.dataclass
@@ -159,7 +146,7 @@ class TrainState:
 
 def split_trainable(params, cfg: StepConfig):
     """params -> (trainable, frozen); frozen is None for full fine-tuning."""
-    if not cfg.lora:
+    if not cfg.uses_lora:
         return params, None
     return lora.split_params(params, cfg.trainable)
 

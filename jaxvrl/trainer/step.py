@@ -39,8 +39,8 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
     ref_params is ignored (the reference is the base weights: adapters off).
 
     rng: blackens the perturbed image (itself), draws LoRA dropout (fold_in 1) and orders the
-    rows of the updates (fold_in 2, `update_order`). extras: advantages float32[B] or [B, N]
-    and token weights [B, N] or None, for the markdown logs."""
+    rows of the updates (fold_in 2, `update_order`). extras: `Extras` (advantages and token
+    weights) for the markdown logs."""
 
     def step(state: TrainState, ref_params, batch, rng):
         exp = experience(graphdef, state, ref_params, batch, rng, cfg)
@@ -48,7 +48,7 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         if exp.kl_coef is not None:
             new_state = new_state.replace(kl_coef=exp.kl_coef)
         extras = exp.extras if extras is None else extras
-        adv, mask = extras["advantages"], batch.completion_mask
+        adv, mask = extras.advantages, batch.completion_mask
         if adv.ndim == 2:
             adv_mean = jnp.sum(adv * mask) / jnp.maximum(mask.sum(), 1)
         else:

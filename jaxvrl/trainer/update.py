@@ -14,12 +14,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, struct
 
 from jaxvrl import rl
 from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
-from jaxvrl.trainer.experience import Experience, shaping
+from jaxvrl.trainer.experience import Experience, Extras, Passes, Rows, shaping
 from jaxvrl.trainer.policy import (
     RolloutBatch,
     batch_rows,
@@ -30,6 +30,31 @@ from jaxvrl.trainer.policy import (
     take_rows,
 )
 from jaxvrl.trainer.state import StepConfig, TrainState, join, split_trainable
+
+
+@struct.dataclass
+class MicroInputs:
+    """What the loss reads for one micro-batch besides its rows of the batch: their
+    experience rows, the micro-batch's share of the mini-batch's denominator, its LoRA
+    dropout key, and with the critic on the shared backbone the global token count."""
+
+    rows: Rows
+    share: jax.Array
+    dropout_key: jax.Array | None = None
+    vf_total: jax.Array | None = None
+
+
+@struct.dataclass
+class LossMetrics:
+    """A micro-batch loss's metrics, by how micro-batches combine them: `sums` (token means
+    scaled by the share: they add up), `maxima` (combined by max), `old_sums` (token sums of
+    the entropy and KL, when no old-policy pass reported them) and `extras` (the in-loss
+    shaping's advantages and weights, one micro-batch)."""
+
+    sums: dict
+    maxima: dict
+    old_sums: dict | None = None
+    extras: Extras | None = None
 
 
 def update_order(rng, rows: int, epochs: int, mini_batches: int) -> jax.Array:
@@ -58,98 +83,102 @@ def _denominator(mode: str, mask, weights):
     return jnp.sum(jnp.any(mask > 0, axis=-1)).astype(jnp.float32)
 
 
-def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: dict, cfg: StepConfig, head=None):
-    """Loss of one micro-batch, already scaled by its share of the mini-batch's denominator.
-    With `head` (critic on the shared backbone) plus value_loss_coef * the clipped value loss.
-    Metrics: token means scaled by the share (they add up), "max" (combined by max),
-    "old_sums" (token sums for the entropy and KL metrics when no old-policy pass ran)."""
+def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, head=None):
+    """(loss of one micro-batch, already scaled by its share of the mini-batch's
+    denominator, LossMetrics). With `head` (critic on the shared backbone) plus
+    value_loss_coef * the clipped value loss."""
     model = nnx.merge(graphdef, join(trainable, frozen))
-    if "dropout_key" in aux:  # LoRA dropout, in the gradient pass only
-        lora.set_dropout_key(model, aux["dropout_key"])
+    rows = aux.rows
+    if aux.dropout_key is not None:  # LoRA dropout, in the gradient pass only
+        lora.set_dropout_key(model, aux.dropout_key)
     tokens = mb.input_ids[:, -mb.completion_length :]
     in_loss = cfg.shaping_in_loss
-    hidden, out = completion_hidden(model, mb, pools=in_loss and cfg.token_weights)
-    want_entropy = cfg.entropy_coef or not cfg.old_pass
+    hidden, out = completion_hidden(model, mb, pools=in_loss and cfg.vgr.enable_token_weights)
+    want_entropy = cfg.actor.entropy_coef or not cfg.old_pass
     logp, entropy = completion_logprobs(
         model,
         hidden,
         tokens,
         cfg.temperature,
-        entropy=("grad" if cfg.entropy_coef else "value") if want_entropy else "none",
+        entropy=("grad" if cfg.actor.entropy_coef else "value") if want_entropy else "none",
     )
     mask = mb.completion_mask
     sg = jax.lax.stop_gradient
     # one update without an old-policy pass: the old policy is this one, exactly
-    old_logp = aux["old_logp"] if "old_logp" in aux else sg(logp)
-    adv, token_mask, weights = aux["advantages"], aux.get("token_mask"), aux.get("token_weights")
+    old_logp = sg(logp) if rows.old_logp is None else rows.old_logp
+    adv, token_mask, weights = rows.advantages, rows.token_mask, rows.token_weights
     shaping_metrics = {}
     if in_loss:  # the whole batch is here: shape it from this pass's own quantities
-        local = {"old_logp": old_logp, "entropy": sg(entropy)}
-        if "aug_logp" in aux:
-            local["aug_logp"] = aux["aug_logp"]
-        if cfg.token_weights:
+        local = Passes(old_logp=old_logp, entropy=sg(entropy), aug_logp=rows.aug_logp)
+        if cfg.vgr.enable_token_weights:
             n = mb.completion_length
-            local["vision_mass"] = sg(out.vision_mass[:, :, -n - 1 : -1])
-            local["text_mass"] = sg(out.text_mass[:, :, -n - 1 : -1])
+            local = local.replace(
+                vision_mass=sg(out.vision_mass[:, :, -n - 1 : -1]),
+                text_mass=sg(out.text_mass[:, :, -n - 1 : -1]),
+            )
         adv, token_mask, weights, shaping_metrics = shaping(mb, local, cfg, adv)
-    if "is_weights" in aux:  # rollout correction: on the per-token terms, like the token mask
-        token_mask = aux["is_weights"] if token_mask is None else token_mask * aux["is_weights"]
+    if rows.is_weights is not None:  # rollout correction: on the per-token terms, like a mask
+        w = rows.is_weights
+        token_mask = w if token_mask is None else token_mask * w
     loss, metrics = rl.policy_loss(
         logp,
         old_logp,
         adv,
         mask,
-        clip_ratio_low=cfg.clip_ratio_low,
-        clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_dual=cfg.clip_ratio_dual,
-        loss_agg_mode=cfg.loss_agg_mode,
+        clip_ratio_low=cfg.actor.clip_ratio_low,
+        clip_ratio_high=cfg.actor.clip_ratio_high,
+        clip_ratio_dual=cfg.actor.clip_ratio_dual,
+        loss_agg_mode=cfg.actor.loss_agg_mode,
         token_mask=token_mask,
         token_weights=weights,
     )
     metrics = {"pg_loss": loss, **metrics}
-    agg = lambda x: rl.agg_loss(x, mask, cfg.loss_agg_mode)  # noqa: E731
-    if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
-        kl = rl.kl_penalty(logp, aux["ref_logp"], cfg.kl_loss_type)
+    agg = lambda x: rl.agg_loss(x, mask, cfg.actor.loss_agg_mode)  # noqa: E731
+    if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:
+        kl = rl.kl_penalty(logp, rows.ref_logp, cfg.actor.kl_loss_type)
         metrics["kl_loss"] = agg(kl)
-        loss = loss + cfg.kl_loss_coef * metrics["kl_loss"]
-    if cfg.entropy_coef:
+        loss = loss + cfg.actor.kl_loss_coef * metrics["kl_loss"]
+    if cfg.actor.entropy_coef:
         metrics["entropy_loss"] = agg(entropy)
-        loss = loss - cfg.entropy_coef * metrics["entropy_loss"]
-    if cfg.use_entropy_penalty:
+        loss = loss - cfg.actor.entropy_coef * metrics["entropy_loss"]
+    if cfg.actor.use_entropy_penalty:
         metrics["entropy_penalty"] = agg(-logp)
-        loss = loss + cfg.entropy_penalty_coef * metrics["entropy_penalty"]
-    scale = aux["share"]
+        loss = loss + cfg.actor.entropy_penalty_coef * metrics["entropy_penalty"]
+    scale = aux.share
     loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
-    metrics["max"] = {"ratio_max": jnp.max(jnp.where(mask > 0, jnp.exp(log_ratio), 0.0))}
+    maxima = {"ratio_max": jnp.max(jnp.where(mask > 0, jnp.exp(log_ratio), 0.0))}
+    extras = old_sums = None
     if in_loss:  # one micro-batch: share = 1, nothing to rescale
         metrics.update(shaping_metrics)
-        metrics["extras"] = {"advantages": adv, "token_weights": weights}
+        extras = Extras(adv, weights)
     if not cfg.old_pass:  # token sums of what the old pass would have given, for the metrics
-        metrics["old_sums"] = {"entropy": jnp.sum(sg(entropy) * mask)}
-        if "ref_logp" in aux:
-            kl = rl.kl_penalty(sg(logp), aux["ref_logp"], cfg.kl_loss_type)
-            metrics["old_sums"]["kl"] = jnp.sum(kl * mask)
+        old_sums = {"entropy": jnp.sum(sg(entropy) * mask)}
+        if rows.ref_logp is not None:
+            kl = rl.kl_penalty(sg(logp), rows.ref_logp, cfg.actor.kl_loss_type)
+            old_sums["kl"] = jnp.sum(kl * mask)
     if head is not None:
+        values = critic_lib.head_values(hidden, head)
         vf, vmets = critic_lib.value_loss_terms(
-            critic_lib.head_values(hidden, head), aux, mask, cfg.cliprange_value
+            values, rows.old_values, rows.returns, mask, cfg.critic.cliprange_value, aux.vf_total
         )
-        loss = loss + cfg.value_loss_coef * vf
+        loss = loss + cfg.critic.value_loss_coef * vf
         metrics.update(vmets)
-    return loss, metrics
+    return loss, LossMetrics(metrics, maxima, old_sums, extras)
 
 
 def _accumulate(grad_fn, params, micro_xs):
     """Sum of (loss, metrics) and gradients of grad_fn(params, *xs) over the micro-batches;
-    metrics under "max" are combined by their maximum."""
+    LossMetrics' maxima are combined by their maximum, any other metrics added."""
     first = jax.tree.map(lambda x: x[0], micro_xs)
     mets0 = jax.eval_shape(lambda: grad_fn(params, *first)[0][1])
     mets0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), mets0)
 
     def combine(acc, new):
-        return {
-            k: jax.tree.map(jnp.maximum if k == "max" else jnp.add, acc[k], new[k]) for k in acc
-        }
+        if isinstance(acc, LossMetrics):
+            summed = jax.tree.map(jnp.add, acc.replace(maxima={}), new.replace(maxima={}))
+            return summed.replace(maxima=jax.tree.map(jnp.maximum, acc.maxima, new.maxima))
+        return jax.tree.map(jnp.add, acc, new)
 
     def body(carry, xs):
         (loss, mets), grads = grad_fn(params, *xs)
@@ -169,23 +198,30 @@ def _apply(tx, grads, opt_state, params, ok):
     return pick(new_params, params), pick(new_opt, opt_state)
 
 
-def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: dict, cfg):
+def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows, cfg):
     """Critic gradient over the micro-batches of these rows and its optax update (skipped if
     non-finite)."""
     m = cfg.micro_batches
     total = jnp.sum(mb.completion_mask > 0).astype(jnp.float32)
-    aux = split_rows({"old_values": rows["old_values"], "returns": rows["returns"]}, m)
+    targets = split_rows((rows.old_values, rows.returns), m)
 
     def fn(cp, mb, a):
         return critic_lib.loss(
-            cp, frozen, graphdef, mb, a, cfg.cliprange_value, cfg.value_loss_coef, total
+            cp,
+            frozen,
+            graphdef,
+            mb,
+            *a,
+            cfg.critic.cliprange_value,
+            cfg.critic.value_loss_coef,
+            total,
         )
 
     grad_fn = jax.value_and_grad(fn, has_aux=True)
-    grads, loss, mets = _accumulate(grad_fn, cparams, (micro_split(mb, m), aux))
+    grads, loss, mets = _accumulate(grad_fn, cparams, (micro_split(mb, m), targets))
     norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(norm)
-    ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+    ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
     cparams, copt = _apply(ctx, grads, copt, cparams, ok)
     mets = dict(mets, critic_grad_norm=norm, critic_nonfinite=(~ok).astype(jnp.int32))
     return cparams, copt, mets
@@ -195,7 +231,7 @@ def _head_update(cparams, copt, g_head, cfg: StepConfig):
     """The shared-backbone critic: only the value head is the critic optimizer's."""
     norm = optax.tree.norm(g_head)
     ok = jnp.isfinite(norm)
-    ctx = critic_lib.make_optimizer(cfg.critic_lr, cfg.critic_grad_clip)
+    ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
     head, opt = _apply(ctx, {"head": g_head}, copt, cparams, ok)
     return head, opt, {"critic_grad_norm": norm, "critic_nonfinite": (~ok).astype(jnp.int32)}
 
@@ -214,38 +250,37 @@ def _policy_grads(graphdef, step, trainable, frozen, xs, head, cfg: StepConfig):
         lambda p, mb, a: _loss(p, frozen, graphdef, mb, a, cfg), has_aux=True
     )
     run = lambda: _accumulate(grad_fn, trainable, xs)  # noqa: E731
-    if not (cfg.critic and cfg.critic_warmup_steps > 0):
+    if not (cfg.has_critic and cfg.critic.warmup_steps > 0):
         grads, loss, mets = run()
         return grads, None, loss, mets
     # during the warm-up the policy's loss and metrics read 0 (policy_updated = 0)
     shapes = jax.eval_shape(run)
     zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)  # noqa: E731
-    grads, loss, mets = jax.lax.cond(step >= cfg.critic_warmup_steps, run, zeros)
+    grads, loss, mets = jax.lax.cond(step >= cfg.critic.warmup_steps, run, zeros)
     return grads, None, loss, mets
 
 
-def _micro_aux(mb: RolloutBatch, rows: dict, keys, cfg: StepConfig) -> dict:
-    """The loss's per-micro-batch inputs [m, b/m, ...]: the experience rows, each micro-batch's
-    share of the mini-batch's denominator, LoRA dropout keys, the shared critic's targets."""
-    m, mode = cfg.micro_batches, cfg.loss_agg_mode
-    mask, weights = mb.completion_mask, rows.get("token_weights")
-    critic_rows = ("old_values", "returns")
-    aux = split_rows({k: v for k, v in rows.items() if k not in critic_rows}, m)
+def _micro_aux(mb: RolloutBatch, rows: Rows, keys, cfg: StepConfig) -> MicroInputs:
+    """The loss's per-micro-batch inputs [m, b/m, ...]: the experience rows (the critic's
+    targets only for the shared backbone's value loss), each micro-batch's share of the
+    mini-batch's denominator, LoRA dropout keys, the shared critic's token count."""
+    m, mode = cfg.micro_batches, cfg.actor.loss_agg_mode
+    mask, weights = mb.completion_mask, rows.token_weights
     micro_w = None if weights is None else split_rows(weights, m)
     shares = jax.vmap(lambda mk, w: _denominator(mode, mk, w))(split_rows(mask, m), micro_w)
-    aux["share"] = shares / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
-    if keys is not None:
-        aux["dropout_key"] = keys
-    if cfg.critic and cfg.critic_share_backbone:
-        aux.update(split_rows({k: rows[k] for k in critic_rows}, m))
-        aux["vf_total"] = jnp.full((m,), jnp.sum(mask > 0), jnp.float32)
-    return aux
+    share = shares / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
+    vf_total = None
+    if cfg.has_critic and cfg.critic.share_backbone:
+        vf_total = jnp.full((m,), jnp.sum(mask > 0), jnp.float32)
+    else:
+        rows = rows.replace(old_values=None, returns=None)
+    return MicroInputs(split_rows(rows, m), share, keys, vf_total)
 
 
 def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepConfig):
     """The scan body: carry {trainable, opt, critic, critic_opt}, xs (rows int32[b], LoRA
     dropout keys [m] or None) -> (carry, (metrics, extras or None))."""
-    shared = cfg.critic and cfg.critic_share_backbone
+    shared = cfg.has_critic and cfg.critic.share_backbone
 
     def body(carry, xs):
         idx, keys = xs
@@ -259,12 +294,11 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
         grads, g_head, loss, mets = _policy_grads(
             graphdef, step, carry["trainable"], frozen, xs, head, cfg
         )
-        extras = mets.pop("extras", None)
-        old_sums = mets.pop("old_sums", None)
-        mets.update(mets.pop("max"))
+        extras, old_sums = mets.extras, mets.old_sums
+        mets = {**mets.sums, **mets.maxima}
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        ok = finite & (step >= cfg.critic_warmup_steps) if cfg.critic else finite
+        ok = finite & (step >= cfg.critic.warmup_steps) if cfg.has_critic else finite
         trainable, opt = _apply(tx, grads, carry["opt"], carry["trainable"], ok)
         carry = dict(carry, trainable=trainable, opt=opt)
         mets.update(
@@ -278,11 +312,11 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
             mets.update({k: v / tokens for k, v in old_sums.items()})
         if shared:
             cp, copt, cmets = _head_update(carry["critic"], carry["critic_opt"], g_head, cfg)
-        elif cfg.critic:
+        elif cfg.has_critic:
             cp, copt, cmets = _critic_update(
                 graphdef, carry["critic"], carry["critic_opt"], frozen, mb, rows, cfg
             )
-        if cfg.critic:
+        if cfg.has_critic:
             carry = dict(carry, critic=cp, critic_opt=copt)
             mets.update(cmets)
         return carry, (mets, extras)
@@ -316,7 +350,7 @@ def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch
     u, m = cfg.updates, cfg.micro_batches
     order = update_order(rng, batch.completion_mask.shape[0], cfg.epochs, cfg.mini_batches)
     keys = None
-    if cfg.lora:
+    if cfg.uses_lora:
         k_drop = jax.random.fold_in(rng, 1)
         per_update = [k_drop] + [jax.random.fold_in(k_drop, i) for i in range(1, u)]
         keys = jnp.stack([jax.random.split(k, m) for k in per_update])

@@ -42,15 +42,15 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     from jaxvrl.checkpoint import Checkpointer
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.parallel import sharding as S
-    from jaxvrl.trainer.step import StepConfig, TrainState, build_train_step
-    from tests.parallel.common import G, make_batch
+    from jaxvrl.trainer.step import TrainState, build_train_step
+    from tests.helpers import make_batch, step_config
 
     assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
     model = q.load(ckpt_dir)
     graphdef, params0 = nnx.split(model, nnx.Param)
     host = jax.tree.map(np.asarray, params0)  # every process loads the same checkpoint
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
-    step_cfg = StepConfig(group_size=G, use_kl_loss=True, kl_loss_coef=0.1)
+    step_cfg = step_config({"actor.use_kl_loss": True, "actor.kl_loss_coef": 0.1})
 
     def init(p):
         z = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
@@ -62,7 +62,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     step = R.jit_train_step(build_train_step(graphdef, tx, step_cfg), mesh, ssh, rsh)
     losses = []
     for seed in range(2):
-        batch = make_batch(model, prompts=4, seed=seed)
+        batch = make_batch(model, 4, seed, pools=False, completion_seed=seed + 1000, host=True)
         mine = local_rows(batch, pid, 2)
         global_batch = R.place_batch(mine, mesh)
         back = R.host_local(global_batch)  # what the sampler's outputs go through

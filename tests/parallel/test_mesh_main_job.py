@@ -2,13 +2,13 @@
 with a KL loss, so the reference copy is sharded too) trains on the mesh (data=2, fsdp=4),
 samples on the rollout's own mesh (data=4, tensor=2), and matches the same run on one device; a run resumed on the mesh equals an uninterrupted one bit
 for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
-sampler in test_mesh_train.py.)
+sampler in test_mesh_step.py.)
 
 Tolerance: the mesh changes only the order of float32 reductions. Before the first update the
 train step sees the same parameters: step 1's entropy and gradient norm agree to rtol 1e-5,
 its loss (a sum of cancelling terms, ~1e-8) to atol 1e-6. After that AdamW divides by
 sqrt(v), which turns ~1e-7 differences in near-zero gradients into lr-sized steps (see
-test_mesh_train.py), so later losses and KLs agree to rtol 2e-2 + atol 1e-6 (observed: up
+test_mesh_step.py), so later losses and KLs agree to rtol 2e-2 + atol 1e-6 (observed: up
 to 2e-3). The sampled completions, and so every reward, accuracy and length, are identical.
 """
 

@@ -18,8 +18,9 @@ import json
 import numpy as np
 import pytest
 
+from tests.helpers import G
 from tests.models import hf_tiny as T
-from tests.parallel.common import G, run_with_devices
+from tests.parallel.common import run_with_devices
 
 SCRIPT = """
 import json, sys
@@ -29,9 +30,9 @@ from flax import nnx
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.parallel import runtime as R, sharding as S
 from jaxvrl.sampling import Sampler, SamplingConfig
-from jaxvrl.trainer.step import StepConfig, TrainState, build_train_step, make_train_step
+from jaxvrl.trainer.step import TrainState, build_train_step, make_train_step
 from tests.models import hf_tiny as T
-from tests.parallel.common import G, make_batch, make_prompts
+from tests.helpers import G, make_batch, make_prompts, step_config
 
 assert jax.device_count() == 8
 model = q.load(sys.argv[1])
@@ -39,8 +40,8 @@ graphdef, params0 = nnx.split(model, nnx.Param)
 host = jax.tree.map(np.asarray, params0)
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
 # the reference model is used (KL loss): it has to be sharded too
-cfg = StepConfig(group_size=G, use_kl_loss=True, kl_loss_coef=0.1)
-batches = [make_batch(model, prompts=4, seed=s) for s in range(3)]  # 8 rows each
+cfg = step_config({"actor.use_kl_loss": True, "actor.kl_loss_coef": 0.1})
+batches = [make_batch(model, 4, s, pools=False, completion_seed=s + 1000, host=True) for s in range(3)]  # 8 rows each
 keys = [jax.random.key(s) for s in range(3)]
 prompts = make_prompts(model, prompts=4, seed=7)
 greedy = Sampler(
@@ -218,7 +219,7 @@ def test_the_rollout_layout_samples_what_one_device_samples(report, layout):
     """Parameters on the fsdp=8 training mesh, prepared for a rollout mesh (rows over data,
     heads / MLP / vocabulary over tensor; one mesh in another device order than training's)
     sample the greedy tokens and the G samples per prompt of one device (the main job's
-    default layout, data 4 x tensor 2: test_train_mesh.py); the weights are
+    default layout, data 4 x tensor 2: test_mesh_main_job.py); the weights are
     split over the tensor axis only, and the training copy is left intact."""
     got, one = report["layouts"][layout], report["one_device"]
     assert got["tokens"] == one["tokens"]

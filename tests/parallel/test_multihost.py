@@ -25,9 +25,10 @@ import pytest
 from flax import nnx
 
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
+from jaxvrl.trainer.step import TrainState, make_train_step
+from tests.helpers import make_batch, step_config
 from tests.models import hf_tiny as T
-from tests.parallel.common import ROOT, G, device_flags, make_batch
+from tests.parallel.common import ROOT, device_flags
 
 
 def _free_port() -> int:
@@ -73,17 +74,17 @@ def test_two_processes_match_one_device(tmp_path):
     model = q.load(ckpt)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
-    cfg = StepConfig(group_size=G, use_kl_loss=True, kl_loss_coef=0.1)
+    cfg = step_config({"actor.use_kl_loss": True, "actor.kl_loss_coef": 0.1})
     ref = jax.tree.map(jnp.copy, params)
     state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     step = make_train_step(graphdef, tx, cfg)
     losses = []
     for seed in range(2):
-        batch = jax.tree.map(jnp.asarray, make_batch(model, prompts=4, seed=seed))
+        batch = jax.tree.map(jnp.asarray, make_batch(model, 4, seed, pools=False, completion_seed=seed + 1000))
         state, m, _ = step(state, ref, batch, jax.random.key(seed))
         losses.append(float(m["loss"]))
 
-    # float32, only the reduction order differs (see test_mesh_train.py)
+    # float32, only the reduction order differs (see test_mesh_step.py)
     for r in results:
         # token means of +-A (order one) plus KL: tolerance on the terms' scale
         np.testing.assert_allclose(r["losses"], losses, rtol=1e-5, atol=1e-5)

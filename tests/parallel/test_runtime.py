@@ -51,7 +51,7 @@ def test_shardings_and_placement_on_8_devices(tmp_path):
         from jaxvrl.parallel import runtime as R, sharding as S
         from jaxvrl.trainer.step import TrainState
         from tests.models import hf_tiny as T
-        from tests.parallel.common import make_batch
+        from tests.helpers import make_batch
 
         T.build({str(tmp_path)!r}, seed=1)
         model = q.load({str(tmp_path)!r})
@@ -78,7 +78,7 @@ def test_shardings_and_placement_on_8_devices(tmp_path):
         assert emb.sharding.spec == P(None, "fsdp")
         assert {{s.data.shape for s in emb.addressable_shards}} == {{(300, 16)}}
 
-        batch = make_batch(model, prompts=4)
+        batch = make_batch(model, 4, pools=False, completion_seed=1000, host=True)
         bs = R.batch_shardings(batch, mesh)
         rows = ("data", "fsdp")
         assert bs.input_ids.spec == P(rows, None)

@@ -20,8 +20,8 @@ from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.train import run
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.step import make_train_step
+from tests.helpers import G, N, make_batch
 from tests.models import hf_tiny as T
-from tests.trainer.test_step import G, N, make_batch
 from tests.trainer.test_train import ROOT, tiny_config
 
 

@@ -12,8 +12,7 @@ from flax import nnx
 
 from jaxvrl.trainer.experience import no_grad_passes
 from jaxvrl.trainer.policy import blacken_patches, interleave_rows, unpair_rows
-from jaxvrl.trainer.state import StepConfig
-from tests.trainer.test_step import G, N, make_batch, model, reference_logp  # noqa: F401
+from tests.helpers import N, make_batch, reference_logp, step_config
 
 
 def _close(actual, desired, rtol=2e-5):
@@ -23,44 +22,49 @@ def _close(actual, desired, rtol=2e-5):
 
 
 @pytest.mark.parametrize("micro_batches,old_logprobs", [(2, "sampler"), (1, "sampler")])
-def test_clean_and_perturbed_passes_equal_separate_forwards(model, micro_batches, old_logprobs):  # noqa: F811
+def test_clean_and_perturbed_passes_equal_separate_forwards(model, micro_batches, old_logprobs):
     # (2, ...): two micro-batches, so the old-policy pass runs before the updates, paired with
     # the perturbed one; (1, "sampler"): one update of one micro-batch needs no old-policy pass
     # before the loss's own, so the perturbed pass runs alone
     graphdef, params = nnx.split(model, nnx.Param)
     batch = make_batch(model, seed=4)
-    cfg = StepConfig(
-        group_size=G,
-        perception_filtering=True,
-        token_weights=True,
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        micro_batches=micro_batches,
-        old_logprobs=old_logprobs,
-        temperature=0.7,
+    cfg = step_config(
+        {
+            "tprl.enable_perception_filtering": True,
+            "vgr.enable_token_weights": True,
+            "actor.use_kl_loss": True,
+            "actor.kl_loss_coef": 0.1,
+            "optim.micro_batches": micro_batches,
+            "actor.old_logprobs": old_logprobs,
+            "rollout.temperature": 0.7,
+        }
     )
     rng = jax.random.key(3)
     res = jax.jit(lambda p, b, r: no_grad_passes(graphdef, p, p, b, r, cfg))(params, batch, rng)
 
     # independent: full logits of each image set's own forward
-    aug = blacken_patches(batch.images, rng, cfg.black_prob)
+    aug = blacken_patches(batch.images, rng, cfg.tprl.black_prob)
     assert not np.array_equal(aug.pixel_values, batch.images.pixel_values)
     old, ent = reference_logp(params, graphdef, batch, 0.7)
     perturbed, _ = reference_logp(params, graphdef, batch.replace(images=aug), 0.7)
-    _close(res["aug_logp"], perturbed)
-    _close(res["ref_logp"], old)  # the reference policy is the same weights here
-    assert np.abs(np.asarray(res["aug_logp"]) - np.asarray(old)).max() > 1e-3  # images matter
-    assert ("old_logp" in res) == cfg.old_pass == ((micro_batches, old_logprobs) != (1, "sampler"))
+    _close(res.aug_logp, perturbed)
+    _close(res.ref_logp, old)  # the reference policy is the same weights here
+    assert np.abs(np.asarray(res.aug_logp) - np.asarray(old)).max() > 1e-3  # images matter
+    assert (
+        (res.old_logp is not None)
+        == cfg.old_pass
+        == ((micro_batches, old_logprobs) != (1, "sampler"))
+    )
     if not cfg.old_pass:
         return
-    _close(res["old_logp"], old)
-    _close(res["entropy"], ent)
+    _close(res.old_logp, old)
+    _close(res.entropy, ent)
     out = nnx.merge(graphdef, params).forward(
         batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images,
         pools=batch.pools,
     )  # fmt: skip
-    _close(res["vision_mass"], out.vision_mass[:, :, -N - 1 : -1])
-    _close(res["text_mass"], out.text_mass[:, :, -N - 1 : -1])
+    _close(res.vision_mass, out.vision_mass[:, :, -N - 1 : -1])
+    _close(res.text_mass, out.text_mass[:, :, -N - 1 : -1])
 
 
 def test_interleaved_rows_come_apart():

@@ -14,9 +14,9 @@ from jaxvrl import rl
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.step import make_train_step
+from tests.helpers import G, make_batch, reference_logp
 from tests.models import hf_tiny as T
 from tests.tolerance import assert_reduction_close, term_scale
-from tests.trainer.test_step import G, make_batch, reference_logp
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_critic_value_loss_decreases_during_policy_warmup(ckpt):
     for a, b in zip(_flat(state.params), policy0):
         np.testing.assert_array_equal(a, b)  # the policy waits for the warm-up
     assert any(np.abs(a - b).max() > 0 for a, b in zip(_flat(state.critic_params), critic0))
-    adv, mask = np.asarray(extras["advantages"]), np.asarray(batch.completion_mask)
+    adv, mask = np.asarray(extras.advantages), np.asarray(batch.completion_mask)
     assert adv.shape == mask.shape  # token-level GAE advantages, whitened
     assert abs((adv * mask).sum() / mask.sum()) < 1e-5
 
@@ -91,7 +91,7 @@ def test_kl_in_reward_advantages_and_adaptive_coefficient(ckpt):
 
     step = make_train_step(graphdef, tx, cfg)
     state, metrics, extras = step(state, ref, batch, jax.random.key(0))
-    np.testing.assert_allclose(np.asarray(extras["advantages"]), want, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(extras.advantages), want, atol=1e-4)
     assert np.abs(want - plain).max() > 1e-3  # the KL term did change them
     # per-token KL = logp - ref can take either sign: tolerance on the terms' size
     assert_reduction_close(float(metrics["kl_reward"]), kl, term_scale(kl_t, m), rtol=1e-4)

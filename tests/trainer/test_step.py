@@ -3,9 +3,6 @@ non-finite skipping, one compilation per shape, TPRL/VGR paths."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,88 +10,9 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.trainer.rollout import assemble
-from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
-from tests.models import hf_tiny as T
+from jaxvrl.trainer.step import make_train_step
+from tests.helpers import G, N, init_state, make_batch, metrics_adv, reference_logp, step_config
 from tests.tolerance import assert_reduction_close, term_scale
-
-G = 2
-N = 5
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("step_model")
-    T.build(path, seed=11)
-    return q.load(path)
-
-
-def make_prompts(model, rng):
-    """2 prompts x G rows, each row with its own image (per-row vision layout): a dict of
-    input_ids, attention_mask, position_ids, deltas, images, pools (numpy)."""
-    grids = [[[1, 4, 4]], [[1, 2, 6]]]
-    rows, vis = [], []
-    for g in grids:
-        p = T.prompt(rng, images=g, text_len=(3, 6))
-        pv = T.patches(rng, g)
-        for _ in range(G):
-            rows.append(p)
-            vis.append(q.vision_inputs(pv, g, model.config.vision, num_patches=16))
-    ids, mask = T.left_pad(rows, length=26)  # one prompt bucket for every seed
-    grid_all = np.concatenate([g for g in grids for _ in range(G)])
-    pos, deltas = q.get_rope_index(ids, mask, model.config, grid_all)
-    pools = q.attention_pools(ids, mask, ids.shape[1], **T.POOL_IDS)
-    images = q.stack_vision_inputs(vis)
-    return dict(
-        input_ids=ids, attention_mask=mask, position_ids=pos, deltas=deltas, images=images,
-        pools=pools,
-    )  # fmt: skip
-
-
-def make_batch(model, seed=0, rewards=None, old_logprobs=None):
-    """2 prompts x G random completions of N tokens (rows 1 and 3 end early)."""
-    rng = np.random.default_rng(seed)
-    p = make_prompts(model, rng)
-    b = len(p["input_ids"])
-    tokens = rng.integers(20, 280, (b, N))
-    comp = np.ones((b, N), np.float32)
-    comp[1, 3:] = 0  # an EOS at position 2 in row 1
-    comp[3, 1:] = 0
-    rewards = rng.normal(size=b) if rewards is None else rewards
-    batch = assemble(
-        p["input_ids"],
-        p["attention_mask"],
-        p["position_ids"],
-        p["deltas"],
-        tokens,
-        comp,
-        rewards,
-        np.ones(b, bool),
-        images=p["images"],
-        pools=p["pools"],
-        old_logprobs=old_logprobs,
-    )
-    return jax.tree.map(jnp.asarray, batch)
-
-
-def init_state(model, tx):
-    _, params = nnx.split(model, nnx.Param)
-    params = jax.tree.map(jnp.array, params)  # a private copy: the step donates it
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 3))  # compiled once per shape (gradients too)
-def reference_logp(params, graphdef, batch, temperature):
-    """(log-probs of the completion tokens [B, N], entropies [B, N]) from full logits."""
-    model = nnx.merge(graphdef, params)
-    out = model.forward(
-        batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images
-    )
-    logits = out.logits[:, -N - 1 : -1] / temperature
-    logp = jax.nn.log_softmax(logits, -1)
-    ent = -jnp.sum(jnp.exp(logp) * logp, -1)
-    return jnp.take_along_axis(logp, batch.input_ids[:, -N:, None], -1)[..., 0], ent
 
 
 def reference_grpo_loss(params, graphdef, batch, temperature, ref_params=None, beta=0.0):
@@ -114,16 +32,10 @@ def reference_grpo_loss(params, graphdef, batch, temperature, ref_params=None, b
     return loss
 
 
-def metrics_adv(batch):
-    """GRPO advantages of the batch's rows: the magnitude of the policy loss's terms."""
-    r = np.asarray(batch.rewards, np.float64).reshape(-1, G)
-    return (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
-
-
 def test_grpo_update_matches_independent_formula(model):
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.sgd(0.5)
-    cfg = StepConfig(group_size=G, temperature=0.7, loss_agg_mode="token-mean")
+    cfg = step_config({"rollout.temperature": 0.7})
     step = make_train_step(graphdef, tx, cfg)
     # with one update per batch the old policy is the current one: the sampler's log-probs
     # (here far off) do not enter, and no token is clipped
@@ -152,8 +64,13 @@ def test_grpo_kl_step_without_old_pass_matches_reference(model):
     the KL metrics still equal the independent full-logits formulas, over 2 micro-batches."""
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.sgd(0.5)
-    cfg = StepConfig(
-        group_size=G, temperature=0.7, use_kl_loss=True, kl_loss_coef=0.3, micro_batches=2
+    cfg = step_config(
+        {
+            "rollout.temperature": 0.7,
+            "actor.use_kl_loss": True,
+            "actor.kl_loss_coef": 0.3,
+            "optim.micro_batches": 2,
+        }
     )
     assert not cfg.old_pass
     batch = make_batch(model, seed=2)
@@ -183,22 +100,23 @@ def test_grpo_kl_step_without_old_pass_matches_reference(model):
 def test_micro_batches_give_the_same_update(model, mode):
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.sgd(1.0)  # params then show the gradient itself (Adam would amplify float noise)
-    base = StepConfig(
-        group_size=G,
-        loss_agg_mode=mode,
-        perception_filtering=True,
-        token_weights=True,
-        trajectory_reweighting=True,
-        entropy_filtering=True,
-        entropy_filter_scope="batch",
+    base = step_config(
+        {
+            "actor.loss_agg_mode": mode,
+            "tprl.enable_perception_filtering": True,
+            "vgr.enable_token_weights": True,
+            "tprl.enable_trajectory_reweighting": True,
+            "tprl.enable_entropy_filtering": True,
+            "tprl.entropy_filter_scope": "batch",
+        }
     )
     # one micro-batch shapes tokens inside the loss pass; two run the old-policy pass first
-    assert dataclasses.replace(base, micro_batches=1).shaping_in_loss
-    assert dataclasses.replace(base, micro_batches=2).old_pass
+    assert base.with_values({"optim.micro_batches": 1}).shaping_in_loss
+    assert base.with_values({"optim.micro_batches": 2}).old_pass
     batch = make_batch(model, seed=1)
     results = []
     for m in (1, 2):
-        step = make_train_step(graphdef, tx, dataclasses.replace(base, micro_batches=m))
+        step = make_train_step(graphdef, tx, base.with_values({"optim.micro_batches": m}))
         state, metrics, extras = step(init_state(model, tx), None, batch, jax.random.key(3))
         results.append((state, metrics, extras))
     (s1, m1, e1), (s2, m2, e2) = results
@@ -231,7 +149,7 @@ def test_micro_batches_give_the_same_update(model, mode):
 def test_nonfinite_loss_skips_update_and_counts(model):
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.sgd(0.1)
-    step = make_train_step(graphdef, tx, StepConfig(group_size=G))
+    step = make_train_step(graphdef, tx, step_config())
     rewards = np.array([1.0, np.nan, 0.0, 1.0])
     batch = make_batch(model, rewards=rewards)
     state = init_state(model, tx)
@@ -245,14 +163,15 @@ def test_nonfinite_loss_skips_update_and_counts(model):
 def test_tprl_step_compiles_once_per_shape(model):
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.adam(1e-3)
-    cfg = StepConfig(
-        group_size=G,
-        perception_filtering=True,
-        entropy_filtering=True,
-        trajectory_reweighting=True,
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        top_p_perception_tokens=0.4,
+    cfg = step_config(
+        {
+            "tprl.enable_perception_filtering": True,
+            "tprl.enable_entropy_filtering": True,
+            "tprl.enable_trajectory_reweighting": True,
+            "actor.use_kl_loss": True,
+            "actor.kl_loss_coef": 0.1,
+            "tprl.top_p_perception_tokens": 0.4,
+        }
     )
     step = make_train_step(graphdef, tx, cfg)
     _, ref = nnx.split(model, nnx.Param)

@@ -10,17 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 from jaxvrl import rl
-from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.sampling import Sampler, SamplingConfig
 from jaxvrl.trainer.rollout import assemble
-from jaxvrl.trainer.step import StepConfig, make_train_step, update_order
-from tests.models import hf_tiny as T
-from tests.tolerance import assert_reduction_close, term_scale
-from tests.trainer.test_step import (
+from jaxvrl.trainer.step import make_train_step, update_order
+from tests.helpers import (
     G,
     N,
     init_state,
@@ -28,16 +24,12 @@ from tests.trainer.test_step import (
     make_prompts,
     metrics_adv,
     reference_logp,
+    step_config,
 )
+from tests.models import hf_tiny as T
+from tests.tolerance import assert_reduction_close, term_scale
 
 TEMP = 0.7
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("updates_model")
-    T.build(path, seed=11)
-    return q.load(path)
 
 
 def rows_of(batch, idx):
@@ -63,17 +55,18 @@ def clipped_token_mean(params, graphdef, mb, old, adv, token_mask, weights, low,
 def test_two_mini_batches_two_epochs_equal_four_sequential_updates(model):
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.sgd(0.3, momentum=0.9)  # the momentum carries over from update to update
-    cfg = StepConfig(
-        group_size=G,
-        temperature=TEMP,
-        loss_agg_mode="token-mean",
-        clip_ratio_high=0.28,
-        mini_batches=2,
-        epochs=2,
-        micro_batches=2,  # each mini-batch of 2 rows in 2 micro-batches
-        entropy_filtering=True,
-        top_p_entropy_tokens=0.4,
-        token_weights=True,
+    cfg = step_config(
+        {
+            "rollout.temperature": TEMP,
+            "actor.clip_ratio_high": 0.28,
+            "prompts_per_step": 2,
+            "actor.global_batch_size": 1,  # 2 mini-batches
+            "actor.ppo_epochs": 2,
+            "optim.micro_batches": 2,  # each mini-batch of 2 rows in 2 micro-batches
+            "tprl.enable_entropy_filtering": True,
+            "tprl.top_p_entropy_tokens": 0.4,
+            "vgr.enable_token_weights": True,
+        }
     )
     state = init_state(model, tx)
     p0 = jax.tree.map(jnp.array, state.params)
@@ -90,7 +83,7 @@ def test_two_mini_batches_two_epochs_equal_four_sequential_updates(model):
     # the reference: the experience fixed once from the old policy, then 4 plain updates
     adv = jnp.asarray(metrics_adv(batch).reshape(-1), jnp.float32)
     token_mask = rl.entropy_token_mask(ent0, mask, 0.4, scope="sequence")
-    weights = extras["token_weights"]  # VGR weights: the experience phase's, held fixed
+    weights = extras.token_weights  # VGR weights: the experience phase's, held fixed
     order = np.asarray(update_order(rng, 4, 2, 2))
     assert order.shape == (4, 2) and sorted(order[2:].ravel()) == [0, 1, 2, 3]
     assert order[:2].ravel().tolist() == [0, 1, 2, 3]  # the first epoch: rows in order
@@ -104,7 +97,7 @@ def test_two_mini_batches_two_epochs_equal_four_sequential_updates(model):
         updates, opt = tx.update(grads, opt, params)
         params = optax.apply_updates(params, updates)
 
-    np.testing.assert_allclose(np.asarray(extras["advantages"]), np.asarray(adv), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(extras.advantages), np.asarray(adv), atol=1e-5)
     assert int(metrics["updates"]) == 4 and int(new_state.step) == 1
     assert float(metrics["clip_frac"]) > 0  # the sampler's log-probs are the old ones
     for (path, a), (_, b) in zip(nnx.to_flat_state(new_state.params), nnx.to_flat_state(params)):
@@ -114,7 +107,7 @@ def test_two_mini_batches_two_epochs_equal_four_sequential_updates(model):
 def sampled_batch(model, seed):
     """2 prompts x G completions drawn by the sampler (temperature TEMP), with its log-probs."""
     rng = np.random.default_rng(seed)
-    p = make_prompts(model, rng)
+    p = make_prompts(model, seed=rng, pools=True)
     graphdef, params = nnx.split(model, nnx.Param)
     suppress = (T.IMAGE, T.VIDEO, T.VSTART, T.VEND)
     sampler = Sampler(graphdef, SamplingConfig(N, TEMP, suppress_token_ids=suppress))
@@ -150,7 +143,9 @@ def test_clipping_binds_after_the_first_update_and_sampler_equals_recompute(mode
     assert mask.sum() > 4 and diff.max() < 2e-4
     results = {}
     for how in ("sampler", "recompute"):
-        cfg = StepConfig(group_size=G, temperature=TEMP, epochs=2, old_logprobs=how)
+        cfg = step_config(
+            {"rollout.temperature": TEMP, "actor.ppo_epochs": 2, "actor.old_logprobs": how}
+        )
         state = init_state(model, tx)
         state, metrics, _ = make_train_step(graphdef, tx, cfg)(
             state, None, batch, jax.random.key(0)
@@ -176,13 +171,13 @@ def test_recompute_with_token_rollout_correction_weighs_the_loss(model):
     min(exp(recomputed - sampler), 2), and the two's difference is logged."""
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.sgd(0.5)
-    cfg = StepConfig(
-        group_size=G,
-        temperature=TEMP,
-        loss_agg_mode="token-mean",
-        old_logprobs="recompute",
-        rollout_is="token",
-        rollout_is_threshold=2.0,
+    cfg = step_config(
+        {
+            "rollout.temperature": TEMP,
+            "actor.old_logprobs": "recompute",
+            "algorithm.rollout_is": "token",
+            "algorithm.rollout_is_threshold": 2.0,
+        }
     )
     plain = make_batch(model, seed=6)
     state = init_state(model, tx)

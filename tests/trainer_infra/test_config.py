@@ -360,3 +360,69 @@ def test_every_base_key_has_a_comment():
     keys = flat_keys(cfg_of())
     assert keys and [k for k in keys if not comments.get(k)] == []
     assert set(comments) <= set(keys)  # no comment documents a key that does not exist
+
+
+def test_a_setting_declared_in_one_place_reaches_the_step_with_its_rule(tmp_path):
+    """A throwaway key added to a copy of configs/base.py, one line with its rule and nothing
+    else: an override sets it, the step's settings carry it, its rule refuses a bad value."""
+    from jaxvrl.trainer.build import step_config
+
+    src = open(BASE).read()
+    anchor = "    c.actor.entropy_coef = "
+    assert anchor in src
+    line = "    c.actor.throwaway_coef = setting(0.5, PROBABILITY)  # a key no code knows\n"
+    (tmp_path / "configs").mkdir()
+    path = tmp_path / "configs" / "base.py"
+    path.write_text(src.replace(anchor, line + anchor, 1))
+    c = load_config(str(path), ["actor.throwaway_coef=0.25"])
+    assert step_config(c).actor.throwaway_coef == 0.25
+    with pytest.raises(ConfigError, match=r"config\.actor\.throwaway_coef=1\.5 .*in \[0, 1\]"):
+        load_config(str(path), ["actor.throwaway_coef=1.5"])
+
+
+# A user's mistakes: each refused at load, naming its key (the whole run's check is `validate`).
+BAD = [
+    ("save_freq=-1", r"save_freq=-1 .*>= 0"),
+    ("optim.lr=-1e-3", r"optim\.lr=-0\.001 .*>= 0"),
+    ("rollout.top_p=1.5", r"rollout\.top_p=1\.5 .*in \(0, 1\]"),
+    ("rollout.num_generations=0", r"rollout\.num_generations=0 .*>= 1"),
+    ("rollout.max_new_tokens=0", r"rollout\.max_new_tokens=0 .*>= 1"),
+    ("rollout.temperature=-1", r"rollout\.temperature=-1\.0 .*>= 0"),
+    ("actor.clip_ratio_low=2", r"actor\.clip_ratio_low=2\.0 .*in \[0, 1\)"),
+    ("optim.micro_batches=0", r"optim\.micro_batches=0 .*>= 1"),
+    ("lora.rank=-1", r"lora\.rank=-1 .*>= 0"),
+    ("reward.weights=1,2,3", r"reward\.weights=.*2 values"),
+    ("vgr.token_weight_clip=3,0.2", r"vgr\.token_weight_clip=\(3\.0, 0\.2\) .*low <= high"),
+    ("filter.replay_buffer.capacity=0", r"replay_buffer\.capacity=0 .*>= 1"),
+    ("actor.global_batch_size=3", r"actor\.global_batch_size=3 .*divisor of prompts_per_step"),
+    ("mesh.data=-1", r"mesh\.tensor=1 .*at most one of mesh\.data, mesh\.fsdp"),
+    ("model.attention=fast", r"model\.attention='fast' .*auto, xla, flash, splash, cudnn"),
+    ("lora.quantize=int8", r"lora\.quantize='int8' .*none unless lora\.rank > 0"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_value_is_refused_naming_its_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg_of(override)
+
+
+def test_zero_frequencies_mean_only_at_the_end():
+    c = cfg_of("val_freq=0", "save_freq=0", "log_rollouts_every=0")
+    assert (c.val_freq, c.save_freq, c.log_rollouts_every) == (0, 0, 0)
+
+
+def test_the_cli_prints_a_users_error_in_one_line():
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxvrl.train", "--config", BASE, "--config.optim.lr=-1e-3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert lines[-1].startswith("error: config.optim.lr=-0.001") and "Traceback" not in res.stderr

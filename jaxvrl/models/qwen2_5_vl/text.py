@@ -204,8 +204,8 @@ class Attention(nnx.Module):
         if kv is not None and t == 1:
             # A decode step: the projections keep their own [B, 1, N*H] layout. Left to
             # fuse with the attention, XLA's TPU compiler asked for q_proj's weight in a
-            # heads-major layout and copied the whole weight at every step (the 7B decode
-            # step on v5p-16: 2.89 ms estimated, 2.15 ms with this barrier).
+            # heads-major layout and copied the whole weight at every step (measured in
+            # docs/scaling.md, "Rollouts").
             q, k, v = jax.lax.optimization_barrier((q, k, v))
         o_proj = self.o_proj if own or forms.o is None else forms.o
         q = q.reshape(b, t, self.n_heads, self.head_dim)
@@ -251,7 +251,7 @@ class Attention(nnx.Module):
         probs = masked_softmax(logits * scale, mask[:, None, None])
         stats = pool_masses(probs, pools) if pools is not None else None
         # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU backend
-        # multiplied by the transposed cache, 2.3x slower
+        # multiplied by the transposed cache, several times slower
         out = jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(x.dtype), v.astype(x.dtype))
         out = out.transpose(0, 3, 1, 2, 4)
         return o_proj(out.reshape(b, t, -1)), new_kv, stats

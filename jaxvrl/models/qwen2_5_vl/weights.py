@@ -81,7 +81,7 @@ PROCESSOR_FILES = (
     "processor",
     "generation_config",
 )
-SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 INDEX_FILE = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
