@@ -40,8 +40,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 LONG_FILES = (
     "trainer/test_train.py",
     "trainer/test_build.py",
-    "parallel/test_train_mesh.py",
-    "parallel/test_mesh_train.py",
+    "parallel/test_mesh_main_job.py",
+    "parallel/test_mesh_step.py",
     "trainer/test_step.py",
     "trainer/test_updates.py",
     "aot/test_aot.py",
