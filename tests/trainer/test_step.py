@@ -121,11 +121,11 @@ def test_micro_batches_give_the_same_update(model, mode):
         results.append((state, metrics, extras))
     (s1, m1, e1), (s2, m2, e2) = results
     # loss and advantage_mean are means of terms that cancel: tolerances scale with the terms
-    adv = np.asarray(e1["advantages"], np.float64)
+    adv = np.asarray(e1.advantages, np.float64)
     mask = np.asarray(batch.completion_mask)
     adv_t = np.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape)
     scales = {
-        "loss": term_scale(adv_t * np.asarray(e1["token_weights"]), mask),
+        "loss": term_scale(adv_t * np.asarray(e1.token_weights), mask),
         "advantage_mean": term_scale(adv),
     }
     for k in (
@@ -141,7 +141,9 @@ def test_micro_batches_give_the_same_update(model, mode):
         scale = scales.get(k, abs(float(m1[k])))
         assert_reduction_close(float(m1[k]), float(m2[k]), scale, err_msg=k)
     for k in ("advantages", "token_weights"):
-        np.testing.assert_allclose(np.asarray(e1[k]), np.asarray(e2[k]), atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(
+            np.asarray(getattr(e1, k)), np.asarray(getattr(e2, k)), atol=1e-5, err_msg=k
+        )
     for (path, a), (_, b) in zip(nnx.to_flat_state(s1.params), nnx.to_flat_state(s2.params)):
         np.testing.assert_allclose(a.get_value(), b.get_value(), atol=2e-6, err_msg=str(path))
 
