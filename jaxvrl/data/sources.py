@@ -1,5 +1,7 @@
-"""Random-access row sources for grain: JSONL (or a JSON list), parquet, and an HF dataset
-saved with `save_to_disk` (its arrow files are read with pyarrow; `datasets` is not needed).
+"""Random-access row sources for grain: JSONL (or a JSON list), parquet, an HF dataset
+saved with `save_to_disk` (its arrow files are read with pyarrow; `datasets` is not needed),
+a directory of parquet / JSONL files, and a Hugging Face Hub dataset by name (its parquet
+shards fetched into the hub's cache by `jaxvrl.hub`, then read as parquet files).
 A JSONL, JSON or parquet file may be remote (`gs://...`): it is copied into a local cache
 once (`jaxvrl.remote.localize_file`) and named by its URL in every message.
 
@@ -14,12 +16,17 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import os
+import re
 import threading
 
+from jaxvrl import hub
 from jaxvrl.data.columns import RowFormat, RowMapper, column_paths
 from jaxvrl.data.rows import DataError
 from jaxvrl.remote import is_remote, localize_file
+
+log = logging.getLogger("jaxvrl")
 
 
 class JsonlSource:
@@ -221,34 +228,102 @@ class FormattedSource:
         return self.mapper(self.source[i])
 
 
+class DataNotFound(DataError):
+    """A data path that names no file, directory or Hub dataset (`reason` says why)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def _file_source(local: str, name: str):
+    """The source of one data file, chosen by the suffix of its name."""
+    if name.endswith(".parquet"):
+        return ParquetSource(local, name=name)
+    if name.endswith((".jsonl", ".json")):
+        return JsonlSource(local, name=name)
+    raise DataError(
+        f"{name}: unknown data format (expected .jsonl, .json, .parquet, a directory or a "
+        "Hugging Face Hub dataset name)"
+    )
+
+
+def _formatted(src, fmt: RowFormat | None, name: str):
+    return src if fmt is None or fmt.identity else FormattedSource(src, fmt, name)
+
+
+def _directory_files(path: str, split: str | None) -> list[str]:
+    """The .parquet and .jsonl files under `path` (hidden folders skipped), sorted; with a
+    split, those named for it (`<split>.jsonl`, `<split>-00000-of-00002.parquet`, or any file
+    in a folder `<split>/`)."""
+    named = re.compile(rf"(?:.*/)?{re.escape(split)}(?:/.*|[-.][^/]*)") if split else None
+    found = []
+    for dirpath, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), path).replace(os.sep, "/")
+            if f.endswith((".parquet", ".jsonl")) and (named is None or named.fullmatch(rel)):
+                found.append(rel)
+    return sorted(found)
+
+
+def _directory_source(path: str, split: str | None, fmt: RowFormat | None):
+    """A `save_to_disk` directory (state.json or dataset_dict.json beside arrow files), or
+    one holding parquet / JSONL files (read in the order of their sorted paths)."""
+    if any(os.path.exists(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json")):
+        return _formatted(ArrowDatasetSource(path, split), fmt, path)
+    files = _directory_files(path, split)
+    if not files:
+        which = f" for split {split!r}" if split else ""
+        raise DataError(
+            f"{path}: no .parquet or .jsonl files{which}, and not a dataset saved with "
+            "save_to_disk (no state.json)"
+        )
+    names = [os.path.join(path, f) for f in files]
+    return ConcatSource([_formatted(_file_source(n, n), fmt, n) for n in names])
+
+
+def _hub_source(text: str, fmt: RowFormat | None):
+    """The parquet shards of a Hub dataset's config and split (`jaxvrl.hub.fetch_dataset`),
+    each named `hf://datasets/<repo>@<commit>/<file>` in messages."""
+    try:
+        snap, files = hub.fetch_dataset(text)
+    except hub.NotFound as e:
+        raise DataNotFound(text, str(e)) from None
+    repo = hub.dataset_name(text)[0]
+    log.info("%s: %d parquet files of %s at commit %s", text, len(files), repo, snap.commit)
+    sources = []
+    for f in files:
+        name = f"hf://datasets/{repo}@{snap.commit[:12]}/{f}"
+        sources.append(_formatted(ParquetSource(os.path.join(snap.path, f), name=name), fmt, name))
+    return ConcatSource(sources)
+
+
 def open_source(path: str, split: str | None = None, fmt: RowFormat | None = None):
-    """The source for one data path, chosen by its form: a directory (HF dataset on disk),
-    `.parquet`, or `.jsonl` / `.json` (these three may be remote URLs). With `fmt`, rows come
-    back in the row format, and a key naming no column of the file fails here."""
+    """The source for one data path, chosen by its form: a `.jsonl` / `.json` / `.parquet`
+    file (local or a remote URL), a local directory (`save_to_disk`, or parquet / JSONL
+    files; `dir@split` picks a split), or a Hugging Face Hub dataset name (`org/name`,
+    `org/name@split`, `org/name:config@split`; a local path of the same text wins). With
+    `fmt`, rows come back in the row format, and a key naming no column of a file fails
+    here. A path that names nothing raises DataNotFound."""
     if is_remote(path):
         if not path.endswith((".parquet", ".jsonl", ".json")):
             raise DataError(f"{path}: a remote data path must be a .jsonl, .json or .parquet file")
         try:
             local = localize_file(path)
         except FileNotFoundError:
-            raise DataError(f"{path}: data file not found") from None
-    else:
-        local = path
-        if not os.path.exists(path):
-            raise DataError(f"{path}: data file not found")
-    if os.path.isdir(local):
-        src = ArrowDatasetSource(local, split)
-    elif path.endswith(".parquet"):
-        src = ParquetSource(local, name=path)
-    elif path.endswith((".jsonl", ".json")):
-        src = JsonlSource(local, name=path)
-    else:
-        raise DataError(
-            f"{path}: unknown data format (expected .jsonl, .json, .parquet or a directory)"
-        )
-    if fmt is None or fmt.identity:
-        return src
-    return FormattedSource(src, fmt, path)
+            raise DataNotFound(path, "data file not found") from None
+        return _formatted(_file_source(local, path), fmt, path)
+    if os.path.isdir(path):
+        return _directory_source(path, split, fmt)
+    if os.path.exists(path):
+        return _formatted(_file_source(path, path), fmt, path)
+    base, _, at = path.rpartition("@")
+    if base and os.path.isdir(base):
+        return _directory_source(base, at, fmt)
+    if hub.dataset_name(path) and not path.endswith((".parquet", ".jsonl", ".json", ".arrow")):
+        return _hub_source(path, fmt)
+    raise DataNotFound(path, "data file not found")
 
 
 def open_sources(paths, split: str | None = None, fmt: RowFormat | None = None) -> ConcatSource:

@@ -115,8 +115,9 @@ def test_invalid_files_fail_at_start_with_path_and_line(tmp_path):
         open_source(str(pq))
     with pytest.raises(DataError, match="none.jsonl: data file not found"):
         open_sources([str(tmp_path / "none.jsonl")])
-    with pytest.raises(DataError, match="no state.json"):
-        open_source(str(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no .parquet or .jsonl files.*no state.json"):
+        open_source(str(tmp_path / "empty"))
 
 
 def _same(a: list[dict], b: list[dict]) -> bool:
