@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from jaxvrl import models
+from jaxvrl import hub, models
 from jaxvrl.remote import bound_remote_io, forget_listings, is_remote
 
 log = logging.getLogger("jaxvrl")
@@ -97,6 +97,7 @@ def read_run_info(workdir: str, base_model: str | None = None) -> dict:
         )
     if base_model is not None:
         info["model_path"] = base_model
+        info.pop("model_commit", None)  # the run's commit is of its own base model
     return info
 
 
@@ -346,11 +347,19 @@ def _prepare_out(out: str):
     return fs, root
 
 
-def _base_files(model_path: str, into: str) -> str:
+def _base_files(model_path: str, into: str, commit: str | None = None) -> str:
     """A local directory with the base model's config.json and tokenizer/processor files
-    (never its weights: a gs:// model is not downloaded whole)."""
+    (never its weights: a gs:// or Hugging Face Hub model is not downloaded whole). A Hub
+    name is fetched at `commit` (run.json's: the one the run trained from) when given."""
     from jaxvrl.models.qwen2_5_vl.weights import PROCESSOR_FILES
 
+    name = hub.model_name(model_path)
+    if name:
+        try:
+            at = f"{name[0]}@{commit}" if commit else model_path
+            return hub.fetch_model(at, weights=False).path
+        except hub.NotFound as e:
+            raise ExportError(f"base model {model_path}: {e}") from None
     fs, root = _fs(model_path)
     if not fs.exists(f"{root}/config.json"):
         raise ExportError(f"base model {model_path} has no config.json")
@@ -442,7 +451,7 @@ def export(
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(_bfloat16())
     _check_out(out, overwrite)
     with tempfile.TemporaryDirectory() as tmp:
-        base_dir = _base_files(model_path, tmp)
+        base_dir = _base_files(model_path, tmp, info.get("model_commit"))
         cfg = Qwen2_5_VLConfig.from_pretrained(base_dir)
         scanned = any(W.is_stacked(p) for p in sources)  # a run with model.scan_layers
         shapes = _model_shapes(cfg, scanned)
@@ -527,7 +536,11 @@ def main(argv=None) -> None:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--dtype", choices=DTYPES, help="default: the run's model.param_dtype")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
-    p.add_argument("--base_model", help="base model directory (default: from RUN/run.json)")
+    p.add_argument(
+        "--base_model",
+        help="base model: a directory, or a Hugging Face Hub name org/name[@revision] "
+        "(default: from RUN/run.json)",
+    )
     p.add_argument("--max_shard_size", type=parse_size, default="5GB", help="default 5GB")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxvrl import models, rl
+from jaxvrl import hub, models, rl
 from jaxvrl.checkpoint import (
     Checkpointer,
     PreemptionFlag,
@@ -46,7 +46,7 @@ from jaxvrl.data import synthetic
 from jaxvrl.data.columns import RowFormat
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
-from jaxvrl.data.sources import open_sources
+from jaxvrl.data.sources import DataNotFound, open_sources
 from jaxvrl.export import write_run_info
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime as R
@@ -103,7 +103,10 @@ def train_data(c, tokenizer):
     per next() (shuffled per epoch, sharded per process; its state goes into the checkpoint),
     the number of rows in this process's shard, and the live counts of skipped bad rows."""
     if c.data.train_files:
-        source = open_sources(c.data.train_files.split(","), fmt=row_format(c))
+        try:
+            source = open_sources(c.data.train_files.split(","), fmt=row_format(c))
+        except DataNotFound as e:  # a file, directory or Hub dataset that is not there
+            raise ConfigError(f"config.data.train_files={e.path!r}: {e.reason}") from None
     else:
         kinds = tuple(c.data.synthetic_kinds)
         source = synthetic.make_split("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
@@ -126,7 +129,10 @@ def val_examples(c, tokenizer) -> list:
     if c.data.val_files:
         examples, stats = [], None
         for path in c.data.val_files.split(","):
-            rows = read_rows(path, fmt=row_format(c))
+            try:
+                rows = read_rows(path, fmt=row_format(c))
+            except DataNotFound as e:
+                raise ConfigError(f"config.data.val_files={e.path!r}: {e.reason}") from None
             ex, stats = encode_rows(rows, tokenizer, opts, source=path, stats=stats)
             examples += ex
     elif not c.data.train_files:
@@ -139,16 +145,38 @@ def val_examples(c, tokenizer) -> list:
     return examples
 
 
-def load_model(c):
-    """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one."""
-    from transformers import AutoTokenizer
-
+def model_source(c) -> tuple[str, str | None]:
+    """-> (local directory, Hub commit or None) of model.path: a local directory, a gs:// one
+    (copied into a local cache once) or a Hugging Face Hub name `org/name[@revision]` (fetched
+    into the hub's cache; a local directory of the same name wins); None: the embedded tiny
+    checkpoint. One that cannot be found is a ConfigError."""
     if c.model.preset and not c.model.path:
         raise ConfigError(
             f"config.model.preset={c.model.preset!r} has shapes but no weights (it is for "
             "python -m jaxvrl.aot); set config.model.path to a checkpoint to train"
         )
-    path = localize_dir(c.model.path or EMBEDDED)  # gs://: copied into a local cache once
+    path = c.model.path or EMBEDDED
+    try:
+        if hub.model_name(path):
+            snapshot = hub.fetch_model(path)
+            return snapshot.path, snapshot.commit
+        local = localize_dir(path)
+    except (hub.NotFound, FileNotFoundError) as e:
+        raise ConfigError(f"config.model.path={path!r}: {e}") from None
+    if not os.path.isdir(local):
+        raise ConfigError(
+            f"config.model.path={path!r}: no such directory; set a local or gs:// model "
+            "directory, or a Hugging Face Hub name (org/name or org/name@revision)"
+        )
+    return local, None
+
+
+def load_model(c, source: tuple[str, str | None] | None = None):
+    """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one
+    (source: model_source(c), when the caller has it already)."""
+    from transformers import AutoTokenizer
+
+    path, commit = source or model_source(c)
     with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
         model = load(
             path,
@@ -160,18 +188,22 @@ def load_model(c):
     model.set_attention(c.model.attention)
     tokenizer = AutoTokenizer.from_pretrained(path)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"{c.name}: model {path} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)
+    where = f"{c.model.path} at commit {commit} ({path})" if commit else path
+    print(f"{c.name}: model {where} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)
     return model, tokenizer
 
 
-def run_info(c) -> dict:
+def run_info(c, commit: str | None = None) -> dict:
     """What `python -m jaxvrl.export` reads from `<workdir>/run.json`: the base model (None:
-    the embedded one), the dtypes and the LoRA settings."""
+    the embedded one; a Hub name as written, with the commit it resolved to), the dtypes and
+    the LoRA settings."""
     path = c.model.path
     lc = c.lora
+    named = not path or is_remote(path) or hub.model_name(path)
     return {
         "config": c.name,
-        "model_path": path if not path or is_remote(path) else os.path.abspath(path),
+        "model_path": path if named else os.path.abspath(path),
+        "model_commit": commit,
         "dtype": c.model.dtype,
         "param_dtype": c.model.param_dtype,
         "scan_layers": c.model.scan_layers,
@@ -456,10 +488,11 @@ def _run(c) -> dict:
     other = c.resume and saved_with_other_settings(c.workdir, run_info(c))
     if other:
         raise ConfigError(f"{c.workdir}: saved with {other}; use another workdir or set it back")
+    source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
     if primary:
-        write_run_info(logdir, run_info(c))
+        write_run_info(logdir, run_info(c, commit=source[1]))
 
-    model, tokenizer = load_model(c)
+    model, tokenizer = load_model(c, source)
     data, train_rows, skipped = train_data(c, tokenizer)
     # the state, optimizer state and reference copy are created sharded; init runs on a copy
     # of the model, whose graph after init (LoRA adapters) is the sampler's

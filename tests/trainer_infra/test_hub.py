@@ -228,3 +228,106 @@ def test_local_directories_saved_to_disk_or_holding_parquet(tmp_path):
     assert [train[i]["problem"] for i in range(5)] == [f"train question {i}?" for i in range(5)]
     with pytest.raises(DataError, match="no .parquet or .jsonl files for split 'dev'"):
         open_source(f"{files}@dev")
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+def tiny_model_files(path, seed: int) -> dict:
+    """A tiny random Qwen2.5-VL saved by transformers, with the embedded tokenizer and chat
+    template beside it (the files of a model repository)."""
+    from jaxvrl.data import default_tokenizer_path
+    from tests.models.hf_tiny import build
+
+    build(str(path), seed=seed)
+    tok = default_tokenizer_path()
+    files = {f: (path / f).read_bytes() for f in os.listdir(path)}
+    files.update({f: open(os.path.join(tok, f), "rb").read() for f in os.listdir(tok)})
+    return files
+
+
+def cache_tiny_model(cache, tmp_path) -> None:
+    """org/tiny: main at COMMIT, tag v2 at OTHER (other weights)."""
+    cache_repo(cache, "model", "org/tiny", tiny_model_files(tmp_path / "main", seed=0))
+    files = tiny_model_files(tmp_path / "v2", seed=1)
+    cache_repo(cache, "model", "org/tiny", files, commit=OTHER, ref="v2")
+
+
+def config(tmp_path, *overrides):
+    from jaxvrl.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return load_config(
+        os.path.join(root, "configs/grpo.py"), [f"workdir={tmp_path / 'run'}", *overrides]
+    )
+
+
+def test_a_hub_model_loads_by_name_and_by_name_at_revision(hub_cache, tmp_path, monkeypatch):
+    import jax
+    from flax import nnx
+
+    from jaxvrl import train
+    from jaxvrl.models.qwen2_5_vl import load
+
+    cache_tiny_model(hub_cache, tmp_path)
+    assert hub.fetch_model("org/tiny").commit == COMMIT
+    assert hub.fetch_model("org/tiny@v2").commit == OTHER
+    assert hub.fetch_model(f"org/tiny@{OTHER}").commit == OTHER  # a commit as the revision
+
+    def params(path):
+        return jax.tree.leaves(nnx.state(load(path, scan_layers=False), nnx.Param))
+
+    main, v2 = (params(hub.fetch_model(n).path) for n in ("org/tiny", "org/tiny@v2"))
+    assert len(main) == len(v2) and any(
+        not np.array_equal(a, b) for a, b in zip(main, v2)
+    )  # the revisions' own weights
+
+    c = config(tmp_path, "model.path=org/tiny@v2")
+    source = train.model_source(c)
+    assert source[1] == OTHER and os.path.basename(source[0]) == OTHER
+    model, tokenizer = train.load_model(c, source)  # the run's loader, tokenizer included
+    assert tokenizer("a b").input_ids
+    assert train.run_info(c, source[1])["model_path"] == "org/tiny@v2"
+    assert train.run_info(c, source[1])["model_commit"] == OTHER
+    local = tmp_path / "org" / "tiny"  # a local directory of the same name wins
+    local.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert train.model_source(config(tmp_path, "model.path=org/tiny")) == ("org/tiny", None)
+
+
+def test_a_model_missing_offline_ends_the_run_in_one_line(hub_cache, tmp_path, capsys):
+    from jaxvrl import train
+    from jaxvrl.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        train.model_source(config(tmp_path, "model.path=org/absent"))
+    assert str(e.value).startswith(
+        "config.model.path='org/absent': not found on the Hugging Face Hub and not cached (offline"
+    )
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="'/no/such/model': no such directory"):
+        train.model_source(config(tmp_path, "model.path=/no/such/model"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ["--config", os.path.join(root, "configs/grpo.py"), f"--config.workdir={tmp_path}"]
+    for override, key in [
+        ("model.path=org/absent@v1", "model.path='org/absent@v1'"),
+        ("data.train_files=org/absent@train", "data.train_files='org/absent@train'"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            train.main([*argv, f"--config.{override}"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: config.{key}: not found"), err
+
+
+def test_export_reads_the_base_model_by_name_at_the_runs_commit(hub_cache, tmp_path):
+    from jaxvrl import export
+
+    cache_tiny_model(hub_cache, tmp_path)
+    assert export._base_files("org/tiny", str(tmp_path), OTHER).endswith(OTHER)
+    assert export._base_files("org/tiny", str(tmp_path)).endswith(COMMIT)
+    (tmp_path / "w").mkdir()
+    export.write_run_info(str(tmp_path / "w"), {"model_path": "org/tiny", "model_commit": OTHER})
+    assert "model_commit" not in export.read_run_info(str(tmp_path / "w"), "org/other")
+    with pytest.raises(export.ExportError, match="base model org/absent: not found"):
+        export._base_files("org/absent", str(tmp_path))

@@ -232,7 +232,7 @@ def test_a_workdir_saved_with_another_model_is_refused_before_loading(
     ck.close()
     before = (tmp_path / "run.json").read_text()
 
-    def no_loading(c):
+    def no_loading(c, *_):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(train, "load_model", no_loading)
