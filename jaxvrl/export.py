@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from jaxvrl import hub, models
+from jaxvrl.config import ConfigError
 from jaxvrl.remote import bound_remote_io, forget_listings, is_remote
 
 log = logging.getLogger("jaxvrl")
@@ -428,7 +429,7 @@ def export(
     """Writes the policy of `workdir`'s checkpoint `step` (default: the latest) to `out` as an
     HF checkpoint directory. dtype: float32 | bfloat16 | float16 (default: the run's
     model.param_dtype); max_shard_bytes: largest safetensors file (default 5 GB)."""
-    from jaxvrl.models.qwen2_5_vl import weights as W
+    from jaxvrl.models.qwen2_5_vl import weights
     from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 
     directory, steps = checkpoint_steps(workdir)
@@ -453,16 +454,16 @@ def export(
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = _base_files(model_path, tmp, info.get("model_commit"))
         cfg = Qwen2_5_VLConfig.from_pretrained(base_dir)
-        scanned = any(W.is_stacked(p) for p in sources)  # a run with model.scan_layers
+        scanned = any(weights.is_stacked(p) for p in sources)  # a run with model.scan_layers
         shapes = _model_shapes(cfg, scanned)
         _check_sources(sources, shapes, f"checkpoint {directory}/{step}", model_path)
         fs, root = _prepare_out(out)
         names = {}
         specs = []
-        for layer, path, i, shape in W.per_layer(shapes.items()):
-            name, hf_shape = W.hf_shape(layer, shape, cfg)
+        for layer, path, i, shape in weights.per_layer(shapes.items()):
+            name, hf_shape = weights.hf_shape(layer, shape, cfg)
             names[name] = (layer, path, i, shape)
-            specs.append(W.TensorSpec(name, hf_shape, np_dtype))
+            specs.append(weights.TensorSpec(name, hf_shape, np_dtype))
         # a stacked param's arrays, read once for its L tensors (they come one after the other)
         last: dict = {}
 
@@ -488,7 +489,7 @@ def export(
                     f"checkpoint {directory}/{step}: {layer} has shape {tuple(x.shape)}, "
                     f"the config.json of {model_path} implies {shape}"
                 )
-            return W.hf_tensor(layer, x, cfg, np_dtype)[1]
+            return weights.hf_tensor(layer, x, cfg, np_dtype)[1]
 
         def opened(name: str):
             return fs.open(f"{root}/{name}", "wb")
@@ -496,7 +497,9 @@ def export(
         def logged(name: str, nbytes: int) -> None:
             log.info("wrote %s (%.1f MB)", name, nbytes / 1e6)
 
-        files = W.write_shards(specs, produce, opened, max_shard_bytes or W.SHARD_BYTES, logged)
+        files = weights.write_shards(
+            specs, produce, opened, max_shard_bytes or weights.SHARD_BYTES, logged
+        )
         files += _write_small_files(fs, root, base_dir, cfg, dtype)
     return Exported(
         step=step,
@@ -554,7 +557,7 @@ def main(argv=None) -> None:
             base_model=args.base_model,
             max_shard_bytes=args.max_shard_size,
         )
-    except ExportError as e:
+    except (ExportError, ConfigError) as e:  # the user's to fix: one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     merged = f", {r.merged_adapters} LoRA adapters merged" if r.merged_adapters else ""

@@ -157,6 +157,23 @@ def localize_file(url: str, cache_root: str | None = None) -> str:
     return local
 
 
+def probe_writable(url: str) -> None:
+    """Creates the directory `url` (local or remote) if needed and writes, then removes, a
+    small file in it; raises OSError (or the filesystem's error) when that fails."""
+    name = f".jaxvrl-write-probe-{os.getpid()}"
+    if not is_remote(url):
+        os.makedirs(url, exist_ok=True)
+        path = os.path.join(url, name)
+        with open(path, "wb") as f:
+            f.write(b"ok")
+        os.remove(path)
+        return
+    fs, root = _fs(url)
+    path = root.rstrip("/") + "/" + name
+    fs.pipe_file(path, b"ok")
+    fs.rm_file(path)
+
+
 def read_bytes(url: str) -> bytes:
     """The whole file at `url`; FileNotFoundError when there is none."""
     fs, root = _fs(url)

@@ -49,9 +49,9 @@ from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import DataNotFound, open_sources
 from jaxvrl.export import write_run_info
 from jaxvrl.models.qwen2_5_vl import load
-from jaxvrl.parallel import runtime as R
+from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
-from jaxvrl.remote import MirroredDir, is_remote, localize_dir
+from jaxvrl.remote import MirroredDir, is_remote, localize_dir, probe_writable
 from jaxvrl.rl.rewards import SafeReward, load_reward_fn, reward_names
 from jaxvrl.sampling import (
     Sampler,
@@ -177,7 +177,7 @@ def load_model(c, source: tuple[str, str | None] | None = None):
     from transformers import AutoTokenizer
 
     path, commit = source or model_source(c)
-    with R.on_host():  # host memory; sharded_train_state cuts it onto the mesh
+    with runtime.on_host():  # host memory; sharded_train_state cuts it onto the mesh
         model = load(
             path,
             dtype=models.DTYPES[c.model.dtype],
@@ -368,7 +368,7 @@ def load_start_params(path: str, state, ref_params, ref_shardings):
     print(f"parameters from {path}", flush=True)
     ref = None
     if ref_params is not None:  # distinct buffers (the state is donated), sharded like params
-        ref = R.place_state(jax.tree.map(jnp.array, params), ref_shardings)
+        ref = runtime.place_state(jax.tree.map(jnp.array, params), ref_shardings)
     return state.replace(params=params), ref
 
 
@@ -378,7 +378,7 @@ def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, repl
     buffer (`replay`: rl.ReplayBuffer or None) continue from their saved state. The arrays
     restore into `state`'s shardings, the RNG replicated over the mesh (a global array every
     process can save)."""
-    rng = R.replicate(jax.random.key(c.seed), mesh)
+    rng = runtime.replicate(jax.random.key(c.seed), mesh)
     if not c.resume or ckpt.latest_step() is None:
         return 0, state, rng, 0
     r = ckpt.restore_latest(state, rng_sharding=rng.sharding)
@@ -405,6 +405,14 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
     shards = row_shards(mesh)
     rows = c.prompts_per_step * c.rollout.num_generations
     if (rows * processes) % shards:
+def training_mesh(c):
+    """The mesh of `config.mesh` over this run's devices; a ConfigError when they do not fit."""
+    try:
+        return runtime.mesh_from_config(c.mesh)
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from None
+
+
         raise ConfigError(
             f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
             f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp "
@@ -473,9 +481,9 @@ def run(c) -> dict:
 
 
 def _run(c) -> dict:
-    R.initialize_distributed(c.distributed)  # a no-op unless distributed.enable
+    runtime.initialize_distributed(c.distributed)  # a no-op unless distributed.enable
     t_start = time.time()
-    mesh = R.mesh_from_config(c.mesh)
+    mesh = training_mesh(c)
     check_rows(c, mesh)
     primary = jax.process_index() == 0
     # checkpoints go to the workdir itself (orbax writes gs://); logs are written locally and
@@ -489,6 +497,11 @@ def _run(c) -> dict:
     if other:
         raise ConfigError(f"{c.workdir}: saved with {other}; use another workdir or set it back")
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
+    if primary:  # before anything loads: a workdir that cannot be written ends the run here
+        try:
+            probe_writable(c.workdir)
+        except Exception as e:  # an OSError locally, the filesystem's own error on gs://
+            raise ConfigError(f"config.workdir={c.workdir!r}: cannot be written ({e})") from None
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))
 
@@ -496,20 +509,20 @@ def _run(c) -> dict:
     data, train_rows, skipped = train_data(c, tokenizer)
     # the state, optimizer state and reference copy are created sharded; init runs on a copy
     # of the model, whose graph after init (LoRA adapters) is the sampler's
-    s = R.sharded_train_state(init_train_state, model, mesh, c)
+    s = runtime.sharded_train_state(init_train_state, model, mesh, c)
     state, ref_params = s.state, s.ref_params
     step_cfg = step_config(c)
     # state donated, metrics replicated (build_train_step is looked up here, so that tests can
     # wrap the step function)
     step_fn = build_train_step(s.graphdef, s.tx, step_cfg)
-    train_step = R.jit_train_step(step_fn, mesh, s.state_shardings, s.ref_shardings)
+    train_step = runtime.jit_train_step(step_fn, mesh, s.state_shardings, s.ref_shardings)
     sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh)
     rmesh = sampler.mesh  # the rollout's layout: the prompts go there
     phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh)
     examples = val_examples(c, tokenizer)
     validate = make_validate(c, examples, greedy, model.config, tokenizer, rmesh, phase.decode)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
-    state = R.place_state(state, s.state_shardings)  # the restore target's shardings
+    state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.rewards)
     start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh, counters, phase.replay)
     if start == 0 and c.load_checkpoint_path:
@@ -535,7 +548,7 @@ def _run(c) -> dict:
             params = sampling_params(state)
             rollout = phase.run(params, step, k_sample, data, max_prompts=train_rows)
             # each process passes its own rows; they join into the global batch
-            batch = R.place_batch(rollout.batch, mesh)
+            batch = runtime.place_batch(rollout.batch, mesh)
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
@@ -544,7 +557,7 @@ def _run(c) -> dict:
                 metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
             if c.log_rollouts_every and step % c.log_rollouts_every == 0:
-                logs.markdown(done, rollout, R.host_local(extras), tokenizer)
+                logs.markdown(done, rollout, runtime.host_local(extras), tokenizer)
             if mirror:
                 mirror.push()  # at most every 30 s
             nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0
@@ -575,7 +588,7 @@ def _run(c) -> dict:
         logs.close()
         if mirror:
             mirror.push(force=True)
-    metrics["compiles/train_step"] = R.compiles(train_step)
+    metrics["compiles/train_step"] = runtime.compiles(train_step)
     metrics["compiles/sampler"] = sampler.compiles()
     metrics["compiles/greedy_sampler"] = greedy.compiles()
     return metrics

@@ -78,11 +78,11 @@ def main(argv=None) -> int:
         c = load_config(path, overrides)
         plan = Plan.build(c, ours["topology"])
     except (ConfigError, ValueError, RuntimeError) as e:
-        print(f"jaxvrl.aot: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     programs = tuple(ours.get("programs", ",".join(PROGRAMS)).split(","))
     if set(programs) - set(PROGRAMS):
-        print(f"jaxvrl.aot: --programs takes {', '.join(PROGRAMS)}", file=sys.stderr)
+        print(f"error: --programs takes {', '.join(PROGRAMS)}", file=sys.stderr)
         return 2
     print(plan.describe(), flush=True)
     # The TPU compiler runs mostly on one thread and releases the GIL: programs compile side

@@ -35,8 +35,7 @@ from jaxvrl.config import ConfigError
 from jaxvrl.data.processor import smart_resize
 from jaxvrl.models.attention import resolve
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
-from jaxvrl.parallel import runtime as R
-from jaxvrl.parallel import topology as T
+from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
 from jaxvrl.sampling import Sampler, static
 from jaxvrl.trainer.build import init_train_state, step_config
@@ -93,7 +92,7 @@ def _abstract(x, sharding=None):
 
 def _with_shardings(tree, mesh, rows: int):
     """ShapeDtypeStructs of `tree` carrying the batch's shardings (rows over data x fsdp)."""
-    shardings = R.batch_shardings(tree, mesh, rows=rows)
+    shardings = runtime.batch_shardings(tree, mesh, rows=rows)
     return jax.tree.map(lambda x, s: _abstract(x, s), tree, shardings)
 
 
@@ -115,7 +114,7 @@ def decode_shardings(state, mesh):
     (data, fsdp), and the KV cache's keys [B, K, H, S] and values [B, K, S, H] also over the
     tensor axis by KV head (the attention layers' constraint)."""
     rows = state["done"].shape[0]
-    out = R.batch_shardings(state, mesh, rows=rows)
+    out = runtime.batch_shardings(state, mesh, rows=rows)
     axes = {"k": ("batch", "heads", None, "length"), "v": ("batch", "heads", "length", None)}
     cache = state["cache"]
     for field, ax in axes.items():
@@ -128,18 +127,18 @@ def decode_shardings(state, mesh):
 @dataclasses.dataclass
 class Plan:
     c: object
-    slice: T.Slice
+    slice: topology.Slice
     mesh: jax.sharding.Mesh
     model_name: str
     model: Qwen2_5_VL  # abstract
-    init: R.ShardedInit  # abstract state and reference params with their shardings
+    init: runtime.ShardedInit  # abstract state and reference params with their shardings
     rows: int  # global rows of a step: prompts_per_step x G x hosts
     grid: np.ndarray
 
     @classmethod
     def build(cls, c, topology: str) -> Plan:
-        s = T.parse(topology)
-        mesh = R.mesh_from_config(c.mesh, devices=T.tpu_devices(s))
+        s = topology.parse(topology)
+        mesh = runtime.mesh_from_config(c.mesh, devices=topology.tpu_devices(s))
         train.check_rows(c, mesh, processes=s.hosts)
         name, mcfg = model_config(c)
         dtype, param_dtype = models.DTYPES[c.model.dtype], models.DTYPES[c.model.param_dtype]
@@ -154,7 +153,7 @@ class Plan:
         )
         model.set_remat_policy(c.model.remat_policy)
         model.set_attention(c.model.attention)  # "auto": resolved for the slice's devices
-        init = R.abstract_train_state(init_train_state, model, mesh, c)
+        init = runtime.abstract_train_state(init_train_state, model, mesh, c)
         rows = c.prompts_per_step * c.rollout.num_generations * s.hosts
         return cls(c, s, mesh, name, model, init, rows, image_grid(c, mcfg.vision))
 
@@ -249,7 +248,9 @@ class Plan:
 
     def _rng(self, mesh=None):
         key = jax.eval_shape(lambda: jax.random.key(0))
-        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=R.replicated(mesh or self.mesh))
+        return jax.ShapeDtypeStruct(
+            key.shape, key.dtype, sharding=runtime.replicated(mesh or self.mesh)
+        )
 
     def sampling_config(self):
         return train.sampling_config(self.c, self.model.config)
@@ -292,7 +293,7 @@ class Plan:
         if micro_batches:
             cfg = dataclasses.replace(cfg, micro_batches=micro_batches)
         i = self.init
-        step = R.jit_train_step(
+        step = runtime.jit_train_step(
             build_train_step(i.graphdef, i.tx, cfg), self.mesh, i.state_shardings, i.ref_shardings
         )
         batch = self.batch()
@@ -358,7 +359,7 @@ class Plan:
 
         cache = per_device_bytes(state["cache"])
         weights = per_device_bytes(decoder_params(ready.params, self.model.config))
-        bound = (weights + cache) / T.bandwidth(self.slice)
+        bound = (weights + cache) / topology.bandwidth(self.slice)
         breakdown = {"params": per_device_bytes(ready.params), "kv_cache": cache}
         flops = 2.0 * self._decoder_params * self.rows
         return lower, flops, breakdown, bound
@@ -404,7 +405,7 @@ class Plan:
         rmesh, rdtype = self.rollout
         rshape = " x ".join(f"{k} {v}" for k, v in rmesh.shape.items() if k != "fsdp")
         return (
-            f"{T.describe(self.slice)}; mesh {shape}; rollout mesh {rshape}, "
+            f"{topology.describe(self.slice)}; mesh {shape}; rollout mesh {rshape}, "
             f"{rdtype or self.c.model.dtype}\n"
             f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
             f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "

@@ -180,7 +180,7 @@ def _cost(compiled) -> dict:
 def out_of_memory(name, error: str, compile_s, chip_slice, model_flops, breakdown, largest):
     """A Report for a program the compiler refused for lack of HBM: the temporaries it asked
     for (from its message) and the largest of them (`temporaries_from_dump`)."""
-    from jaxvrl.parallel import topology as T
+    from jaxvrl.parallel import topology
 
     m = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", error)
     scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -192,9 +192,9 @@ def out_of_memory(name, error: str, compile_s, chip_slice, model_flops, breakdow
         argument_bytes=args,
         output_bytes=0,
         alias_bytes=0,
-        temp_bytes=max(temp, T.hbm_bytes(chip_slice) - args + 1),
+        temp_bytes=max(temp, topology.hbm_bytes(chip_slice) - args + 1),
         code_bytes=0,
-        hbm_bytes=T.hbm_bytes(chip_slice),
+        hbm_bytes=topology.hbm_bytes(chip_slice),
         flops=0.0,
         bytes_accessed=0.0,
         optimal_s=None,
@@ -210,14 +210,14 @@ def out_of_memory(name, error: str, compile_s, chip_slice, model_flops, breakdow
 def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound_s=None):
     """A Report from a compiled program (per-device figures); the largest arrays are read
     from its optimized HLO."""
-    from jaxvrl.parallel import topology as T
+    from jaxvrl.parallel import topology
 
     mem = compiled.memory_analysis()
     cost = _cost(compiled)
     text = compiled.as_text()
     module = Module(text)  # parsed once for the figures below
     # XLA prices each loop body once: scale its time by the loops' trip counts
-    peak, bandwidth = T.peak_flops(chip_slice), T.bandwidth(chip_slice)
+    peak, bandwidth = topology.peak_flops(chip_slice), topology.bandwidth(chip_slice)
     factor = loop_factor(module, peak, bandwidth)
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
@@ -235,7 +235,7 @@ def analyse(name, compiled, compile_s, chip_slice, model_flops, breakdown, bound
         temp_bytes=int(mem.temp_size_in_bytes),
         compiler_peak_bytes=int(getattr(mem, "peak_memory_in_bytes", 0) or 0),
         code_bytes=int(mem.generated_code_size_in_bytes),
-        hbm_bytes=T.hbm_bytes(chip_slice),
+        hbm_bytes=topology.hbm_bytes(chip_slice),
         flops=flops,
         bytes_accessed=accessed,
         optimal_s=optimal if optimal > 0 else None,
@@ -266,10 +266,12 @@ def with_decode_steps(sampler: Report, decode: Report, steps: int, chip_slice) -
     until every row ends, a trip count the program does not say, so the sampler's program is
     priced without it (`fixed_s`: the prefill) and each decode step at the decode step
     program's own estimate (every row running to max_new_tokens: the worst case)."""
-    from jaxvrl.parallel import topology as T
+    from jaxvrl.parallel import topology
 
     estimate = sampler.fixed_s + steps * decode.estimate_s
-    mfu = sampler.model_flops / (estimate * T.peak_flops(chip_slice)) if estimate > 0 else 0.0
+    mfu = (
+        sampler.model_flops / (estimate * topology.peak_flops(chip_slice)) if estimate > 0 else 0.0
+    )
     return dataclasses.replace(
         sampler,
         estimate_s=estimate,

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 
 from jaxvrl.data.rows import SkipStats
-from jaxvrl.parallel import runtime as R
+from jaxvrl.parallel import runtime
 
 # per-step metric (the same on every process: already combined) -> its running total
 TOTALS = {
@@ -63,7 +63,7 @@ class RunCounters:
         counts = dict(self.skipped.counts)
         if jax.process_count() > 1:
             summed = collections.Counter()
-            for c in R.gather_json(counts):
+            for c in runtime.gather_json(counts):
                 summed.update(c)
             counts = dict(summed)
         return {**self.totals, **{f"data/skipped_{k}": v for k, v in counts.items() if v}}

@@ -426,3 +426,13 @@ def test_the_cli_prints_a_users_error_in_one_line():
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert lines[-1].startswith("error: config.optim.lr=-0.001") and "Traceback" not in res.stderr
+
+
+def test_a_workdir_that_cannot_be_written_ends_the_run_before_loading(tmp_path):
+    from jaxvrl.train import run
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    c = cfg_of(f"workdir={blocker}/run", path=os.path.join(ROOT, "configs", "grpo.py"))
+    with pytest.raises(ConfigError, match=r"config\.workdir=.*a_file/run.*cannot be written"):
+        run(c)
