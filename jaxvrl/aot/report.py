@@ -1,5 +1,5 @@
 """Per-device figures of a compiled program: HBM, the XLA cost model's FLOPs and time (scaled
-for loops, see `loops.py`), MFU, the largest arrays; and how `python -m jaxvrl.aot` prints
+for loops, see `cost_model.py`), MFU, the largest arrays; and how `python -m jaxvrl.aot` prints
 them."""
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ import re
 
 import numpy as np
 
-from jaxvrl.aot.loops import DTYPE_BYTES, Module, collectives, loop_factor, matmul_flops, type_bytes
+from jaxvrl.aot.cost_model import (
+    DTYPE_BYTES,
+    Module,
+    collectives,
+    loop_factor,
+    matmul_flops,
+    type_bytes,
+)
 
 GiB = 2**30
 FIT_FRACTION = 1.0  # of HBM; the compiler's own figures already include its reserves
@@ -50,7 +57,7 @@ class Report:
     error: str | None = None  # the compiler's refusal (out of HBM)
     # the program's time with loop bodies run as often as they do over its time with each run
     # once (what XLA's cost analysis prices: micro-batches, scanned layers, decode steps), by
-    # a roofline over its instructions (`loops.loop_factor`)
+    # a roofline over its instructions (`cost_model.loop_factor`)
     loop_factor: float = 1.0
     matmul_flops: float = 0.0  # per device, loops counted
     decode_steps: int = 0  # sampler: estimate = prefill + this many decode steps

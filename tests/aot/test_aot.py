@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxvrl.aot import loops
+from jaxvrl.aot import cost_model
 from jaxvrl.aot import report as rep
 from jaxvrl.aot.__main__ import main
 from jaxvrl.aot.plan import Plan
@@ -302,9 +302,9 @@ def test_matmul_flops_count_loop_bodies_per_iteration(i):
     ]
     compiled = jax.jit(fn).lower(*args).compile()
     text = compiled.as_text()
-    assert loops.matmul_flops(text) == want
+    assert cost_model.matmul_flops(text) == want
     once = rep._cost(compiled)["flops"]
-    assert once < 1.01 * loops.matmul_flops(text, loops=False) + 1e7  # what XLA prices
+    assert once < 1.01 * cost_model.matmul_flops(text, loops=False) + 1e7  # what XLA prices
 
 
 def test_loop_factor_prices_work_outside_loops_once():
@@ -334,12 +334,12 @@ def test_loop_factor_prices_work_outside_loops_once():
         compiled = jax.jit(program(unroll)).lower(*args).compile()
         text = compiled.as_text()
         seconds[name] = rep._cost(compiled)["optimal_seconds"]
-        factors[name] = loops.loop_factor(text, T.peak_flops(chip), T.bandwidth(chip))
-        flops_factor = loops.matmul_flops(text) / loops.matmul_flops(text, loops=False)
+        factors[name] = cost_model.loop_factor(text, T.peak_flops(chip), T.bandwidth(chip))
+        flops_factor = cost_model.matmul_flops(text) / cost_model.matmul_flops(text, loops=False)
         if name == "scan":
             assert flops_factor == 10  # the matmuls run 10 times, the update once
     assert factors["unrolled"] == 1.0
-    assert loops.loop_factor(text, T.peak_flops(chip), T.bandwidth(chip), unread=0) == 1.0
+    assert cost_model.loop_factor(text, T.peak_flops(chip), T.bandwidth(chip), unread=0) == 1.0
     estimate = seconds["scan"] * factors["scan"]
     assert estimate == pytest.approx(seconds["unrolled"], rel=0.15)
     assert seconds["scan"] * 10 > 3 * seconds["unrolled"]  # what the FLOP factor would say
@@ -379,7 +379,7 @@ def test_the_head_runs_vocabulary_parallel_never_whole(tmp_path):
 
     step = jax.jit(jax.grad(loss), out_shardings=shardings)
     text = step.lower(params, hidden, tokens).compile().as_text()
-    moved = loops.collectives(text)
+    moved = cost_model.collectives(text)
     size = {k: math.prod(int(x) for x in k[1].split("[")[1][:-1].split(",")) for k in moved}
     assert d * v not in size.values(), moved  # never the whole head
     assert d * v // 4 in size.values(), moved  # its slices (and their gradient's)
@@ -406,6 +406,6 @@ def test_a_loop_of_unread_trip_count_can_be_left_out():
 
     text = jax.jit(f).lower(x, n).compile().as_text()
     peak, bw = T.peak_flops(chip), T.bandwidth(chip)
-    assert loops.loop_factor(text, peak, bw) == 1.0  # the loop's body counted once
-    left_out = loops.loop_factor(text, peak, bw, unread=0)
+    assert cost_model.loop_factor(text, peak, bw) == 1.0  # the loop's body counted once
+    left_out = cost_model.loop_factor(text, peak, bw, unread=0)
     assert 0.3 < left_out < 0.7  # one matmul of the two priced once
