@@ -331,3 +331,36 @@ def test_export_reads_the_base_model_by_name_at_the_runs_commit(hub_cache, tmp_p
     assert "model_commit" not in export.read_run_info(str(tmp_path / "w"), "org/other")
     with pytest.raises(export.ExportError, match="base model org/absent: not found"):
         export._base_files("org/absent", str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_run_with_model_and_data_by_hub_name(hub_cache, tmp_path):
+    from jaxvrl import train
+
+    emb = train.EMBEDDED  # the embedded checkpoint, as a model repository
+    cache_repo(
+        hub_cache,
+        "model",
+        "org/emb",
+        {f: open(os.path.join(emb, f), "rb").read() for f in os.listdir(emb)},
+    )
+    vqa_dataset(hub_cache)
+    c = config(
+        tmp_path,
+        "model.path=org/emb",
+        "data.train_files=org/vqa@train",
+        "data.prompt_key=question",
+        "data.choices_key=choices",
+        "data.answer_key=correct_choice_idx",
+        "data.image_key=image",
+        "prompts_per_step=2",
+        "rollout.num_generations=2",
+        "rollout.max_new_tokens=8",
+        "total_steps=2",
+        "val_freq=100",
+        "save_freq=0",
+    )
+    metrics = train.run(c)
+    assert np.isfinite(metrics["loss"]) and metrics["compiles/train_step"] == 1
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["model_path"] == "org/emb" and info["model_commit"] == COMMIT
