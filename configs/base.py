@@ -39,6 +39,7 @@ from jaxvrl.config import (
     setting,
 )
 from jaxvrl.data.synthetic import QUESTIONS
+from jaxvrl.logging.trackers import backends_rule
 from jaxvrl.models.attention import IMPLEMENTATIONS
 from jaxvrl.models.lora import QTYPES
 from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES
@@ -99,6 +100,15 @@ def get_config(arg=None):
     c.log_samples = setting(8, NON_NEGATIVE)  # samples per markdown entry
     # save and stop cleanly after this many seconds; 0 = no limit
     c.time_budget_s = setting(0, NON_NEGATIVE)
+
+    # where the scalars, the config and the rollout samples go besides metrics.jsonl and the
+    # markdown logs (README "What a run writes")
+    c.logging = ml_collections.ConfigDict()
+    # comma-separated: console (progress line), tensorboard (<workdir>/tb), wandb, mlflow
+    c.logging.backends = setting("console,tensorboard", backends_rule)
+    c.logging.project = setting("jaxvrl", NON_EMPTY)  # wandb project / MLflow experiment
+    # the trackers' run name; None: <name>-<the workdir's basename>
+    c.logging.run_name = placeholder(str)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = placeholder(str)  # HF checkpoint dir; None = the embedded tiny checkpoint

@@ -41,13 +41,22 @@ from jaxvrl.checkpoint import (
     saved_with_other_settings,
     stop_requested_everywhere,
 )
-from jaxvrl.config import ConfigError, describe_config, load_config, parse_argv, validate
+from jaxvrl.config import (
+    ConfigError,
+    describe_config,
+    flat_keys,
+    get,
+    load_config,
+    parse_argv,
+    validate,
+)
 from jaxvrl.data import synthetic
 from jaxvrl.data.columns import RowFormat
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import DataNotFound, open_sources
 from jaxvrl.export import write_run_info
+from jaxvrl.logging import backend_names
 from jaxvrl.models.qwen2_5_vl import load
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
@@ -531,7 +540,13 @@ def _run(c) -> dict:
         )
     # Rows of steps after `start` (a run cut off after its last checkpoint, or a fresh start
     # over an old run) are dropped; val_only appends nothing after step 0.
-    logs = RunLogs(logdir, c.total_steps, start, primary, start if start else -1, c.log_samples)
+    logs = RunLogs(
+        *(logdir, c.total_steps, start, primary, start if start else -1, c.log_samples),
+        backends=backend_names(c.logging.backends),
+        project=c.logging.project,
+        run_name=c.logging.run_name or f"{c.name}-{os.path.basename(c.workdir.rstrip('/'))}",
+        config={k: get(c, k) for k in flat_keys(c)},
+    )
 
     metrics = {}
     if c.val_only or (start == 0 and c.val_before_train):

@@ -92,6 +92,20 @@ def rollout_section(
     return "\n".join(lines)
 
 
+def rollout_table(prompts, completions, rewards: dict, totals, advantages, limit: int = 8):
+    """rollout_section's samples as a table for the trackers: -> (columns, rows), the columns
+    prompt, completion, each reward, total, advantage."""
+    n = min(limit, len(completions))
+    cols = {k: _row_values(v, len(completions)) for k, v in rewards.items()}
+    cols["total"] = _row_values(totals, len(completions))
+    cols["advantage"] = _row_values(advantages, len(completions))
+    rows = [
+        [str(prompts[i]), str(completions[i]), *(float(v[i]) for v in cols.values())]
+        for i in range(n)
+    ]
+    return ["prompt", "completion", *cols], rows
+
+
 def show_token(text: str) -> str:
     """Token text as shown in `word(weight)`: surrounding whitespace dropped, a whitespace-only
     token escaped (`\\n`, `␣`)."""

@@ -1,5 +1,5 @@
-"""Scalars per step: `<workdir>/metrics.jsonl` (one JSON object per step) and TensorBoard
-events under `<workdir>/tb` with the same names and values."""
+"""Scalars per step: `<workdir>/metrics.jsonl` (one JSON object per step); the trackers
+(TensorBoard, wandb, MLflow: trackers.py) receive the same names and values."""
 
 from __future__ import annotations
 
@@ -45,11 +45,11 @@ def _trim_jsonl(path: str, last_step: int) -> None:
 
 
 class MetricsWriter:
-    """write(step, {name: scalar}) appends to metrics.jsonl and TensorBoard; only the primary
-    process (process 0) writes, the others do nothing.
+    """write(step, {name: scalar}) appends to metrics.jsonl; only the primary process
+    (process 0) writes, the others do nothing.
 
-    resume_step: when a run continues from a checkpoint at this step, rows and events of
-    later steps (written before the crash or preemption) are dropped, so no step repeats.
+    resume_step: when a run continues from a checkpoint at this step, rows of later steps
+    (written before the crash or preemption) are dropped, so no step repeats.
     """
 
     def __init__(
@@ -58,39 +58,28 @@ class MetricsWriter:
         enabled: bool = True,
         *,
         resume_step: int | None = None,
-        tensorboard: bool = True,
     ):
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._tb = None
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
         if resume_step is not None:
             _trim_jsonl(self.path, resume_step)
         self._f = open(self.path, "a", buffering=1)
-        if tensorboard:
-            from tensorboardX import SummaryWriter
 
-            purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=purge)
-
-    def write(self, step: int, scalars: dict) -> None:
+    def write(self, step: int, scalars: dict) -> dict[str, float]:
+        """-> the row's values as floats (what the trackers receive); {} when disabled."""
         if not self.enabled:
-            return
+            return {}
         values = {k: to_scalar(k, v) for k, v in sorted(scalars.items())}
         row = {"step": int(step), **{k: json_value(v) for k, v in values.items()}}
         self._f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        if self._tb is not None:
-            for k, v in values.items():
-                self._tb.add_scalar(k, v, int(step))
-            self._tb.flush()
+        return values
 
     def close(self) -> None:
         if self.enabled:
             self._f.close()
-            if self._tb is not None:
-                self._tb.close()
             self.enabled = False
 
     def __enter__(self):

@@ -1,5 +1,6 @@
 """Pieces of the train loop that train.py calls each step: validation, the step's scalars and
-the run logs (metrics.jsonl + TensorBoard, markdown logs, progress line)."""
+the run logs (metrics.jsonl, markdown logs, progress line, trackers: TensorBoard, wandb,
+MLflow)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from jaxvrl.logging import (
     MarkdownLog,
     MetricsWriter,
     Progress,
+    RunInfo,
+    Trackers,
     attention_section,
     decode_pieces,
     rollout_section,
+    rollout_table,
     token_weight_section,
 )
 from jaxvrl.trainer.rollout import (
@@ -101,9 +105,11 @@ def trim_markdown(path: str, last_step: int) -> None:
 
 @dataclasses.dataclass
 class RunLogs:
-    """metrics.jsonl + TensorBoard, rollout_results.md, token_weights.md,
-    attention_diagnostics.md and the progress line. Only the primary process writes.
-    resume_step: rows and sections of later steps are dropped (no step repeats)."""
+    """metrics.jsonl, rollout_results.md, token_weights.md, attention_diagnostics.md, the
+    progress line ("console" in backends) and the trackers (the other backends: every scalar
+    row, the rollout samples as a table, `config` once at start). Only the primary process
+    writes. resume_step: rows and sections of later steps are dropped (no step repeats); a
+    run resumed from a checkpoint (start > 0) continues its tracker runs."""
 
     workdir: str
     total_steps: int
@@ -111,6 +117,10 @@ class RunLogs:
     primary: bool = True
     resume_step: int | None = None
     samples: int = 8  # samples per markdown section
+    backends: tuple[str, ...] = ("console", "tensorboard")
+    project: str = "jaxvrl"  # the trackers' project (wandb) or experiment (MLflow)
+    run_name: str | None = None
+    config: dict | None = None  # flat {dotted key: value}, sent to the trackers at start
 
     def __post_init__(self):
         w, on = self.workdir, self.primary
@@ -121,10 +131,14 @@ class RunLogs:
         if on and self.resume_step is not None:
             for log in (self.rollouts, self.tokens, self.attention):
                 trim_markdown(log.path, self.resume_step)
-        self.progress = Progress(self.total_steps, self.start, on)
+        self.progress = Progress(self.total_steps, self.start, on and "console" in self.backends)
+        info = RunInfo(w, self.project, self.run_name, resume_step=self.resume_step)
+        self.trackers = Trackers(self.backends, info, resume=self.start > 0, enabled=on)
+        if self.config:
+            self.trackers.log_config(self.config)
 
     def scalars(self, step: int, scalars: dict, progress: bool = True) -> None:
-        self.metrics.write(step, scalars)
+        self.trackers.log_scalars(step, self.metrics.write(step, scalars))
         if progress:
             self.progress.update(step - 1, scalars)
 
@@ -147,6 +161,8 @@ class RunLogs:
         prompts = [groups[gi].example.get("problem", "") for gi, _ in rows]
         texts = [groups[gi].texts[j] for gi, j in rows]
         self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv))
+        columns, table = rollout_table(prompts, texts, parts, totals, adv, self.samples)
+        self.trackers.log_table(step, "rollouts", columns, table)
         if extras.token_weights is not None:
             weights = np.asarray(extras.token_weights)[index]
             pieces = []
@@ -161,3 +177,4 @@ class RunLogs:
 
     def close(self) -> None:
         self.metrics.close()
+        self.trackers.close()
