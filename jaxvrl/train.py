@@ -405,6 +405,14 @@ def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, repl
     return r.step, r.state, r.rng, int(r.meta.get("nonfinite_streak", 0))
 
 
+def training_mesh(c):
+    """The mesh of `config.mesh` over this run's devices; a ConfigError when they do not fit."""
+    try:
+        return runtime.mesh_from_config(c.mesh)
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from None
+
+
 def check_rows(c, mesh, processes: int | None = None) -> None:
     """The batch rows (every process's prompts_per_step x num_generations) are split evenly
     over the mesh's data x fsdp devices, into mini-batches of actor.global_batch_size
@@ -414,14 +422,6 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
     shards = row_shards(mesh)
     rows = c.prompts_per_step * c.rollout.num_generations
     if (rows * processes) % shards:
-def training_mesh(c):
-    """The mesh of `config.mesh` over this run's devices; a ConfigError when they do not fit."""
-    try:
-        return runtime.mesh_from_config(c.mesh)
-    except ValueError as e:
-        raise ConfigError(f"config.mesh: {e}") from None
-
-
         raise ConfigError(
             f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
             f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp "
@@ -497,6 +497,11 @@ def _run(c) -> dict:
     primary = jax.process_index() == 0
     # checkpoints go to the workdir itself (orbax writes gs://); logs are written locally and
     # mirrored to a remote workdir by process 0
+    if primary:  # before anything loads: a workdir that cannot be written ends the run here
+        try:
+            probe_writable(c.workdir)
+        except Exception as e:  # an OSError locally, the filesystem's own error on gs://
+            raise ConfigError(f"config.workdir={c.workdir!r}: cannot be written ({e})") from None
     mirror = MirroredDir(c.workdir) if primary and is_remote(c.workdir) else None
     if not is_remote(c.workdir):
         os.makedirs(c.workdir, exist_ok=True)
@@ -506,11 +511,6 @@ def _run(c) -> dict:
     if other:
         raise ConfigError(f"{c.workdir}: saved with {other}; use another workdir or set it back")
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
-    if primary:  # before anything loads: a workdir that cannot be written ends the run here
-        try:
-            probe_writable(c.workdir)
-        except Exception as e:  # an OSError locally, the filesystem's own error on gs://
-            raise ConfigError(f"config.workdir={c.workdir!r}: cannot be written ({e})") from None
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))
 
