@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import struct
+import time
 import types
 
 import numpy as np
@@ -160,6 +161,8 @@ def wandb_records(path):
             pos += block - pos % block
             continue
         _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + n > len(data):  # a record still being written
+            return
         buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
         if kind in (1, 4):  # FULL or LAST
             record = wandb_internal_pb2.Record()
@@ -189,6 +192,12 @@ def test_wandb_receives_the_scalars_config_and_samples_and_a_resume_continues_it
 
     files = sorted(glob.glob(str(wandb_offline / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files)
+    # wandb's service process may still be writing a file after run.finish() returns: wait
+    # for each run's closing record
+    deadline = time.time() + 30
+    while not all(any(r.HasField("exit") for r in wandb_records(f)) for f in files):
+        assert time.time() < deadline, "a wandb run file has no exit record"
+        time.sleep(0.2)
     received, config, tables, names = {}, {}, [], set()
     for path in files:
         for r in wandb_records(path):
