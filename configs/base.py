@@ -111,7 +111,9 @@ def get_config(arg=None):
     c.logging.run_name = placeholder(str)
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = placeholder(str)  # HF checkpoint dir; None = the embedded tiny checkpoint
+    # HF checkpoint: a directory (local or gs://) or a Hub name org/name[@revision]; None = the
+    # embedded tiny checkpoint
+    c.model.path = placeholder(str)
     # a published config without weights (qwen2.5-vl-3b | 7b | 32b | 72b): shapes for
     # `python -m jaxvrl.aot` only; training needs model.path
     c.model.preset = setting(None, PRESET, type=str)
@@ -136,7 +138,9 @@ def get_config(arg=None):
     c.model.matmul_precision = setting("default", one_of(*MATMUL_PRECISIONS))
 
     c.data = ml_collections.ConfigDict()
-    # comma-separated JSONL / JSON / parquet files (local or gs://); None = the built-in task
+    # comma-separated JSONL / JSON / parquet files or directories of them (local or gs://),
+    # save_to_disk directories, or Hub datasets org/name[:config][@split]; None = the built-in
+    # task
     c.data.train_files = placeholder(str)
     # held-out files, same formats; None: the built-in task's test split (val_size prompts), or
     # no validation when train_files is set
