@@ -8,15 +8,8 @@ from jaxvrl.sampling.layout import (
     rollout_mesh,
     rollout_sizes,
 )
-from jaxvrl.sampling.sampler import (
-    SampleOutput,
-    Sampler,
-    SamplingConfig,
-    filter_logits,
-    generate,
-    generation_config,
-    sample,
-)
+from jaxvrl.sampling.sampler import Sampler, generate, generation_config, sample
+from jaxvrl.sampling.steps import SampleOutput, SamplingConfig, filter_logits
 
 __all__ = [
     "Layout",

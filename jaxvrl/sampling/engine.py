@@ -1,43 +1,61 @@
 """Slots that refill: a decode batch of `slots` rows over a paged KV cache.
 
-The static sampler (`sampler.sample`) decodes every row of the rollout at once and runs until
-its longest row ends: with long-tailed completion lengths most rows idle at the end, and the
-cache holds `prompt + max_new_tokens` positions for every row. Here (`prefill_slots`, then
-`decode_slots`, dispatched by `sampler.prefill` and `sampler.decode` when `cfg.slots` is set):
+The static sampler (`static.py`) decodes every row at once until its longest row ends: with
+long-tailed completion lengths most rows idle at the end, and the cache holds `prompt +
+max_new_tokens` positions for every row. Here (`prefill_slots`, then `decode_slots`; chosen
+by `sampler.py` when `cfg.slots` is set):
 
-- Each of the R prompts is prefilled once (its vision tower included); its keys and values
-  go into pages of `page_size` positions that all its samples' page tables point at (shared,
-  never written again). Work rows w = p * G + g (prompt-major, as the static sampler's rows)
-  each take their first token from the prompt's last logits with their own key.
-- `slots` rows decode together. Each slot owns `ceil(max_new_tokens / page_size)` pages for
-  its completion; its page table is its prompt's pages followed by its own. When a row ends
-  (EOS, or `max_new_tokens` tokens), the next waiting work row takes its slot at once, in the
-  same jitted loop (a device-side queue: every process takes the same decisions).
-- Every row draws token i with its key (call key, prompt, sample) folded with i, as the
-  static sampler does, so the completions, their log-probs and attention masses do not depend
-  on `slots`, the page size or the mesh: the static sampler is this engine's reference.
+- Each of the R prompts is prefilled once (its vision tower included) into pages of
+  `page_size` positions that all its samples' page tables point at (shared, never written
+  again). Work rows w = p * G + g (prompt-major, as the static sampler's rows) each take
+  their first token from the prompt's last logits with their own key.
+- `slots` rows decode together, each slot with `ceil(max_new_tokens / page_size)` pages of
+  its own after its prompt's. When a row ends (EOS, or its last token), the next waiting
+  work row takes its slot at once, in the same jitted loop (a device-side queue: every
+  process takes the same decisions).
+- Rows draw their tokens as the static sampler's do (`steps.pick`, `steps.row_keys`), so the
+  completions, log-probs and attention masses depend on neither `slots`, the page size nor
+  the mesh: the static sampler is this engine's reference.
+- Decode attention reads each slot's pages through `qwen2_5_vl.PagedKVCache` (a gather of
+  the table's pages, then the dense form: what a TPU or GPU paged kernel must match).
 
-Decode attention reads each slot's pages through the model's paged cache
-(`qwen2_5_vl.PagedKVCache`: a gather of the table's pages, then the dense form; the
-reference a TPU or GPU paged kernel must match).
-
-Shapes: R prompts of P tokens (left-padded), G samples each, W = R * G work rows, S slots, N
-= max_new_tokens, ps = page_size; pp = ceil(P / ps) prompt pages, pc = ceil(N / ps)
-completion pages per slot.
+Shapes: R prompts of P tokens (left-padded), G samples each, W = R * G work rows, S slots,
+N = max_new_tokens, ps = page_size; pp = ceil(P / ps) and pc = ceil(N / ps) pages.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jaxvrl.models.qwen2_5_vl import KVCache, PagedKVCache
-from jaxvrl.sampling import sampler as S  # the static sampler's picks, forms and outputs
+from jaxvrl.sampling import steps
 from jaxvrl.sampling.layout import compute_params
+from jaxvrl.sampling.steps import SampleOutput, SamplingConfig
 
 
-def _check(cfg):
+@struct.dataclass
+class SlotsCarry:
+    """What `prefill_slots` hands `decode_slots`: `pages` (keys, values), each a tuple of one
+    array per layer, [R * pp + S * pc, K, H, ps] and [R * pp + S * pc, K, ps, H] (the
+    prompts' pages, then room for each slot's own); `prompt_valid` bool[R, width] the prompts'
+    key mask; `pools` {name: bool[R, width]} or None; `start` int32[R] each prompt's next
+    position; `keys` key[W] (`steps.row_keys`); `first_tok` int32[W], `first_lp` float32[W]
+    each work row's first token and its log-prob; `limits` int[W] or None. width = (pp + pc)
+    * ps."""
+
+    pages: tuple
+    prompt_valid: jax.Array
+    pools: dict | None
+    start: jax.Array
+    keys: jax.Array
+    first_tok: jax.Array
+    first_lp: jax.Array
+    limits: jax.Array | None = None
+
+
+def _check(cfg: SamplingConfig):
     if cfg.slots < 1 or cfg.page_size < 1:
         raise ValueError(f"slots and page_size must be positive, got {cfg.slots}, {cfg.page_size}")
 
@@ -51,16 +69,15 @@ def prefill_slots(
     deltas,
     rng,
     *,
-    cfg,
+    cfg: SamplingConfig,
     images=None,
     videos=None,
     pools=None,
     num_samples: int = 1,
     limits=None,
-) -> dict:
+) -> SlotsCarry:
     """Traceable: the R prompts' prefill (once each) into pages, and every work row's first
-    token: the carry `decode_slots` starts from. `pages` holds each layer's key and value
-    pages, the R prompts' (pp each) then room for each slot's own (pc each)."""
+    token: the carry `decode_slots` starts from."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     r, p_len = input_ids.shape
@@ -80,9 +97,9 @@ def prefill_slots(
         cache=KVCache.init(tcfg, r, p_len, model.dtype),
         return_logits=False,
     )
-    keys = S.row_keys(rng, r, g)  # [W]
-    last = jnp.repeat(S._logits(model, None, out.hidden[:, -1]), g, axis=0)  # [W, V]
-    first_tok, first_lp = S._pick(last, keys, 0, cfg)
+    keys = steps.row_keys(rng, r, g)  # [W]
+    last = jnp.repeat(steps.logits(model, None, out.hidden[:, -1]), g, axis=0)  # [W, V]
+    first_tok, first_lp = steps.pick(last, keys, 0, cfg)
 
     kv, hd = tcfg.num_key_value_heads, tcfg.head_dim
     gap = pp * ps - p_len
@@ -105,11 +122,11 @@ def prefill_slots(
     tail = ((0, 0), (0, width - p_len))
     if pools is not None:
         pools = {k: jnp.pad(v.astype(bool), tail) for k, v in pools.items()}
-    return dict(
+    return SlotsCarry(
         pages=(k_pages, v_pages),
-        prompt_valid=jnp.pad(out.cache.key_mask, tail),  # [R, width]
+        prompt_valid=jnp.pad(out.cache.key_mask, tail),
         pools=pools,
-        start=jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas,  # [R] next position
+        start=jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas,
         keys=keys,
         first_tok=first_tok,
         first_lp=first_lp,
@@ -117,21 +134,23 @@ def prefill_slots(
     )
 
 
-def decode_slots(graphdef, params, carry: dict, decode_weights=None, *, cfg):
+def decode_slots(
+    graphdef, params, carry: SlotsCarry, decode_weights=None, *, cfg: SamplingConfig
+) -> tuple[SampleOutput, SlotsCarry]:
     """Traceable: every work row's decode steps in `cfg.slots` slots, from `prefill_slots`'
     carry. Returns (SampleOutput, the carry with the pages as the steps left them)."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
-    keys, pools, limits = carry["keys"], carry["pools"], carry["limits"]
-    first_tok, first_lp, start = carry["first_tok"], carry["first_lp"], carry["start"]
-    prompt_valid = carry["prompt_valid"]
-    k_pages, v_pages = carry["pages"]
+    keys, pools, limits = carry.keys, carry.pools, carry.limits
+    first_tok, first_lp, start = carry.first_tok, carry.first_lp, carry.start
+    prompt_valid = carry.prompt_valid
+    k_pages, v_pages = carry.pages
     (r, width), w = prompt_valid.shape, keys.shape[0]
     g, n, ps = w // r, cfg.max_new_tokens, cfg.page_size
     s, pc = min(cfg.slots, w), -(-n // ps)
     pp = width // ps - pc
     tcfg = model.config.text
-    forms = S._decode_forms(model, cfg, s, decode_weights)
+    forms = steps.decode_forms(model, cfg, s, decode_weights)
     slot_ids = jnp.arange(s)
 
     def table(rows):  # the page tables of slots running work rows `rows` [S]
@@ -161,7 +180,7 @@ def decode_slots(graphdef, params, carry: dict, decode_weights=None, *, cfg):
     if layers:
         state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
         state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
-    eos = S.eos_ids(cfg)
+    eos = steps.eos_ids(cfg)
 
     def step(st):
         row, t = st["row"], st["t"]
@@ -188,7 +207,7 @@ def decode_slots(graphdef, params, carry: dict, decode_weights=None, *, cfg):
         if layers:
             new["vmass"] = st["vmass"].at[:, out_row, t].set(o.vision_mass[:, :, 0])
             new["xmass"] = st["xmass"].at[:, out_row, t].set(o.text_mass[:, :, 0])
-        nxt, nlp = S._pick(S._logits(model, forms, o.hidden[:, 0]), keys[safe], t + 1, cfg)
+        nxt, nlp = steps.pick(steps.logits(model, forms, o.hidden[:, 0]), keys[safe], t + 1, cfg)
         is_eos = jnp.isin(tok, eos)
         last = t + 1 == n if limits is None else (t + 1 == n) | (t + 1 >= limits[safe])
         ended = live & (is_eos | last)
@@ -221,7 +240,7 @@ def decode_slots(graphdef, params, carry: dict, decode_weights=None, *, cfg):
         lambda st: jax.lax.fori_loop(0, k, lambda _, x: step(x), st),
         state,
     )
-    out = S.SampleOutput(
+    out = SampleOutput(
         tokens=st["tokens"][:w],
         logprobs=st["logprobs"][:w],
         mask=st["mask"][:w],
@@ -230,4 +249,4 @@ def decode_slots(graphdef, params, carry: dict, decode_weights=None, *, cfg):
         vision_mass=st["vmass"][:, :w] if layers else None,
         text_mass=st["xmass"][:, :w] if layers else None,
     )
-    return out, dict(carry, pages=(st["cache"].k, st["cache"].v))
+    return out, carry.replace(pages=(st["cache"].k, st["cache"].v))

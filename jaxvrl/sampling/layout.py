@@ -174,14 +174,19 @@ def _is_abstract(tree) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
+def _sampling_params(graphdef, dtype: str | None, params):
+    """The state half of `sampling_state`: what `Preparer` converts parameters to."""
+    return sampling_state(graphdef, params, dtype)[1]
+
+
 class Preparer:
-    """Puts parameters of one model structure into one layout (`prepare`); its compiled
-    program is kept between calls."""
+    """Puts parameters of one model structure into one layout (`prepare`). Its conversion is
+    a jit of a module-level function with the structure and dtype static: jax's cache keeps
+    one program per structure, layout and shapes, for every preparer."""
 
     def __init__(self, graphdef, layout: Layout):
         self.graphdef, self.layout = graphdef, layout
         self._targets: dict = {}  # tree structure -> (graphdef, abstract state, shardings)
-        self._jitted: dict = {}
 
     def target(self, params):
         """(graphdef, abstract state, shardings or None) of the prepared parameters."""
@@ -235,11 +240,9 @@ class Preparer:
         )
 
     def _convert(self, params, shardings):
-        def fn(p):
-            return sampling_state(self.graphdef, p, self.layout.dtype)[1]
-
+        how = (self.graphdef, self.layout.dtype)
         if shardings is None:
-            return self._jit(fn, None, None)(params)
+            return jax.jit(_sampling_params, static_argnums=(0, 1))(*how, params)
         # one program cuts the new weights onto a mesh of the rollout's shape over the
         # devices in the order the parameters' arrays have (a program's inputs and outputs
         # share one device order); where the rollout mesh orders them otherwise, whole
@@ -250,14 +253,9 @@ class Preparer:
         if order != list(mesh.devices.flat):
             staging = Mesh(np.asarray(order).reshape(mesh.devices.shape), mesh.axis_names)
         staged = jax.tree.map(lambda s: NamedSharding(staging, s.spec), shardings)
-        out = self._jit(fn, staged, staging)(params)
+        fn = jax.jit(_sampling_params, static_argnums=(0, 1), out_shardings=staged)
+        out = fn(*how, params)
         return out if staging is mesh else jax.device_put(out, shardings)
-
-    def _jit(self, fn, out_shardings, mesh):
-        key = (jax.tree.structure(out_shardings), mesh)
-        if key not in self._jitted:
-            self._jitted[key] = jax.jit(fn, out_shardings=out_shardings)
-        return self._jitted[key]
 
 
 def _device_order(params) -> list:

@@ -345,7 +345,7 @@ def sample_completions(
     num_samples: completions per prompt (G): the sampler prefills each of the batch's R
     prompts once and returns R * G rows, prompt-major. Where the mesh's row shards do not
     divide the R prompts, the prompts are repeated on the host and each row prefilled (the
-    same tokens: per-row keys, `sampler.row_keys`).
+    same tokens: per-row keys, `steps.row_keys`).
 
     mesh: None puts the inputs on the default device. With a mesh the prompt arrays become
     global arrays with rows split over (data, fsdp) (`runtime.place_batch`: on a pod each

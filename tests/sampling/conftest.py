@@ -1,14 +1,25 @@
 """Fixtures shared by the sampler tests."""
 
+import jax
 import pytest
 
 from jaxvrl.models.qwen2_5_vl import vision
 
 
 @pytest.fixture
-def tower_rows(monkeypatch) -> list:
+def retrace():
+    """`jax.clear_caches`, for a test to call after patching what the sampler's programs trace
+    (a form, a kernel): those programs are module-level jits that jax keeps for the whole
+    process, so without it a call would run a program traced before the patch. The caches
+    are emptied again after the test, so that no later test runs a program traced with it."""
+    yield jax.clear_caches
+    jax.clear_caches()
+
+
+@pytest.fixture
+def tower_rows(monkeypatch, retrace) -> list:
     """The rows reaching the vision tower, one entry per call traced (programs traced while
-    the test runs: make a fresh sampler)."""
+    the test runs: jax's caches are emptied first)."""
     rows = []
     call = vision.VisionTower.window_order  # what every caller of the tower runs
 
@@ -17,4 +28,5 @@ def tower_rows(monkeypatch) -> list:
         return call(self, inputs)
 
     monkeypatch.setattr(vision.VisionTower, "window_order", counted)
+    retrace()
     return rows

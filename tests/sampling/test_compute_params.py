@@ -10,23 +10,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.models import qwen2_5_vl
 from jaxvrl.models.lora import apply_lora
-from jaxvrl.sampling.sampler import compute_params
-from tests.models import hf_tiny as T
+from jaxvrl.sampling.layout import compute_params
+from tests.models import hf_tiny
 from tests.sampling.test_prefill import inputs, prompts
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     path = tmp_path_factory.mktemp("compute_params_model")
-    T.build(path, seed=2)
+    hf_tiny.build(path, seed=2)
     return path
 
 
 @pytest.mark.parametrize("lora", ["none", "lora", "qlora"])
 def test_cast_once_computes_what_the_stored_weights_do(path, lora):
-    model = q.load(path, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    model = qwen2_5_vl.load(path, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     if lora != "none":
         quantize = "int8" if lora == "qlora" else "none"
         apply_lora(model, 4, 8.0, 0.0, "q_proj,up_proj", quantize=quantize, seed=1)

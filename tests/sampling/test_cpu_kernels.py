@@ -14,7 +14,7 @@ import pytest
 
 from jaxvrl.sampling import Sampler, generate, rules
 from jaxvrl.sampling.cpu import kernels as cpu_kernels
-from tests.models import hf_tiny as T
+from tests.models import hf_tiny
 
 needs_kernel = pytest.mark.skipif(
     not cpu_kernels.available(), reason="no C++ compiler here: the kernel cannot be built"
@@ -248,27 +248,32 @@ def test_build_failure_warns_and_falls_back(tmp_path, monkeypatch):
 
 
 @needs_kernel
-def test_sampler_with_and_without_the_kernel(tmp_path, monkeypatch):
+def test_sampler_with_and_without_the_kernel(tmp_path, monkeypatch, retrace):
     """Greedy and sampled decoding through the kernel give the tokens of XLA's dot and the
     same log-probs (tied head: the kernel also does the 151936-row-style table product)."""
-    from jaxvrl.models import qwen2_5_vl as q
+    from jaxvrl.models import qwen2_5_vl
 
-    T.build(tmp_path, seed=8, tie=True)
-    model = q.load(tmp_path)
+    hf_tiny.build(tmp_path, seed=8, tie=True)
+    model = qwen2_5_vl.load(tmp_path)
     rng = np.random.default_rng(12)
-    ids, mask = T.left_pad(
-        [T.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)), T.prompt(rng, text_len=(9, 12))]
+    ids, mask = hf_tiny.left_pad(
+        [
+            hf_tiny.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)),
+            hf_tiny.prompt(rng, text_len=(9, 12)),
+        ]
     )
     grid = np.array([[1, 4, 4]])
-    kw = dict(max_new_tokens=10, pixel_values=T.patches(rng, grid), image_grid_thw=grid)
+    kw = dict(max_new_tokens=10, pixel_values=hf_tiny.patches(rng, grid), image_grid_thw=grid)
     runs, traced = {}, []
     real = cpu_kernels.rows_by_weight
     monkeypatch.setattr(cpu_kernels, "rows_by_weight", lambda *a: traced.append(a[2]) or real(*a))
+    retrace()
     for name in ("kernel", "xla"):
         if name == "xla":
             assert traced  # the kernel was in the first runs' programs
             monkeypatch.setattr(cpu_kernels, "applies", lambda rows, dtype: False)
             monkeypatch.setattr(cpu_kernels, "usable", lambda: False)
+            retrace()
         runs[name] = [
             generate(model, ids, mask, temperature=t, rng=jax.random.key(2), **kw)
             for t in (0.0, 1.0)
@@ -286,14 +291,14 @@ def test_decode_weights_are_packed_into_the_buffer_they_reuse(tmp_path):
     inside the caller's own jit the sampler gives the same tokens."""
     from flax import nnx
 
-    from jaxvrl.models import qwen2_5_vl as q
+    from jaxvrl.models import qwen2_5_vl
     from jaxvrl.models.qwen2_5_vl import get_rope_index
     from jaxvrl.sampling.sampler import generation_config
 
-    T.build(tmp_path, seed=9, tie=False)
-    model = q.load(tmp_path)
+    hf_tiny.build(tmp_path, seed=9, tie=False)
+    model = qwen2_5_vl.load(tmp_path)
     rng = np.random.default_rng(5)
-    ids, mask = T.left_pad([T.prompt(rng, text_len=(4, 7)) for _ in range(3)])
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, text_len=(4, 7)) for _ in range(3)])
     graphdef, params = nnx.split(model)
     sampler = Sampler(graphdef, generation_config(model.config, max_new_tokens=6, temperature=0))
     kw = dict(max_new_tokens=6, temperature=0.0, sampler=sampler)

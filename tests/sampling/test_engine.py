@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.models import qwen2_5_vl
 from jaxvrl.sampling import Sampler
 from jaxvrl.sampling.sampler import generation_config
-from tests.models import hf_tiny as T
+from tests.models import hf_tiny
 from tests.sampling.test_prefill import inputs, prompts
 
 N = 10
@@ -35,8 +35,8 @@ EOS = tuple(range(3, 290, 9))
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine_model")
-    T.build(path, seed=5)
-    return q.load(path)
+    hf_tiny.build(path, seed=5)
+    return qwen2_5_vl.load(path)
 
 
 def _cfg(model, temperature=1.0, **kw):

@@ -2,7 +2,7 @@
 used as they are; `dtype` samples what a model built in that compute dtype samples; LoRA
 adapters are merged into their base weights, and the merged model samples what
 `lora.merge_lora` of the policy samples, with the log-probs of the unmerged policy. (Meshes:
-tests/parallel/test_mesh_train.py.)
+tests/parallel/test_mesh_step.py.)
 
 Tolerance: merging sums W + A B in float32 before the matmul where the unmerged layer adds
 x A B to x W: the same numbers up to float32 rounding of the logits (~1e-6), so the log-probs
@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxvrl.models import lora
-from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.models import lora, qwen2_5_vl
 from jaxvrl.models.qwen2_5_vl.config import TextConfig
 from jaxvrl.sampling import RolloutParams, Sampler, decode_bytes, rollout_dtype, rollout_sizes
 from jaxvrl.sampling.sampler import generation_config, sample
-from tests.models import hf_tiny as T
+from tests.models import hf_tiny
 from tests.sampling.test_prefill import inputs, prompts
 
 N = 6
@@ -31,13 +30,13 @@ N = 6
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     path = tmp_path_factory.mktemp("layout_model")
-    T.build(path, seed=4)
+    hf_tiny.build(path, seed=4)
     return path
 
 
 @pytest.fixture(scope="module")
 def batch(path):
-    model = q.load(path)
+    model = qwen2_5_vl.load(path)
     ids, mask, vis = prompts("two_images", np.random.default_rng(5))
     return inputs(model, ids, mask, **vis)
 
@@ -53,7 +52,7 @@ def _sample(sampler, params, batch, g=2):
 
 
 def test_parameters_that_need_nothing_are_used_as_they_are(path):
-    model = q.load(path)
+    model = qwen2_5_vl.load(path)
     graphdef, params = nnx.split(model)
     ready = Sampler(graphdef, _cfg(model)).prepare(params)
     assert isinstance(ready, RolloutParams) and ready.params is params
@@ -65,7 +64,7 @@ def test_parameters_that_need_nothing_are_used_as_they_are(path):
 
 
 def test_a_rollout_dtype_samples_what_a_model_built_in_it_samples(path, batch):
-    model = q.load(path)  # float32 compute and weights
+    model = qwen2_5_vl.load(path)  # float32 compute and weights
     graphdef, params = nnx.split(model)
     sampler = Sampler(graphdef, _cfg(model), dtype=jnp.bfloat16)
     ready = sampler.prepare(params)
@@ -74,7 +73,7 @@ def test_a_rollout_dtype_samples_what_a_model_built_in_it_samples(path, batch):
     assert nnx.merge(ready.graphdef, ready.params).dtype == jnp.bfloat16
     got = _sample(sampler, ready, batch)
 
-    ref = q.load(path, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    ref = qwen2_5_vl.load(path, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     rgraph, rparams = nnx.split(ref)
     want = _sample(Sampler(rgraph, _cfg(ref)), rparams, batch)
     np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -86,7 +85,7 @@ def test_a_rollout_dtype_samples_what_a_model_built_in_it_samples(path, batch):
 
 
 def test_lora_is_merged_for_sampling(path, batch):
-    model = q.load(path)
+    model = qwen2_5_vl.load(path)
     lora.apply_lora(model, 4, 8.0, 0.0, "q_proj,up_proj", seed=1)
     for m in lora.lora_modules(model):  # B = 0 at init: make the adapters count
         b = m.lora_b[...]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.models import qwen2_5_vl
 from jaxvrl.sampling import Sampler
 from jaxvrl.sampling.sampler import generation_config, row_vision_inputs
-from tests.models import hf_tiny as T
+from tests.models import hf_tiny
 
 N = 8
 G = 3
@@ -22,13 +22,15 @@ G = 3
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("prefill_model")
-    T.build(path, seed=5)
-    return q.load(path)
+    hf_tiny.build(path, seed=5)
+    return qwen2_5_vl.load(path)
 
 
 @pytest.fixture(scope="module")
 def sampler(model):
-    cfg = generation_config(model.config, max_new_tokens=N, temperature=1.0, eos_token_ids=T.IM_END)
+    cfg = generation_config(
+        model.config, max_new_tokens=N, temperature=1.0, eos_token_ids=hf_tiny.IM_END
+    )
     return Sampler(nnx.graphdef(model), cfg)
 
 
@@ -37,18 +39,18 @@ def prompts(kind: str, rng):
     images, videos = {"text": ([], []), "image": ([[1, 4, 4]], []), "video": ([], [[2, 4, 4]])}.get(
         kind, ([[1, 4, 4], [1, 2, 2]], [])
     )
-    a = T.prompt(rng, images=images, videos=videos, text_len=(3, 5))
+    a = hf_tiny.prompt(rng, images=images, videos=videos, text_len=(3, 5))
     b_images = [[1, 4, 6]] if kind == "two_images" else []
-    b = T.prompt(rng, images=b_images, text_len=(9, 12))
-    ids, mask = T.left_pad([a, b], length=max(len(a), len(b)) + 2)
+    b = hf_tiny.prompt(rng, images=b_images, text_len=(9, 12))
+    ids, mask = hf_tiny.left_pad([a, b], length=max(len(a), len(b)) + 2)
     grids = images + b_images
     kw = {}
     if grids:
-        kw.update(image_grid_thw=np.array(grids), pixel_values=T.patches(rng, grids))
+        kw.update(image_grid_thw=np.array(grids), pixel_values=hf_tiny.patches(rng, grids))
     if videos:
         kw.update(
             video_grid_thw=np.array(videos),
-            pixel_values_videos=T.patches(rng, videos),
+            pixel_values_videos=hf_tiny.patches(rng, videos),
             second_per_grid_ts=np.array([1.0]),
         )
     return ids, mask, kw
@@ -58,12 +60,12 @@ def inputs(model, ids, mask, pixel_values=None, image_grid_thw=None, pixel_value
            video_grid_thw=None, second_per_grid_ts=None):  # fmt: skip
     """The sampler's arguments for host prompts (as `generate` lays them out), with pools."""
     cfg = model.config
-    pos, deltas = q.get_rope_index(
+    pos, deltas = qwen2_5_vl.get_rope_index(
         ids, mask, cfg, image_grid_thw, video_grid_thw, second_per_grid_ts
     )
     images = row_vision_inputs(pixel_values, image_grid_thw, ids, cfg.image_token_id, cfg)
     videos = row_vision_inputs(pixel_values_videos, video_grid_thw, ids, cfg.video_token_id, cfg)
-    pools = q.attention_pools(ids, mask, ids.shape[1], **T.POOL_IDS)
+    pools = qwen2_5_vl.attention_pools(ids, mask, ids.shape[1], **hf_tiny.POOL_IDS)
     args = (ids, mask, pos, deltas)
     kw = dict(images=images, videos=videos, pools=pools)
     return jax.tree.map(jnp.asarray, (args, kw))
@@ -133,7 +135,7 @@ def test_the_vision_tower_runs_once_per_prompt(model, tower_rows):
     ids, mask, vis = prompts("two_images", np.random.default_rng(6))
     args, kw = inputs(model, ids, mask, **vis)
     cfg = generation_config(model.config, max_new_tokens=2, temperature=1.0)
-    sampler = Sampler(nnx.graphdef(model), cfg)  # a fresh program: traced here
+    sampler = Sampler(nnx.graphdef(model), cfg)  # traced here: `tower_rows` emptied the caches
     key = jax.random.key(0)
     out = run(sampler, model, args, kw, key, num_samples=G)
     assert rows == [2] and out.tokens.shape == (2 * G, 2)

@@ -95,7 +95,7 @@ def test_the_samplers_pick_never_takes_a_suppressed_id_and_counts_it_in_the_logp
     an accelerator): a suppressed id holding a row's maximum, or far above the rest, is never
     chosen; each log-prob is that of the full distribution (suppressed ids in the
     normaliser, a float64 reference); an id outside the vocabulary is ignored."""
-    from jaxvrl.sampling import sampler as S
+    from jaxvrl.sampling import steps
     from jaxvrl.sampling.cpu import kernels
 
     monkeypatch.setattr(kernels, "usable", lambda: False)
@@ -105,9 +105,9 @@ def test_the_samplers_pick_never_takes_a_suppressed_id_and_counts_it_in_the_logp
     suppress = (0, 7, v - 1, v + 5)
     x[:8, 7] = 40.0  # far above the rest: every draw would take it
     x[8:16, v - 1] = x[8:16].max(axis=1) + 1e-3
-    cfg = S.SamplingConfig(4, temperature=temperature, suppress_token_ids=suppress)
+    cfg = steps.SamplingConfig(4, temperature=temperature, suppress_token_ids=suppress)
     keys = jax.random.split(jax.random.key(0), b)
-    tok, lp = jax.jit(lambda y, k: S._pick(y, k, 2, cfg))(jnp.asarray(x), keys)
+    tok, lp = jax.jit(lambda y, k: steps.pick(y, k, 2, cfg))(jnp.asarray(x), keys)
     tok, lp = np.asarray(tok), np.asarray(lp)
     assert not np.isin(tok, suppress).any(), tok
     t = temperature if temperature > 0 else 1.0

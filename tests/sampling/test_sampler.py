@@ -1,5 +1,5 @@
 """Sampler: greedy tokens equal HF generate; logprobs equal a teacher-forced pass; masking,
-early stop, compile count, top-k/top-p."""
+early stop, compile count (programs shared by every call), top-k/top-p, legacy keys."""
 
 from __future__ import annotations
 
@@ -8,27 +8,28 @@ import numpy as np
 import pytest
 import torch
 
-from jaxvrl.models import qwen2_5_vl as q
+from jaxvrl.models import qwen2_5_vl
 from jaxvrl.sampling import Sampler, SamplingConfig, generate
+from jaxvrl.sampling import sampler as sampler_lib
 from jaxvrl.sampling.sampler import generation_config
-from tests.models import hf_tiny as T
+from tests.models import hf_tiny
 
-EOS = T.IM_END
+EOS = hf_tiny.IM_END
 N = 12
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     path = tmp_path_factory.mktemp("sampler_model")
-    hf = T.build(path, seed=5)
-    return hf, q.load(path)
+    hf = hf_tiny.build(path, seed=5)
+    return hf, qwen2_5_vl.load(path)
 
 
 def hf_greedy(hf, ids, mask, **vision):
     kw = dict(
         input_ids=torch.tensor(ids),
         attention_mask=torch.tensor(mask),
-        mm_token_type_ids=torch.tensor(T.token_types(ids)),
+        mm_token_type_ids=torch.tensor(hf_tiny.token_types(ids)),
     )
     kw.update({k: torch.tensor(np.asarray(v)) for k, v in vision.items() if v is not None})
     with torch.no_grad():
@@ -57,7 +58,9 @@ def check_greedy(hf, model, ids, mask, **vision):
 def test_greedy_text_and_left_padding(models):
     hf, model = models
     rng = np.random.default_rng(0)
-    ids, mask = T.left_pad([T.prompt(rng, text_len=(3, 4)), T.prompt(rng, text_len=(11, 12))])
+    ids, mask = hf_tiny.left_pad(
+        [hf_tiny.prompt(rng, text_len=(3, 4)), hf_tiny.prompt(rng, text_len=(11, 12))]
+    )
     check_greedy(hf, model, ids, mask)
 
 
@@ -65,9 +68,9 @@ def test_greedy_images_and_multi_image_batch(models):
     hf, model = models
     rng = np.random.default_rng(1)
     grids = [[1, 4, 6], [1, 6, 10], [1, 2, 2]]
-    rows = [T.prompt(rng, images=grids[:1]), T.prompt(rng, text_len=(7, 8))]
-    ids, mask = T.left_pad(rows + [T.prompt(rng, images=grids[1:])])
-    pv = T.patches(rng, grids)
+    rows = [hf_tiny.prompt(rng, images=grids[:1]), hf_tiny.prompt(rng, text_len=(7, 8))]
+    ids, mask = hf_tiny.left_pad(rows + [hf_tiny.prompt(rng, images=grids[1:])])
+    pv = hf_tiny.patches(rng, grids)
     check_greedy(hf, model, ids, mask, pixel_values=pv, image_grid_thw=np.array(grids))
 
 
@@ -75,8 +78,8 @@ def test_greedy_video(models):
     hf, model = models
     rng = np.random.default_rng(2)
     grids = [[2, 4, 4]]
-    ids, mask = T.left_pad([T.prompt(rng, videos=grids)])
-    pvv = T.patches(rng, grids)
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, videos=grids)])
+    pvv = hf_tiny.patches(rng, grids)
     check_greedy(
         hf,
         model,
@@ -92,9 +95,9 @@ def test_logprobs_match_teacher_forcing_and_eos_masking(models):
     _, model = models
     rng = np.random.default_rng(3)
     grids = [[1, 4, 4]]
-    rows = [T.prompt(rng, images=grids), T.prompt(rng, text_len=(6, 7))]
-    ids, mask = T.left_pad(rows)
-    pv = T.patches(rng, grids[:1])
+    rows = [hf_tiny.prompt(rng, images=grids), hf_tiny.prompt(rng, text_len=(6, 7))]
+    ids, mask = hf_tiny.left_pad(rows)
+    pv = hf_tiny.patches(rng, grids[:1])
     temp = 0.8
     out = generate(
         model,
@@ -122,13 +125,15 @@ def test_logprobs_match_teacher_forcing_and_eos_masking(models):
         assert ended[:-1].sum() == 0  # nothing sampled after the first EOS is kept
         assert bool(out.truncated[row]) == (not ended[-1])
         assert np.all(toks[row, n:] == 0) and np.all(lp[row, n:] == 0)
-        assert not np.isin(toks[row], [T.IMAGE, T.VIDEO, T.VSTART, T.VEND]).any()
+        assert not np.isin(
+            toks[row], [hf_tiny.IMAGE, hf_tiny.VIDEO, hf_tiny.VSTART, hf_tiny.VEND]
+        ).any()
 
 
 def test_sampled_tokens_lie_in_the_top_p_set(models):
     _, model = models
     rng = np.random.default_rng(9)
-    ids, mask = T.left_pad([T.prompt(rng, text_len=(4, 12)) for _ in range(4)])
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, text_len=(4, 12)) for _ in range(4)])
     out = generate(
         model, ids, mask, max_new_tokens=N, temperature=1.0, top_p=0.5, eos_token_ids=EOS,
         rng=jax.random.key(5),
@@ -137,7 +142,7 @@ def test_sampled_tokens_lie_in_the_top_p_set(models):
     full = np.concatenate([ids, toks], 1)
     logits = np.asarray(model(full, np.concatenate([mask, m.astype(np.int64)], 1)).logits)
     x = logits[:, ids.shape[1] - 1 : -1].astype(np.float64)
-    x[..., [T.IMAGE, T.VIDEO, T.VSTART, T.VEND]] = -np.inf
+    x[..., [hf_tiny.IMAGE, hf_tiny.VIDEO, hf_tiny.VSTART, hf_tiny.VEND]] = -np.inf
     p = np.exp(x - x.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     desc = -np.sort(-p, -1)
@@ -157,8 +162,8 @@ def test_one_compilation_per_shape_with_images(models):
     sampler = Sampler(nnx.graphdef(model), cfg)
     counts = []
     for grids in ([[1, 4, 4], [1, 2, 6]], [[1, 6, 2], [1, 2, 2]], [[1, 2, 4], [1, 4, 2]]):
-        rows = [T.prompt(rng, images=[g], text_len=(4, 7)) for g in grids]
-        ids, mask = T.left_pad(rows, length=20)
+        rows = [hf_tiny.prompt(rng, images=[g], text_len=(4, 7)) for g in grids]
+        ids, mask = hf_tiny.left_pad(rows, length=20)
         out = generate(
             model,
             ids,
@@ -167,7 +172,7 @@ def test_one_compilation_per_shape_with_images(models):
             temperature=1.0,
             eos_token_ids=EOS,
             rng=jax.random.key(0),
-            pixel_values=T.patches(rng, grids),
+            pixel_values=hf_tiny.patches(rng, grids),
             image_grid_thw=np.array(grids),
             patch_bucket=16,
             sampler=sampler,
@@ -192,7 +197,7 @@ def test_one_compilation_per_shape_and_early_stop(models):
     for seed in range(3):
         ids = rng.integers(20, 280, (2, 9))
         mask = np.ones_like(ids)
-        pos, deltas = q.get_rope_index(ids, mask, model.config)
+        pos, deltas = qwen2_5_vl.get_rope_index(ids, mask, model.config)
         out = fn(params, ids, mask, pos, deltas, jax.random.key(seed))
         # every token is an EOS: each row ends after one token and the loop stops
         np.testing.assert_array_equal(np.asarray(out.mask).sum(1), [1, 1])
@@ -200,10 +205,60 @@ def test_one_compilation_per_shape_and_early_stop(models):
     assert fn.compiles() == 1
 
 
+def _programs() -> tuple[int, int]:
+    """Prefill and decode programs in jax's cache (the module-level jits every sampler runs)."""
+    return sampler_lib.prefill_program._cache_size(), sampler_lib.decode_program._cache_size()
+
+
+def test_generate_calls_share_their_programs(models):
+    """`generate` makes a new `Sampler` on each call, here for a new model object of the same
+    structure each time too: the programs are compiled once for these shapes and settings,
+    and again for another max_new_tokens. A kept sampler counts the shapes it has run."""
+    from flax import nnx
+
+    _, model = models
+    rng = np.random.default_rng(12)
+    ids, mask = hf_tiny.left_pad(
+        [hf_tiny.prompt(rng, text_len=(3, 5)), hf_tiny.prompt(rng, text_len=(8, 10))]
+    )
+    kw = dict(temperature=0.7, top_k=30, eos_token_ids=EOS, rng=jax.random.key(1))
+    before = _programs()
+    outs = [
+        generate(nnx.merge(*nnx.split(model)), ids, mask, max_new_tokens=7, **kw) for _ in range(3)
+    ]
+    assert _programs() == (before[0] + 1, before[1] + 1)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(outs[0].tokens))
+    cfg = generation_config(model.config, max_new_tokens=7, temperature=0.7, top_k=30,
+                            eos_token_ids=EOS)  # fmt: skip
+    sampler = Sampler(nnx.graphdef(model), cfg)
+    for _ in range(2):
+        generate(model, ids, mask, max_new_tokens=7, sampler=sampler, **kw)
+    assert sampler.compiles() == 1 and _programs() == (before[0] + 1, before[1] + 1)
+    generate(model, ids, mask, max_new_tokens=9, **kw)
+    assert _programs() == (before[0] + 2, before[1] + 2)
+
+
+def test_a_legacy_key_samples_what_a_typed_key_samples(models):
+    """A uint32[2] key (`jax.random.PRNGKey`) is the typed key of the same seed: the same
+    tokens and log-probs, sampled at temperature 1 with top-k and top-p."""
+    _, model = models
+    rng = np.random.default_rng(13)
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, text_len=(4, 9)) for _ in range(3)])
+    kw = dict(max_new_tokens=N, temperature=1.0, top_p=0.9, top_k=40, eos_token_ids=EOS)
+    legacy = generate(model, ids, mask, rng=jax.random.PRNGKey(3), **kw)
+    typed = generate(model, ids, mask, rng=jax.random.key(3), **kw)
+    other = generate(model, ids, mask, rng=jax.random.key(4), **kw)
+    assert int(np.asarray(legacy.mask).sum()) > 6
+    np.testing.assert_array_equal(np.asarray(legacy.tokens), np.asarray(typed.tokens))
+    np.testing.assert_array_equal(np.asarray(legacy.logprobs), np.asarray(typed.logprobs))
+    assert not np.array_equal(np.asarray(other.tokens), np.asarray(typed.tokens))
+
+
 def test_top_k_one_is_greedy(models):
     _, model = models
     rng = np.random.default_rng(6)
-    ids, mask = T.left_pad([T.prompt(rng, text_len=(5, 6))])
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, text_len=(5, 6))])
     g = generate(model, ids, mask, max_new_tokens=6, temperature=0.0, eos_token_ids=EOS)
     s = generate(
         model,
@@ -222,17 +277,17 @@ def test_decode_attention_statistics(models):
     _, model = models
     rng = np.random.default_rng(7)
     grids = [[1, 4, 4]]
-    ids, mask = T.left_pad([T.prompt(rng, images=grids)])
-    pv = T.patches(rng, grids)
-    pools = q.attention_pools(
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, images=grids)])
+    pv = hf_tiny.patches(rng, grids)
+    pools = qwen2_5_vl.attention_pools(
         ids,
         mask,
         ids.shape[1],
-        im_start_id=T.IM_START,
-        im_end_id=T.IM_END,
+        im_start_id=hf_tiny.IM_START,
+        im_end_id=hf_tiny.IM_END,
         user_header_ids=[10, 11],
-        special_ids=[T.IMAGE, T.VSTART, T.VEND, T.IM_START, T.IM_END],
-        vision_ids=[T.IMAGE],
+        special_ids=[hf_tiny.IMAGE, hf_tiny.VSTART, hf_tiny.VEND, hf_tiny.IM_START, hf_tiny.IM_END],
+        vision_ids=[hf_tiny.IMAGE],
     )
     out = generate(
         model,
@@ -272,12 +327,12 @@ def test_transposed_decode_layout_equals_the_model_layout(models, tmp_path, vari
 
     model = models[1]
     if variant == "tied":
-        T.build(tmp_path, seed=8, tie=True)
-        model = q.load(tmp_path)
+        hf_tiny.build(tmp_path, seed=8, tie=True)
+        model = qwen2_5_vl.load(tmp_path)
         assert model.config.tie_word_embeddings
     elif variant == "lora":
-        T.build(tmp_path, seed=5)
-        model = q.load(tmp_path)
+        hf_tiny.build(tmp_path, seed=5)
+        model = qwen2_5_vl.load(tmp_path)
         lora.apply_lora(model, rank=2, alpha=4.0, dropout=0.0, targets=("q_proj", "down_proj"))
         state = nnx.state(model)
         keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -291,11 +346,14 @@ def test_transposed_decode_layout_equals_the_model_layout(models, tmp_path, vari
         )
         nnx.update(model, state)
     rng = np.random.default_rng(9)
-    ids, mask = T.left_pad(
-        [T.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)), T.prompt(rng, text_len=(9, 12))]
+    ids, mask = hf_tiny.left_pad(
+        [
+            hf_tiny.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)),
+            hf_tiny.prompt(rng, text_len=(9, 12)),
+        ]
     )
     grid = np.array([[1, 4, 4]])
-    pv = T.patches(rng, grid)
+    pv = hf_tiny.patches(rng, grid)
     outs = [
         generate(
             model,
@@ -316,7 +374,7 @@ def test_transposed_decode_layout_equals_the_model_layout(models, tmp_path, vari
     )
     if variant == "lora":  # the adapters take part: without them the tokens change
         plain = generate(
-            q.load(tmp_path), ids, mask, max_new_tokens=N, temperature=0.0,
+            qwen2_5_vl.load(tmp_path), ids, mask, max_new_tokens=N, temperature=0.0,
             pixel_values=pv, image_grid_thw=grid,
         )  # fmt: skip
         ours = generate(
@@ -326,22 +384,26 @@ def test_transposed_decode_layout_equals_the_model_layout(models, tmp_path, vari
         assert not np.array_equal(np.asarray(plain.logprobs), np.asarray(ours.logprobs))
 
 
-def test_decode_attention_forms_agree(models, monkeypatch):
+def test_decode_attention_forms_agree(models, monkeypatch, retrace):
     """A decode step's cached attention as products and middle-axis reductions (the CPU form)
     and as the batched matmuls (prefill, accelerators) give the same tokens and log-probs."""
     from jaxvrl.sampling.cpu import decode
 
     model = models[1]
     rng = np.random.default_rng(11)
-    ids, mask = T.left_pad(
-        [T.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)), T.prompt(rng, text_len=(9, 12))]
+    ids, mask = hf_tiny.left_pad(
+        [
+            hf_tiny.prompt(rng, images=[[1, 4, 4]], text_len=(3, 6)),
+            hf_tiny.prompt(rng, text_len=(9, 12)),
+        ]
     )
     grid = np.array([[1, 4, 4]])
-    pv = T.patches(rng, grid)
+    pv = hf_tiny.patches(rng, grid)
     kw = dict(max_new_tokens=N, temperature=1.0, rng=jax.random.key(4), pixel_values=pv,
               image_grid_thw=grid)  # fmt: skip
     products = generate(model, ids, mask, **kw)
     monkeypatch.setattr(decode, "attention", None)  # the model's own cached attention
+    retrace()
     matmuls = generate(model, ids, mask, **kw)
     assert int(np.asarray(products.mask).sum()) > 4
     np.testing.assert_array_equal(np.asarray(products.tokens), np.asarray(matmuls.tokens))

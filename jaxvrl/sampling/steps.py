@@ -1,0 +1,193 @@
+"""What a decode step of either engine is made of: the sampling settings (`SamplingConfig`),
+the output (`SampleOutput`), each row's key (`row_keys`), the step's logits (`logits`, through
+the decode forms that `decode_forms` chooses) and the token pick (`pick`).
+
+The static sampler (`static.py`: every row decoded at once) and the slots engine
+(`engine.py`: slots that refill over a paged cache) both import this module and nothing of
+each other, so that they draw the same tokens: row b's token i comes from its own key folded
+with i, whatever the engine, the batch or the mesh.
+
+Shapes: B rows, V vocabulary, E end-of-sequence ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxvrl.parallel import sharding
+from jaxvrl.sampling import rules
+from jaxvrl.sampling.cpu import decode as cpu_decode
+from jaxvrl.sampling.cpu import kernels as cpu_kernels
+from jaxvrl.sampling.cpu.decode import DecodeWeights
+from jaxvrl.sampling.rules import NEG_INF
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How a rollout samples; frozen and hashable: the programs' static setting."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    # Tokens a completion must never contain (image/video pads, vision start/end): a sampled
+    # pad token would be replaced by an image embedding in the training forward pass.
+    suppress_token_ids: tuple[int, ...] = ()
+    # Decode steps between two checks of "every row is done" (a divisor of max_new_tokens is
+    # used): fewer checks cost a few wasted steps at the end, save a host sync per token.
+    check_every: int = 8
+    # How decode steps multiply by the text decoder's and LM head's weights: "model" (the
+    # stored [in, out] kernels), "transposed" ([out, in] copies made once per call, the weight
+    # as the matmul's row operand: faster M = B matmuls on XLA's CPU backend, measured in
+    # bench/RESULTS.md, at the cost of a second copy of those weights during the call),
+    # "auto" (transposed in programs compiled for the CPU: the mesh in context decides, not
+    # the host).
+    decode_layout: str = "auto"
+    # Rows decoded at once (`engine.py`): 0 decodes every row of a call together until the
+    # longest ends (the static sampler); S > 0 decodes S rows, each ended row's slot taken by
+    # the next waiting one, over a paged KV cache whose pages hold `page_size` positions
+    # (a prompt's pages shared by its samples). The same completions either way.
+    slots: int = 0
+    page_size: int = 16
+
+    def __post_init__(self):
+        # id lists as tuples: the config is hashed as the programs' static setting
+        for name in ("eos_token_ids", "suppress_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
+@struct.dataclass
+class SampleOutput:
+    """tokens int32[B, N] (pad after the end); logprobs float32[B, N] of the sampled tokens
+    under logits / temperature (the full distribution, before top-k/top-p; temperature 0
+    uses 1); mask float32[B, N] 1 up to and including the first EOS; truncated bool[B] (no
+    EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given; steps
+    int32[]: decode steps run (< N when every row ended early)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    mask: jax.Array
+    truncated: jax.Array
+    steps: jax.Array | None = None
+    vision_mass: jax.Array | None = None
+    text_mass: jax.Array | None = None
+
+
+def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Top-k then nucleus (top-p) filtering; removed entries get NEG_INF. float32[B, V]."""
+    return rules.top_p_filter(rules.top_k_filter(logits, top_k), top_p)
+
+
+def eos_ids(cfg: SamplingConfig) -> jax.Array:
+    """int32[E]: the ids that end a row (-1, no token, where there are none)."""
+    return jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
+
+
+def typed_key(rng: jax.Array) -> jax.Array:
+    """`rng` as a typed key: a legacy uint32[2] key (`jax.random.PRNGKey`) is wrapped as the
+    default implementation's key, which jax defines to draw what `jax.random.key` of the same
+    seed draws."""
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng
+    return jax.random.wrap_key_data(rng)
+
+
+def row_keys(rng: jax.Array, prompts: int, samples: int) -> jax.Array:
+    """key[prompts * samples]: row p * samples + g's key, rng (a typed or legacy key) folded
+    with p then g. A row's draws (`pick`: this key folded with the token index) depend on
+    neither how many rows a call holds nor how they are laid out (one prefill per prompt or
+    repeated rows)."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    per_prompt = fold(typed_key(rng), jnp.arange(prompts))
+    return jax.vmap(fold, in_axes=(0, None))(per_prompt, jnp.arange(samples)).reshape(-1)
+
+
+def pick(logits: jax.Array, keys: jax.Array, index, cfg: SamplingConfig):
+    """Sample (or argmax) token `index` of each row of float32[B, V], row b with its key
+    keys[b] (`row_keys`); returns (tokens int32[B], logprobs float32[B]).
+
+    On one CPU device, greedy picks and unfiltered draws (no top-k, top-p) are one kernel
+    each (`cpu_kernels.greedy_pick`, `categorical_pick`: the same inverse-CDF method and
+    uniform numbers as `rules.categorical_from_uniform`). Otherwise suppressed ids are masked
+    by a constant bool[V] that XLA fuses into the passes reading the logits, not scattered
+    into logits split over a tensor axis (what that cost a TPU decode step: docs/scaling.md).
+    The log-prob's normaliser covers the suppressed ids too (the unmasked logits).
+    """
+    if logits.dtype == jnp.float32 and cpu_kernels.usable():
+        if cfg.temperature <= 0:
+            return cpu_kernels.greedy_pick(logits, cfg.suppress_token_ids)
+        if not _filters(cfg, logits.shape[-1]):
+            u = rules.row_uniforms(keys, index)
+            return cpu_kernels.categorical_pick(logits, u, cfg.suppress_token_ids, cfg.temperature)
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    x = logits / temp if temp != 1.0 else logits
+    allowed = x
+    if cfg.suppress_token_ids:
+        allowed = jnp.where(_suppressed(cfg.suppress_token_ids, x.shape[-1]), NEG_INF, x)
+    if cfg.temperature <= 0:
+        tok = rules.first_argmax(allowed)
+    else:
+        u = rules.row_uniforms(keys, index)
+        tok = rules.categorical_from_uniform(u, filter_logits(allowed, cfg.top_k, cfg.top_p))
+    # The log-prob is that of the model's full distribution, so that it equals what a
+    # teacher-forced forward pass (the trainer's old log-prob) computes.
+    return tok, rules.token_logprob(x, tok, 1.0)
+
+
+def _filters(cfg: SamplingConfig, vocab: int) -> bool:
+    """Whether top-k or top-p filtering changes the distribution."""
+    return 0 < cfg.top_k < vocab or cfg.top_p < 1.0
+
+
+def _suppressed(ids: tuple[int, ...], vocab: int) -> jax.Array:
+    """bool[V], a constant of the program: True at the ids (those inside the vocabulary)."""
+    mask = np.zeros((vocab,), bool)
+    mask[[i for i in ids if 0 <= i < vocab]] = True
+    return jnp.asarray(mask)
+
+
+def transposed_decode(cfg: SamplingConfig) -> bool:
+    """Whether decode steps multiply by [out, in] copies of the weights
+    (`SamplingConfig.decode_layout`; "auto": in programs compiled for the CPU)."""
+    if cfg.decode_layout not in ("auto", "model", "transposed"):
+        raise ValueError(f"decode_layout must be auto, model or transposed: {cfg.decode_layout!r}")
+    if cfg.decode_layout == "auto":
+        return sharding.target_platform() == "cpu"
+    return cfg.decode_layout == "transposed"
+
+
+def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights | None):
+    """What decode steps use in place of the model's own modules, chosen here only: in
+    programs compiled for the CPU (the mesh in context decides), the CPU cached attention,
+    and with the transposed layout the decode weights (given, or prepared here); elsewhere
+    None (the model's own layers)."""
+    cpu = sharding.target_platform() == "cpu"
+    if transposed_decode(cfg):
+        if weights is None:
+            weights = cpu_decode.prepare(model, rows)
+        elif weights.packed != cpu_decode.uses_kernel(rows, model.dtype):
+            raise ValueError(
+                f"decode_weights were prepared for {'at most' if weights.packed else 'more than'}"
+                f" {cpu_kernels.MAX_ROWS} rows, this call has {rows}: prepare them for its rows "
+                "(Sampler.decode_weights)"
+            )
+    else:
+        weights = None
+    if weights is None and not cpu:
+        return None
+    return cpu_decode.DecodeForms(weights, cpu_attention=cpu)
+
+
+def logits(model, forms, hidden: jax.Array) -> jax.Array:
+    """float32[B, V] of a decode step from hidden [B, D]: the decode weights' head where there
+    is one, else the model's own head."""
+    out = None if forms is None else forms.head(hidden)
+    return model.logits(hidden) if out is None else out
