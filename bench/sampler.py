@@ -12,6 +12,7 @@ full length: HF with min_new_tokens = max_new_tokens, jaxvrl with no EOS ids.
     python bench/sampler.py --configs small --repeats 3      # best of 3 timed calls each (noisy VMs)
     python bench/sampler.py --configs small --temperature 1  # plain sampling (RL rollouts)
     python bench/sampler.py --quick --no-hf --unrolled        # unscanned layers, for comparison
+    python bench/sampler.py --quick --no-hf --generate --repeats 3  # generate() vs a kept Sampler
 
 Decode step time is taken from the difference of the two lengths' runs, so prefill cancels:
 step = (t(N2) - t(N1)) / (N2 - N1). The bandwidth bound of a decode step is the bytes of the
@@ -19,6 +20,11 @@ weights read per step (decoder layers, final norm and LM head; the embedding tab
 LM head when tied) divided by the measured copy bandwidth (bytes read + written per second, a
 large numpy copy on the CPU, a jitted device copy on a GPU). The read floor beside it is the
 time a jitted sum takes to read the same weights once (no write, no arithmetic to speak of).
+
+With --generate, jaxvrl also samples through plain `generate` calls (a new Sampler each, no
+decode weights kept): first, so that its first call compiles, and then the kept Sampler's
+first call finds the prefill program in jax's cache. Both decode steps come from the same
+difference of the two lengths.
 """
 
 from __future__ import annotations
@@ -258,6 +264,54 @@ def run_jax(model, inputs, n, repeats=1, temperature=0.0):
     return toks, dt, compile_s
 
 
+def run_generate(model, inputs, n, repeats=1, temperature=0.0):
+    """Sampling as a script calls `generate`: no Sampler or decode weights kept (each call
+    makes its own Sampler; the decode weights are prepared inside its decode program).
+    Returns (tokens, best call seconds, first call seconds)."""
+    import jax
+
+    from jaxvrl.sampling import generate
+
+    ids, mask, pv, grid = inputs
+    kw = dict(
+        max_new_tokens=n,
+        temperature=temperature,
+        eos_token_ids=(),
+        pixel_values=pv,
+        image_grid_thw=grid,
+    )
+    t = time.perf_counter()
+    jax.block_until_ready(generate(model, ids, mask, **kw).tokens)
+    first_s = time.perf_counter() - t
+    dt = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        toks = np.asarray(jax.block_until_ready(generate(model, ids, mask, **kw).tokens))
+        dt = min(dt, time.perf_counter() - t)
+    return toks, dt, first_s
+
+
+def generate_lines(gen: dict, kept: dict, kept_tokens: dict) -> list[str]:
+    """The --generate table: plain `generate` calls against the kept Sampler, per length, and
+    the decode step of each from the difference of the two lengths."""
+    lines = [
+        "\n| new tokens | generate first call s | generate s | kept Sampler s | same tokens |",
+        "|---|---|---|---|---|",
+    ]
+    for n, (toks, t_g, first) in gen.items():
+        same = "yes" if np.array_equal(toks, kept_tokens[n]) else "no"
+        lines.append(f"| {n} | {first:.2f} | {t_g:.2f} | {kept[n]:.2f} | {same} |")
+    if len(gen) >= 2:
+        n1, n2 = min(gen), max(gen)
+        step_g = (gen[n2][1] - gen[n1][1]) / (n2 - n1)
+        step_k = (kept[n2] - kept[n1]) / (n2 - n1)
+        lines.append(
+            f"\ndecode step (from the {n1}/{n2} difference): generate {step_g * 1e3:.2f} ms, "
+            f"kept Sampler {step_k * 1e3:.2f} ms"
+        )
+    return lines
+
+
 def bench_size(name: str, size: Size, args) -> list[str]:
     import jax.numpy as jnp
     import torch
@@ -283,7 +337,10 @@ def bench_size(name: str, size: Size, args) -> list[str]:
                  "jaxvrl compile s | same tokens |")  # fmt: skip
     lines.append("|---|---|---|---|---|---|---|---|")
     jax_times, hf_times, best = {}, {}, None
+    gen, jax_tokens = {}, {}
     for n in args.new_tokens:
+        if args.generate:  # first: its first call compiles the programs
+            gen[n] = run_generate(model, inputs, n, args.repeats, args.temperature)
         # every thread count at the first length, then the fastest of them
         threads = [] if args.no_hf else args.hf_threads if best is None else [best]
         runs = {
@@ -294,7 +351,7 @@ def bench_size(name: str, size: Size, args) -> list[str]:
         best = min(runs, key=lambda th: runs[th][1])
         ref, t_hf = runs[best]
         toks, t_jx, t_c = run_jax(model, inputs, n, args.repeats, args.temperature)
-        jax_times[n], hf_times[n] = t_jx, t_hf
+        jax_times[n], hf_times[n], jax_tokens[n] = t_jx, t_hf, toks
         same = float(np.mean(np.cumprod(toks == ref, axis=1)))  # common greedy prefix
         same = f"{same:.0%}" if args.temperature <= 0 else "sampled"
         lines.append(
@@ -302,6 +359,8 @@ def bench_size(name: str, size: Size, args) -> list[str]:
             f"{t_hf / t_jx:.1f}x | {t_c:.1f} | {same} |"
         )
         print(lines[-1], flush=True)
+    if gen:
+        lines += generate_lines(gen, jax_times, jax_tokens)
     if len(jax_times) < 2:
         return lines
     first = len(lines)
@@ -351,6 +410,9 @@ def main(argv=None):
     )
     ap.add_argument(
         "--unrolled", action="store_true", help="model.scan_layers=False (the default scans)"
+    )
+    ap.add_argument(
+        "--generate", action="store_true", help="also time plain generate() calls (no Sampler kept)"
     )
     args = ap.parse_args(argv)
     if args.quick:

@@ -25,9 +25,8 @@ from flax import nnx, struct
 from jaxvrl.models.qwen2_5_vl.layers import masked_softmax, pool_masses
 from jaxvrl.sampling.cpu import kernels
 
-# The product-and-reduce form is used up to this K. A 151936-row LM head at B = 8 on two AVX2
-# cores, median of 30 (product vs matmul): K = 128 7.1 vs 9.5 ms, 256 12.1 vs 13.7, 512 23.0
-# vs 21.5, 896 41.8 vs 33.8.
+# The product-and-reduce form is used up to this K: for a 151936-row LM head at B = 8 it beat
+# the matmul at K = 128 and 256 and lost at 512 and 896 (bench/RESULTS.md, sampler section).
 _PRODUCT_MAX_K = 384
 
 
