@@ -317,13 +317,13 @@ def bench_size(name: str, size: Size, args) -> list[str]:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from jaxvrl.models import qwen2_5_vl as q
+    from jaxvrl.models import qwen2_5_vl
 
     torch.manual_seed(0)
     hf = Qwen2_5_VLForConditionalGeneration(hf_config(size)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        model = q.load(tmp, dtype=getattr(jnp, args.dtype), scan_layers=not args.unrolled)
+        model = qwen2_5_vl.load(tmp, dtype=getattr(jnp, args.dtype), scan_layers=not args.unrolled)
     hf = hf.to(device=args.device, dtype=getattr(torch, args.dtype))
     n_params = sum(p.numel() for p in hf.parameters())
     inputs = image_prompts(args.batch, size.vocab)
