@@ -3,16 +3,12 @@ optimizer state, counters), the RNG key, the data-iterator state, each process's
 totals (JSON) and replay buffer (bytes) and JSON run metadata, in a local directory or under
 `gs://`.
 
-Layout of `<directory>/<step>/`: `state` (arrays, keyed by their readable tree path, e.g.
-`params/model/layers/0/mlp/up_proj/kernel/value`), `rng` (key data), `meta` (the caller's
-JSON), `data` (iterator state: JSON, or bytes from grain as base64), `counters` (the caller's
-JSON running totals, one per process; absent in checkpoints written before it existed),
-`replay` (one file per process, `<index>-of-<count>`: the caller's bytes, its replay buffer
-encoded by jaxvrl/trainer/replay_state.py; absent when the run had no buffer or was written
-before it was saved), `info` (tree paths and key implementations, to check a restore target
-against). Every item, each process's replay file included, is written before orbax commits
-the step (renames its temporary directory, or on gs:// writes its commit marker), so a step
-that lacks one of them is never listed as complete.
+Layout of `<directory>/<step>/`: `state` (arrays, keyed by their readable tree path),
+`rng` (key data), `meta` (the caller's JSON), `data` (iterator state: JSON, or grain's bytes
+as base64), `counters` (running totals, one per process), `replay` (one file per process,
+`<index>-of-<count>`: the replay buffer's bytes, jaxvrl/trainer/replay_state.py), `info`
+(tree paths and key implementations, to check a restore target against). Every item is
+written before orbax commits the step, so a step that lacks one is never listed as complete.
 
 A step whose files were damaged afterwards (missing, cut short, not decodable) is skipped by
 `restore_latest`: named in a warning and moved aside to `<step>.damaged` (orbax lists integer

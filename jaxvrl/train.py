@@ -72,8 +72,8 @@ from jaxvrl.sampling import (
 )
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
-from jaxvrl.trainer.loop import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.replay_state import load_buffer, save_buffer
+from jaxvrl.trainer.reporting import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
 from jaxvrl.trainer.step import build_train_step
 

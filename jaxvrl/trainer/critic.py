@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from jaxvrl import rl
-from jaxvrl.trainer.policy import RolloutBatch
+from jaxvrl.trainer.passes import RolloutBatch
 
 
 def init_head(hidden_size: int, seed: int = 0) -> dict:

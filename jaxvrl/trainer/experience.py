@@ -22,7 +22,7 @@ from flax import nnx, struct
 from jaxvrl import rl
 from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
-from jaxvrl.trainer.policy import (
+from jaxvrl.trainer.passes import (
     RolloutBatch,
     blacken_patches,
     completion_hidden,

@@ -21,10 +21,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxvrl import rl
-from jaxvrl.parallel import runtime as R
+from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.sampling import Sampler
-from jaxvrl.trainer.policy import RolloutBatch
+from jaxvrl.trainer.passes import RolloutBatch
 
 OVERALL = "overall"  # a filter metric: the total (weighted) reward
 
@@ -193,13 +193,14 @@ def keep_flags(groups: list[Group], opts: FilterOptions) -> np.ndarray:
 
 @dataclasses.dataclass
 class Collected:
-    """The P group slots of a step (None: nothing found for that slot) and what happened."""
+    """The P groups of a step, in batch order (None where nothing was found for a place), and
+    what happened."""
 
-    slots: list
+    groups: list
     sampled: list[Group]  # every group generated this step, in order
     gen_batches: int
     kept: int  # groups that passed the filters (before truncation to P)
-    replaced: int = 0  # slots filled from the replay buffer
+    replaced: int = 0  # places filled from the replay buffer
 
 
 def collect_groups(
@@ -208,15 +209,15 @@ def collect_groups(
     *,
     replay: rl.ReplayBuffer | None = None,
     max_prompts: int | None = None,
-    any_process: Callable[[bool], bool] = R.any_process,
+    any_process: Callable[[bool], bool] = runtime.any_process,
 ) -> Collected:
     """Calls generate(i) for generation batches i = 0, 1, ... until P groups passed the filters
     or, with dynamic sampling, max_num_gen_batches batches were generated (without it: one).
 
     max_num_gen_batches = 0 means no limit; then a step that has used `max_prompts` prompts (one
     pass over the data) without filling up raises, rather than looping for ever. With a replay
-    buffer, uninformative groups among the slots (by the buffer's std/mean rule on the total
-    reward) and empty slots are filled from the buffer, most recent first; this step's
+    buffer, uninformative groups among the P (by the buffer's std/mean rule on the total
+    reward) and empty places are filled from the buffer, most recent first; this step's
     informative groups go into the buffer. any_process(flag) -> whether any process has
     `flag` (the loop runs until no process needs more groups).
     """
@@ -243,14 +244,15 @@ def collect_groups(
             sampled += groups
             sampler.add(groups, keep_flags(groups, opts))
     kept, gen_batches = len(sampler.groups), sampler.num_gen_batches
-    slots = sampler.take()
-    slots += [None] * (p - len(slots))
-    out = Collected(slots, sampled, gen_batches, kept)
+    chosen = sampler.take()
+    chosen += [None] * (p - len(chosen))
+    out = Collected(chosen, sampled, gen_batches, kept)
     if replay is not None:
         informative = [
-            x is not None and bool(replay.informative(x.totals, opts.group_size)[0]) for x in slots
+            x is not None and bool(replay.informative(x.totals, opts.group_size)[0])
+            for x in chosen
         ]
-        out.slots, out.replaced = replay.fill(slots, informative)
+        out.groups, out.replaced = replay.fill(chosen, informative)
     return out
 
 
@@ -362,8 +364,8 @@ def sample_completions(
     if mesh is None:
         inputs = jax.tree.map(jnp.asarray, inputs)
     else:
-        inputs = R.place_batch(inputs, mesh)
-        key = R.replicate(key, mesh)
+        inputs = runtime.place_batch(inputs, mesh)
+        key = runtime.replicate(key, mesh)
     weights = None
     rows = int(inputs["input_ids"].shape[0]) * (num_samples if prefill_once else 1)
     rows = sampler.decode_rows(rows, prefill_once)
@@ -383,7 +385,7 @@ def sample_completions(
         num_samples=num_samples,
         prefill_once=prefill_once,
     )
-    out = R.host_local(out)
+    out = runtime.host_local(out)
     return (out, times) if timed else out
 
 
@@ -541,11 +543,11 @@ class RolloutPhase:
             got = collect_groups(generate, self.opts, replay=self.replay, max_prompts=max_prompts)
         finally:
             self.decode.end_phase()
-        real = np.array([x is not None for x in got.slots])
+        real = np.array([x is not None for x in got.groups])
         n = self.opts.max_new_tokens
         groups = [
             x if x is not None else Group.padding(got.sampled[0].example, self.opts.group_size, n)
-            for x in got.slots
+            for x in got.groups
         ]
         batch = self._assemble(groups)
         metrics = self._metrics(got, infos, real)
@@ -608,4 +610,4 @@ class RolloutPhase:
         # every process samples its own rows: log what all of them did, not process 0's share
         sums = {"tokens_per_s", "rollout/tokens_per_s", "replay/replaced", "replay/buffer_size"}
         sums |= {k for k in m if k.endswith("_failures")}
-        return R.metrics_across_processes(m, weight=len(totals), sums=sums)
+        return runtime.metrics_across_processes(m, weight=len(totals), sums=sums)

@@ -20,7 +20,7 @@ from jaxvrl import rl
 from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer.experience import Experience, Extras, Passes, Rows, shaping
-from jaxvrl.trainer.policy import (
+from jaxvrl.trainer.passes import (
     RolloutBatch,
     batch_rows,
     completion_hidden,

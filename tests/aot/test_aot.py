@@ -355,7 +355,7 @@ def test_the_head_runs_vocabulary_parallel_never_whole(tmp_path):
 
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.parallel import sharding as S
-    from jaxvrl.trainer.policy import completion_logprobs
+    from jaxvrl.trainer.passes import completion_logprobs
     from tests.models import hf_tiny
 
     hf_tiny.build(tmp_path, seed=1)

@@ -18,7 +18,7 @@ import pytest
 
 from jaxvrl.config import ConfigError, load_config
 from jaxvrl.logging import trackers
-from jaxvrl.trainer.loop import RunLogs
+from jaxvrl.trainer.reporting import RunLogs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = {"name": "grpo", "optim.lr": 0.0003, "optim.betas": (0.9, 0.999), "model.path": None}

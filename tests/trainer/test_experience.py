@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxvrl.trainer.experience import no_grad_passes
-from jaxvrl.trainer.policy import blacken_patches, interleave_rows, unpair_rows
+from jaxvrl.trainer.passes import blacken_patches, interleave_rows, unpair_rows
 from tests.helpers import N, make_batch, reference_logp, step_config
 
 

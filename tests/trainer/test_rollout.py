@@ -54,7 +54,7 @@ def test_dynamic_sampling_refills_until_the_batch_is_full():
     opts = FilterOptions(G, 3, N, dynamic_sampling=True, max_num_gen_batches=5)
     got = collect_groups(gen, opts)
     assert calls == [0, 1] and got.gen_batches == 2
-    assert names(got.slots) == ["b", "d", "f"]  # the informative groups, in order
+    assert names(got.groups) == ["b", "d", "f"]  # the informative groups, in order
     assert got.kept == 3 and len(got.sampled) == 6
 
 
@@ -66,7 +66,7 @@ def test_dynamic_sampling_stops_at_the_limit_and_leaves_slots_empty():
     )
     opts = FilterOptions(G, 3, N, dynamic_sampling=True, max_num_gen_batches=2)
     got = collect_groups(gen, opts)
-    assert calls == [0, 1] and names(got.slots) == ["b", None, None]
+    assert calls == [0, 1] and names(got.groups) == ["b", None, None]
 
 
 def test_dynamic_sampling_without_limit_is_guarded_by_one_pass_over_the_data():
@@ -89,7 +89,7 @@ def test_a_done_process_keeps_generating_while_another_needs_groups():
     opts = FilterOptions(G, 2, N, dynamic_sampling=True, max_num_gen_batches=0)
     got = collect_groups(gen, opts, any_process=any_process)
     assert calls == [0, 1, 2]
-    assert names(got.slots) == ["a", "b"] and len(got.sampled) == 2 and got.gen_batches == 1
+    assert names(got.groups) == ["a", "b"] and len(got.sampled) == 2 and got.gen_batches == 1
 
 
 def test_dynamic_sampling_metric_by_reward_name():
@@ -97,19 +97,19 @@ def test_dynamic_sampling_metric_by_reward_name():
         lambda i: [group("a", VAR, acc=(1.0, 1.0)), group("b", CONST, acc=(0.0, 1.0))],
         FilterOptions(G, 2, N, dynamic_sampling=True, dynamic_sampling_metric="acc"),
     )
-    assert names(got.slots) == ["b", None]
+    assert names(got.groups) == ["b", None]
 
 
 def test_without_dynamic_sampling_one_batch_is_used_as_it_is():
     gen, calls = batches([("a", CONST), ("b", VAR)], [("c", VAR), ("d", VAR)])
     got = collect_groups(gen, FilterOptions(G, 2, N, max_num_gen_batches=4))
-    assert calls == [0] and names(got.slots) == ["a", "b"]
+    assert calls == [0] and names(got.groups) == ["a", "b"]
 
 
 def test_online_filtering_keeps_groups_with_mean_strictly_inside():
     gen, _ = batches([("a", (0.0, 0.0)), ("b", (0.0, 1.0)), ("c", (1.0, 1.0))])
     opts = FilterOptions(G, 3, N, online_filtering=True, filter_key="acc", filter_low=0.01)
-    assert names(collect_groups(gen, opts).slots) == ["b", None, None]
+    assert names(collect_groups(gen, opts).groups) == ["b", None, None]
 
 
 def test_replay_buffer_replaces_uninformative_groups_and_stores_informative_ones():
@@ -121,7 +121,7 @@ def test_replay_buffer_replaces_uninformative_groups_and_stores_informative_ones
         lambda i: [group("d", CONST), group("e", VAR), group("f", CONST)], opts, replay=buf
     )
     # most recent first; a replayed group is used once; "e" goes into the buffer
-    assert names(second.slots) == ["c", "e", "b"] and second.replaced == 2
+    assert names(second.groups) == ["c", "e", "b"] and second.replaced == 2
     assert [g.example["problem"] for g in buf._items] == ["e"]
 
 
@@ -130,7 +130,7 @@ def test_replay_buffer_fills_slots_dynamic_sampling_left_empty():
     buf.add(group("old", VAR))
     opts = FilterOptions(G, 2, N, dynamic_sampling=True, max_num_gen_batches=1)
     got = collect_groups(lambda i: [group("a", CONST), group("b", VAR)], opts, replay=buf)
-    assert names(got.slots) == ["b", "old"] and got.replaced == 1 and len(buf) == 1
+    assert names(got.groups) == ["b", "old"] and got.replaced == 1 and len(buf) == 1
 
 
 def test_padding_groups_take_no_part_in_the_batch():

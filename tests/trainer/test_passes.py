@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.trainer.policy import completion_logprobs, head_chunk
+from jaxvrl.trainer.passes import completion_logprobs, head_chunk
 from tests.models import hf_tiny as T
 
 
@@ -93,7 +93,7 @@ def test_chunks_per_device_on_a_mesh_equal_one_device():
         from jax.sharding import NamedSharding, PartitionSpec as P
         from jaxvrl.models import qwen2_5_vl as q
         from jaxvrl.parallel import sharding as S
-        from jaxvrl.trainer.policy import completion_logprobs
+        from jaxvrl.trainer.passes import completion_logprobs
         from tests.models import hf_tiny as T
 
         jax.config.update("jax_default_matmul_precision", "highest")
