@@ -136,8 +136,8 @@ class Plan:
     grid: np.ndarray
 
     @classmethod
-    def build(cls, c, topology: str) -> Plan:
-        s = topology.parse(topology)
+    def build(cls, c, slice_name: str) -> Plan:
+        s = topology.parse(slice_name)
         mesh = runtime.mesh_from_config(c.mesh, devices=topology.tpu_devices(s))
         train.check_rows(c, mesh, processes=s.hosts)
         name, mcfg = model_config(c)

@@ -1,4 +1,5 @@
-"""The trainer tests' tiny checkpoint (tests/models/hf_tiny.py), loaded once per module."""
+"""The trainer tests' tiny checkpoint (tests/models/hf_tiny.py), saved and loaded once per
+module."""
 
 import pytest
 
@@ -7,7 +8,12 @@ from tests.models import hf_tiny as T
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("step_model")
     T.build(path, seed=11)
-    return q.load(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return q.load(ckpt)

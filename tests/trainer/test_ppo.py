@@ -15,15 +15,7 @@ from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.step import make_train_step
 from tests.helpers import G, make_batch, reference_logp
-from tests.models import hf_tiny as T
 from tests.tolerance import assert_reduction_close, term_scale
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ppo_model")
-    T.build(path, seed=11)
-    return path
 
 
 def _flat(tree):
