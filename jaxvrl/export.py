@@ -1,6 +1,7 @@
 """A run's policy as a Hugging Face checkpoint directory, for transformers, vLLM or SGLang.
 
     python -m jaxvrl.export --workdir RUN [--step N] --out DIR [--dtype bfloat16|float32]
+        [--push_to_hub org/name [--private]]
 
 RUN and DIR are local paths or gs:// URLs. From the latest checkpoint in `RUN/checkpoints` (or
 step N) only the policy's parameters are read, tensor by tensor onto the host: no optimizer
@@ -15,6 +16,11 @@ tokenizer/processor files of the base model.
 What the run started from (base model path, dtypes, LoRA settings) is read from `RUN/run.json`,
 which `python -m jaxvrl.train` writes when a run starts; `--base_model` points elsewhere (a
 moved base model, or a full fine-tuning run from before run.json existed).
+
+`--push_to_hub org/name` then uploads DIR's exported files to that Hugging Face Hub model
+repository in one commit (created if missing, `--private` then; HF_TOKEN and HF_ENDPOINT as
+huggingface_hub reads them; weight files of an earlier push that this one does not replace are
+removed). A push that fails leaves the export in DIR and exits with status 2.
 """
 
 from __future__ import annotations
@@ -511,6 +517,33 @@ def export(
     )
 
 
+# the weight files an export writes: a push removes the repository's others (older shards)
+_WEIGHT_FILES = ["model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json"]
+
+
+def push(r: Exported, repo_id: str, *, private: bool = False) -> str:
+    """Uploads export `r`'s files to Hub model repository `repo_id` (see hub.push_folder);
+    a gs:// export is copied to a local temporary directory first. -> the commit's URL.
+    Raises hub.PushFailed."""
+    message = f"jaxvrl export of checkpoint step {r.step} ({r.dtype})"
+    if not is_remote(r.out):
+        return hub.push_folder(
+            r.out, repo_id, private=private, message=message, allow=r.files, delete=_WEIGHT_FILES
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            fs, root = _fs(r.out)
+            for name in r.files:
+                fs.get(f"{root}/{name}", os.path.join(tmp, name))
+        except Exception as e:  # noqa: BLE001 - named in the one line
+            raise hub.PushFailed(
+                f"copying {r.out} to a local directory failed: {hub.one_line(e)}"
+            ) from e
+        return hub.push_folder(
+            tmp, repo_id, private=private, message=message, allow=r.files, delete=_WEIGHT_FILES
+        )
+
+
 def _bfloat16():
     import ml_dtypes
 
@@ -545,7 +578,19 @@ def main(argv=None) -> None:
         "(default: from RUN/run.json)",
     )
     p.add_argument("--max_shard_size", type=parse_size, default="5GB", help="default 5GB")
+    p.add_argument(
+        "--push_to_hub",
+        metavar="ORG/NAME",
+        help="then upload DIR to this Hugging Face Hub model repository (created if missing)",
+    )
+    p.add_argument(
+        "--private", action="store_true", help="with --push_to_hub: create the repository private"
+    )
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.push_to_hub is not None and not hub.is_repo_id(args.push_to_hub):
+        p.error(f"--push_to_hub {args.push_to_hub!r}: expected a repository id org/name")
+    if args.private and args.push_to_hub is None:
+        p.error("--private needs --push_to_hub")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         r = export(
@@ -566,6 +611,17 @@ def main(argv=None) -> None:
         f"of {r.dtype} weights{merged}; files: {', '.join(r.files)}",
         flush=True,
     )
+    if args.push_to_hub:
+        try:
+            url = push(r, args.push_to_hub, private=args.private)
+        except hub.PushFailed as e:  # the export stays: one line, no traceback
+            print(
+                f"error: --push_to_hub {args.push_to_hub}: {e}; the export is at {r.out}",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(2)
+        print(f"pushed to {args.push_to_hub}: {url}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ share a disk wait on snapshot_download's file locks, so none reads a half-writte
 
 A snapshot directory is named by the commit it holds (`Snapshot.commit`, recorded in run.json).
 A name that cannot be fetched raises `NotFound`, one line saying why and what to do.
+
+`push_folder` goes the other way: it creates a model repository (if it does not exist) and
+uploads a local directory to it in one commit (`python -m jaxvrl.export --push_to_hub`); a
+push that fails raises `PushFailed`, one line.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class NoRevision(NotFound):
     """The repository exists but not this revision."""
 
 
+class PushFailed(RuntimeError):
+    """A push to the Hub that did not happen (the message is one line)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     path: str  # the local directory (a snapshot in the hub's cache)
@@ -62,6 +70,11 @@ def model_name(text: str | None) -> tuple[str, str | None] | None:
         return None
     m = _MODEL.fullmatch(text)
     return (m["repo"], m["revision"]) if m else None
+
+
+def is_repo_id(text: str) -> bool:
+    """`org/name` as the Hub spells repository ids (no revision)."""
+    return re.fullmatch(_REPO, text) is not None
 
 
 def dataset_name(text: str | None) -> tuple[str, str | None, str] | None:
@@ -210,3 +223,52 @@ def fetch_dataset(text: str) -> tuple[Snapshot, list[str]]:
         f"{_converted_layout(config, split)[0][0]}); name another split (@split) or config "
         "(:config), or set local data files"
     )
+
+
+# --- pushing ----------------------------------------------------------------------------------
+
+
+def _api():
+    """The Hub client (HF_TOKEN and HF_ENDPOINT are read by huggingface_hub)."""
+    from huggingface_hub import HfApi
+
+    return HfApi()
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: message` on one line (the Hub's HTTP errors span several: request id, body)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def push_folder(
+    folder: str,
+    repo_id: str,
+    *,
+    private: bool = False,
+    message: str | None = None,
+    allow: list[str] | None = None,
+    delete: list[str] | None = None,
+) -> str:
+    """Creates model repository `repo_id` (`private` when it is new; an existing one is kept
+    as it is) and uploads local directory `folder` to its main branch in one commit: only the
+    files matching `allow` (default: all), and the repository's files matching `delete` that
+    the upload does not replace are removed in the same commit (e.g. the shards of an earlier,
+    bigger upload). -> the commit's URL. Any failure (no token, no network, offline mode, a
+    refusal by the Hub) raises PushFailed."""
+    step = "creating the repository"
+    try:
+        api = _api()
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        step = "uploading"
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            repo_type="model",
+            commit_message=message,
+            allow_patterns=allow,
+            delete_patterns=delete,
+        )
+    except Exception as e:  # noqa: BLE001 - every failure is the caller's one line
+        raise PushFailed(f"{step} failed: {one_line(e)}") from e
+    return str(getattr(info, "commit_url", info))

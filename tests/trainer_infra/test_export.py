@@ -1,6 +1,6 @@
 """python -m jaxvrl.export: a tiny trained run becomes an HF directory that transformers loads
 with the trained logits; LoRA merged, QLoRA dequantized, bfloat16, shards and index, errors,
-and a gs:// workdir against a loopback GCS emulator."""
+a gs:// workdir against a loopback GCS emulator, and --push_to_hub against a fake Hub client."""
 
 from __future__ import annotations
 
@@ -258,6 +258,112 @@ def test_errors_name_what_is_wrong(runs, tmp_path, capsys):
     E.main(["--workdir", runs["full"], "--out", str(tmp_path / "cli"), "--dtype", "bfloat16"])
     assert "exported step 2" in capsys.readouterr().out
     assert E.parse_size("5GB") == 5 * 10**9 and E.parse_size("2MiB") == 2 * 2**20
+
+
+class FakeHfApi:
+    """huggingface_hub.HfApi without a network: records create_repo and upload_folder calls
+    and the files the upload would send (the folder's, filtered by allow_patterns, with their
+    bytes as they are when uploaded); `fail` raises from create_repo."""
+
+    calls: list = []
+    fail: Exception | None = None
+
+    def create_repo(self, repo_id, **kw):
+        self.calls.append(("create_repo", repo_id, kw))
+        if self.fail is not None:
+            raise self.fail
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, *, repo_id, folder_path, allow_patterns=None, **kw):
+        import fnmatch
+
+        names = sorted(os.listdir(folder_path))
+        if allow_patterns is not None:
+            names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in allow_patterns)]
+        files = {n: open(os.path.join(folder_path, n), "rb").read() for n in names}
+        self.calls.append(("upload_folder", repo_id, {**kw, "files": files}))
+        return type("CommitInfo", (), {"commit_url": f"https://hf.co/{repo_id}/commit/abc123"})
+
+
+def test_push_to_hub_uploads_the_export_and_a_failed_push_keeps_it(
+    runs, tmp_path, monkeypatch, capsys
+):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    monkeypatch.setattr(FakeHfApi, "calls", [])
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine, not the export's")  # kept, not pushed
+    argv = ["--workdir", runs["full"], "--out", str(out), "--overwrite", "--dtype", "bfloat16"]
+    E.main([*argv, "--push_to_hub", "org/tiny-grpo", "--private"])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == "pushed to org/tiny-grpo: https://hf.co/org/tiny-grpo/commit/abc123"
+    (create, repo, kw), (upload, repo2, up) = FakeHfApi.calls
+    assert (create, repo, upload, repo2) == ("create_repo", "org/tiny-grpo", "upload_folder", repo)
+    assert kw == {"private": True, "exist_ok": True, "repo_type": "model"}
+    assert up["repo_type"] == "model" and "step 2" in up["commit_message"]
+    assert "model-*-of-*.safetensors" in up["delete_patterns"]  # an earlier push's shards go
+    exported = sorted(p.name for p in out.iterdir() if p.name != "notes.txt")
+    assert sorted(up["files"]) == exported and "model.safetensors" in exported
+    for name, data in up["files"].items():
+        assert data == (out / name).read_bytes(), name
+
+    # a push that fails (here: no network): one line, exit status 2, the export left in place
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    fail = ConnectionError("Failed to resolve 'huggingface.co'\n(Caused by NameResolutionError)")
+    monkeypatch.setattr(FakeHfApi, "fail", fail)
+    with pytest.raises(SystemExit) as e:
+        E.main([*argv, "--push_to_hub", "org/tiny-grpo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0] == (
+        "error: --push_to_hub org/tiny-grpo: creating the repository failed: ConnectionError: "
+        f"Failed to resolve 'huggingface.co'; the export is at {out}"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    # the real client without a network (offline mode): the same one line
+    from huggingface_hub import constants
+
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as e:
+        E.main([*argv, "--push_to_hub", "org/tiny-grpo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --push_to_hub org/tiny-grpo: creating the repository failed:")
+    assert err[0].endswith(f"; the export is at {out}") and "offline" in err[0].lower()
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)
+
+    # a name that is no repository id is refused before anything is exported
+    with pytest.raises(SystemExit) as e:
+        E.main(["--workdir", runs["full"], "--out", str(tmp_path / "none"), "--push_to_hub", "x"])
+    assert e.value.code == 2 and "expected a repository id org/name" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_remote_export_is_pushed_from_a_local_copy(monkeypatch):
+    import fsspec
+    import huggingface_hub
+
+    from jaxvrl import hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    monkeypatch.setattr(FakeHfApi, "calls", [])
+    fs = fsspec.filesystem("memory")
+    files = {"config.json": b"{}", "model.safetensors": b"weights"}
+    for name, data in files.items():
+        fs.pipe(f"/pushed/{name}", data)
+    fs.pipe("/pushed/notes.txt", b"not the export's")
+    r = E.Exported(4, "memory://pushed", sorted(files), 7, "bfloat16", 0)
+    assert E.push(r, "org/remote").endswith("/org/remote/commit/abc123")
+    assert FakeHfApi.calls[1][2]["files"] == files
+    r.files.append("absent.json")  # a copy that fails is a failed push too, in one line
+    with pytest.raises(hub.PushFailed, match=r"^copying memory://pushed to a local directory"):
+        E.push(r, "org/remote")
+    fs.rm("/pushed", recursive=True)
 
 
 def test_a_failed_remote_metadata_read_is_tried_again(monkeypatch):
