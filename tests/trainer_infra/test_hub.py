@@ -333,9 +333,16 @@ def test_export_reads_the_base_model_by_name_at_the_runs_commit(hub_cache, tmp_p
         export._base_files("org/absent", str(tmp_path))
 
 
+def _scalars(workdir) -> dict[int, dict]:
+    """metrics.jsonl by step, without the timings (`*_s`: seconds, tokens per second)."""
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    return {r["step"]: {k: v for k, v in r.items() if not k.endswith("_s")} for r in rows}
+
+
 @pytest.mark.slow
-def test_a_run_with_model_and_data_by_hub_name(hub_cache, tmp_path):
+def test_a_run_with_model_and_data_by_hub_name_resumes_exactly(hub_cache, tmp_path):
     from jaxvrl import train
+    from tests.trainer.test_train import _final_params
 
     emb = train.EMBEDDED  # the embedded checkpoint, as a model repository
     cache_repo(
@@ -345,22 +352,42 @@ def test_a_run_with_model_and_data_by_hub_name(hub_cache, tmp_path):
         {f: open(os.path.join(emb, f), "rb").read() for f in os.listdir(emb)},
     )
     vqa_dataset(hub_cache)
-    c = config(
-        tmp_path,
-        "model.path=org/emb",
-        "data.train_files=org/vqa@train",
-        "data.prompt_key=question",
-        "data.choices_key=choices",
-        "data.answer_key=correct_choice_idx",
-        "data.image_key=image",
-        "prompts_per_step=2",
-        "rollout.num_generations=2",
-        "rollout.max_new_tokens=8",
-        "total_steps=2",
-        "val_freq=100",
-        "save_freq=0",
-    )
-    metrics = train.run(c)
+
+    def hub_config(root, steps: int):
+        return config(
+            root,
+            "model.path=org/emb",
+            "data.train_files=org/vqa@train",
+            "data.prompt_key=question",
+            "data.choices_key=choices",
+            "data.answer_key=correct_choice_idx",
+            "data.image_key=image",
+            "prompts_per_step=2",
+            "rollout.num_generations=2",
+            "rollout.max_new_tokens=8",
+            f"total_steps={steps}",
+            "val_freq=100",
+            "save_freq=0",
+        )
+
+    metrics = train.run(hub_config(tmp_path, 2))
     assert np.isfinite(metrics["loss"]) and metrics["compiles/train_step"] == 1
-    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    resumed = tmp_path / "run"
+    info = json.loads((resumed / "run.json").read_text())
     assert info["model_path"] == "org/emb" and info["model_commit"] == COMMIT
+
+    # resumed from its step-2 checkpoint (the model and the data found by name again; the
+    # third batch of 2 prompts reaches the second epoch of 5 rows) == an uninterrupted 3-step
+    # run: the same state (parameters, optimizer, RNG) and the same metrics rows
+    train.run(hub_config(tmp_path, 3))
+    train.run(hub_config(tmp_path / "whole", 3))
+    whole = tmp_path / "whole" / "run"
+    (sa, pa), (sb, pb) = _final_params(whole), _final_params(resumed)
+    assert sa == sb == 3 and pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    a, b = _scalars(whole), _scalars(resumed)
+    assert sorted(a) == sorted(b) and {1, 2, 3} <= set(a)  # no step repeated or missing
+    assert np.isfinite(a[3]["loss"]) and "reward/total" in a[3] and "tokens_per_s" not in a[3]
+    for step in a:
+        assert a[step] == b[step], step
