@@ -363,18 +363,13 @@ def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None
                 raise ConfigError(f"config.{key}={value!r} in {source}: expected {why}")
 
 
-def _name_problem(names, cfg):
+def reward_names_rule(names, cfg):
+    """Rule of `reward.names`: the functions' metric names are distinct and allowed."""
     try:
         reward_names(tuple(get(cfg, "reward.funcs")), tuple(names))
     except ValueError as e:
-        return str(e)
+        return f"names that identify each reward: {e}"
     return None
-
-
-def reward_names_rule(names, cfg):
-    """Rule of `reward.names`: the functions' metric names are distinct and allowed."""
-    why = _name_problem(names, cfg)
-    return None if why is None else f"names that identify each reward: {why}"
 
 
 def reward_metric_rule(value, cfg):
