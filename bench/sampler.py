@@ -227,7 +227,6 @@ def run_jax(model, inputs, n, repeats=1, temperature=0.0):
     """A rollout's call as the trainer makes it: one Sampler kept across calls, and the
     decode weights prepared for the parameters before each call (packed into the buffer of
     the previous call's: `Sampler.decode_weights`), timed together."""
-    import jax
     from flax import nnx
 
     from jaxvrl.sampling import Sampler, generate
@@ -252,23 +251,29 @@ def run_jax(model, inputs, n, repeats=1, temperature=0.0):
         weights = sampler.decode_weights(params, ids.shape[0], reuse=weights)
         return generate(model, ids, mask, decode_weights=weights, **kw)
 
+    return timed_calls(call, repeats)
+
+
+def timed_calls(call, repeats: int):
+    """(tokens of the last call, best of `repeats` calls in seconds, first call's seconds) of
+    `call() -> SampleOutput`, the first call (compiling) timed apart."""
+    import jax
+
     t = time.perf_counter()
     jax.block_until_ready(call().tokens)
-    compile_s = time.perf_counter() - t
+    first_s = time.perf_counter() - t
     dt = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        out = call()
-        toks = np.asarray(jax.block_until_ready(out.tokens))
+        toks = np.asarray(jax.block_until_ready(call().tokens))
         dt = min(dt, time.perf_counter() - t)
-    return toks, dt, compile_s
+    return toks, dt, first_s
 
 
 def run_generate(model, inputs, n, repeats=1, temperature=0.0):
     """Sampling as a script calls `generate`: no Sampler or decode weights kept (each call
     makes its own Sampler; the decode weights are prepared inside its decode program).
     Returns (tokens, best call seconds, first call seconds)."""
-    import jax
 
     from jaxvrl.sampling import generate
 
@@ -280,15 +285,7 @@ def run_generate(model, inputs, n, repeats=1, temperature=0.0):
         pixel_values=pv,
         image_grid_thw=grid,
     )
-    t = time.perf_counter()
-    jax.block_until_ready(generate(model, ids, mask, **kw).tokens)
-    first_s = time.perf_counter() - t
-    dt = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        toks = np.asarray(jax.block_until_ready(generate(model, ids, mask, **kw).tokens))
-        dt = min(dt, time.perf_counter() - t)
-    return toks, dt, first_s
+    return timed_calls(lambda: generate(model, ids, mask, **kw), repeats)
 
 
 def generate_lines(gen: dict, kept: dict, kept_tokens: dict) -> list[str]:
