@@ -41,8 +41,8 @@ from jaxvrl.config import (
 from jaxvrl.data.synthetic import QUESTIONS
 from jaxvrl.logging.trackers import backends_rule
 from jaxvrl.models.attention import IMPLEMENTATIONS
+from jaxvrl.models.config import REMAT_POLICIES
 from jaxvrl.models.lora import QTYPES
-from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES
 from jaxvrl.rl.advantages import ESTIMATORS
 from jaxvrl.rl.attention import LAYER_SETS
 from jaxvrl.rl.losses import AGG_MODES, KL_CONTROLLERS, KL_KINDS

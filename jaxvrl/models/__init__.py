@@ -1,10 +1,34 @@
-"""Models. `DTYPES`: the compute and parameter dtypes a config may name; `EMBEDDED`: the tiny
-checkpoint shipped in the package; `preset_names`: the published configs shipped without
-weights (shapes for `python -m jaxvrl.aot`)."""
+"""Models: one interface over every family (`jaxvrl.models.interface`).
+
+model = jaxvrl.models.load("/path/to/checkpoint")   # the family config.json's model_type names
+out = model(input_ids, attention_mask, pixel_values=pv, image_grid_thw=grid)
+jaxvrl.models.save(model, "/tmp/export")            # an HF directory transformers loads
+
+`DTYPES`: the compute and parameter dtypes a config may name; `EMBEDDED`: the tiny checkpoint
+shipped in the package; `preset_names`: the published configs shipped without weights (shapes
+for `python -m jaxvrl.aot`).
+"""
 
 import os
 
 import jax.numpy as jnp
+
+from jaxvrl.models.cache import KVCache, PagedKVCache
+from jaxvrl.models.interface import (
+    FAMILIES,
+    Family,
+    Model,
+    ModelOutput,
+    ProcessorSettings,
+    config_from_hf,
+    family,
+    family_of,
+    load,
+    load_config,
+    save,
+)
+from jaxvrl.models.patches import VisionInputs, stack_vision_inputs
+from jaxvrl.models.positions import attention_pools
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
@@ -14,3 +38,56 @@ EMBEDDED = os.path.join(ASSETS, "tiny_qwen2_5_vl")  # the tiny checkpoint of the
 
 def preset_names() -> tuple[str, ...]:
     return tuple(sorted(f[: -len(".json")] for f in os.listdir(PRESETS) if f.endswith(".json")))
+
+
+def rope_index(
+    cfg,
+    input_ids,
+    attention_mask,
+    image_grid_thw=None,
+    video_grid_thw=None,
+    second_per_grid_ts=None,
+):
+    """Position ids int32[3, B, T] and deltas int32[B] of a batch of prompts for the model of
+    `cfg`, by its family's rope index (see `Family`)."""
+    return family_of(cfg).rope_index(
+        input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw, second_per_grid_ts
+    )
+
+
+def vision_inputs(cfg, pixel_values, grid_thw, num_patches=None) -> VisionInputs:
+    """The host layout of packed patches for the model of `cfg` (see `Family`)."""
+    return family_of(cfg).vision_inputs(pixel_values, grid_thw, cfg.vision, num_patches)
+
+
+def processor(cfg) -> ProcessorSettings:
+    """The image/video processor settings of the model of `cfg`."""
+    return family_of(cfg).processor(cfg)
+
+
+__all__ = [
+    "ASSETS",
+    "DTYPES",
+    "EMBEDDED",
+    "FAMILIES",
+    "PRESETS",
+    "Family",
+    "KVCache",
+    "Model",
+    "ModelOutput",
+    "PagedKVCache",
+    "ProcessorSettings",
+    "VisionInputs",
+    "attention_pools",
+    "config_from_hf",
+    "family",
+    "family_of",
+    "load",
+    "load_config",
+    "preset_names",
+    "processor",
+    "rope_index",
+    "save",
+    "stack_vision_inputs",
+    "vision_inputs",
+]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxvrl.models import attention as A
-from jaxvrl.models.qwen2_5_vl.layers import masked_softmax, pool_masses
+from jaxvrl.models.layers import masked_softmax, pool_masses
 
 H = 8
 

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from jaxvrl.models import lora
 from jaxvrl.models import qwen2_5_vl as q
-from jaxvrl.models.qwen2_5_vl.weights import stacked_path
+from jaxvrl.models.weights import stacked_path
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny as T
 

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from jaxvrl.models.qwen2_5_vl import vision
+from jaxvrl.models import vision
 
 
 @pytest.fixture

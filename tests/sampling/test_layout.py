@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from jaxvrl.models import lora, qwen2_5_vl
-from jaxvrl.models.qwen2_5_vl.config import TextConfig
+from jaxvrl.models.config import TextConfig
 from jaxvrl.sampling import RolloutParams, Sampler, decode_bytes, rollout_dtype, rollout_sizes
 from jaxvrl.sampling.sampler import generation_config, sample
 from tests.models import hf_tiny

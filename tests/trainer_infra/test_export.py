@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from jaxvrl import export as E
 from jaxvrl.checkpoint import Checkpointer
-from jaxvrl.models import lora
+from jaxvrl.models import lora, weights
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.train import EMBEDDED, run
 from tests.trainer.test_train import tiny_config
@@ -125,9 +125,9 @@ def test_export_loads_in_transformers_with_the_trained_logits(runs, tmp_path):
     _, state = nnx.split(model, nnx.Param)
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
     # scanned layers: HF tensor model.layers.{i}... is index i of the stacked param
-    for layer, path, i, _ in q.weights.per_layer((p, x.shape) for p, x in flat.items()):
+    for layer, path, i, _ in weights.per_layer((p, x.shape) for p, x in flat.items()):
         x = flat[path] if i is None else flat[path][i]
-        name, want = q.weights.hf_tensor(layer, x, model.config)
+        name, want = weights.hf_tensor(layer, x, model.config, q.KEYS)
         np.testing.assert_array_equal(exported[name], want, err_msg=name)
     assert sum(not np.array_equal(exported[k], base[k]) for k in base) > len(base) // 2
 

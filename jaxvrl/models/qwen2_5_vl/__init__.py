@@ -1,18 +1,39 @@
 """Qwen2.5-VL in Flax NNX with exact parity to `transformers`.
 
-model = jaxvrl.models.qwen2_5_vl.load("/path/to/Qwen2.5-VL-3B-Instruct")
+model = jaxvrl.models.load("/path/to/Qwen2.5-VL-3B-Instruct")
 out = model(input_ids, attention_mask, pixel_values=pv, image_grid_thw=grid)
-jaxvrl.models.qwen2_5_vl.save(model, "/tmp/export")
+jaxvrl.models.save(model, "/tmp/export")
 """
 
-from jaxvrl.models.qwen2_5_vl.config import ConfigError, Qwen2_5_VLConfig, TextConfig, VisionConfig
-from jaxvrl.models.qwen2_5_vl.model import ModelOutput, Qwen2_5_VL
-from jaxvrl.models.qwen2_5_vl.positions import attention_pools, get_rope_index
-from jaxvrl.models.qwen2_5_vl.text import KVCache, PagedKVCache
-from jaxvrl.models.qwen2_5_vl.vision import VisionInputs, stack_vision_inputs, vision_inputs
-from jaxvrl.models.qwen2_5_vl.weights import KEY_TABLE, load, save
+from jaxvrl.models.cache import KVCache, PagedKVCache
+from jaxvrl.models.config import ConfigError, TextConfig, VisionConfig
+from jaxvrl.models.interface import Family, ModelOutput, ProcessorSettings, load, save
+from jaxvrl.models.patches import VisionInputs, stack_vision_inputs, vision_inputs
+from jaxvrl.models.positions import attention_pools, get_rope_index
+from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from jaxvrl.models.qwen2_5_vl.model import Qwen2_5_VL
+from jaxvrl.models.qwen2_5_vl.weights import KEY_TABLE, KEYS
+
+
+def processor(cfg: Qwen2_5_VLConfig) -> ProcessorSettings:
+    v = cfg.vision
+    return ProcessorSettings(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+
+
+FAMILY = Family(
+    model_type="qwen2_5_vl",
+    architecture="Qwen2_5_VLForConditionalGeneration",
+    config_from_hf=Qwen2_5_VLConfig.from_hf_dict,
+    model=Qwen2_5_VL,
+    keys=KEYS,
+    rope_index=get_rope_index,
+    vision_inputs=vision_inputs,
+    processor=processor,
+)
 
 __all__ = [
+    "FAMILY",
+    "KEYS",
     "KEY_TABLE",
     "ConfigError",
     "KVCache",

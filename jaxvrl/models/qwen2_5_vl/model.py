@@ -13,26 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from jaxvrl.models.attention import resolve
+from jaxvrl.models.cache import KVCache
+from jaxvrl.models.decoder import TextDecoder
+from jaxvrl.models.interface import ModelOutput
+from jaxvrl.models.layers import linear, remat
+from jaxvrl.models.patches import VisionInputs, vision_inputs
+from jaxvrl.models.positions import get_rope_index
 from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
-from jaxvrl.models.qwen2_5_vl.layers import linear
-from jaxvrl.models.qwen2_5_vl.positions import get_rope_index
-from jaxvrl.models.qwen2_5_vl.text import KVCache, TextDecoder, remat
-from jaxvrl.models.qwen2_5_vl.vision import VisionInputs, VisionTower, vision_inputs
-
-
-@struct.dataclass
-class ModelOutput:
-    """logits: float32[B, T, V] (None if not asked); hidden: [B, T, D] final-norm states;
-    cache: the updated KVCache or None; vision_mass / text_mass: float32[L, B, T] or None."""
-
-    logits: jax.Array | None
-    hidden: jax.Array
-    cache: KVCache | None = None
-    vision_mass: jax.Array | None = None
-    text_mass: jax.Array | None = None
+from jaxvrl.models.vision import VisionTower
 
 
 class Qwen2_5_VL(nnx.Module):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxvrl.models.qwen2_5_vl.layers import masked_softmax, pool_masses
+from jaxvrl.models.layers import masked_softmax, pool_masses
 from jaxvrl.sampling.cpu import kernels
 
 # The product-and-reduce form is used up to this K: for a 151936-row LM head at B = 8 it beat

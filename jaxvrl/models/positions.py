@@ -1,12 +1,11 @@
-"""Host-side (numpy) index computations: M-RoPE position ids and attention-statistics pools."""
+"""Host-side (numpy) index computations shared by the families: M-RoPE position ids and the
+attention-statistics pools."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-
-from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 
 
 def _runs(types: np.ndarray):
@@ -22,7 +21,7 @@ def _runs(types: np.ndarray):
 def get_rope_index(
     input_ids,
     attention_mask,
-    cfg: Qwen2_5_VLConfig,
+    cfg,
     image_grid_thw=None,
     video_grid_thw=None,
     second_per_grid_ts=None,

@@ -20,11 +20,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from jaxvrl.models.attention import attend
-from jaxvrl.models.qwen2_5_vl.config import TextConfig
-from jaxvrl.models.qwen2_5_vl.layers import (
+from jaxvrl.models.cache import KVCache, PagedKVCache, PagedLayer
+from jaxvrl.models.config import TextConfig
+from jaxvrl.models.layers import (
     GatedMLP,
     RMSNorm,
     apply_rope,
@@ -41,111 +42,6 @@ from jaxvrl.parallel.sharding import constrain
 
 # logical axes of the residual stream [B, T, D]
 RESIDUAL = ("batch", "length", "act_embed")
-
-
-@struct.dataclass
-class KVCache:
-    """Keys [B, K, H, S] and values [B, K, S, H] of every layer, the valid-key mask and the
-    next write position.
-
-    Two layouts of the layers: a tuple of per-layer arrays, or one array with a leading layer
-    axis (k float[L, B, K, H, S], v float[L, B, K, S, H]) that a scanned decoder scans over
-    (`TextDecoder`). The tuple is the CPU decode steps' layout: each layer's cache is its own
-    buffer, updated in place and read as it lies by the CPU attention kernel, where a slice
-    of a stacked array would be copied every step.
-
-    Rows share one write position: prompts are left-padded to a common length, so every row
-    writes its t-th new token at the same slot. The layout makes a decode step's two products
-    (q . keys over H, probabilities . values over S) read the cache as it lies, with the long
-    axis S contiguous in the first; [B, S, K, H] made XLA's CPU backend transpose each layer's
-    whole cache every step.
-    """
-
-    k: tuple[jax.Array, ...] | jax.Array
-    v: tuple[jax.Array, ...] | jax.Array
-    key_mask: jax.Array  # bool[B, S]
-    index: jax.Array  # int32[]
-
-    @classmethod
-    def init(
-        cls, cfg: TextConfig, batch: int, length: int, dtype=jnp.float32, stacked: bool = False
-    ) -> KVCache:
-        """Zeros for `length` positions; stacked: the layer-axis layout, else the tuple."""
-        kv, hd, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-        if stacked:
-            k = jnp.zeros((n, batch, kv, hd, length), dtype)
-            v = jnp.zeros((n, batch, kv, length, hd), dtype)
-        else:
-            k = tuple(jnp.zeros((batch, kv, hd, length), dtype) for _ in range(n))
-            v = tuple(jnp.zeros((batch, kv, length, hd), dtype) for _ in range(n))
-        return cls(
-            k=k, v=v, key_mask=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32)
-        )
-
-    @property
-    def stacked(self) -> bool:
-        return not isinstance(self.k, tuple)
-
-    def layer(self, i: int):
-        """What layer i's attention takes: (keys, values, write position)."""
-        return self.k[i], self.v[i], self.index
-
-
-@struct.dataclass
-class PagedKVCache:
-    """A KV cache in pages, for decode steps whose rows write at their own positions (the
-    sampler's slots, `jaxvrl/sampling/engine.py`): every layer's keys k [pages, K, H, ps] and
-    values v [pages, K, ps, H] (the dense cache's layouts with the length axis cut into
-    pages of ps positions), and per row a page table, the validity of its keys and the slot
-    its next token is written to.
-
-    A row's logical sequence is its pages in table order: slot j is position j % ps of page
-    table[b, j // ps]. Rows may share pages that nobody writes (a prompt's pages, shared by
-    its samples); a row writes only into pages of its own. Keys are attended where `valid`,
-    so pages may hold gaps (a prompt padded to whole pages).
-    """
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    table: jax.Array  # int32[B, n]: the pages of each row, in order
-    valid: jax.Array  # bool[B, n * ps]: which of the row's slots hold a key
-    write: jax.Array  # int32[B]: the slot the row's next token goes to
-
-    stacked = False  # one buffer per layer (the layers run as a loop)
-
-    @property
-    def page_size(self) -> int:
-        return self.k[0].shape[-1]
-
-    def layer(self, i: int) -> _PagedLayer:
-        """What layer i's attention takes: its pages with the rows' tables and write slots."""
-        return _PagedLayer(self.k[i], self.v[i], self.table, self.write)
-
-
-@struct.dataclass
-class _PagedLayer:
-    """One layer's pages with the rows' tables and write slots (`Attention.__call__`)."""
-
-    k: jax.Array
-    v: jax.Array
-    table: jax.Array
-    write: jax.Array
-
-    def write_and_read(self, k_new, v_new):
-        """Writes each row's new key/value [B, 1, K, H] at its write slot; returns the
-        updated pages and every row's keys [B, K, H, n * ps] and values [B, K, n * ps, H]
-        gathered from its pages (the dense cache's layouts)."""
-        ps = self.k.shape[-1]
-        page = jnp.take_along_axis(self.table, (self.write // ps)[:, None], axis=1)[:, 0]
-        off = self.write % ps
-        k_pages = self.k.at[page, :, :, off].set(k_new[:, 0].astype(self.k.dtype))
-        v_pages = self.v.at[page, :, off, :].set(v_new[:, 0].astype(self.v.dtype))
-        b, n = self.table.shape
-        kk = k_pages[self.table]  # [B, n, K, H, ps]
-        kk = kk.transpose(0, 2, 3, 1, 4).reshape(b, kk.shape[2], kk.shape[3], n * ps)
-        vv = v_pages[self.table]  # [B, n, K, ps, H]
-        vv = vv.transpose(0, 2, 1, 3, 4).reshape(b, vv.shape[2], n * ps, vv.shape[4])
-        return (k_pages, v_pages), kk, vv
 
 
 def mrope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
@@ -230,7 +126,7 @@ class Attention(nnx.Module):
             return o_proj(out.reshape(b, t, -1)), (k, v), stats
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
-        if isinstance(kv, _PagedLayer):  # write at each row's slot, read its pages densely
+        if isinstance(kv, PagedLayer):  # write at each row's slot, read its pages densely
             new_kv, k, v = kv.write_and_read(k, v)
         else:
             k_cache, v_cache, index = kv

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxvrl.models.attention import resolve
-from jaxvrl.models.qwen2_5_vl.config import REMAT_POLICIES, checkpoint_policy
+from jaxvrl.models.config import REMAT_POLICIES, checkpoint_policy
 from jaxvrl.parallel.sharding import target_platform
 
 _ACTS = {
