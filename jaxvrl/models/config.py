@@ -41,10 +41,27 @@ class VisionConfig:
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # the blocks' and the merger's norm: "rms" (Qwen2.5-VL) or "layer" (Qwen2-VL, Qwen3-VL)
+    norm: str = "rms"
+    # the blocks' MLP: "gated" (gate/up/down, Qwen2.5-VL) or "plain" (fc1/fc2)
+    mlp: str = "gated"
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some blocks attend within windows (window_size 0: every block attends over
+        its whole frame)."""
+        return self.window_size > 0 and len(set(self.fullatt_block_indexes)) < self.depth
+
+    @property
+    def full_blocks(self) -> frozenset[int]:
+        """The blocks that attend over whole frames."""
+        if not self.windowed:
+            return frozenset(range(self.depth))
+        return frozenset(self.fullatt_block_indexes)
 
     @property
     def patch_dim(self) -> int:
@@ -57,7 +74,9 @@ class VisionConfig:
 
     @property
     def window_units(self) -> int:
-        """Merge units along one side of an attention window."""
+        """Merge units along one side of an attention window (0 without windows)."""
+        if not self.windowed:
+            return 0
         return self.window_size // self.spatial_merge_size // self.patch_size
 
     @property
@@ -145,7 +164,7 @@ def vision_from_dict(d: dict, source: str) -> VisionConfig:
     cfg = VisionConfig(**kw)
     if cfg.hidden_size % cfg.num_heads:
         raise ConfigError(f"{source}: vision hidden_size not divisible by num_heads")
-    if cfg.window_size % (cfg.spatial_merge_size * cfg.patch_size):
+    if cfg.windowed and cfg.window_size % (cfg.spatial_merge_size * cfg.patch_size):
         raise ConfigError(
             f"{source}: vision window_size {cfg.window_size} must be a multiple of "
             f"spatial_merge_size * patch_size"

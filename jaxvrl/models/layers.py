@@ -43,6 +43,33 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(dtype) * y
 
 
+class LayerNorm(nnx.Module):
+    """LayerNorm with a scale `weight` and a `bias`, computed in float32 and cast back."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+NORMS = {"rms": RMSNorm, "layer": LayerNorm}
+
+
+def norm(kind: str, dim: int, eps: float, *, param_dtype=jnp.float32) -> nnx.Module:
+    """An RMSNorm ("rms") or a LayerNorm ("layer") over the last axis."""
+    if kind not in NORMS:
+        raise ValueError(f"norm {kind!r} is not one of {sorted(NORMS)}")
+    return NORMS[kind](dim, eps, param_dtype=param_dtype)
+
+
 def linear(din: int, dout: int, *, bias: bool, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
         din,
@@ -53,6 +80,19 @@ def linear(din: int, dout: int, *, bias: bool, dtype, param_dtype, rngs: nnx.Rng
         kernel_init=nnx.initializers.normal(0.02),
         rngs=rngs,
     )
+
+
+class MLP(nnx.Module):
+    """fc2(act(fc1(x))): the plain MLP of ViT blocks and mergers."""
+
+    def __init__(self, dim, hidden, act, *, bias, dtype, param_dtype, rngs, out=None):
+        kw = dict(bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fc1 = linear(dim, hidden, **kw)
+        self.fc2 = linear(hidden, dim if out is None else out, **kw)
+        self.act = activation(act)
+
+    def __call__(self, x):
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class GatedMLP(nnx.Module):

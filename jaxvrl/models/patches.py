@@ -57,6 +57,10 @@ def _window_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> tuple[np.ndarray,
     """
     merge = cfg.spatial_merge_size
     ws = cfg.window_units
+    if not ws:  # no windows: processor order, one "window" per frame
+        per_frame = [(h // merge) * (w // merge) for t, h, w in grid_thw for _ in range(t)]
+        ids = np.repeat(np.arange(len(per_frame)), per_frame).astype(np.int64)
+        return np.arange(len(ids)), ids
     index, window_ids, offset, next_window = [], [], 0, 0
     for t, h, w in grid_thw:
         gh, gw = h // merge, w // merge
@@ -117,7 +121,7 @@ def vision_inputs(
     # windows of their own, as wide as whole ones, so every window is a run of at most
     # `window_patches` consecutive patches (what the banded attention relies on).
     first_pad = int(win_ids.max()) + 1 if len(win_ids) else 0
-    pad_windows = first_pad + np.arange(n_units - n_valid_units) // cfg.window_units**2
+    pad_windows = first_pad + np.arange(n_units - n_valid_units) // max(cfg.window_units**2, 1)
     window_units = np.concatenate([win_ids, pad_windows])
     rot = np.concatenate([_rot_pos(grid, merge), np.zeros((n - n_valid, 2), np.int64)])
     rot = rot.reshape(n_units, unit, 2)[window_index].reshape(n, 2)

@@ -29,11 +29,12 @@ from flax import nnx, struct
 from jaxvrl.models.attention import attend
 from jaxvrl.models.config import VisionConfig
 from jaxvrl.models.layers import (
+    MLP,
     GatedMLP,
-    RMSNorm,
     apply_rope,
     attention_implementation,
     linear,
+    norm,
     remat,
     scan_layers,
     stacked,
@@ -109,10 +110,11 @@ class Segments:
 class VisionBlock(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm1 = norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm2 = norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.attn = VisionAttention(cfg, **kw)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True, **kw)
+        mlp = GatedMLP if cfg.mlp == "gated" else MLP
+        self.mlp = mlp(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True, **kw)
 
     def __call__(self, x, cos, sin, segments: Segments, *, implementation="xla", block=512):
         h = self.attn(self.norm1(x), cos, sin, segments, implementation=implementation, block=block)
@@ -121,11 +123,12 @@ class VisionBlock(nnx.Module):
 
 
 class PatchMerger(nnx.Module):
-    """RMSNorm, then each 2x2 block of patches concatenated and projected by a GELU MLP."""
+    """The tower's norm, then each 2x2 block of patches concatenated and projected by a GELU
+    MLP."""
 
     def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
         kw = dict(bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.ln_q = RMSNorm(cfg.hidden_size, 1e-6, param_dtype=param_dtype)
+        self.ln_q = norm(cfg.norm, cfg.hidden_size, 1e-6, param_dtype=param_dtype)
         self.hidden = cfg.hidden_size * cfg.merge_unit
         self.fc1 = linear(self.hidden, self.hidden, **kw)
         self.fc2 = linear(self.hidden, cfg.out_hidden_size, **kw)
@@ -214,7 +217,7 @@ class VisionTower(nnx.Module):
         x = self.patch_embed(vi.pixel_values.astype(self.dtype))  # [B, N, D], window order
         x = constrain(x, PATCHES)
         cos, sin = self.rotary(vi.rot_pos)
-        full = set(cfg.fullatt_block_indexes)
+        full = cfg.full_blocks
         block_call = functools.partial(
             VisionBlock.__call__,
             implementation=self.implementation(),
