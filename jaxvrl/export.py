@@ -302,9 +302,10 @@ def _model_shapes(cfg, scan_layers: bool) -> dict[str, tuple[int, ...]]:
     scan_layers: with stacked layers (`model.layers.mlp.up_proj.kernel` [L, D, F])."""
     from flax import nnx
 
-    from jaxvrl.models.qwen2_5_vl.model import Qwen2_5_VL
+    from jaxvrl.models import family_of
 
-    abstract = nnx.eval_shape(lambda: Qwen2_5_VL(cfg, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+    model = family_of(cfg).model
+    abstract = nnx.eval_shape(lambda: model(cfg, rngs=nnx.Rngs(0), scan_layers=scan_layers))
     flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
     return {".".join(str(p) for p in path): tuple(v.shape) for path, v in flat}
 
@@ -358,7 +359,7 @@ def _base_files(model_path: str, into: str, commit: str | None = None) -> str:
     """A local directory with the base model's config.json and tokenizer/processor files
     (never its weights: a gs:// or Hugging Face Hub model is not downloaded whole). A Hub
     name is fetched at `commit` (run.json's: the one the run trained from) when given."""
-    from jaxvrl.models.qwen2_5_vl.weights import PROCESSOR_FILES
+    from jaxvrl.models.weights import PROCESSOR_FILES
 
     name = hub.model_name(model_path)
     if name:
@@ -402,7 +403,7 @@ def _generation_config(cfg) -> dict:
 
 
 def _write_small_files(fs, root: str, base_dir: str, cfg, dtype: str) -> list[str]:
-    from jaxvrl.models.qwen2_5_vl.weights import PROCESSOR_FILES
+    from jaxvrl.models.weights import PROCESSOR_FILES
 
     written = {"config.json": json.dumps(_hf_config(base_dir, dtype), indent=2)}
     if not os.path.exists(os.path.join(base_dir, "generation_config.json")):
@@ -435,8 +436,7 @@ def export(
     """Writes the policy of `workdir`'s checkpoint `step` (default: the latest) to `out` as an
     HF checkpoint directory. dtype: float32 | bfloat16 | float16 (default: the run's
     model.param_dtype); max_shard_bytes: largest safetensors file (default 5 GB)."""
-    from jaxvrl.models.qwen2_5_vl import weights
-    from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+    from jaxvrl.models import family_of, load_config, weights
 
     directory, steps = checkpoint_steps(workdir)
     if not steps:
@@ -459,7 +459,8 @@ def export(
     _check_out(out, overwrite)
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = _base_files(model_path, tmp, info.get("model_commit"))
-        cfg = Qwen2_5_VLConfig.from_pretrained(base_dir)
+        cfg = load_config(base_dir)
+        table = family_of(cfg).keys
         scanned = any(weights.is_stacked(p) for p in sources)  # a run with model.scan_layers
         shapes = _model_shapes(cfg, scanned)
         _check_sources(sources, shapes, f"checkpoint {directory}/{step}", model_path)
@@ -467,7 +468,7 @@ def export(
         names = {}
         specs = []
         for layer, path, i, shape in weights.per_layer(shapes.items()):
-            name, hf_shape = weights.hf_shape(layer, shape, cfg)
+            name, hf_shape = weights.hf_shape(layer, shape, cfg, table)
             names[name] = (layer, path, i, shape)
             specs.append(weights.TensorSpec(name, hf_shape, np_dtype))
         # a stacked param's arrays, read once for its L tensors (they come one after the other)
@@ -495,7 +496,7 @@ def export(
                     f"checkpoint {directory}/{step}: {layer} has shape {tuple(x.shape)}, "
                     f"the config.json of {model_path} implies {shape}"
                 )
-            return weights.hf_tensor(layer, x, cfg, np_dtype)[1]
+            return weights.hf_tensor(layer, x, cfg, table, np_dtype)[1]
 
         def opened(name: str):
             return fs.open(f"{root}/{name}", "wb")

@@ -2,7 +2,7 @@
 built-in task by supervised fine-tuning, so that RL starts from a model that answers in the
 right format but is far from perfect.
 
-    python -m jaxvrl.sft [--out jaxvrl/assets/tiny_qwen2_5_vl] [--steps 400]
+    python -m jaxvrl.sft [--out DIR (default: the embedded checkpoint)] [--steps 400]
 
 On purpose, the SFT targets are wrong for half of the answer values (blue, yellow, triangle,
 cross): the <think> names the right colour, but 60% of their targets give the next option's
@@ -24,51 +24,53 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxvrl import models
 from jaxvrl.data import synthetic
 from jaxvrl.data.build_tokenizer import build as build_tokenizer
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
 from jaxvrl.data.processor import hf_image_processor_config
-from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, TextConfig, VisionConfig, save
 from jaxvrl.trainer.sft import make_sft_step
 
 BIASED = {"blue", "yellow", "triangle", "cross"}
 BIAS = 0.6
-ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_qwen2_5_vl")
+ASSET_DIR = models.EMBEDDED
 
 
-def tiny_config(tokenizer) -> Qwen2_5_VLConfig:
+def tiny_config(tokenizer):
+    """The embedded model's config: a tiny Qwen2.5-VL over `tokenizer`'s vocabulary."""
     conv = tokenizer.convert_tokens_to_ids
     vocab = -(-len(tokenizer) // 64) * 64
-    return Qwen2_5_VLConfig(
-        text=TextConfig(
-            vocab_size=vocab,
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rope_theta=10000.0,
-            mrope_section=(4, 6, 6),
-            max_position_embeddings=2048,
-        ),
-        vision=VisionConfig(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            out_hidden_size=128,
-            fullatt_block_indexes=(1,),
-            window_size=112,
-            tokens_per_second=2,
-        ),
-        image_token_id=conv("<|image_pad|>"),
-        video_token_id=conv("<|video_pad|>"),
-        vision_start_token_id=conv("<|vision_start|>"),
-        vision_end_token_id=conv("<|vision_end|>"),
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    hf = {
+        "model_type": models.EMBEDDED_FAMILY,
+        "image_token_id": conv("<|image_pad|>"),
+        "video_token_id": conv("<|video_pad|>"),
+        "vision_start_token_id": conv("<|vision_start|>"),
+        "vision_end_token_id": conv("<|vision_end|>"),
+        "tie_word_embeddings": True,
+        "text_config": {
+            "vocab_size": vocab,
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_parameters": {"rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            "max_position_embeddings": 2048,
+            "bos_token_id": None,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+        "vision_config": {
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "fullatt_block_indexes": [1],
+            "window_size": 112,
+            "tokens_per_second": 2,
+        },
+    }
+    return models.config_from_hf(hf, source="the embedded model")
 
 
 def sft_target(row, rng) -> str:
@@ -123,7 +125,7 @@ def main(argv=None) -> None:
     build_tokenizer(args.out)
     tok = AutoTokenizer.from_pretrained(args.out)
     cfg = tiny_config(tok)
-    model = Qwen2_5_VL(cfg, rngs=nnx.Rngs(args.seed))
+    model = models.family_of(cfg).model(cfg, rngs=nnx.Rngs(args.seed))
     rows = synthetic.make_split("train", 2048, seed=0)
     examples, _ = encode_rows(rows, tok, EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT))
     rng = np.random.default_rng(args.seed)
@@ -142,7 +144,7 @@ def main(argv=None) -> None:
         loss = step(model, optimizer, batch)
         if i % 50 == 0 or i == args.steps - 1:
             print(f"sft step {i:4d}  loss {float(loss):.4f}  {time.time() - t0:.0f}s", flush=True)
-    save(model, args.out)
+    models.save(model, args.out)
     write_preprocessor_config(args.out)
     print(f"wrote {args.out}")
 

@@ -57,7 +57,7 @@ from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import DataNotFound, open_sources
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names
-from jaxvrl.models.qwen2_5_vl import load
+from jaxvrl.models import load
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir, probe_writable
@@ -81,9 +81,14 @@ log = logging.getLogger("jaxvrl")
 EMBEDDED = models.EMBEDDED
 
 
-def encode_options(c) -> EncodeOptions:
+def encode_options(c, model_config=None) -> EncodeOptions:
+    """How rows become examples for the model of `model_config` (its image/video processor;
+    None: the embedded model's)."""
     builtin = not c.data.train_files
+    if model_config is None:
+        model_config = models.load_config(EMBEDDED)
     return EncodeOptions(
+        processor=models.processor(model_config),
         image_dir=c.data.image_dir or None,
         max_prompt_length=c.data.max_prompt_length,
         max_image_side=c.data.max_image_side,
@@ -107,7 +112,7 @@ def row_format(c) -> RowFormat:
     )
 
 
-def train_data(c, tokenizer):
+def train_data(c, tokenizer, model_config=None):
     """-> (iterator, rows, skip stats): a grain iterator of prompts_per_step encoded examples
     per next() (shuffled per epoch, sharded per process; its state goes into the checkpoint),
     the number of rows in this process's shard, and the live counts of skipped bad rows."""
@@ -122,7 +127,7 @@ def train_data(c, tokenizer):
     ds, stats = make_dataset(
         source,
         tokenizer,
-        encode_options(c),
+        encode_options(c, model_config),
         batch_size=c.prompts_per_step,
         seed=c.seed,
         shard_index=jax.process_index(),
@@ -132,9 +137,9 @@ def train_data(c, tokenizer):
     return iter(ds), -(-len(source) // jax.process_count()), stats
 
 
-def val_examples(c, tokenizer) -> list:
+def val_examples(c, tokenizer, model_config=None) -> list:
     """Encoded held-out examples (val_files, or the built-in task's test split)."""
-    opts = encode_options(c)
+    opts = encode_options(c, model_config)
     if c.data.val_files:
         examples, stats = [], None
         for path in c.data.val_files.split(","):
@@ -515,7 +520,7 @@ def _run(c) -> dict:
         write_run_info(logdir, run_info(c, commit=source[1]))
 
     model, tokenizer = load_model(c, source)
-    data, train_rows, skipped = train_data(c, tokenizer)
+    data, train_rows, skipped = train_data(c, tokenizer, model.config)
     # the state, optimizer state and reference copy are created sharded; init runs on a copy
     # of the model, whose graph after init (LoRA adapters) is the sampler's
     s = runtime.sharded_train_state(init_train_state, model, mesh, c)
@@ -528,7 +533,7 @@ def _run(c) -> dict:
     sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh)
     rmesh = sampler.mesh  # the rollout's layout: the prompts go there
     phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh)
-    examples = val_examples(c, tokenizer)
+    examples = val_examples(c, tokenizer, model.config)
     validate = make_validate(c, examples, greedy, model.config, tokenizer, rmesh, phase.decode)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings

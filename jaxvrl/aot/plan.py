@@ -34,7 +34,6 @@ from jaxvrl.aot.report import (
 from jaxvrl.config import ConfigError
 from jaxvrl.data.processor import smart_resize
 from jaxvrl.models.attention import resolve
-from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig, vision_inputs
 from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
 from jaxvrl.sampling import Sampler, static
@@ -43,7 +42,7 @@ from jaxvrl.trainer.rollout import assemble
 from jaxvrl.trainer.step import build_train_step
 
 
-def model_config(c) -> tuple[str, Qwen2_5_VLConfig]:
+def model_config(c) -> tuple[str, object]:
     """(name, config) of `model.preset` (a published config.json shipped with the package) or
     of `model.path`'s config.json (no weights are read)."""
     preset = c.model.get("preset")
@@ -53,10 +52,10 @@ def model_config(c) -> tuple[str, Qwen2_5_VLConfig]:
             known = ", ".join(models.preset_names())
             raise ConfigError(f"config.model.preset={preset!r}: unknown; known: {known}")
         with open(path) as f:
-            return preset, Qwen2_5_VLConfig.from_hf_dict(json.load(f), source=path)
+            return preset, models.config_from_hf(json.load(f), source=path)
     if not c.model.path:
-        return "embedded tiny model", Qwen2_5_VLConfig.from_pretrained(train.EMBEDDED)
-    return c.model.path, Qwen2_5_VLConfig.from_pretrained(c.model.path)
+        return "embedded tiny model", models.load_config(train.EMBEDDED)
+    return c.model.path, models.load_config(c.model.path)
 
 
 TEXT_ROOM = 32  # prompt tokens left for text beside the image
@@ -130,7 +129,7 @@ class Plan:
     slice: topology.Slice
     mesh: jax.sharding.Mesh
     model_name: str
-    model: Qwen2_5_VL  # abstract
+    model: models.Model  # abstract
     init: runtime.ShardedInit  # abstract state and reference params with their shardings
     rows: int  # global rows of a step: prompts_per_step x G x hosts
     grid: np.ndarray
@@ -143,7 +142,7 @@ class Plan:
         name, mcfg = model_config(c)
         dtype, param_dtype = models.DTYPES[c.model.dtype], models.DTYPES[c.model.param_dtype]
         model = nnx.eval_shape(
-            lambda: Qwen2_5_VL(
+            lambda: models.family_of(mcfg).model(
                 mcfg,
                 dtype=dtype,
                 param_dtype=param_dtype,
@@ -200,7 +199,7 @@ class Plan:
         vcfg = self.model.config.vision
         patches = int(np.prod(self.grid))
         pv = np.zeros((patches, vcfg.patch_dim), np.float32)
-        row = vision_inputs(pv, self.grid, vcfg, num_patches=patches)
+        row = models.vision_inputs(self.model.config, pv, self.grid, patches)
         return jax.tree.map(lambda x: np.broadcast_to(x, (rows,) + x.shape), row)
 
     def _pools(self, length: int, rows: int) -> dict:

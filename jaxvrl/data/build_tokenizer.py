@@ -5,8 +5,8 @@
 It carries the Qwen2 chat special tokens, <think>/<answer> tags as single tokens and the
 Qwen2.5-VL chat template, in HF format, so `AutoTokenizer.from_pretrained(path)` loads it
 offline. Any text encodes (byte-level BPE over all 256 bytes). The build is deterministic: the
-shipped files, and the copy beside the embedded checkpoint (`assets/tiny_qwen2_5_vl`, written by
-`jaxvrl.sft` through `build`), are byte-identical to a fresh build.
+shipped files, and the copy beside the embedded checkpoint (`jaxvrl.models.EMBEDDED`, written by `jaxvrl.sft`
+through `build`), are byte-identical to a fresh build.
 """
 
 from __future__ import annotations

@@ -17,12 +17,7 @@ from jaxvrl.data.buckets import length_bucket, pow2_bucket
 from jaxvrl.data.prompts import pool_token_ids
 from jaxvrl.data.rows import EncodeOptions, encode_rows  # noqa: F401 -- re-exported
 from jaxvrl.data.sources import read_rows  # noqa: F401 -- re-exported
-from jaxvrl.models.qwen2_5_vl import (
-    attention_pools,
-    get_rope_index,
-    stack_vision_inputs,
-    vision_inputs,
-)
+from jaxvrl.models import attention_pools, rope_index, stack_vision_inputs, vision_inputs
 
 
 def collate(
@@ -50,14 +45,14 @@ def collate(
         mask[i, p - n :] = 1
     grids = [r["image_grid_thw"] for r in rows]
     all_grids = np.concatenate([g for g in grids if len(g)]) if any(len(g) for g in grids) else None
-    pos, deltas = get_rope_index(ids, mask, model_config, all_grids)
+    pos, deltas = rope_index(model_config, ids, mask, all_grids)
     has_image = np.array([len(g) > 0 for g in grids])
     images = None
     if has_image.any():
         npatch = pow2_bucket(max(len(r["pixel_values"]) for r in rows), minimum=16)
         images = stack_vision_inputs(
             [
-                vision_inputs(r["pixel_values"], r["image_grid_thw"], model_config.vision, npatch)
+                vision_inputs(model_config, r["pixel_values"], r["image_grid_thw"], npatch)
                 for r in rows
             ]
         )

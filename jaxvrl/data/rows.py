@@ -29,11 +29,11 @@ from PIL import Image
 
 from jaxvrl.data.processor import process_images, process_video
 from jaxvrl.data.prompts import encode_prompt
+from jaxvrl.models import ProcessorSettings
 from jaxvrl.remote import is_remote, read_bytes
 
 log = logging.getLogger(__name__)
 
-TEMPORAL_PATCH = 2  # frames per temporal patch (Qwen2.5-VL's temporal_patch_size)
 REASONS = (
     "missing_prompt",
     "missing_label",
@@ -161,8 +161,10 @@ def _resolve(path: str, image_dir: str | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class EncodeOptions:
-    """How rows become examples. Pixel limits are Qwen2.5-VL's `min_pixels`/`max_pixels`."""
+    """How rows become examples: `processor` is the model family's image/video processor
+    (patch, merge and temporal sizes); the pixel limits are its `min_pixels`/`max_pixels`."""
 
+    processor: ProcessorSettings = ProcessorSettings()
     image_dir: str | None = None
     max_prompt_length: int = 512
     max_image_side: int = 1024
@@ -229,17 +231,24 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
         if loaded is None:
             return None
         videos.append(loaded)
-    pv, grid = process_images(images, opts.min_pixels, opts.max_pixels)
-    vids = [process_video(v, opts.video_min_pixels, opts.video_max_pixels) for v in videos]
+    proc = opts.processor
+    sizes = dict(
+        patch_size=proc.patch_size,
+        temporal_patch_size=proc.temporal_patch_size,
+        merge_size=proc.merge_size,
+    )
+    pv, grid = process_images(images, opts.min_pixels, opts.max_pixels, **sizes)
+    vids = [process_video(v, opts.video_min_pixels, opts.video_max_pixels, **sizes) for v in videos]
     vpv = np.concatenate([v[0] for v in vids]) if vids else np.zeros((0, pv.shape[1]), np.float32)
     vgrid = np.concatenate([v[1] for v in vids]) if vids else np.zeros((0, 3), np.int64)
-    seconds = np.full((len(vids),), TEMPORAL_PATCH / opts.video_fps, np.float32)
+    seconds = np.full((len(vids),), proc.temporal_patch_size / opts.video_fps, np.float32)
     ids = encode_prompt(
         tokenizer,
         text,
         grid if images else None,
         vgrid if vids else None,
         system=opts.system_prompt,
+        merge_size=proc.merge_size,
     )
     if len(ids) > opts.max_prompt_length:
         stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")

@@ -34,6 +34,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 PRESETS = os.path.join(ASSETS, "presets")
 EMBEDDED = os.path.join(ASSETS, "tiny_qwen2_5_vl")  # the tiny checkpoint of the embedded default
+EMBEDDED_FAMILY = "qwen2_5_vl"  # its model_type
 
 
 def preset_names() -> tuple[str, ...]:
@@ -69,6 +70,7 @@ __all__ = [
     "ASSETS",
     "DTYPES",
     "EMBEDDED",
+    "EMBEDDED_FAMILY",
     "FAMILIES",
     "PRESETS",
     "Family",

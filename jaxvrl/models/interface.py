@@ -59,6 +59,11 @@ class ProcessorSettings:
         return self.patch_size * self.merge_size
 
     @property
+    def black(self) -> tuple[float, ...]:
+        """A black pixel after normalisation, per channel: (0 - mean) / std."""
+        return tuple(-m / s for m, s in zip(self.image_mean, self.image_std))
+
+    @property
     def patch_dim(self) -> int:
         """Values in one flattened patch: 3 x temporal x patch x patch."""
         return 3 * self.temporal_patch_size * self.patch_size**2

@@ -16,7 +16,7 @@ by `sampler.py` when `cfg.slots` is set):
 - Rows draw their tokens as the static sampler's do (`steps.pick`, `steps.row_keys`), so the
   completions, log-probs and attention masses depend on neither `slots`, the page size nor
   the mesh: the static sampler is this engine's reference.
-- Decode attention reads each slot's pages through `qwen2_5_vl.PagedKVCache` (a gather of
+- Decode attention reads each slot's pages through `jaxvrl.models.PagedKVCache` (a gather of
   the table's pages, then the dense form: what a TPU or GPU paged kernel must match).
 
 Shapes: R prompts of P tokens (left-padded), G samples each, W = R * G work rows, S slots,
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxvrl.models.qwen2_5_vl import KVCache, PagedKVCache
+from jaxvrl.models import KVCache, PagedKVCache
 from jaxvrl.sampling import steps
 from jaxvrl.sampling.layout import compute_params
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxvrl.models.qwen2_5_vl import get_rope_index, stack_vision_inputs, vision_inputs
+from jaxvrl.models import rope_index, stack_vision_inputs, vision_inputs
 from jaxvrl.sampling import engine, static, steps
 from jaxvrl.sampling.cpu import decode as cpu_decode
 from jaxvrl.sampling.cpu.decode import DecodeWeights
@@ -72,7 +72,7 @@ def sample(
     own). Samples `num_samples` (G) completions of each of the R given rows.
 
     input_ids, attention_mask: int[R, T] left-padded; position_ids int32[3, R, T] and deltas
-    int32[R] from `get_rope_index`; rng: a key (typed, or a legacy uint32[2] one);
+    int32[R] from `jaxvrl.models.rope_index`; rng: a key (typed, or a legacy uint32[2] one);
     images/videos: VisionInputs (packed or per row); pools: optional {"vision","text",
     "prompt"} bool[R, T] for per-token attention masses; decode_weights: the decode steps'
     weights prepared for the decode rows (`Sampler.decode_weights`), or None: made here where
@@ -309,7 +309,7 @@ def row_vision_inputs(pixel_values, grid_thw, input_ids, token_id, cfg, patch_bu
         items = np.flatnonzero(row == b)
         sel = [pv[start[i] : start[i] + patches[i]] for i in items]
         pvb = np.concatenate(sel) if sel else np.zeros((0, pv.shape[1]), pv.dtype)
-        rows.append(vision_inputs(pvb, grid[items].reshape(-1, 3), vcfg, num_patches=n))
+        rows.append(vision_inputs(cfg, pvb, grid[items].reshape(-1, 3), n))
     return jax.tree.map(jnp.asarray, stack_vision_inputs(rows))
 
 
@@ -408,9 +408,7 @@ def generate(
         )
     ids = np.asarray(input_ids)
     mask = np.asarray(attention_mask)
-    pos, deltas = get_rope_index(
-        ids, mask, cfg_m, image_grid_thw, video_grid_thw, second_per_grid_ts
-    )
+    pos, deltas = rope_index(cfg_m, ids, mask, image_grid_thw, video_grid_thw, second_per_grid_ts)
     images = row_vision_inputs(
         pixel_values, image_grid_thw, ids, cfg_m.image_token_id, cfg_m, patch_bucket
     )

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxvrl.models.qwen2_5_vl import KVCache
+from jaxvrl.models import KVCache
 from jaxvrl.sampling import steps
 from jaxvrl.sampling.layout import compute_params
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig

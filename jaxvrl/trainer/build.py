@@ -116,7 +116,7 @@ def sampling_params(state: TrainState):
 def export_hf(model, params, path, *, tokenizer_dir=None) -> None:
     """Write the policy (`params` on `model`'s graph) as an HF checkpoint; LoRA adapters are
     merged into the base weights first (W + A B alpha / r)."""
-    from jaxvrl.models.qwen2_5_vl import save
+    from jaxvrl.models import save
 
     graphdef = nnx.graphdef(model)
     policy = nnx.merge(graphdef, params)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxvrl import rl
+from jaxvrl import models, rl
 from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer.passes import (
@@ -99,7 +99,8 @@ def no_grad_passes(
     ref = nnx.merge(graphdef, ref_params) if cfg.needs_ref else None
     perturb = cfg.needs_perturbed and batch.images is not None
     # Blacken on the whole batch (not per micro-batch) so the split never changes the draw.
-    aug = blacken_patches(batch.images, rng, cfg.tprl.black_prob) if perturb else None
+    black = models.processor(model.config).black if perturb else None
+    aug = blacken_patches(batch.images, rng, cfg.tprl.black_prob, black) if perturb else None
     m = cfg.micro_batches
 
     def one(args):

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
-from jaxvrl.data.processor import CLIP_MEAN, CLIP_STD
-from jaxvrl.models.qwen2_5_vl import VisionInputs
+from jaxvrl.models import ProcessorSettings, VisionInputs
 from jaxvrl.parallel.sharding import row_axes
 
 
@@ -259,15 +258,15 @@ def _over_chunks(model, head, hidden, per_token, temperature, chunk, vocab, fn, 
     return unchunk(logp), None if ent is None else unchunk(ent)
 
 
-def blacken_patches(images: VisionInputs, rng: jax.Array, prob: float) -> VisionInputs:
+def blacken_patches(images: VisionInputs, rng: jax.Array, prob: float, black=None) -> VisionInputs:
     """Perturbed image I': each patch set to black with probability `prob`, independently.
 
-    pixel_values rows are flattened (C, T, P, P) patches; black is the normalised value of
-    pixel 0 in each channel.
+    pixel_values rows are flattened (C, T, P, P) patches; black: the normalised value of pixel
+    0 in each channel (the processor's `ProcessorSettings.black`; default CLIP's).
     """
     pv = images.pixel_values  # [N, D] packed or [B, N, D] per row
-    channels = len(CLIP_MEAN)  # black = (0 - mean) / std of the processor's normalisation
-    black = jnp.asarray([-m / s for m, s in zip(CLIP_MEAN, CLIP_STD)], pv.dtype)
-    black_row = jnp.repeat(black, pv.shape[-1] // channels)
+    black = ProcessorSettings().black if black is None else black
+    channels = len(black)
+    black_row = jnp.repeat(jnp.asarray(black, pv.dtype), pv.shape[-1] // channels)
     drop = jax.random.bernoulli(rng, prob, pv.shape[:-1])
     return images.replace(pixel_values=jnp.where(drop[..., None], black_row, pv))
