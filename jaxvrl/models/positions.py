@@ -25,14 +25,17 @@ def get_rope_index(
     image_grid_thw=None,
     video_grid_thw=None,
     second_per_grid_ts=None,
+    *,
+    timed_video: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """3-D M-RoPE position ids like HF `get_rope_index`.
 
     input_ids, attention_mask: int[B, T] (left or right padding). Images and videos are consumed
     in order across the batch. Text tokens advance all three axes by one; a vision block of grid
-    (t, h, w) gets (start + t_idx * interval, start + row, start + col) over its merged grid, with
-    interval = tokens_per_second * second_per_grid_ts for videos (1 for images), and the next
-    text token starts at start + max(h, w) / merge. Padding positions are 0.
+    (t, h, w) gets (start + t_idx * interval, start + row, start + col) over its merged grid, and
+    the next text token starts at start + max(h, w) / merge. Padding positions are 0. The
+    interval is 1 for images; for videos, tokens_per_second * second_per_grid_ts with
+    timed_video (Qwen2.5-VL), else 1: the frame index (Qwen2-VL, second_per_grid_ts unread).
 
     Returns (position_ids int32[3, B, T], deltas int32[B]) where deltas = max position + 1 -
     number of valid tokens: the i-th token appended after the prompt has position
@@ -64,7 +67,9 @@ def get_rope_index(
                 parts.append(np.broadcast_to(np.arange(n) + cur, (3, n)))
                 cur += n
                 continue
-            parts_kind, cur = _vision_positions(kind, n, cur, grids, seconds, cfg, merge, row)
+            parts_kind, cur = _vision_positions(
+                kind, n, cur, grids, seconds, cfg, merge, row, timed_video
+            )
             parts.extend(parts_kind)
         row_pos = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
         pos[:, row, mask[row]] = row_pos
@@ -72,7 +77,7 @@ def get_rope_index(
     return pos.astype(np.int32), deltas.astype(np.int32)
 
 
-def _vision_positions(kind, n, cur, grids, seconds, cfg, merge, row):
+def _vision_positions(kind, n, cur, grids, seconds, cfg, merge, row, timed):
     """Positions of a run of n vision pad tokens, which may hold several consecutive grids."""
     name = "image" if kind == 1 else "video"
     parts = []
@@ -92,7 +97,7 @@ def _vision_positions(kind, n, cur, grids, seconds, cfg, merge, row):
                 f"row {row}: {name} grid {(gt, gh, gw)} needs {count} pad tokens, found {n}"
             )
         interval = 1.0
-        if kind == 2:
+        if kind == 2 and timed:
             sec = 1.0 if seconds is None else float(next(seconds, 1.0))
             interval = cfg.vision.tokens_per_second * sec
         tt = (np.arange(gt) * interval).astype(np.int64)

@@ -1,0 +1,41 @@
+"""Qwen2-VL in Flax NNX with exact parity to `transformers`.
+
+model = jaxvrl.models.load("/path/to/Qwen2-VL-2B-Instruct")
+out = model(input_ids, attention_mask, pixel_values=pv, image_grid_thw=grid)
+jaxvrl.models.save(model, "/tmp/export")
+"""
+
+from jaxvrl.models.interface import CLIP_MEAN, CLIP_STD, Family, ProcessorSettings
+from jaxvrl.models.patches import vision_inputs
+from jaxvrl.models.qwen2_vl.config import Qwen2VLConfig
+from jaxvrl.models.qwen2_vl.model import Qwen2VL, get_rope_index
+from jaxvrl.models.qwen2_vl.weights import KEY_TABLE, KEYS
+
+
+def processor(cfg: Qwen2VLConfig) -> ProcessorSettings:
+    v = cfg.vision
+    return ProcessorSettings(
+        v.patch_size, v.spatial_merge_size, v.temporal_patch_size, CLIP_MEAN, CLIP_STD
+    )
+
+
+FAMILY = Family(
+    model_type="qwen2_vl",
+    architecture="Qwen2VLForConditionalGeneration",
+    config_from_hf=Qwen2VLConfig.from_hf_dict,
+    model=Qwen2VL,
+    keys=KEYS,
+    rope_index=get_rope_index,
+    vision_inputs=vision_inputs,
+    processor=processor,
+)
+
+__all__ = [
+    "FAMILY",
+    "KEYS",
+    "KEY_TABLE",
+    "Qwen2VL",
+    "Qwen2VLConfig",
+    "get_rope_index",
+    "processor",
+]
