@@ -577,7 +577,8 @@ def _run(c) -> dict:
                 metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
             if c.log_rollouts_every and step % c.log_rollouts_every == 0:
-                logs.markdown(done, rollout, runtime.host_local(extras), tokenizer)
+                rows = logs.sample_rows(rollout, runtime.host_local(extras), tokenizer)
+                logs.markdown(done, runtime.gather_json(rows))  # every process's rows
             if mirror:
                 mirror.push()  # at most every 30 s
             nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0

@@ -5,6 +5,7 @@ MLflow)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 
@@ -142,9 +143,11 @@ class RunLogs:
         if progress:
             self.progress.update(step - 1, scalars)
 
-    def markdown(self, step: int, rollout: Rollout, extras, tokenizer) -> None:
-        """The step's samples (real groups only): prompts, completions, rewards and
-        advantages; VGR token weights `word(w)`; per-row attention metrics."""
+    def sample_rows(self, rollout: Rollout, extras, tokenizer) -> list[dict]:
+        """This process's first `samples` rows of real groups as JSON-able dicts: prompt,
+        completion, reward parts, total, advantage (a float or per token), VGR token pieces
+        `[(text, weight)]` and per-row attention metrics where the step has them. Every
+        process computes its own; `markdown` writes them all (see `runtime.gather_json`)."""
         rows = [
             (gi, j)
             for gi, g in enumerate(rollout.groups)
@@ -152,26 +155,53 @@ class RunLogs:
             for j in range(len(g.texts))
         ][: self.samples]
         if not rows:
-            return
+            return []
         groups, g_size = rollout.groups, len(rollout.groups[0].texts)
-        index = [gi * g_size + j for gi, j in rows]
-        adv = np.asarray(extras.advantages)[index]
-        parts = {k: [groups[gi].parts[k][j] for gi, j in rows] for k in groups[rows[0][0]].parts}
-        totals = [groups[gi].totals[j] for gi, j in rows]
-        prompts = [groups[gi].example.get("problem", "") for gi, _ in rows]
-        texts = [groups[gi].texts[j] for gi, j in rows]
+        adv = np.asarray(extras.advantages, np.float64)
+        weights = extras.token_weights
+        out = []
+        for gi, j in rows:
+            g, i = groups[gi], gi * g_size + j
+            row = {
+                "prompt": str(g.example.get("problem", "")),
+                "text": g.texts[j],
+                "parts": {k: float(v[j]) for k, v in g.parts.items()},
+                "total": float(g.totals[j]),
+                "adv": adv[i].tolist(),
+                "att": {k: float(v[j]) for k, v in g.att.items()},
+            }
+            if weights is not None:
+                n = int(g.mask[j].sum())
+                w = np.asarray(weights[i])[:n]
+                row["pieces"] = decode_pieces(tokenizer.decode, g.tokens[j][:n].tolist(), w)
+            out.append(row)
+        return out
+
+    def markdown(self, step: int, per_process: list[list[dict]]) -> None:
+        """The step's samples from every process's `sample_rows` (process order), taken in
+        turn from each process up to `samples`: prompts, completions, rewards and advantages;
+        VGR token weights `word(w)`; per-row attention metrics."""
+        rows = [r for turn in itertools.zip_longest(*per_process) for r in turn if r]
+        rows = rows[: self.samples]
+        if not rows:
+            return
+        prompts = [r["prompt"] for r in rows]
+        texts = [r["text"] for r in rows]
+        parts = {k: [r["parts"][k] for r in rows] for k in rows[0]["parts"]}
+        totals = [r["total"] for r in rows]
+        adv = [r["adv"] for r in rows]
+        adv = (
+            np.asarray(adv)
+            if len({np.shape(a) for a in adv}) == 1
+            else [float(np.mean(a)) for a in adv]
+        )
         self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv))
         columns, table = rollout_table(prompts, texts, parts, totals, adv, self.samples)
         self.trackers.log_table(step, "rollouts", columns, table)
-        if extras.token_weights is not None:
-            weights = np.asarray(extras.token_weights)[index]
-            pieces = []
-            for (gi, j), w in zip(rows, weights):
-                n = int(groups[gi].mask[j].sum())
-                ids = groups[gi].tokens[j][:n].tolist()
-                pieces.append(decode_pieces(tokenizer.decode, ids, w[:n]))
+        if "pieces" in rows[0]:
+            pieces = [[tuple(p) for p in r["pieces"]] for r in rows]
             self.tokens.append(token_weight_section(step, pieces, None, limit=self.samples))
-        att = {k: [groups[gi].att[k][j] for gi, j in rows] for k in groups[rows[0][0]].att}
+        att = {k: [r["att"][k] for r in rows] for k in rows[0]["att"]}
         if att:
             self.attention.append(attention_section(step, att, limit=self.samples))
 

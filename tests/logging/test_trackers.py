@@ -56,7 +56,7 @@ def write_run(workdir, steps, start=0, backends=("mlflow",), primary=True, sampl
     for step in steps:
         logs.scalars(step, fake_scalars(step))
         if step % 2:
-            logs.markdown(step, *fake_rollout(step), tokenizer=None)
+            logs.markdown(step, [logs.sample_rows(*fake_rollout(step), tokenizer=None)])
     logs.close()
 
 

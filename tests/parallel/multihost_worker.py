@@ -10,8 +10,10 @@ import dataclasses
 import json
 import os
 import sys
+import types
 
 import jax
+import numpy as np
 
 
 def local_rows(batch, pid: int, n_proc: int):
@@ -24,6 +26,19 @@ def local_rows(batch, pid: int, n_proc: int):
     return dataclasses.replace(flat, position_ids=flat.position_ids.swapaxes(0, 1))
 
 
+def fake_rollout(pid: int):
+    """One real group of two completions per process, named after the process."""
+    group = types.SimpleNamespace(
+        texts=[f"answer of process {pid}, sample {j}" for j in range(2)],
+        parts={"accuracy": [1.0, 0.0]},
+        totals=[1.0, 0.0],
+        example={"problem": f"question of process {pid}"},
+        att={"mdi": [0.5 + pid, float("nan")]},
+    )
+    rollout = types.SimpleNamespace(groups=[group], real=[True])
+    return rollout, types.SimpleNamespace(advantages=np.array([0.7, -0.7]), token_weights=None)
+
+
 def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import ml_collections
@@ -34,7 +49,6 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     assert R.initialize_distributed(ml_collections.ConfigDict(dict(cfg, process_id=pid)))
 
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
     from jax.experimental import multihost_utils
@@ -42,6 +56,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     from jaxvrl.checkpoint import Checkpointer
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.parallel import sharding as S
+    from jaxvrl.trainer.reporting import RunLogs
     from jaxvrl.trainer.step import TrainState, build_train_step
     from tests.helpers import make_batch, step_config
 
@@ -100,6 +115,10 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     ckpt.close()
     if pid == 0:
         np.savez(os.path.join(out_dir, "params.npz"), **after)
+    # the markdown samples: each process's rows, written by process 0
+    logs = RunLogs(os.path.join(out_dir, "logs"), 1, primary=pid == 0, samples=4, backends=())
+    logs.markdown(1, R.gather_json(logs.sample_rows(*fake_rollout(pid), tokenizer=None)))
+    logs.close()
     print(
         "RESULT"
         + json.dumps(

@@ -2,7 +2,8 @@
 jax.distributed.initialize (from config). Each process passes only its own rows to
 `place_batch`; the 2-step losses and parameters equal one device's; an orbax checkpoint is
 written by both processes and restored by both into the sharded state, each getting back its
-own data-iterator state and replay buffer bytes.
+own data-iterator state and replay buffer bytes; the markdown samples hold both processes'
+rows.
 
 What a real pod adds and this cannot test: TPU/GPU interconnect collectives, the platform's
 auto-detected coordinator (TPU metadata, SLURM), a gs:// workdir shared by hosts, preemption.
@@ -93,6 +94,12 @@ def test_two_processes_match_one_device(tmp_path):
         assert r["any_process"] == [True, False]
         want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
         assert r["metrics"] == pytest.approx(want, rel=1e-6)
+    # the markdown samples hold both processes' rows, in turn (process 0 wrote them)
+    md = (tmp_path / "logs" / "rollout_results.md").read_text()
+    order = [md.index(f"answer of process {p}, sample {j}") for j in range(2) for p in range(2)]
+    assert order == sorted(order), md
+    att = (tmp_path / "logs" / "attention_diagnostics.md").read_text()
+    assert "1.5" in att and "0.5" in att, att
     got = np.load(tmp_path / "params.npz")
     for path, v in nnx.to_flat_state(state.params):
         np.testing.assert_allclose(got[".".join(map(str, path))], v.get_value(), atol=1e-6)
