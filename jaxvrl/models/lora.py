@@ -29,8 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-# Text-decoder projections of Qwen2.5-VL; the vision tower lives under `visual`.
-TEXT_PREFIX = "model"
+from jaxvrl.models.interface import Family, family_of
+
+# Where every family keeps its text decoder (LoRA's default targets) and its vision tower.
+TEXT_PREFIX = Family.lora_prefix
+VISION_PREFIX = Family.vision_prefix
 
 
 class LoRADropoutKey(nnx.Variable):
@@ -181,15 +184,17 @@ def apply_lora(
     dropout: float,
     targets,
     *,
-    prefix: str = TEXT_PREFIX,
+    prefix: str | None = None,
     seed: int = 0,
     quantize: str = "none",
     quant_tile: int = 128,
 ) -> list[str]:
-    """Wrap, in place, every nnx.Linear under `prefix` whose name matches one of `targets` by
-    a LoRALinear. Returns the wrapped paths; raises if none matched (a typo in the targets).
-    quantize != "none": every Linear under `prefix` (targets or not) gets a quantized frozen
-    kernel (QLoRA)."""
+    """Wrap, in place, every nnx.Linear under `prefix` (default: the family's text decoder)
+    whose name matches one of `targets` by a LoRALinear. Returns the wrapped paths; raises if
+    none matched (a typo in the targets). quantize != "none": every Linear under `prefix`
+    (targets or not) gets a quantized frozen kernel (QLoRA)."""
+    if prefix is None:
+        prefix = family_of(model).lora_prefix
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(","))
     rngs = nnx.Rngs(params=seed)
@@ -230,7 +235,7 @@ def trainable_filter(lora: bool, train_vision: bool = False):
     if not lora:
         return nnx.Param
     if train_vision:
-        return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains("visual")))
+        return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains(VISION_PREFIX)))
     return nnx.LoRAParam
 
 

@@ -1,0 +1,152 @@
+"""The main job on every vision-language family: a tiny random checkpoint saved by transformers
+(over the embedded tokenizer) trains 2 steps of tprl with the perturbed-image pass, VGR token
+weights and the MDI reward, resumes for a third equal to an uninterrupted 3-step run, and its
+export loads in transformers with our logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxvrl import models
+from jaxvrl.config import load_config
+from jaxvrl.train import run
+from tests.trainer.test_train import ROOT, TINY
+
+# the embedded tokenizer's special tokens (its config.json)
+IDS = dict(image_token_id=12, video_token_id=13, vision_start_token_id=9, vision_end_token_id=10)
+TEXT = dict(
+    vocab_size=448,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    eos_token_id=2,
+    bos_token_id=None,
+)
+
+
+def _qwen2_vl():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "mrope_section": [2, 3, 3]})  # fmt: skip
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **IDS)
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14}
+    return Qwen2VLForConditionalGeneration, cfg, processor
+
+
+def _qwen3_vl():
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True}  # fmt: skip
+    text = dict(TEXT, head_dim=16, rope_parameters=rope)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
+    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **IDS)
+    mean = [0.5, 0.5, 0.5]
+    processor = {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16,
+                 "image_mean": mean, "image_std": mean}  # fmt: skip
+    return Qwen3VLForConditionalGeneration, cfg, processor
+
+
+FAMILIES = {"qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl}
+
+
+def _landed(name: str) -> bool:
+    try:
+        models.family(name)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """A tiny random checkpoint of the family, with the embedded tokenizer's files."""
+    import torch
+
+    if not _landed(request.param):
+        pytest.skip(f"{request.param} is not registered yet")
+    cls, cfg, processor = FAMILIES[request.param]()
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param)
+    cls(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(models.EMBEDDED, name), path / name)
+    base = json.load(open(os.path.join(models.EMBEDDED, "preprocessor_config.json")))
+    with open(path / "preprocessor_config.json", "w") as f:
+        json.dump(dict(base, **processor), f)
+    return request.param, path
+
+
+def _config(path, workdir, *extra):
+    overrides = TINY + [
+        f"workdir={workdir}",
+        f"model.path={path}",
+        "vgr.enable_token_weights=True",
+        "vgr.token_weight_last_k_layers=1",
+        "reward.funcs=('mc_idx', 'think_format', 'mdi')",
+        "reward.weights=(4.0, 1.0, 1.0)",
+        "val_before_train=False",
+        "val_size=0",
+        *extra,
+    ]
+    return load_config(os.path.join(ROOT, "configs/tprl.py"), overrides)
+
+
+def _params(workdir) -> dict:
+    from jaxvrl.checkpoint import Checkpointer
+
+    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
+    arrays = ck.manager.restore(ck.latest_step())["state"]
+    ck.close()
+    return {k: np.asarray(v) for k, v in arrays.items() if k.startswith("params/")}
+
+
+def test_tprl_with_vgr_and_mdi_runs_resumes_and_exports(checkpoint, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from jaxvrl.export import export
+
+    name, path = checkpoint
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    metrics = run(_config(path, whole, "total_steps=3"))
+    assert np.isfinite(metrics["loss"])
+    for key in ("perception_token_fraction", "scaling_factor_mean", "reward/mdi", "attn/mdi"):
+        assert key in metrics, key
+    assert np.isfinite(metrics["attn/mdi"])  # the rows' images drew attention statistics
+    run(_config(path, parts, "total_steps=2"))
+    run(_config(path, parts, "total_steps=3"))
+    a, b = _params(whole), _params(parts)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+    out = tmp_path / "hf"
+    export(str(parts), str(out))
+    assert json.load(open(out / "config.json"))["model_type"] == name
+    ours = models.load(out)
+    hf = AutoModelForImageTextToText.from_pretrained(out).eval()
+    ids = np.array([[5, 9] + [12] * 4 + [10, 30, 31, 32]])
+    grid = np.array([[1, 4, 4]])
+    patch = models.processor(ours.config).patch_dim
+    pixels = np.random.default_rng(0).normal(size=(16, patch)).astype(np.float32)
+    got = np.asarray(ours(ids, pixel_values=pixels, image_grid_thw=grid).logits)
+    import torch
+
+    with torch.no_grad():
+        want = hf(
+            input_ids=torch.tensor(ids),
+            pixel_values=torch.tensor(pixels),
+            image_grid_thw=torch.tensor(grid),
+        ).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max())
