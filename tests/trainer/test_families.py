@@ -146,7 +146,24 @@ def test_tprl_with_vgr_and_mdi_runs_resumes_and_exports(checkpoint, tmp_path):
     with torch.no_grad():
         want = hf(
             input_ids=torch.tensor(ids),
+            mm_token_type_ids=torch.tensor((ids == IDS["image_token_id"]).astype(np.int64)),
             pixel_values=torch.tensor(pixels),
             image_grid_thw=torch.tensor(grid),
         ).logits.numpy()
     np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    "config, extra",
+    [
+        ("configs/ppo.py", ("lora.rank=4", "lora.alpha=8.0")),
+        ("configs/dapo.py", ("lora.rank=4", "lora.alpha=8.0", "lora.quantize=int8")),
+    ],
+    ids=["ppo-lora", "dapo-qlora"],
+)
+def test_ppo_with_lora_and_dapo_with_qlora_run(checkpoint, tmp_path, config, extra):
+    _, path = checkpoint
+    overrides = TINY + [f"workdir={tmp_path}", f"model.path={path}", "total_steps=1",
+                        "val_before_train=False", "val_size=0", *extra]  # fmt: skip
+    metrics = run(load_config(os.path.join(ROOT, config), overrides))
+    assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
