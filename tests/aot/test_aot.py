@@ -119,7 +119,7 @@ def test_presets_have_the_published_parameter_counts():
     those sizes, so their abstract builds, a minute here, would prove nothing more)."""
     want = {k: _published_params(*v) for k, v in PUBLISHED.items()}
     assert round(want["qwen2.5-vl-7b"] / 1e9, 2) == 8.29  # the model card's 8.29B
-    assert set(want) == set(preset_names())
+    assert set(want) == {n for n in preset_names() if n.startswith("qwen2.5-vl-")}
     for name, n in want.items():
         with open(f"{PRESETS}/{name}.json") as f:
             cfg = Qwen2_5_VLConfig.from_hf_dict(json.load(f))
