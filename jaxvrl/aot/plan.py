@@ -180,6 +180,8 @@ class Plan:
         if impl == "xla":
             return text
         full = "flash" if impl == "cudnn" else impl
+        if not self.model.config.vision.windowed:
+            return text + f" (vision tower: {full} in every block)"
         return text + f" (vision tower: banded windows, {full} full blocks)"
 
     @property
