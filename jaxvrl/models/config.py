@@ -45,10 +45,23 @@ class VisionConfig:
     norm: str = "rms"
     # the blocks' MLP: "gated" (gate/up/down, Qwen2.5-VL) or "plain" (fc1/fc2)
     mlp: str = "gated"
+    # a bias on the patch embedding (Qwen3-VL)
+    patch_bias: bool = False
+    # a learned square table of position embeddings, interpolated to each grid (Qwen3-VL);
+    # 0: none
+    num_position_embeddings: int = 0
+    # blocks whose outputs, each through its own merger, are added to the text decoder's first
+    # layers (Qwen3-VL's DeepStack)
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def position_side(self) -> int:
+        """Side of the square table of learned position embeddings (0 without one)."""
+        return int(round(self.num_position_embeddings**0.5))
 
     @property
     def windowed(self) -> bool:
@@ -98,10 +111,19 @@ class TextConfig:
     rope_theta: float = 1000000.0
     mrope_section: tuple[int, int, int] = (16, 24, 24)
     max_position_embeddings: int = 128000
+    # 0: hidden_size / num_attention_heads (Qwen2.5-VL); Qwen3 names its own
+    head_dim: int = 0
+    # biases on q/k/v (Qwen2.5-VL) and on o (neither in Qwen3-VL)
+    attention_bias: bool = True
+    output_bias: bool = False
+    # RMSNorm over each head of q and k before the rotary (Qwen3)
+    qk_norm: bool = False
+    # M-RoPE frequencies interleaved t, h, w, t, h, w, ... (Qwen3-VL) rather than in sections
+    mrope_interleaved: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
 
 def fields_of(cls) -> set[str]:
@@ -124,7 +146,9 @@ def thaw(v):
     return json.loads(v)
 
 
-def text_from_dict(d: dict, source: str) -> TextConfig:
+def text_from_dict(d: dict, source: str, **overrides) -> TextConfig:
+    """A TextConfig from an HF text config dictionary; `overrides` set fields the family
+    knows and the dictionary does not hold."""
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
@@ -135,12 +159,15 @@ def text_from_dict(d: dict, source: str) -> TextConfig:
     kw = {k: d[k] for k in fields_of(TextConfig) if k in d and d[k] is not None}
     kw.pop("rope_theta", None)
     kw.pop("mrope_section", None)
+    kw.pop("mrope_interleaved", None)
+    kw.update(overrides)
     cfg = TextConfig(
         **kw,
         rope_theta=float(theta),
         mrope_section=tuple(rope.get("mrope_section", TextConfig.mrope_section)),
+        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
     )
-    if cfg.hidden_size % cfg.num_attention_heads:
+    if not d.get("head_dim") and cfg.hidden_size % cfg.num_attention_heads:
         raise ConfigError(f"{source}: hidden_size not divisible by num_attention_heads")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ConfigError(f"{source}: num_attention_heads not divisible by num_key_value_heads")
@@ -158,12 +185,22 @@ def vision_from_dict(d: dict, source: str) -> VisionConfig:
     kw = {k: d[k] for k in fields_of(VisionConfig) if k in d and d[k] is not None}
     if "num_attention_heads" in d and "num_heads" not in d:
         kw["num_heads"] = d["num_attention_heads"]
-    if "fullatt_block_indexes" in kw:
-        kw["fullatt_block_indexes"] = tuple(kw["fullatt_block_indexes"])
+    for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        if key in kw:
+            kw[key] = tuple(kw[key])
     kw["rope_theta"] = float(rope.get("rope_theta", VisionConfig.rope_theta))
     cfg = VisionConfig(**kw)
     if cfg.hidden_size % cfg.num_heads:
         raise ConfigError(f"{source}: vision hidden_size not divisible by num_heads")
+    if cfg.position_side**2 != cfg.num_position_embeddings:
+        raise ConfigError(
+            f"{source}: num_position_embeddings {cfg.num_position_embeddings} is not a square"
+        )
+    if any(not 0 <= i < cfg.depth for i in cfg.deepstack_visual_indexes):
+        raise ConfigError(
+            f"{source}: deepstack_visual_indexes {list(cfg.deepstack_visual_indexes)} must be "
+            f"blocks of the {cfg.depth}"
+        )
     if cfg.windowed and cfg.window_size % (cfg.spatial_merge_size * cfg.patch_size):
         raise ConfigError(
             f"{source}: vision window_size {cfg.window_size} must be a multiple of "

@@ -1,4 +1,6 @@
-"""Qwen2.5-VL text decoder: GQA with q/k/v bias, 3-D M-RoPE, RMSNorm, gated MLP, KV cache.
+"""The text decoder of the Qwen VL families: GQA (q/k/v bias in Qwen2.5-VL; per-head q/k
+RMSNorm in Qwen3-VL), 3-D M-RoPE (in sections, or interleaved), RMSNorm, gated MLP, KV cache,
+and DeepStack (vision features added after the first layers, Qwen3-VL).
 
 The decoder can also return attention statistics: for every layer and query position, the
 heads-averaged attention mass on a vision pool and a text pool of keys
@@ -20,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from jaxvrl.models.attention import attend
 from jaxvrl.models.cache import KVCache, PagedKVCache, PagedLayer
@@ -44,35 +46,81 @@ from jaxvrl.parallel.sharding import constrain
 RESIDUAL = ("batch", "length", "act_embed")
 
 
+def mrope_axes(cfg: TextConfig) -> np.ndarray:
+    """The position axis (0 temporal, 1 height, 2 width) of each of the head_dim / 2 rotary
+    frequencies: in sections of mrope_section (the last section running on where they sum to
+    less), or interleaved (Qwen3-VL: frequency i takes height where i % 3 == 1 and i < 3 *
+    section[1], width where i % 3 == 2 and i < 3 * section[2], else time)."""
+    half = cfg.head_dim // 2
+    if cfg.mrope_interleaved:
+        axis = np.zeros(half, np.int64)
+        for a in (1, 2):
+            axis[a : 3 * cfg.mrope_section[a] : 3] = a
+        return axis
+    axis = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)[:half]
+    return np.pad(axis, (0, half - len(axis)), mode="edge")
+
+
 def mrope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
     """cos, sin: [B, T, head_dim] from position_ids int[3, B, T] (temporal, height, width).
 
-    Frequency i takes its position from axis `section(i)`, the sections given by mrope_section
-    (the last section runs on where they sum to less than head_dim / 2). Each section's
-    frequencies are a static slice times its own axis's positions: no gather over the three
-    axes, which the TPU compiler spent seconds of a 7B step's compile on.
+    Frequency i takes its position from axis `mrope_axes(cfg)[i]`. Each run of frequencies on
+    one axis is a static slice times that axis's positions, and interleaved axes a sum of the
+    three axes' products under static 0/1 masks: no gather over the three axes, which the TPU
+    compiler spent seconds of a 7B step's compile on.
     """
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    axis = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)[: hd // 2]
-    axis = np.pad(axis, (0, hd // 2 - len(axis)), mode="edge")
+    axis = mrope_axes(cfg)
     pos = position_ids.astype(jnp.float32)
-    runs = np.flatnonzero(np.diff(axis, prepend=-1, append=-1))  # where the axis changes
-    freqs = jnp.concatenate(
-        [pos[axis[a]][..., None] * inv_freq[a:b] for a, b in zip(runs[:-1], runs[1:])], axis=-1
-    )  # [B, T, hd/2]
+    if cfg.mrope_interleaved:  # the masked products are exact: x * 0 = 0, x + 0 = x
+        freqs = sum(pos[a][..., None] * jnp.where(axis == a, inv_freq, 0.0) for a in range(3))
+    else:
+        runs = np.flatnonzero(np.diff(axis, prepend=-1, append=-1))  # where the axis changes
+        freqs = jnp.concatenate(
+            [pos[axis[a]][..., None] * inv_freq[a:b] for a, b in zip(runs[:-1], runs[1:])],
+            axis=-1,
+        )  # [B, T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+@struct.dataclass
+class DeepStack:
+    """Vision features added to the residual stream after the first K decoder layers
+    (Qwen3-VL's DeepStack): after layer k < K, position (b, t) gains `features[k, slot[b, t]]`
+    where `valid[b, t]` (an image or video pad token).
+
+    features: [K, M, D] (every image's and video's merged tokens, flattened); slot: int32[B, T];
+    valid: bool[B, T].
+    """
+
+    features: jax.Array
+    slot: jax.Array
+    valid: jax.Array
+
+    @property
+    def levels(self) -> int:
+        return self.features.shape[0]
+
+    def add(self, x: jax.Array, k) -> jax.Array:
+        """x [B, T, D] plus level k's features at the vision positions (k may be traced)."""
+        picked = self.features[k][self.slot].astype(x.dtype)
+        return x + jnp.where(self.valid[..., None], picked, jnp.zeros((), x.dtype))
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = linear(d, cfg.num_attention_heads * hd, bias=True, **kw)
-        self.k_proj = linear(d, cfg.num_key_value_heads * hd, bias=True, **kw)
-        self.v_proj = linear(d, cfg.num_key_value_heads * hd, bias=True, **kw)
-        self.o_proj = linear(cfg.num_attention_heads * hd, d, bias=False, **kw)
+        d, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = linear(d, cfg.num_attention_heads * hd, bias=bias, **kw)
+        self.k_proj = linear(d, cfg.num_key_value_heads * hd, bias=bias, **kw)
+        self.v_proj = linear(d, cfg.num_key_value_heads * hd, bias=bias, **kw)
+        self.o_proj = linear(cfg.num_attention_heads * hd, d, bias=cfg.output_bias, **kw)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.n_heads, self.n_kv, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -107,6 +155,8 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv, self.head_dim)
         v = v.reshape(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm:  # per head, before the rotary
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("batch", "length", "heads", None))
         scale = self.head_dim**-0.5
@@ -214,9 +264,18 @@ class TextDecoder(nnx.Module):
         return layer_at(self.layers, i) if self.scan_layers else self.layers[i]
 
     def __call__(
-        self, x, position_ids, attention_mask, cache: KVCache | None = None, pools=None, forms=None
+        self,
+        x,
+        position_ids,
+        attention_mask,
+        cache: KVCache | None = None,
+        pools=None,
+        forms=None,
+        deepstack: DeepStack | None = None,
     ):
-        """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T].
+        """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T];
+        deepstack: vision features added after the first layers (prompts with vision tokens:
+        forward passes and prefills), or None.
 
         Without a cache, queries attend causally over the T given tokens (through `attend`,
         with the decoder's `attention` implementation). With a cache, the T tokens are written
@@ -244,6 +303,8 @@ class TextDecoder(nnx.Module):
             block=self.attention_block,
         )
         if isinstance(cache, PagedKVCache):
+            if deepstack is not None:
+                raise ValueError("a paged cache runs decode steps, which have no vision tokens")
             return self._paged(layer_call, x, cos, sin, valid, cache, pools, forms)
         if cache is None:
             mask = valid  # key validity [B, T]; `attend` adds causality block by block
@@ -253,10 +314,11 @@ class TextDecoder(nnx.Module):
             k_pos = jnp.arange(cache.key_mask.shape[1])
             mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
         scanned = self.scan_layers and forms is None and (cache is None or cache.stacked)
+        args = (layer_call, x, cos, sin, mask, cache, pools)
         if scanned:
-            x, kv, stats = self._scan(layer_call, x, cos, sin, mask, cache, pools)
+            x, kv, stats = self._scan(*args, deepstack)
         else:
-            x, kv, stats = self._loop(layer_call, x, cos, sin, mask, cache, pools, forms)
+            x, kv, stats = self._loop(*args, forms, deepstack)
         x = self.norm(x)
         new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
         return x, new_cache, stats
@@ -274,21 +336,28 @@ class TextDecoder(nnx.Module):
         new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
         return self.norm(x), new, stats
 
-    def _scan(self, layer_call, x, cos, sin, mask, cache, pools):
+    def _scan(self, layer_call, x, cos, sin, mask, cache, pools, deepstack=None):
         """The layers as one scan: remat inside the body, the stacked cache's layers as xs,
-        the new caches and the statistics as ys."""
+        the new caches and the statistics as ys. With DeepStack, each layer's index rides
+        along as xs too, and the layers below `deepstack.levels` add their level under a
+        `lax.cond` (one layer program; the other layers skip the gather and its backward)."""
         call = remat(layer_call, self.remat_policy, prevent_cse=False)
 
         def body(layer, x, xs):
-            kv = None if cache is None else (*xs, cache.index)
+            kv_xs, i = xs
+            kv = None if cache is None else (*kv_xs, cache.index)
             x, kv, stats = call(layer, x, cos, sin, mask, kv, pools)
+            if deepstack is not None:
+                k = jnp.minimum(i, deepstack.levels - 1)
+                x = jax.lax.cond(i < deepstack.levels, deepstack.add, lambda x, k: x, x, k)
             return x, (kv if cache is not None else None, stats)
 
-        xs = None if cache is None else (cache.k, cache.v)
-        x, (kv, stats) = scan_layers(self.layers, body, x, xs)
+        kv_xs = None if cache is None else (cache.k, cache.v)
+        index = None if deepstack is None else jnp.arange(self.cfg.num_hidden_layers)
+        x, (kv, stats) = scan_layers(self.layers, body, x, (kv_xs, index))
         return x, kv, stats
 
-    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, forms):
+    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, forms, deepstack=None):
         """The layers one by one (unrolled); a stacked cache gives back a stacked one, a
         paged one its pages."""
         call = remat(layer_call, self.remat_policy)
@@ -300,6 +369,8 @@ class TextDecoder(nnx.Module):
                 x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
             else:  # decode steps only: nothing to differentiate
                 x, (k, v), stats = layer(x, cos, sin, mask, kv, pools, forms.layer(i))
+            if deepstack is not None and i < deepstack.levels:
+                x = deepstack.add(x, i)
             ks.append(k)
             vs.append(v)
             if stats is not None:
