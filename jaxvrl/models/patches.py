@@ -1,6 +1,7 @@
 """The host-side layout of a batch's image and video patches (`VisionInputs`): everything that
-depends on the grids (window permutation, rotary positions, attention segments) computed in
-numpy, so the device program only sees arrays of static shape."""
+depends on the grids (window permutation, rotary positions, attention segments, the
+interpolation of learned position embeddings) computed in numpy, so the device program only
+sees arrays of static shape."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ class VisionInputs:
     reverse_index:   int32[U] inverse permutation of window_index.
     full_segments:   int32[N] attention segment (one per image frame) in window order.
     window_segments: int32[N] attention segment (one per window) in window order.
+    pos_index:       int32[N, 4] or None: the rows of the learned position table (towers with
+                     one, `VisionConfig.num_position_embeddings`) whose sum weighted by
+                     pos_weight float32[N, 4] is each patch's position embedding, window order.
     """
 
     pixel_values: jax.Array
@@ -30,6 +34,8 @@ class VisionInputs:
     reverse_index: jax.Array
     full_segments: jax.Array
     window_segments: jax.Array
+    pos_index: jax.Array | None = None
+    pos_weight: jax.Array | None = None
 
 
 def stack_vision_inputs(rows: list[VisionInputs]) -> VisionInputs:
@@ -47,6 +53,30 @@ def _rot_pos(grid_thw: np.ndarray, merge: int) -> np.ndarray:
         wpos = wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
         out.append(np.tile(np.stack([hpos, wpos], -1), (t, 1)))
     return np.concatenate(out, 0) if out else np.zeros((0, 2), np.int64)
+
+
+def _taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear taps (floor, floor + 1, clamped to the table) int64[n, 2] and their weights
+    float32[n, 2] for positions `index` on axes of `size` patches resampled from `side` rows,
+    corners aligned: HF's `_interpolation_axis_taps_weights`, in its float32 order."""
+    span = np.maximum(size - 1, 1).astype(np.float32)
+    src = index.astype(np.float32) * np.float32(side - 1) / span
+    floor = np.floor(src)
+    offsets = np.arange(2)
+    taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
+    distance = np.abs(src[:, None] - floor[:, None] - offsets.astype(np.float32))
+    return taps, np.maximum(np.float32(1) - distance, np.float32(0))
+
+
+def _position_taps(grid_thw: np.ndarray, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices int64[N, 4] into a side x side table and weights float32[N, 4] of every patch
+    (processor order) for the bilinear interpolation of the table to its grid."""
+    rows = _rot_pos(grid_thw, merge)
+    size = np.repeat(grid_thw[:, 1:], np.prod(grid_thw, axis=-1), axis=0)  # (h, w) per patch
+    h_taps, h_w = _taps(rows[:, 0], size[:, 0], side)
+    w_taps, w_w = _taps(rows[:, 1], size[:, 1], side)
+    index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    return index, (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
 
 
 def _window_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -125,6 +155,13 @@ def vision_inputs(
     window_units = np.concatenate([win_ids, pad_windows])
     rot = np.concatenate([_rot_pos(grid, merge), np.zeros((n - n_valid, 2), np.int64)])
     rot = rot.reshape(n_units, unit, 2)[window_index].reshape(n, 2)
+    pos_index = pos_weight = None
+    if cfg.num_position_embeddings:  # padding: row 0 with weight 0
+        index, weight = _position_taps(grid, merge, cfg.position_side)
+        index = np.concatenate([index, np.zeros((n - n_valid, 4), np.int64)])
+        weight = np.concatenate([weight, np.zeros((n - n_valid, 4), np.float32)])
+        pos_index = index.reshape(n_units, unit, 4)[window_index].reshape(n, 4).astype(np.int32)
+        pos_weight = weight.reshape(n_units, unit, 4)[window_index].reshape(n, 4)
     return VisionInputs(
         pixel_values=pv.reshape(n_units, unit, -1)[window_index].reshape(n, -1),
         rot_pos=rot.astype(np.int32),
@@ -132,4 +169,6 @@ def vision_inputs(
         reverse_index=reverse_index.astype(np.int32),
         full_segments=np.repeat(frame_units[window_index], unit).astype(np.int32),
         window_segments=np.repeat(window_units, unit).astype(np.int32),
+        pos_index=pos_index,
+        pos_weight=pos_weight,
     )

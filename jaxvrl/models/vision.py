@@ -1,4 +1,6 @@
-"""Qwen2.5-VL vision tower: patch embed, 2-D rotary, window/full attention blocks, 2x2 merger.
+"""The vision tower of the Qwen VL families: patch embed, 2-D rotary, window/full attention
+blocks, 2x2 merger; optionally (Qwen3-VL) a patch bias, learned position embeddings
+interpolated to each grid, and DeepStack: some blocks' outputs through mergers of their own.
 
 All images (or all videos) of a batch are packed into one sequence of patches, as the HF
 processor emits them. Everything that depends on the grids (window permutation, rotary
@@ -124,18 +126,24 @@ class VisionBlock(nnx.Module):
 
 class PatchMerger(nnx.Module):
     """The tower's norm, then each 2x2 block of patches concatenated and projected by a GELU
-    MLP."""
+    MLP; postshuffle: the norm over the concatenated block instead (Qwen3-VL's DeepStack
+    mergers)."""
 
-    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs):
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs, postshuffle=False):
         kw = dict(bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.ln_q = norm(cfg.norm, cfg.hidden_size, 1e-6, param_dtype=param_dtype)
         self.hidden = cfg.hidden_size * cfg.merge_unit
+        width = self.hidden if postshuffle else cfg.hidden_size
+        self.ln_q = norm(cfg.norm, width, 1e-6, param_dtype=param_dtype)
+        self.postshuffle = postshuffle
         self.fc1 = linear(self.hidden, self.hidden, **kw)
         self.fc2 = linear(self.hidden, cfg.out_hidden_size, **kw)
 
     def __call__(self, x):
         """x: [..., N, D] -> [..., N / merge unit, out_hidden]."""
-        x = self.ln_q(x).reshape(*x.shape[:-2], -1, self.hidden)
+        if self.postshuffle:
+            x = self.ln_q(x.reshape(*x.shape[:-2], -1, self.hidden))
+        else:
+            x = self.ln_q(x).reshape(*x.shape[:-2], -1, self.hidden)
         return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
 
 
@@ -149,12 +157,27 @@ class VisionTower(nnx.Module):
     selected segment ids, the other implementations take a `lax.cond` between the full
     blocks' kernel and the window blocks' banded form. Else `nnx.List` of blocks and a Python
     loop (the reference), each block's kind known when tracing.
+
+    Qwen3-VL's pieces, present where the config asks: a bias on the patch embedding,
+    `pos_embed` (a square table bilinearly interpolated to each grid by the host's
+    `VisionInputs.pos_index` / `pos_weight`) added to the patch embeddings, and
+    `deepstack_merger_list`: the outputs of the `deepstack_visual_indexes` blocks, each
+    through its own merger (`features`).
     """
 
     def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs, scan_layers: bool = True):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.cfg = cfg
-        self.patch_embed = linear(cfg.patch_dim, cfg.hidden_size, bias=False, **kw)
+        self.patch_embed = linear(cfg.patch_dim, cfg.hidden_size, bias=cfg.patch_bias, **kw)
+        if cfg.num_position_embeddings:
+            self.pos_embed = nnx.Embed(
+                cfg.num_position_embeddings,
+                cfg.hidden_size,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                embedding_init=nnx.initializers.normal(0.02),
+                rngs=rngs,
+            )
         bkw = dict(dtype=dtype, param_dtype=param_dtype)
         if scan_layers:
             self.blocks = stacked(lambda r: VisionBlock(cfg, rngs=r, **bkw), cfg.depth, rngs)
@@ -162,6 +185,10 @@ class VisionTower(nnx.Module):
             self.blocks = nnx.List([VisionBlock(cfg, **kw) for _ in range(cfg.depth)])
         self.scan_layers = scan_layers
         self.merger = PatchMerger(cfg, **kw)
+        if cfg.deepstack_visual_indexes:
+            self.deepstack_merger_list = nnx.List(
+                [PatchMerger(cfg, postshuffle=True, **kw) for _ in cfg.deepstack_visual_indexes]
+            )
         self.dtype = dtype
         self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
         self.attention = "auto"  # see Qwen2_5_VL.set_attention
@@ -209,12 +236,19 @@ class VisionTower(nnx.Module):
     def window_order(self, vi: VisionInputs) -> jax.Array:
         """`__call__`'s embeddings in window order (the u-th is the processor's
         `window_index[u]`-th), as the blocks compute them."""
+        return self.features(vi)[0]
+
+    def features(self, vi: VisionInputs) -> tuple[jax.Array, jax.Array | None]:
+        """(merged embeddings in window order, as `window_order`; the DeepStack levels
+        [K, ...] of the same shape in the same order, or None without DeepStack)."""
         cfg = self.cfg
         vi = jax.tree.map(jnp.asarray, vi)
         rows = vi.pixel_values.ndim == 3
         if not rows:
             vi = jax.tree.map(lambda a: a[None], vi)
         x = self.patch_embed(vi.pixel_values.astype(self.dtype))  # [B, N, D], window order
+        if cfg.num_position_embeddings:
+            x = x + self.positions(vi).astype(x.dtype)
         x = constrain(x, PATCHES)
         cos, sin = self.rotary(vi.rot_pos)
         full = cfg.full_blocks
@@ -224,17 +258,58 @@ class VisionTower(nnx.Module):
             block=self.full_block(x.shape[1]),
         )
         segments = Segments(vi.full_segments, vi.window_segments, window=cfg.window_patches)
+        deep = list(cfg.deepstack_visual_indexes)
         if self.scan_layers:
-            call = remat(block_call, self.remat_policy, prevent_cse=False)
-
-            def body(blk, x, is_full):
-                return call(blk, x, cos, sin, segments.replace(flag=is_full)), None
-
-            flags = jnp.asarray([i in full for i in range(cfg.depth)])
-            x, _ = scan_layers(self.blocks, body, x, flags)
+            x, taken = self._scan_blocks(block_call, x, cos, sin, segments, full, deep)
         else:
             call = remat(block_call, self.remat_policy)
+            taken = [None] * len(deep)
             for i, blk in enumerate(self.blocks):
                 x = call(blk, x, cos, sin, segments.replace(full=i in full))
+                if i in deep:
+                    taken[deep.index(i)] = x
         out = self.merger(x)
-        return out if rows else out[0]
+        levels = None
+        if deep:
+            levels = jnp.stack([m(t) for m, t in zip(self.deepstack_merger_list, taken)])
+        if rows:
+            return out, levels
+        return out[0], None if levels is None else levels[:, 0]
+
+    def _scan_blocks(self, block_call, x, cos, sin, segments, full, deep):
+        """The blocks as one scan; the DeepStack blocks' outputs [B, N, D] are written into
+        a carried buffer of K + 1 slots (the last one takes every other block's). -> (x, the
+        K outputs)."""
+        cfg = self.cfg
+        call = remat(block_call, self.remat_policy, prevent_cse=False)
+        slot = [deep.index(i) if i in deep else len(deep) for i in range(cfg.depth)]
+        flags = jnp.asarray([i in full for i in range(cfg.depth)])
+        # every block's kind, known when tracing where no block has windows (no window branch)
+        kind = (
+            (lambda f: segments.replace(flag=f))
+            if cfg.windowed
+            else (lambda f: segments.replace(full=True))
+        )
+        if not deep:
+
+            def body(blk, x, is_full):
+                return call(blk, x, cos, sin, kind(is_full)), None
+
+            return scan_layers(self.blocks, body, x, flags)[0], []
+
+        def body(blk, carry, xs):
+            x, buf = carry
+            is_full, k = xs
+            x = call(blk, x, cos, sin, kind(is_full))
+            return (x, jax.lax.dynamic_update_index_in_dim(buf, x, k, 0)), None
+
+        buf = jnp.zeros((len(deep) + 1, *x.shape), x.dtype)
+        (x, buf), _ = scan_layers(self.blocks, body, (x, buf), (flags, jnp.asarray(slot)))
+        return x, list(buf[: len(deep)])
+
+    def positions(self, vi: VisionInputs) -> jax.Array:
+        """float32[B, N, D]: each patch's learned position embedding, bilinearly interpolated
+        from the square table: the sum of 4 rows by the host's indices and weights."""
+        table = self.pos_embed.embedding[...].astype(jnp.float32)
+        w = jnp.asarray(vi.pos_weight, jnp.float32)
+        return jnp.sum(table[vi.pos_index] * w[..., None], axis=-2)
