@@ -1,0 +1,199 @@
+"""Qwen3-VL configuration: frozen dataclasses read from (and written to) HF `config.json`.
+
+transformers' layout (`text_config`, `vision_config`; the text rope under `rope_parameters`
+or, as the published checkpoints have it, `rope_scaling` with `rope_theta` beside it). Keys a
+config leaves out take transformers' Qwen3-VL defaults (`configuration_qwen3_vl.py`).
+
+The text decoder is the shared one with Qwen3's pieces: an explicit head_dim, no attention
+biases, per-head q/k RMSNorm, interleaved M-RoPE (transformers' Qwen3-VL rotary interleaves
+whatever `mrope_interleaved` says). The vision tower is the shared one with LayerNorms, a plain
+GELU(tanh) MLP, full attention in every block, a patch bias, learned position embeddings and
+the DeepStack mergers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, ClassVar
+
+from jaxvrl.config import ConfigError
+from jaxvrl.models.config import (
+    TextConfig,
+    VisionConfig,
+    freeze,
+    jsonable,
+    text_from_dict,
+    thaw,
+    vision_from_dict,
+)
+
+MODEL_TYPES = ("qwen3_vl",)
+
+# transformers' Qwen3VLTextConfig defaults where they differ from TextConfig's
+TEXT_DEFAULTS = dict(
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    head_dim=128,
+    rope_theta=500000.0,
+)
+# transformers' Qwen3VLVisionConfig defaults
+VISION_DEFAULTS = dict(
+    depth=27,
+    hidden_size=1152,
+    hidden_act="gelu_pytorch_tanh",
+    intermediate_size=4304,
+    num_heads=16,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=3584,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=(8, 16, 24),
+)
+# what every Qwen3-VL tower is, whatever its config.json says
+VISION_FIXED = dict(
+    window_size=0, fullatt_block_indexes=(), norm="layer", mlp="plain", patch_bias=True
+)
+MROPE_SECTION = [24, 20, 20]
+TOP_KEYS = {
+    "text_config",
+    "vision_config",
+    "model_type",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "tie_word_embeddings",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3VLConfig:
+    model_type: ClassVar[str] = "qwen3_vl"
+    text: TextConfig = TextConfig(
+        **TEXT_DEFAULTS,
+        num_key_value_heads=32,
+        mrope_section=tuple(MROPE_SECTION),
+        attention_bias=False,
+        qk_norm=True,
+        mrope_interleaved=True,
+    )
+    vision: VisionConfig = VisionConfig(**VISION_DEFAULTS, **VISION_FIXED)
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 151643
+    eos_token_id: int | tuple[int, ...] | None = 151645
+    # Anything else in config.json (kept so that export writes it back).
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> Qwen3VLConfig:
+        model_type = d.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: model_type {model_type!r} is not supported (supported: {MODEL_TYPES})"
+            )
+        text_d = dict(d.get("text_config") or {})
+        rope = dict(text_d.get("rope_parameters") or text_d.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", text_d.get("rope_theta", TEXT_DEFAULTS["rope_theta"]))
+        rope.setdefault("mrope_section", MROPE_SECTION)
+        rope["mrope_interleaved"] = True
+        text_d = {k: v for k, v in TEXT_DEFAULTS.items() if k != "rope_theta"} | text_d
+        text_d["rope_parameters"] = rope
+        if text_d.get("num_key_value_heads") is None:
+            text_d["num_key_value_heads"] = text_d.get("num_attention_heads")
+        bias = bool(text_d.get("attention_bias", False))
+        text = text_from_dict(text_d, source, output_bias=bias, qk_norm=True)
+        vision_d = VISION_DEFAULTS | dict(d.get("vision_config") or {}) | VISION_FIXED
+        vision = vision_from_dict(vision_d, source)
+        tie = d.get("tie_word_embeddings", text_d.get("tie_word_embeddings", False))
+        extra = tuple(sorted((k, v) for k, v in d.items() if k not in TOP_KEYS and jsonable(v)))
+        eos = text_d.get("eos_token_id", d.get("eos_token_id", 151645))
+        return cls(
+            text=text,
+            vision=vision,
+            image_token_id=int(d.get("image_token_id", 151655)),
+            video_token_id=int(d.get("video_token_id", 151656)),
+            vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
+            vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
+            tie_word_embeddings=bool(tie),
+            bos_token_id=text_d.get("bos_token_id", d.get("bos_token_id")),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            extra=tuple((k, freeze(v)) for k, v in extra),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> Qwen3VLConfig:
+        file = os.path.join(os.fspath(path), "config.json")
+        if not os.path.exists(file):
+            raise ConfigError(f"{file}: not found (an HF checkpoint directory needs config.json)")
+        with open(file) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{file}: not valid JSON ({e})") from e
+        return cls.from_hf_dict(d, source=file)
+
+    def to_hf_dict(self) -> dict:
+        t, v = self.text, self.vision
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        d = {k: thaw(val) for k, val in self.extra}
+        d.update(
+            {
+                "architectures": ["Qwen3VLForConditionalGeneration"],
+                "model_type": "qwen3_vl",
+                "image_token_id": self.image_token_id,
+                "video_token_id": self.video_token_id,
+                "vision_start_token_id": self.vision_start_token_id,
+                "vision_end_token_id": self.vision_end_token_id,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "text_config": {
+                    "model_type": "qwen3_vl_text",
+                    "vocab_size": t.vocab_size,
+                    "hidden_size": t.hidden_size,
+                    "intermediate_size": t.intermediate_size,
+                    "num_hidden_layers": t.num_hidden_layers,
+                    "num_attention_heads": t.num_attention_heads,
+                    "num_key_value_heads": t.num_key_value_heads,
+                    "head_dim": t.head_dim,
+                    "hidden_act": t.hidden_act,
+                    "rms_norm_eps": t.rms_norm_eps,
+                    "max_position_embeddings": t.max_position_embeddings,
+                    "attention_bias": t.attention_bias,
+                    "rope_parameters": {
+                        "rope_type": "default",
+                        "rope_theta": t.rope_theta,
+                        "mrope_section": list(t.mrope_section),
+                        "mrope_interleaved": True,
+                    },
+                    "bos_token_id": self.bos_token_id,
+                    "eos_token_id": eos,
+                    "tie_word_embeddings": self.tie_word_embeddings,
+                },
+                "vision_config": {
+                    "model_type": "qwen3_vl_vision",
+                    "depth": v.depth,
+                    "hidden_size": v.hidden_size,
+                    "hidden_act": v.hidden_act,
+                    "intermediate_size": v.intermediate_size,
+                    "num_heads": v.num_heads,
+                    "in_channels": v.in_channels,
+                    "patch_size": v.patch_size,
+                    "spatial_merge_size": v.spatial_merge_size,
+                    "temporal_patch_size": v.temporal_patch_size,
+                    "out_hidden_size": v.out_hidden_size,
+                    "num_position_embeddings": v.num_position_embeddings,
+                    "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
+                    "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+                },
+            }
+        )
+        return d
