@@ -1,14 +1,25 @@
-"""Qwen2-VL image/video processing in numpy + PIL, equal to transformers' PIL image processor:
-convert to RGB (alpha composited on white), smart_resize (factor 28), bicubic resize, rescale
-1/255, CLIP normalisation, and the (t, h, w) patch layout the vision tower expects."""
+"""Qwen2-VL-style image/video processing in numpy + PIL, equal to transformers' PIL image
+processor: convert to RGB (alpha composited on white), smart_resize (factor patch x merge),
+bicubic resize, rescale 1/255, normalisation, and the (t, h, w) patch layout the vision tower
+expects. The sizes, pixel limits and mean/std are Qwen2-VL's (CLIP's mean/std) unless given,
+or taken from a family's `ProcessorSettings` (`settings=`).
+
+Qwen3-VL's videos (`process_video_qwen3`): frames sampled at 2 per second, resized by its
+video rule (pixel limits over all frames), and a timestamp per group of frames that the prompt
+spells out before that group's own vision span (`expand_prompt_qwen3`).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:
+    from jaxvrl.models import ProcessorSettings
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -16,23 +27,62 @@ IMAGE_MEAN = np.array(CLIP_MEAN, np.float32)
 IMAGE_STD = np.array(CLIP_STD, np.float32)
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+
+
+def _sizes(settings, video: bool = False, **given) -> dict:
+    """The processor's settings: each given (not None) value, else `settings`' (a
+    ProcessorSettings), else Qwen2-VL's. Keys: min_pixels, max_pixels, patch_size,
+    temporal_patch_size, merge_size, mean, std (float32[3])."""
+    limits = ("video_min_pixels", "video_max_pixels") if video else ("min_pixels", "max_pixels")
+    defaults = dict(
+        min_pixels=VIDEO_MIN_PIXELS if video else MIN_PIXELS,
+        max_pixels=VIDEO_MAX_PIXELS if video else MAX_PIXELS,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+        mean=CLIP_MEAN,
+        std=CLIP_STD,
+    )
+    if settings is not None:
+        defaults.update(
+            min_pixels=getattr(settings, limits[0]),
+            max_pixels=getattr(settings, limits[1]),
+            patch_size=settings.patch_size,
+            temporal_patch_size=settings.temporal_patch_size,
+            merge_size=settings.merge_size,
+            mean=settings.image_mean,
+            std=settings.image_std,
+        )
+    out = {k: v if given.get(k) is None else given[k] for k, v in defaults.items()}
+    out["mean"], out["std"] = np.array(out["mean"], np.float32), np.array(out["std"], np.float32)
+    return out
 
 
 def hf_image_processor_config(
-    min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS, patch_size: int = 14
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    patch_size: int | None = None,
+    *,
+    settings: ProcessorSettings | None = None,
+    processor_class: str = "Qwen2_5_VLProcessor",
 ) -> dict:
     """preprocessor_config.json for transformers' Qwen2-VL image processor doing what
-    process_images does with these limits."""
+    process_images does with these limits (and `settings`)."""
+    c = _sizes(settings, min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size)
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-        "min_pixels": min_pixels,
-        "max_pixels": max_pixels,
-        "patch_size": patch_size,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": list(CLIP_MEAN),
-        "image_std": list(CLIP_STD),
+        "processor_class": processor_class,
+        "min_pixels": c["min_pixels"],
+        "max_pixels": c["max_pixels"],
+        "patch_size": c["patch_size"],
+        "temporal_patch_size": c["temporal_patch_size"],
+        "merge_size": c["merge_size"],
+        "image_mean": [float(x) for x in c["mean"]],
+        "image_std": [float(x) for x in c["std"]],
     }
 
 
@@ -76,13 +126,15 @@ def to_rgb(image) -> Image.Image:
     return Image.alpha_composite(background, rgba).convert("RGB")
 
 
-def _normalised(image: Image.Image, height: int, width: int) -> np.ndarray:
+def _normalised(
+    image: Image.Image, height: int, width: int, mean=IMAGE_MEAN, std=IMAGE_STD
+) -> np.ndarray:
     """float32[C, H, W] after bicubic resize, rescale and normalisation."""
     if image.size != (width, height):
         image = image.resize((width, height), resample=Image.BICUBIC)
     arr = np.asarray(image, dtype=np.float64) * (1 / 255)
     arr = arr.astype(np.float32)
-    arr = (arr - IMAGE_MEAN) / IMAGE_STD
+    arr = (arr - mean) / std
     return arr.transpose(2, 0, 1)
 
 
@@ -113,46 +165,200 @@ def patchify(
 
 def process_images(
     images: Sequence,
-    min_pixels: int = MIN_PIXELS,
-    max_pixels: int = MAX_PIXELS,
-    patch_size: int = 14,
-    temporal_patch_size: int = 2,
-    merge_size: int = 2,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    patch_size: int | None = None,
+    temporal_patch_size: int | None = None,
+    merge_size: int | None = None,
+    *,
+    settings: ProcessorSettings | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """PIL images or uint8 arrays (any mode) -> (pixel_values float32[sum patches, C*T*P*P],
-    image_grid_thw int64[N, 3])."""
+    image_grid_thw int64[N, 3]). Arguments left None: `settings`' values, else Qwen2-VL's."""
+    c = _sizes(
+        settings,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=patch_size,
+        temporal_patch_size=temporal_patch_size,
+        merge_size=merge_size,
+    )
+    tps, ps = c["temporal_patch_size"], c["patch_size"]
     patches, grids = [], []
-    factor = patch_size * merge_size
     for img in images:
         img = to_rgb(img)
-        h, w = smart_resize(img.height, img.width, factor, min_pixels, max_pixels)
-        frame = _normalised(img, h, w)[None]
-        p, grid = patchify(
-            np.repeat(frame, temporal_patch_size, 0), patch_size, temporal_patch_size, merge_size
+        h, w = smart_resize(
+            img.height, img.width, ps * c["merge_size"], c["min_pixels"], c["max_pixels"]
         )
+        frame = _normalised(img, h, w, c["mean"], c["std"])[None]
+        p, grid = patchify(np.repeat(frame, tps, 0), ps, tps, c["merge_size"])
         patches.append(p)
         grids.append(grid)
     if not patches:
-        return np.zeros((0, 3 * temporal_patch_size * patch_size**2), np.float32), np.zeros(
-            (0, 3), np.int64
-        )
+        return np.zeros((0, 3 * tps * ps**2), np.float32), np.zeros((0, 3), np.int64)
     return np.concatenate(patches), np.asarray(grids, np.int64)
 
 
 def process_video(
     frames: Sequence,
-    min_pixels: int = 128 * 28 * 28,
-    max_pixels: int = 768 * 28 * 28,
-    patch_size: int = 14,
-    temporal_patch_size: int = 2,
-    merge_size: int = 2,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    patch_size: int | None = None,
+    temporal_patch_size: int | None = None,
+    merge_size: int | None = None,
+    *,
+    settings: ProcessorSettings | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Frames of one video (PIL or uint8 arrays, equal sizes) -> (pixel_values_videos,
-    video_grid_thw int64[1, 3]); every frame resized to the first frame's smart size."""
-    rgb = [to_rgb(f) for f in frames]
-    h, w = smart_resize(
-        rgb[0].height, rgb[0].width, patch_size * merge_size, min_pixels, max_pixels
+    video_grid_thw int64[1, 3]); every frame resized to the first frame's smart size (the
+    limits per frame, Qwen2-VL's rule). Arguments left None: `settings`' video values, else
+    Qwen2-VL's."""
+    c = _sizes(
+        settings,
+        video=True,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=patch_size,
+        temporal_patch_size=temporal_patch_size,
+        merge_size=merge_size,
     )
-    stack = np.stack([_normalised(f, h, w) for f in rgb])
-    p, grid = patchify(stack, patch_size, temporal_patch_size, merge_size)
+    rgb = [to_rgb(f) for f in frames]
+    factor = c["patch_size"] * c["merge_size"]
+    h, w = smart_resize(rgb[0].height, rgb[0].width, factor, c["min_pixels"], c["max_pixels"])
+    stack = np.stack([_normalised(f, h, w, c["mean"], c["std"]) for f in rgb])
+    p, grid = patchify(stack, c["patch_size"], c["temporal_patch_size"], c["merge_size"])
     return p, np.asarray([grid], np.int64)
+
+
+# ---------------------------------------------------------------------- Qwen3-VL videos
+def sample_frame_indices(
+    total: int, fps: float, sample_fps: float = 2.0, min_frames: int = 4, max_frames: int = 768
+) -> np.ndarray:
+    """int64[n]: the frames Qwen3-VL's video processor keeps of `total` frames recorded at
+    `fps`: int(total / fps * sample_fps) of them, within [min_frames, max_frames] and at most
+    `total`, evenly spaced from the first to the last (rounded)."""
+    n = int(total / fps * sample_fps)
+    n = min(max(n, min_frames), max_frames, total)
+    return np.linspace(0, total - 1, n).round().astype(np.int64)
+
+
+def smart_resize_video(
+    num_frames: int,
+    height: int,
+    width: int,
+    temporal_factor: int = 2,
+    factor: int = 32,
+    min_pixels: int = 128 * 32 * 32,
+    max_pixels: int = 768 * 32 * 32,
+) -> tuple[int, int]:
+    """Qwen3-VL's frame size: multiples of `factor` (sides below it first scaled up), with
+    the pixels of all the frames (their count rounded to temporal_factor) within [min_pixels,
+    max_pixels] (transformers' `video_processing_qwen3_vl.smart_resize`, incl. its rounding)."""
+    if num_frames < temporal_factor:
+        raise ValueError(f"t:{num_frames} must be larger than temporal_factor:{temporal_factor}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def frame_timestamps(indices: Sequence[int], fps: float, temporal_patch_size: int = 2):
+    """Seconds of each group of `temporal_patch_size` frames: the mean of its first and last
+    frame's times (the last index repeated to fill the last group), as Qwen3-VL's processor."""
+    idx = [int(i) for i in indices]
+    idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
+    times = [i / fps for i in idx]
+    return [
+        (times[i] + times[i + temporal_patch_size - 1]) / 2
+        for i in range(0, len(times), temporal_patch_size)
+    ]
+
+
+def process_video_qwen3(
+    frames: Sequence,
+    fps: float,
+    settings: ProcessorSettings,
+    *,
+    sample_fps: float | None = 2.0,
+    min_frames: int = 4,
+    max_frames: int = 768,
+    cap_pixels_per_frame: bool = False,
+    max_video_tokens: int = 768,
+) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """All the frames of one video (PIL or uint8 arrays, equal sizes, recorded at `fps`) ->
+    (pixel_values_videos float32[t*h*w, C*T*P*P], video_grid_thw int64[1, 3], the timestamp
+    in seconds of each of the t frame groups), as transformers' Qwen3-VL video processor:
+    frames sampled at `sample_fps` (None: every frame), the size of `smart_resize_video` with
+    `settings`' video limits (cap_pixels_per_frame: transformers' per-frame cap of at most
+    max_video_tokens merged tokens), PIL's bicubic resize (transformers resizes video tensors
+    with torchvision's), rescale, `settings`' mean/std, the patch layout."""
+    if sample_fps is None:
+        indices = np.arange(len(frames))
+    else:
+        indices = sample_frame_indices(len(frames), fps, sample_fps, min_frames, max_frames)
+    c = _sizes(settings, video=True)
+    tps, factor = c["temporal_patch_size"], c["patch_size"] * c["merge_size"]
+    rgb = [to_rgb(frames[i]) for i in indices]
+    max_pixels = c["max_pixels"]
+    if cap_pixels_per_frame:
+        per_frame = min(max_video_tokens * factor * factor, max_pixels // len(rgb))
+        max_pixels = max(per_frame, int(c["min_pixels"] * 1.05)) * len(rgb)
+    h, w = smart_resize_video(
+        len(rgb), rgb[0].height, rgb[0].width, tps, factor, c["min_pixels"], max_pixels
+    )
+    stack = np.stack([_normalised(f, h, w, c["mean"], c["std"]) for f in rgb])
+    p, grid = patchify(stack, c["patch_size"], tps, c["merge_size"])
+    return p, np.asarray([grid], np.int64), frame_timestamps(indices, fps, tps)
+
+
+def video_placeholder_qwen3(grid_thw, timestamps: Sequence[float], merge_size: int = 2) -> str:
+    """What Qwen3-VL's processor writes for one `<|video_pad|>`: per frame group its
+    timestamp (`<1.3 seconds>`) and its own vision span of h*w / merge^2 pad tokens."""
+    t, h, w = (int(x) for x in np.asarray(grid_thw).reshape(3))
+    if len(timestamps) != t:
+        raise ValueError(f"a video of {t} frame groups has {len(timestamps)} timestamps")
+    span = VISION_START + VIDEO_PAD * (h * w // merge_size**2) + VISION_END
+    return "".join(f"<{s:.1f} seconds>" + span for s in timestamps)
+
+
+def expand_prompt_qwen3(
+    prompt: str,
+    image_grid_thw=None,
+    video_grid_thw=None,
+    video_timestamps: Sequence[Sequence[float]] = (),
+    merge_size: int = 2,
+) -> str:
+    """A rendered prompt with its k-th `<|image_pad|>` repeated for the k-th image's merged
+    tokens and its k-th `<|video_pad|>` replaced by `video_placeholder_qwen3` of the k-th
+    video (the chat template's own vision start/end stay around it), as Qwen3VLProcessor."""
+    images = [] if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3)
+    videos = [] if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
+    if len(videos) != len(video_timestamps):
+        raise ValueError(f"{len(videos)} videos but {len(video_timestamps)} timestamp lists")
+    fills = {
+        IMAGE_PAD: [IMAGE_PAD * (int(np.prod(g)) // merge_size**2) for g in images],
+        VIDEO_PAD: [
+            video_placeholder_qwen3(g, ts, merge_size) for g, ts in zip(videos, video_timestamps)
+        ],
+    }
+    for pad, parts_in in fills.items():
+        parts = prompt.split(pad)
+        if len(parts) - 1 != len(parts_in):
+            raise ValueError(f"prompt has {len(parts) - 1} {pad} but {len(parts_in)} inputs")
+        prompt = parts[0] + "".join(fill + rest for fill, rest in zip(parts_in, parts[1:]))
+    return prompt
