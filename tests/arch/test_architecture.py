@@ -103,7 +103,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "module, line",
     [
-        ("jaxvrl/models/qwen2_5_vl/text.py", "from jaxvrl.sampling import sampler"),
+        ("jaxvrl/models/decoder.py", "from jaxvrl.sampling import sampler"),
         ("jaxvrl/parallel/runtime.py", "from jaxvrl.trainer import step"),
     ],
 )
