@@ -1,7 +1,8 @@
 """The main job on every vision-language family: a tiny random checkpoint saved by transformers
 (over the embedded tokenizer) trains 2 steps of tprl with the perturbed-image pass, VGR token
-weights and the MDI reward, resumes for a third equal to an uninterrupted 3-step run, and its
-export loads in transformers with our logits."""
+weights and the MDI reward, resumes for a third, and its export loads in transformers with our
+logits; PPO with LoRA and DAPO with QLoRA run a step. (That a resumed run equals an
+uninterrupted one does not depend on the family: tests/trainer_infra tests it.)"""
 
 from __future__ import annotations
 
@@ -103,36 +104,25 @@ def _config(path, workdir, *extra):
     return load_config(os.path.join(ROOT, "configs/tprl.py"), overrides)
 
 
-def _params(workdir) -> dict:
-    from jaxvrl.checkpoint import Checkpointer
-
-    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
-    arrays = ck.manager.restore(ck.latest_step())["state"]
-    ck.close()
-    return {k: np.asarray(v) for k, v in arrays.items() if k.startswith("params/")}
-
-
 def test_tprl_with_vgr_and_mdi_runs_resumes_and_exports(checkpoint, tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from jaxvrl.export import export
 
     name, path = checkpoint
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    metrics = run(_config(path, whole, "total_steps=3"))
-    assert np.isfinite(metrics["loss"])
-    for key in ("perception_token_fraction", "scaling_factor_mean", "reward/mdi", "attn/mdi"):
-        assert key in metrics, key
-    assert np.isfinite(metrics["attn/mdi"])  # the rows' images drew attention statistics
-    run(_config(path, parts, "total_steps=2"))
-    run(_config(path, parts, "total_steps=3"))
-    a, b = _params(whole), _params(parts)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    workdir = tmp_path / "run"
+    first = run(_config(path, workdir, "total_steps=2"))
+    metrics = run(_config(path, workdir, "total_steps=3"))  # resumes from step 2
+    for m in (first, metrics):
+        assert np.isfinite(m["loss"]) and m["train/nonfinite"] == 0
+        for key in ("perception_token_fraction", "scaling_factor_mean", "reward/mdi", "attn/mdi"):
+            assert key in m, key
+        assert np.isfinite(m["attn/mdi"])  # the rows' images drew attention statistics
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the resumed run trained step 3 only
 
     out = tmp_path / "hf"
-    export(str(parts), str(out))
+    export(str(workdir), str(out))
     assert json.load(open(out / "config.json"))["model_type"] == name
     ours = models.load(out)
     hf = AutoModelForImageTextToText.from_pretrained(out).eval()
