@@ -179,29 +179,43 @@ def test_scanned_and_unrolled_layers_and_a_stacked_cache_agree(tiny, mixed):
 
 
 def _generation_batch():
+    """Left-padded prompts: an image and a video of 2 frame groups; a video of 3."""
     rng = np.random.default_rng(9)
-    images = [[1, 4, 6], [1, 6, 10]]
-    rows = [T.prompt(rng, images=images[:1]), T.prompt(rng, images=images[1:], text_len=(7, 8))]
+    images, videos = [[1, 4, 6]], [[2, 4, 4], [3, 2, 4]]
+    rows = [
+        T.prompt(rng, images=images, videos=videos[:1]),
+        T.prompt(rng, videos=videos[1:], text_len=(7, 8)),
+    ]
     ids, mask = left_pad(rows, pad=0)
-    return ids, mask, images, T.patches(rng, images)
+    return (
+        ids,
+        mask,
+        dict(images=images, videos=videos, pv=T.patches(rng, images), pvv=T.patches(rng, videos)),
+    )
 
 
-def test_greedy_tokens_match_hf_generate(tiny):
-    hf, model, _ = tiny
-    ids, mask, images, pv = _generation_batch()
-    n = 6
-    out = generate(
+def _generate(model, ids, mask, vision, **kw):
+    return generate(
         model,
         ids,
         mask,
-        max_new_tokens=n,
-        temperature=0.0,
-        pixel_values=pv,
-        image_grid_thw=np.array(images),
+        pixel_values=vision["pv"],
+        image_grid_thw=np.array(vision["images"]),
+        pixel_values_videos=vision["pvv"],
+        video_grid_thw=np.array(vision["videos"]),
+        **kw,
     )
+
+
+def test_greedy_tokens_match_hf_generate(tiny):
+    """The sampler's prefill (per-layer cache: DeepStack in the loop) and decode steps."""
+    hf, model, _ = tiny
+    ids, mask, vision = _generation_batch()
+    n = 6
+    out = _generate(model, ids, mask, vision, max_new_tokens=n, temperature=0.0)
     with torch.no_grad():
         ref = hf.generate(
-            **hf_inputs(ids, mask, images=images, pv=pv),
+            **hf_inputs(ids, mask, **vision),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
@@ -212,23 +226,15 @@ def test_greedy_tokens_match_hf_generate(tiny):
 
 def test_sampled_logprobs_match_teacher_forcing(tiny):
     hf, model, _ = tiny
-    ids, mask, images, pv = _generation_batch()
-    n = 5
-    out = generate(
-        model,
-        ids,
-        mask,
-        max_new_tokens=n,
-        temperature=1.0,
-        eos_token_ids=IM_END,
-        rng=jax.random.key(3),
-        pixel_values=pv,
-        image_grid_thw=np.array(images),
+    ids, mask, vision = _generation_batch()
+    rng = jax.random.key(3)
+    out = _generate(
+        model, ids, mask, vision, max_new_tokens=5, temperature=1.0, eos_token_ids=IM_END, rng=rng
     )
     tokens, keep = np.asarray(out.tokens), np.asarray(out.mask) > 0
     full = np.concatenate([ids, tokens], axis=1)
     full_mask = np.concatenate([mask, keep.astype(mask.dtype)], axis=1)
-    hf_full = hf_logits(hf, full, full_mask, images=images, pv=pv)  # the teacher-forced pass
+    hf_full = hf_logits(hf, full, full_mask, **vision)  # the teacher-forced pass
     logp = jax.nn.log_softmax(hf_full[:, ids.shape[1] - 1 : -1], axis=-1)
     want = np.take_along_axis(np.asarray(logp), tokens[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(np.asarray(out.logprobs)[keep], want[keep], atol=2e-4)
