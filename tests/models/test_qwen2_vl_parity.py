@@ -222,8 +222,9 @@ def test_attention_statistics_match_hf_eager(tiny, batch):
 
 
 def test_unrolled_layers_and_blocked_attention(tiny, batch):
-    """scan_layers=False with the blocked kernel (8-token blocks, so rows and frames span
-    several) gives the scanned dense model's logits; the scanned tower keeps "xla"."""
+    """scan_layers=False and the scanned model, both with the blocked kernel (8-token blocks,
+    so rows and frames span several) in the decoder and in every block of the tower, give
+    the scanned dense model's logits."""
     _, model, path = tiny
     unrolled = M.load(path, scan_layers=False)
     assert 0 in nnx.state(unrolled.model.layers)  # one module per layer
@@ -233,7 +234,10 @@ def test_unrolled_layers_and_blocked_attention(tiny, batch):
     m = batch["mask"].astype(bool)
     np.testing.assert_allclose(logits[m], np.asarray(batch["out"].logits)[m], atol=2e-5)
     scanned = M.load(path, attention="flash")
-    assert (scanned.model.attention, scanned.visual.attention) == ("flash", "xla")
+    scanned.set_attention("flash", block=8)
+    assert (scanned.model.attention, scanned.visual.attention) == ("flash", "flash")
+    logits = forward(scanned, batch["ids"], batch["mask"], batch["vision"])
+    np.testing.assert_allclose(logits[m], np.asarray(batch["out"].logits)[m], atol=2e-5)
 
 
 def check_export(model, path, ids, mask, vision, logits):

@@ -36,15 +36,6 @@ class Qwen2VL(Qwen2_5_VL):
     """`Qwen2_5_VL` built from a `Qwen2VLConfig`; the HF-like call computes Qwen2-VL's
     position ids."""
 
-    def set_attention(self, name: str, block: int = 512) -> None:
-        """`Qwen2_5_VL.set_attention`, but the scanned vision tower runs "xla": its scan picks
-        each block's attention by a `lax.cond` that traces the window branch too, which a
-        tower without windows (window 0) cannot trace with the other implementations. The
-        unrolled tower (scan_layers=False) runs `name`."""
-        super().set_attention(name, block)
-        if self.scan_layers:
-            self.visual.attention = "xla"
-
     def __call__(
         self,
         input_ids,
