@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.numpy import load_file
 
 from jaxvrl import models as M
 from jaxvrl.models import qwen3_vl as q3
+from jaxvrl.models.weights import stacked_path
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny_qwen3_vl as T
 from tests.models.hf_tiny import IM_END, POOL_IDS, left_pad, token_types
@@ -159,12 +161,16 @@ def test_untied_export_round_trip(tiny, mixed, tmp_path):
     np.testing.assert_array_equal(hf_logits(back, ids, mask, **m), hf_logits(hf, ids, mask, **m))
 
 
-def test_scanned_and_unrolled_layers_and_a_stacked_cache_agree(tiny, mixed):
+@pytest.fixture(scope="module")
+def unrolled(tiny):
+    return M.load(tiny[2], scan_layers=False)
+
+
+def test_scanned_and_unrolled_layers_and_a_stacked_cache_agree(tiny, unrolled, mixed):
     """The unrolled model's logits equal the scanned one's, and so do the hidden states of a
     prefill over a stacked cache (the scan, DeepStack under its cond; the sampler's per-layer
     cache runs the loop, `test_greedy_tokens_match_hf_generate`)."""
-    _, scanned, path = tiny
-    unrolled = M.load(path, scan_layers=False)
+    scanned = tiny[1]
     m = dict(mixed)
     ids, mask = m.pop("ids"), m.pop("mask")
     a = ours(scanned, ids, mask, **m)
@@ -176,6 +182,48 @@ def test_scanned_and_unrolled_layers_and_a_stacked_cache_agree(tiny, mixed):
     assert c.cache.stacked
     valid = mask > 0
     np.testing.assert_allclose(c.hidden[valid], a.hidden[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_equal_scanned_and_unrolled_with_remat(tiny, unrolled):
+    """Remat inside the scans and DeepStack's cond: the scanned model's gradients equal the
+    unrolled one's, the DeepStack mergers' and the position table's included."""
+    scanned = tiny[1]
+    cfg = scanned.config
+    ids, mask, vision = _generation_batch()
+    pos, _ = M.rope_index(cfg, ids, mask, vision["images"], vision["videos"])
+    images = M.vision_inputs(cfg, vision["pv"], vision["images"])
+    videos = M.vision_inputs(cfg, vision["pvv"], vision["videos"])
+    w = jax.random.normal(jax.random.key(0), (*ids.shape, cfg.text.vocab_size))
+
+    def grads(model):
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def loss(p):
+            out = nnx.merge(graphdef, p).forward(ids, mask, pos, images=images, videos=videos)
+            return jnp.sum(out.logits * w)
+
+        flat = nnx.to_flat_state(jax.jit(jax.grad(loss))(params))
+        return {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}
+
+    scanned.set_remat_policy("dots_saveable")
+    try:
+        got = grads(scanned)
+    finally:
+        scanned.set_remat_policy("none")
+    per_layer: dict = {}
+    for path_, g in grads(unrolled).items():
+        target, i = stacked_path(path_)
+        per_layer.setdefault(target, {})[i] = g
+    assert set(per_layer) == set(got)
+    for target, by_layer in per_layer.items():
+        want = (
+            by_layer[None]
+            if None in by_layer
+            else np.stack([by_layer[i] for i in sorted(by_layer)])
+        )
+        scale = np.abs(want).max()
+        assert scale > 0, target
+        np.testing.assert_allclose(got[target], want, atol=1e-5 * scale, err_msg=target)
 
 
 def _generation_batch():
