@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxvrl.data.processor import expand_prompt_qwen3
+
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
@@ -77,8 +79,11 @@ def encode_prompt(
     video_grid_thw=None,
     system: str | None = None,
     merge_size: int = 2,
+    video_timestamps=None,
 ) -> list[int]:
-    """Token ids of the rendered chat prompt (generation prompt appended)."""
+    """Token ids of the rendered chat prompt (generation prompt appended). video_timestamps:
+    per video the seconds of its frame groups, for a family that writes them (Qwen3-VL: each
+    frame group its `<t seconds>` text and its own vision span), else None."""
     img = vision_token_counts(image_grid_thw, merge_size) if image_grid_thw is not None else []
     vid = vision_token_counts(video_grid_thw, merge_size) if video_grid_thw is not None else []
     rendered = tokenizer.apply_chat_template(
@@ -86,7 +91,13 @@ def encode_prompt(
         tokenize=False,
         add_generation_prompt=True,
     )
-    return tokenizer(expand_vision_pads(rendered, img, vid), add_special_tokens=False)["input_ids"]
+    if video_timestamps is not None:
+        expanded = expand_prompt_qwen3(
+            rendered, image_grid_thw, video_grid_thw, video_timestamps, merge_size
+        )
+    else:
+        expanded = expand_vision_pads(rendered, img, vid)
+    return tokenizer(expanded, add_special_tokens=False)["input_ids"]
 
 
 def pool_token_ids(tokenizer) -> dict:

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 from PIL import Image
 
-from jaxvrl.data.processor import process_images, process_video
+from jaxvrl.data.processor import process_images, process_video, process_video_qwen3
 from jaxvrl.data.prompts import encode_prompt
 from jaxvrl.models import ProcessorSettings
 from jaxvrl.remote import is_remote, read_bytes
@@ -232,13 +232,14 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
             return None
         videos.append(loaded)
     proc = opts.processor
-    sizes = dict(
-        patch_size=proc.patch_size,
-        temporal_patch_size=proc.temporal_patch_size,
-        merge_size=proc.merge_size,
-    )
-    pv, grid = process_images(images, opts.min_pixels, opts.max_pixels, **sizes)
-    vids = [process_video(v, opts.video_min_pixels, opts.video_max_pixels, **sizes) for v in videos]
+    pv, grid = process_images(images, opts.min_pixels, opts.max_pixels, settings=proc)
+    stamps = None
+    if proc.video_timestamps:  # every frame of the row's list, timed by video_fps
+        vids = [process_video_qwen3(v, opts.video_fps, proc, sample_fps=None) for v in videos]
+        stamps = [v[2] for v in vids]
+    else:
+        limits = (opts.video_min_pixels, opts.video_max_pixels)
+        vids = [process_video(v, *limits, settings=proc) for v in videos]
     vpv = np.concatenate([v[0] for v in vids]) if vids else np.zeros((0, pv.shape[1]), np.float32)
     vgrid = np.concatenate([v[1] for v in vids]) if vids else np.zeros((0, 3), np.int64)
     seconds = np.full((len(vids),), proc.temporal_patch_size / opts.video_fps, np.float32)
@@ -249,6 +250,7 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
         vgrid if vids else None,
         system=opts.system_prompt,
         merge_size=proc.merge_size,
+        video_timestamps=stamps,
     )
     if len(ids) > opts.max_prompt_length:
         stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")

@@ -52,6 +52,9 @@ class ProcessorSettings:
     max_pixels: int = 28 * 28 * 1280
     video_min_pixels: int = 128 * 28 * 28
     video_max_pixels: int = 768 * 28 * 28
+    # Qwen3-VL: each frame group of a video gets its timestamp text and its own vision span,
+    # and the video limits bound all of a video's frames together
+    video_timestamps: bool = False
 
     @property
     def factor(self) -> int:

@@ -138,3 +138,33 @@ def test_distinct_shapes_over_an_epoch_within_bound(tokenizer, model_config):
     bound = (256 // 32) * 1  # prompt buckets x patch buckets for one image size
     print(f"distinct batch shapes over one epoch: {len(shapes)} (bound {bound}): {shapes}")
     assert 1 <= len(shapes) <= bound
+
+
+def test_rows_encode_with_the_family_processor(tokenizer):
+    """A row with an image and a video, encoded for Qwen3-VL's processor settings: patches of
+    16 normalised by mean/std 0.5, and the video's frame groups each with its timestamp and
+    its own vision span in the prompt (transformers' Qwen3VLProcessor expansion)."""
+    from jaxvrl import models
+
+    settings = models.family("qwen3_vl").processor(
+        models.config_from_hf({"model_type": "qwen3_vl"})
+    )
+    img = Image.new("RGB", (70, 50), (200, 30, 30))
+    frames = [Image.new("RGB", (64, 64), (10 * i, 0, 0)) for i in range(4)]
+    row = {"problem": "what happens?", "images": [img], "videos": [frames], "label_idx": 0}
+    opts = EncodeOptions(processor=settings, video_fps=2.0)
+    (ex,), stats = encode_rows([row], tokenizer, opts)
+    assert stats.total == 0
+    pv, grid = process_images([img], opts.min_pixels, opts.max_pixels, settings=settings)
+    np.testing.assert_array_equal(ex["pixel_values"], pv)
+    assert pv.shape[1] == 3 * 2 * 16 * 16 and grid.tolist() == ex["image_grid_thw"].tolist()
+    red = (200 / 255 - 0.5) / 0.5  # the red channel of the first patch's first pixel
+    assert ex["pixel_values"][0, 0] == pytest.approx(red, abs=1e-6)
+    t, h, w = ex["video_grid_thw"][0]
+    assert t == 2  # 4 frames, 2 per temporal patch
+    text = tokenizer.decode(ex["prompt_ids"])
+    span = "<|vision_start|>" + "<|video_pad|>" * (h * w // 4) + "<|vision_end|>"
+    # frame groups at 0 and 0.5 s, 1 and 1.5 s: their mean times as transformers prints them
+    assert "<0.2 seconds>" + span + "<1.2 seconds>" + span in text
+    image_pads = int(np.prod(ex["image_grid_thw"][0])) // 4
+    assert text.count("<|image_pad|>") == image_pads

@@ -31,6 +31,7 @@ def processor(cfg: Qwen3VLConfig) -> ProcessorSettings:
         max_pixels=MAX_PIXELS,
         video_min_pixels=VIDEO_MIN_PIXELS,
         video_max_pixels=VIDEO_MAX_PIXELS,
+        video_timestamps=True,
     )
 
 
