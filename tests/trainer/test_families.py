@@ -157,3 +157,51 @@ def test_ppo_with_lora_and_dapo_with_qlora_run(checkpoint, tmp_path, config, ext
                         "val_before_train=False", "val_size=0", *extra]  # fmt: skip
     metrics = run(load_config(os.path.join(ROOT, config), overrides))
     assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
+
+
+def test_slots_sample_what_the_static_sampler_samples(checkpoint):
+    """The refilling slots over a paged cache give the static sampler's completions and
+    log-probs (one prefill per prompt, G samples each) on an image prompt and a video prompt."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from jaxvrl.sampling import Sampler
+    from jaxvrl.sampling.sampler import generation_config, row_vision_inputs
+
+    _, path = checkpoint
+    model = models.load(path)
+    cfg = model.config
+    rng = np.random.default_rng(3)
+    text = lambda n: rng.integers(20, 400, n).tolist()  # noqa: E731
+    v0, v1 = IDS["vision_start_token_id"], IDS["vision_end_token_id"]
+    a = text(3) + [v0] + [IDS["image_token_id"]] * 6 + [v1] + text(4)  # grid (1, 4, 6)
+    b = text(2) + [v0] + [IDS["video_token_id"]] * 8 + [v1] + text(6)  # grid (2, 4, 4)
+    width = max(len(a), len(b)) + 1
+    ids = np.array([[0] * (width - len(r)) + r for r in (a, b)])
+    mask = (np.arange(width)[None] >= (width - np.array([len(a), len(b)]))[:, None]).astype(int)
+    dim = models.processor(cfg).patch_dim
+    image, video = np.array([[1, 4, 6]]), np.array([[2, 4, 4]])
+    pv = rng.normal(size=(24, dim)).astype(np.float32)
+    pvv = rng.normal(size=(32, dim)).astype(np.float32)
+    pos, deltas = models.rope_index(cfg, ids, mask, image, video)
+    images = row_vision_inputs(pv, image, ids, cfg.image_token_id, cfg)
+    videos = row_vision_inputs(pvv, video, ids, cfg.video_token_id, cfg)
+    args = [jax.numpy.asarray(x) for x in (ids, mask, pos, deltas)]
+    base = generation_config(cfg, max_new_tokens=8, temperature=1.0)
+    base = dataclasses.replace(base, eos_token_ids=tuple(range(3, 400, 7)))
+
+    def sample(sampling):
+        out = Sampler(nnx.graphdef(model), sampling)(
+            nnx.state(model), *args, jax.random.key(5), images=images, videos=videos,
+            num_samples=3,
+        )  # fmt: skip
+        return jax.tree.map(np.asarray, out)
+
+    want = sample(base)
+    got = sample(dataclasses.replace(base, slots=4, page_size=5))
+    assert len(set(want.mask.sum(1).tolist())) > 1  # rows end at different lengths
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
