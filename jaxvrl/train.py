@@ -185,6 +185,29 @@ def model_source(c) -> tuple[str, str | None]:
     return local, None
 
 
+# settings that read the image: (config key, whether the run turns it on)
+IMAGE_SETTINGS = (
+    ("tprl.enable_perception_filtering", lambda c: c.tprl.enable_perception_filtering),
+    ("tprl.enable_trajectory_reweighting", lambda c: c.tprl.enable_trajectory_reweighting),
+    ("vgr.enable_token_weights", lambda c: c.vgr.enable_token_weights),
+    ("reward.funcs", lambda c: "mdi" in c.reward.funcs),
+)
+
+
+def check_model_settings(c, model_config) -> None:
+    """A text-only model (no vision tower) refuses, at start, the settings that read the
+    image: the perceptual pass's filtering and shaping, VGR's token weights, the MDI reward."""
+    if getattr(model_config, "vision", None) is not None:
+        return
+    for key, on in IMAGE_SETTINGS:
+        if on(c):
+            what = "the 'mdi' reward" if key == "reward.funcs" else "True"
+            raise ConfigError(
+                f"config.{key}: {what} needs images, and model type "
+                f"{model_config.model_type!r} is text-only; turn it off for this model"
+            )
+
+
 def load_model(c, source: tuple[str, str | None] | None = None):
     """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one
     (source: model_source(c), when the caller has it already)."""
@@ -516,6 +539,7 @@ def _run(c) -> dict:
     if other:
         raise ConfigError(f"{c.workdir}: saved with {other}; use another workdir or set it back")
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
+    check_model_settings(c, models.load_config(source[0]))
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))
 

@@ -140,6 +140,7 @@ class Plan:
         mesh = runtime.mesh_from_config(c.mesh, devices=topology.tpu_devices(s))
         train.check_rows(c, mesh, processes=s.hosts)
         name, mcfg = model_config(c)
+        train.check_model_settings(c, mcfg)
         dtype, param_dtype = models.DTYPES[c.model.dtype], models.DTYPES[c.model.param_dtype]
         model = nnx.eval_shape(
             lambda: models.family_of(mcfg).model(
