@@ -145,6 +145,7 @@ def think_format_reward(completions: Sequence[str], **_) -> list[float]:
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?%?")
 _ANSWER_LINE = re.compile(r"(?i:answer)\s*(?:(?i:is)\s*:?|:)|答案\s*(?:是|为)?\s*:?")
 
 
@@ -161,10 +162,11 @@ def _boxed(text: str) -> str | None:
     return text[i + 1 :]
 
 
-def answer_span(text: str) -> str:
-    """The answer part of a completion or reference: after the last </think>, the last
-    <answer>...</answer>, else the last \\boxed{...}, else what follows the last "Answer:" /
-    "answer is" / "答案:" on its line, else the whole text."""
+def marked_answer(text: str) -> str | None:
+    """The answer part of a completion or reference, where something marks it: after the
+    last </think>, the last <answer>...</answer>, else the last \\boxed{...}, else what
+    follows the last "####" (GSM8K's references) or "Answer:" / "answer is" / "答案:" on its
+    line; None when nothing marks it."""
     text = text.translate(_FULL_WIDTH).rsplit("</think>", 1)[-1]
     tags = _ANSWER_TAG.findall(text)
     if tags:
@@ -172,10 +174,24 @@ def answer_span(text: str) -> str:
     boxed = _boxed(text)
     if boxed is not None:
         return boxed
+    if "####" in text:
+        return text.rsplit("####", 1)[-1].split("\n", 1)[0]
     marks = list(_ANSWER_LINE.finditer(text))
     if marks:
         return text[marks[-1].end() :].split("\n", 1)[0]
-    return text
+    return None
+
+
+def answer_span(text: str) -> str:
+    """`marked_answer`, else the whole text after the last </think>."""
+    marked = marked_answer(text)
+    return text.translate(_FULL_WIDTH).rsplit("</think>", 1)[-1] if marked is None else marked
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` (1,234.5 / -3 / 50% / 1/4), or None."""
+    found = _NUMBER.findall(text.translate(_FULL_WIDTH))
+    return found[-1] if found else None
 
 
 def _normalise(s: str) -> str:
@@ -218,7 +234,9 @@ def accuracy_reward(
 ) -> list[float]:
     """1.0 when the completion's answer_span matches the reference's (column `answer`, else
     `solution`): math_verify's verify when installed and it says equal; otherwise numeric
-    equality (rel. 1e-6; "50%" = 0.5, "1/4" = 0.25) or normalised string equality."""
+    equality (rel. 1e-6; "50%" = 0.5, "1/4" = 0.25) or normalised string equality; a
+    completion whose answer nothing marks, against a numeric reference, is read by its last
+    number (a model answering in prose)."""
     refs = answer if answer is not None else solution
     if refs is None:
         raise ValueError("accuracy_reward needs an `answer` or `solution` column")
@@ -238,7 +256,11 @@ def accuracy_reward(
                 ok = bool(verify(parse(str(ref)), parse(c.rsplit("</think>", 1)[-1])))
             except Exception:  # noqa: BLE001 -- math_verify failing means: compare as text
                 ok = False
-        out.append(float(ok or _match(pred, gold)))
+        ok = ok or _match(pred, gold)
+        if not ok and marked_answer(c) is None and _as_number(gold) is not None:
+            last = last_number(pred)
+            ok = last is not None and _match(last, gold)
+        out.append(float(ok))
     return out
 
 

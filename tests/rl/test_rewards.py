@@ -103,6 +103,21 @@ def test_accuracy_reward():
         R.accuracy_reward(["4"])
 
 
+def test_accuracy_reward_on_math_text():
+    """GSM8K references end in `#### N`; a completion in prose is read by its last number,
+    but a marked answer is the answer (no second chance from a number after it)."""
+    refs = ["She sells 16 - 3 - 4 = 9 eggs.\n#### 18", "#### 1,000", "#### -0.75", "#### 7"]
+    comps = [
+        "So she makes 9 * 2 = 18 dollars.",  # prose: its last number
+        "In total 1000",
+        "The value is -3/4",
+        "<answer>8</answer> though 7 is close",  # marked: 8
+    ]
+    assert R.accuracy_reward(comps, answer=refs) == [1, 1, 1, 0]
+    assert R.accuracy_reward(["9 * 2 = 18, not 20"], answer=refs[:1]) == [0]  # last is 20
+    assert R.answer_span(refs[0]) == " 18" and R.last_number("a 1,234.5 b") == "1,234.5"
+
+
 def test_mdi_reward():
     out = R.mdi_reward(["a"] * 5, mdi=[1.0, None, 4.0, float("nan"), 1.5])
     bal = 1 - math.log(1.5) / math.log(2)
