@@ -633,3 +633,69 @@ def _cudnn(q, k, v, vis: Visibility, cfg: _Blocks, *, masked: bool, backend: str
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------
+# key masses: where a set of queries puts its attention (a diagnostic pass, no gradient)
+
+
+def attend_key_masses(q, k, v, *, scale, key_valid, queries, implementation="xla", block=512):
+    """Causal self-attention (T == S, default positions) as `attend`, plus where the queries
+    `queries` bool[B, T] put their attention: (out [B, T, N, H], masses float32[B, S]), masses
+    = sum over those queries of the heads-averaged probabilities (gradient-free). "xla" sums
+    the dense probabilities; the others run the blocked forward (the output and its
+    log-sum-exps) and a blocked second pass over the logits that reuses those log-sum-exps,
+    so no [T, S] array is built (splash and cudnn take the blocked form too: a diagnostic)."""
+    b, t, n, h = q.shape
+    vis = _visibility(q, k, key_valid, None, None, None, None, True)
+    chosen = jnp.broadcast_to(jnp.asarray(queries, bool), (b, t))
+    if implementation == "xla":  # _xla's arithmetic, its probabilities kept
+        kh = k.shape[2]
+        qg = q.reshape(b, t, kh, n // kh, h)
+        logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * scale
+        mask = visibility_mask(vis, True)[:, None, None]
+        logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+        probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(q.dtype), v.astype(q.dtype))
+        p = lax.stop_gradient(probs)
+        masses = jnp.einsum("BKGTS,BT->BS", p, chosen.astype(jnp.float32)) / n
+        return out.reshape(b, t, n, h), masses
+    cfg = _Blocks(float(scale), True, max(1, min(block, t)), max(1, min(block, k.shape[1])))
+    qg, kt, vt, vis_b, _ = _to_blocks(q, k, v, vis, None, cfg)
+    out, lse, _ = _flash_forward(cfg, qg, kt, vt, vis_b, None)
+    out = out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    chosen = _pad_axis(chosen, 1, qg.shape[3], False)
+    q_, k_ = lax.stop_gradient(qg), lax.stop_gradient(kt)
+    return out, _blocked_key_masses(cfg, q_, k_, vis_b, lse, chosen)[:, : k.shape[1]]
+
+
+def _blocked_key_masses(cfg: _Blocks, q, k, vis: Visibility, lse, chosen):
+    """q [B, K, G, Tp, H], k [B, K, Sp, H], lse float32[B, K, G, Tp] from the forward, chosen
+    bool[B, Tp] -> float32[B, Sp]: per key block, a loop over the query blocks recomputes
+    exp(logits - lse) and sums it over the chosen queries and the heads (mean over heads)."""
+    b, kh, g, tp, _ = q.shape
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = tp // bq, k.shape[2] // bk
+
+    def k_block(j):
+        s0 = j * bk
+        kb = lax.dynamic_slice_in_dim(k, s0, bk, axis=2)
+
+        def q_block(i, acc):
+            t0 = i * bq
+            rows = lax.dynamic_slice_in_dim(chosen, t0, bq, axis=1)  # [B, bq]
+            mask = visibility_mask(vis, True, t0, bq, s0, bk) & rows[:, :, None]
+
+            def add(acc):
+                qb = lax.dynamic_slice_in_dim(q, t0, bq, axis=3)
+                lse_b = lax.dynamic_slice_in_dim(lse, t0, bq, axis=3)
+                s = jnp.einsum("BKGTH,BKSH->BKGTS", qb, kb, preferred_element_type=jnp.float32)
+                p = jnp.exp(s * cfg.scale - lse_b[..., None])
+                return acc + jnp.sum(jnp.where(mask[:, None, None], p, 0.0), axis=(1, 2, 3))
+
+            return lax.cond(jnp.any(mask), add, lambda a: a, acc)
+
+        return lax.fori_loop(0, nq, q_block, jnp.zeros((b, bk), jnp.float32))
+
+    masses = lax.map(k_block, jnp.arange(nk))  # [nk, B, bk]
+    return jnp.moveaxis(masses, 0, 1).reshape(b, nk * bk) / (kh * g)

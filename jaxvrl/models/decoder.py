@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxvrl.models.attention import attend
+from jaxvrl.models.attention import attend, attend_key_masses
 from jaxvrl.models.cache import KVCache, PagedKVCache, PagedLayer
 from jaxvrl.models.config import TextConfig
 from jaxvrl.models.layers import (
@@ -132,7 +132,18 @@ class Attention(nnx.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(
-        self, x, cos, sin, mask, kv=None, pools=None, forms=None, *, implementation="xla", block=512
+        self,
+        x,
+        cos,
+        sin,
+        mask,
+        kv=None,
+        pools=None,
+        forms=None,
+        *,
+        implementation="xla",
+        block=512,
+        queries=None,
     ):
         """x: [B, T, D]; kv: None or (k_cache, v_cache, index) to write the new keys at `index`
         and attend over the whole cache (see KVCache); mask: without kv, bool[B, T] key
@@ -140,7 +151,9 @@ class Attention(nnx.Module):
         cached keys each query sees; forms: what a decode step's caller supplies in place of
         this layer's own projections and cached attention (see `TextDecoder.__call__`), or
         None; implementation, block: the `attend` implementation of the path without a cache
-        and its block size (queries and keys).
+        and its block size (queries and keys); queries: None, or bool[B, T] (without kv):
+        stats are then the keys' attention masses from those queries, float32[B, T]
+        (`attend_key_masses`).
         Returns (out, (k, v), stats); k, v are the updated caches when kv is given."""
         b, t, _ = x.shape
         own = forms is None
@@ -160,6 +173,12 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("batch", "length", "heads", None))
         scale = self.head_dim**-0.5
+        if kv is None and queries is not None:  # a diagnostic pass: where the queries look
+            out, stats = attend_key_masses(
+                q, k, v, scale=scale, key_valid=mask, queries=queries,
+                implementation=implementation, block=block,
+            )  # fmt: skip
+            return o_proj(out.reshape(b, t, -1)), (k, v), stats
         if kv is None:
             out, stats = attend(
                 q,
@@ -216,12 +235,22 @@ class DecoderLayer(nnx.Module):
         )
 
     def __call__(
-        self, x, cos, sin, mask, kv=None, pools=None, forms=None, *, implementation="xla", block=512
+        self,
+        x,
+        cos,
+        sin,
+        mask,
+        kv=None,
+        pools=None,
+        forms=None,
+        *,
+        implementation="xla",
+        block=512,
+        queries=None,
     ):
         x_in = self.input_layernorm(x)
-        h, new_kv, stats = self.self_attn(
-            x_in, cos, sin, mask, kv, pools, forms, implementation=implementation, block=block
-        )
+        kw = dict(implementation=implementation, block=block, queries=queries)
+        h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, forms, **kw)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), forms)
         return constrain(x, RESIDUAL), new_kv, stats
@@ -272,10 +301,13 @@ class TextDecoder(nnx.Module):
         pools=None,
         forms=None,
         deepstack: DeepStack | None = None,
+        key_queries=None,
     ):
         """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T];
         deepstack: vision features added after the first layers (prompts with vision tokens:
-        forward passes and prefills), or None.
+        forward passes and prefills), or None; key_queries: None, or bool[B, T] (no cache):
+        stats are then where those queries attend, per layer and key, float32[L, B, T] (the
+        heads-averaged probabilities summed over the queries), in place of (A_V, A_X).
 
         Without a cache, queries attend causally over the T given tokens (through `attend`,
         with the decoder's `attention` implementation). With a cache, the T tokens are written
@@ -297,10 +329,14 @@ class TextDecoder(nnx.Module):
         cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
         x = constrain(x, RESIDUAL)
+        extra = {} if key_queries is None else {"queries": jnp.asarray(key_queries, bool)}
+        if extra and cache is not None:
+            raise ValueError("key_queries needs a forward pass without a cache")
         layer_call = functools.partial(
             DecoderLayer.__call__,
             implementation=attention_implementation(self.attention),
             block=self.attention_block,
+            **extra,
         )
         if isinstance(cache, PagedKVCache):
             if deepstack is not None:
@@ -361,7 +397,7 @@ class TextDecoder(nnx.Module):
         """The layers one by one (unrolled); a stacked cache gives back a stacked one, a
         paged one its pages."""
         call = remat(layer_call, self.remat_policy)
-        ks, vs, a_v, a_x = [], [], [], []
+        ks, vs, all_stats = [], [], []
         for i in range(self.cfg.num_hidden_layers):
             layer = self.layer(i)
             kv = None if cache is None else cache.layer(i)
@@ -374,10 +410,9 @@ class TextDecoder(nnx.Module):
             ks.append(k)
             vs.append(v)
             if stats is not None:
-                a_v.append(stats[0])
-                a_x.append(stats[1])
+                all_stats.append(stats)
         kv = None
         if cache is not None:
             kv = (jnp.stack(ks), jnp.stack(vs)) if cache.stacked else (tuple(ks), tuple(vs))
-        stats = (jnp.stack(a_v), jnp.stack(a_x)) if pools is not None else None
+        stats = jax.tree.map(lambda *s: jnp.stack(s), *all_stats) if all_stats else None
         return x, kv, stats

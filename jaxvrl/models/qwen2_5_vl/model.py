@@ -142,22 +142,28 @@ class Qwen2_5_VL(nnx.Module):
         pools: dict | None = None,
         return_logits: bool = True,
         forms=None,
+        key_queries=None,
     ) -> ModelOutput:
         """input_ids int[B, T]; attention_mask int[B, T]; position_ids int[3, B, T].
 
         pools: optional {"vision", "text", "prompt"} bool[B, S] key masks (S = T, or the cache
         length with a cache) to return per-layer attention masses (see `attention_pools`).
         forms: a decode step's replacements for the text layers' projections and cached
-        attention (see `TextDecoder.__call__`), or None.
+        attention (see `TextDecoder.__call__`), or None. key_queries: None, or bool[B, T]
+        (no cache, no pools): a diagnostic pass whose `vision_mass` is then float32[L, B, T],
+        each key's attention mass from those queries (heads-averaged probabilities summed
+        over the queries, per layer), and text_mass None.
         """
         x = self.embed(input_ids, images, videos)
-        hidden, new_cache, stats = self.model(x, position_ids, attention_mask, cache, pools, forms)
+        hidden, new_cache, stats = self.model(
+            x, position_ids, attention_mask, cache, pools, forms, key_queries=key_queries
+        )
         return ModelOutput(
             logits=self.logits(hidden) if return_logits else None,
             hidden=hidden,
             cache=new_cache,
-            vision_mass=None if stats is None else stats[0],
-            text_mass=None if stats is None else stats[1],
+            vision_mass=None if stats is None else stats if key_queries is not None else stats[0],
+            text_mass=None if stats is None or key_queries is not None else stats[1],
         )
 
     # ------------------------------------------------------------------ HF-like call

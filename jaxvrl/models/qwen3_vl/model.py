@@ -82,21 +82,22 @@ class Qwen3VL(Qwen2_5_VL):
         pools: dict | None = None,
         return_logits: bool = True,
         forms=None,
+        key_queries=None,
     ) -> ModelOutput:
         """Traceable forward pass, as `Qwen2_5_VL.forward`: input_ids/attention_mask [B, T],
         position_ids int[3, B, T] from Qwen3-VL's rope index; vision inputs add their
         DeepStack levels after the first decoder layers (forward passes and prefills with a
-        cache alike; decode steps have none)."""
+        cache alike; decode steps have none). key_queries: as `Qwen2_5_VL.forward`'s."""
         x, deepstack = self.vision_embed(input_ids, images, videos)
         hidden, new_cache, stats = self.model(
-            x, position_ids, attention_mask, cache, pools, forms, deepstack=deepstack
+            x, position_ids, attention_mask, cache, pools, forms, deepstack, key_queries
         )
         return ModelOutput(
             logits=self.logits(hidden) if return_logits else None,
             hidden=hidden,
             cache=new_cache,
-            vision_mass=None if stats is None else stats[0],
-            text_mass=None if stats is None else stats[1],
+            vision_mass=None if stats is None else stats if key_queries is not None else stats[0],
+            text_mass=None if stats is None or key_queries is not None else stats[1],
         )
 
     def __call__(
