@@ -120,10 +120,27 @@ class TextConfig:
     qk_norm: bool = False
     # M-RoPE frequencies interleaved t, h, w, t, h, w, ... (Qwen3-VL) rather than in sections
     mrope_interleaved: bool = False
+    # rotary scaling of the text families (`layers.rope_inv_freq`): "default", "linear",
+    # "dynamic" (NTK by the call's longest position), "llama3"; factor, low/high_freq_factor
+    # and original_max_position_embeddings as transformers' rope parameters name them
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 0
 
     def __post_init__(self):
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+
+ROPE_SCALING_FIELDS = (
+    "rope_type",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+)
 
 
 def fields_of(cls) -> set[str]:
@@ -160,6 +177,8 @@ def text_from_dict(d: dict, source: str, **overrides) -> TextConfig:
     kw.pop("rope_theta", None)
     kw.pop("mrope_section", None)
     kw.pop("mrope_interleaved", None)
+    for key in ROPE_SCALING_FIELDS:  # the text families' rope scaling, not read here
+        kw.pop(key, None)
     kw.update(overrides)
     cfg = TextConfig(
         **kw,

@@ -37,6 +37,7 @@ from jaxvrl.models.layers import (
     masked_softmax,
     pool_masses,
     remat,
+    rope_inv_freq,
     scan_layers,
     stacked,
 )
@@ -69,8 +70,7 @@ def mrope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
     three axes' products under static 0/1 masks: no gather over the three axes, which the TPU
     compiler spent seconds of a 7B step's compile on.
     """
-    hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    inv_freq = rope_inv_freq(cfg, position_ids)
     axis = mrope_axes(cfg)
     pos = position_ids.astype(jnp.float32)
     if cfg.mrope_interleaved:  # the masked products are exact: x * 0 = 0, x + 0 = x

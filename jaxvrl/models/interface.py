@@ -30,6 +30,9 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "jaxvrl.models.qwen2_5_vl",
     "qwen2_vl": "jaxvrl.models.qwen2_vl",
     "qwen3_vl": "jaxvrl.models.qwen3_vl",
+    "llama": "jaxvrl.models.llama",
+    "qwen2": "jaxvrl.models.qwen2",
+    "qwen3": "jaxvrl.models.qwen3",
 }
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -6,6 +6,8 @@ G query heads per key/value head (N = K*G), H head dim, D model dim.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -116,6 +118,44 @@ class GatedMLP(nnx.Module):
         gate, up = self.gate_up(x) if own or forms.gate_up is None else forms.gate_up(x)
         down = self.down_proj if own or forms.down is None else forms.down
         return down(self.act(gate) * up)
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rope_inv_freq(cfg, position_ids: jax.Array | None = None) -> jax.Array:
+    """float32[head_dim / 2] rotary inverse frequencies of a TextConfig, scaled by its
+    `rope_type` as transformers' `modeling_rope_utils` computes them: "linear" divides by the
+    factor; "llama3" divides the low frequencies by it and blends the middle band; "dynamic"
+    (NTK) raises the base once the call's longest position (max of position_ids + 1, over
+    the whole batch) passes max_position_embeddings, so each call of the model (a forward
+    pass, a prefill, a decode step) takes the frequencies of its own length, as HF does."""
+    hd = cfg.head_dim
+    exponent = jnp.arange(0, hd, 2, dtype=jnp.float32) / hd
+    inv_freq = 1.0 / (cfg.rope_theta**exponent)
+    kind, factor = cfg.rope_type, cfg.rope_factor
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        old = cfg.rope_original_max_position_embeddings
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return jnp.where(medium, smoothed, scaled)
+    if kind == "dynamic":
+        limit = cfg.max_position_embeddings
+        if position_ids is None:
+            return inv_freq
+        seq_len = jnp.max(position_ids).astype(jnp.float32) + 1
+        grown = jnp.maximum(seq_len, limit)
+        base = cfg.rope_theta * ((factor * grown / limit) - (factor - 1)) ** (hd / (hd - 2))
+        return jnp.where(seq_len > limit, 1.0 / (base**exponent), inv_freq)
+    raise ValueError(f"rope_type {kind!r} is not one of {ROPE_TYPES}")
 
 
 def rotate_half(x: jax.Array) -> jax.Array:

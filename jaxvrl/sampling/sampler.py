@@ -325,7 +325,7 @@ def generation_config(
     decode_layout: str = "auto",
 ) -> SamplingConfig:
     """The SamplingConfig `generate` samples with: these settings, and the model's image/video
-    pad and vision start/end tokens suppressed."""
+    pad and vision start/end tokens suppressed (those it has)."""
     cfg_m = model_config
     if eos_token_ids is None:
         eos_token_ids = ()
@@ -337,11 +337,15 @@ def generation_config(
         top_k=int(top_k),
         eos_token_ids=eos,
         pad_token_id=pad_token_id,
-        suppress_token_ids=(
-            cfg_m.image_token_id,
-            cfg_m.video_token_id,
-            cfg_m.vision_start_token_id,
-            cfg_m.vision_end_token_id,
+        suppress_token_ids=tuple(
+            t
+            for t in (
+                cfg_m.image_token_id,
+                cfg_m.video_token_id,
+                cfg_m.vision_start_token_id,
+                cfg_m.vision_end_token_id,
+            )
+            if t is not None  # text-only models have no vision tokens
         ),
         decode_layout=decode_layout,
     )
