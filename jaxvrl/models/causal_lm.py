@@ -316,17 +316,22 @@ class CausalLM(nnx.Module):
         pools: dict | None = None,
         return_logits: bool = True,
         forms=None,
+        key_queries=None,
     ) -> ModelOutput:
         """Traceable forward pass: input_ids/attention_mask [B, T], position_ids int[3, B, T]
-        (`rope_index`); cache, pools, return_logits and forms as `Qwen2_5_VL.forward`."""
+        (`rope_index`); cache, pools, return_logits, forms and key_queries as
+        `Qwen2_5_VL.forward`'s."""
         x = self.embed(input_ids, images, videos)
-        hidden, new_cache, stats = self.model(x, position_ids, attention_mask, cache, pools, forms)
+        hidden, new_cache, stats = self.model(
+            x, position_ids, attention_mask, cache, pools, forms, key_queries=key_queries
+        )
+        per_key = key_queries is not None  # stats: each key's mass from the queries
         return ModelOutput(
             logits=self.logits(hidden) if return_logits else None,
             hidden=hidden,
             cache=new_cache,
-            vision_mass=None if stats is None else stats[0],
-            text_mass=None if stats is None else stats[1],
+            vision_mass=None if stats is None else stats if per_key else stats[0],
+            text_mass=None if stats is None or per_key else stats[1],
         )
 
     def __call__(

@@ -1,0 +1,81 @@
+"""Tiny random text-only checkpoints (Llama, Qwen2, Qwen3) built with transformers (no
+downloads) for parity tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+VOCAB = 96
+EOS = 3
+
+ROPES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    # max_position_embeddings 8: prompts and completions of the tests run past it
+    "dynamic": {"rope_type": "dynamic", "factor": 8.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    },
+}
+
+
+def make_config(
+    model_type="llama", *, hidden=32, layers=2, heads=4, kv_heads=2, rope="default", tie=False
+):
+    """A transformers config; head_dim 16 for Qwen3 (not hidden / heads), 8 otherwise."""
+    from transformers import AutoConfig
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    rope_parameters |= ROPES[rope] or {}
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=8 if rope == "dynamic" else 64,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=EOS,
+    )
+    if model_type == "qwen3":
+        kw["head_dim"] = 16
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def build(path, model_type="llama", seed=0, **kw):
+    """save_pretrained a random model at `path`; returns the torch model (eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(model_type, **kw)).eval()
+    # Spread the weights a little so that logits are far from zero and differences show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.ndim >= 2:
+                p.mul_(3.0)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def prompts(seed=0, lengths=(7, 11, 4)):
+    """Left-padded rows of random tokens (ids 4..VOCAB-1): (ids int64[B, T], mask)."""
+    rng = np.random.default_rng(seed)
+    n = max(lengths)
+    ids = np.zeros((len(lengths), n), np.int64)
+    mask = np.zeros((len(lengths), n), np.int64)
+    for i, k in enumerate(lengths):
+        ids[i, n - k :] = rng.integers(4, VOCAB, k)
+        mask[i, n - k :] = 1
+    return ids, mask
