@@ -72,6 +72,7 @@ from jaxvrl.sampling import (
 )
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
+from jaxvrl.trainer.diagnostics import AttentionMaps
 from jaxvrl.trainer.replay_state import load_buffer, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
@@ -601,8 +602,14 @@ def _run(c) -> dict:
                 metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
             if c.log_rollouts_every and step % c.log_rollouts_every == 0:
-                rows = logs.sample_rows(rollout, runtime.host_local(extras), tokenizer)
+                host = runtime.host_local(extras)
+                rows = logs.sample_rows(rollout, host, tokenizer)
                 logs.markdown(done, runtime.gather_json(rows))  # every process's rows
+                if c.logging.attention_samples:  # a diagnostic pass over a few of the rows
+                    n = c.logging.attention_samples
+                    maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg)
+                    samples = maps(sampling_params(state), rollout, host.token_weights)
+                    logs.attention_maps(done, samples, tokenizer)
             if mirror:
                 mirror.push()  # at most every 30 s
             nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0

@@ -1,6 +1,8 @@
 """Markdown logs a user reads (README "What a run writes"): `rollout_results.md` (prompt,
 completion, each reward, total, advantage per sample), `token_weights.md` (each completion as
-`word(weight)`) and `attention_diagnostics.md` (MDI, AEI, early / middle / late MDI).
+`word(weight)`, and as HTML with each token coloured by its values) and
+`attention_diagnostics.md` (MDI, AEI, early / middle / late MDI, links to the attention
+heatmaps' PNGs).
 
 Section builders are pure functions returning text; MarkdownLog appends them to a file.
 Model text goes inside code fences so that tags like `<think>` stay visible.
@@ -175,4 +177,22 @@ def attention_section(step: int, metrics: dict, limit: int = 8) -> str:
         finite = arrays[k][np.isfinite(arrays[k])]
         means.append(_num(finite.mean(), 3) if finite.size else "n/a")
     lines.append("| **mean** | " + " | ".join(means) + " |")
+    return "\n".join(lines)
+
+
+def heatmap_section(step: int, pictures: Sequence[tuple[str, str]]) -> str:
+    """pictures: (caption, path relative to the markdown file) of the step's attention
+    heatmaps and token panels, as image links."""
+    lines = [f"## Step {step}", ""]
+    for caption, path in pictures:
+        lines += [f"**{caption}**", "", f"![{caption}]({path})", ""]
+    return "\n".join(lines)
+
+
+def token_colour_section(step: int, samples: Sequence[Sequence[str]]) -> str:
+    """samples: per sample, HTML blocks of its tokens coloured by each per-token value
+    (`heatmaps.token_html`)."""
+    lines = [f"## Step {step}", ""]
+    for i, blocks in enumerate(samples):
+        lines += [f"### Sample {i}, coloured", "", *blocks, ""]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
-"""Experiment trackers (README "What a run writes"): the run's scalars, its config and tables of
-rollout samples sent to TensorBoard, Weights & Biases or MLflow beside the local logs.
+"""Experiment trackers (README "What a run writes"): the run's scalars, its config, tables of
+rollout samples and images (attention heatmaps) sent to TensorBoard, Weights & Biases or MLflow beside the local logs.
 
-A backend is a `Tracker` (four calls); `Trackers` fans each call out to the configured ones and
+A backend is a `Tracker` (five calls); `Trackers` fans each call out to the configured ones and
 never raises into the train loop: a backend that fails to start or to send is named in one
 warning and skipped from then on. A resumed run continues the same tracker runs: their ids are
 kept in `<workdir>/trackers.json`. wandb and mlflow are optional (`pip install jaxvrl[wandb]`,
@@ -51,6 +51,9 @@ class Tracker:
     def log_config(self, config: dict) -> None:
         pass
 
+    def log_image(self, step: int, name: str, image) -> None:
+        """image: uint8[H, W, 3]."""
+
     def close(self) -> None:
         pass
 
@@ -62,7 +65,8 @@ def markdown_table(columns: Sequence[str], rows: Sequence) -> str:
 
 
 class TensorBoardTracker(Tracker):
-    """tensorboardX events under `<workdir>/tb`: scalars, tables and the config as text."""
+    """tensorboardX events under `<workdir>/tb`: scalars, images, tables and the config as
+    text."""
 
     def __init__(self, info: RunInfo):
         from tensorboardX import SummaryWriter
@@ -80,6 +84,10 @@ class TensorBoardTracker(Tracker):
 
     def log_config(self, config):
         self.writer.add_text("config", markdown_table(("key", "value"), config.items()), 0)
+
+    def log_image(self, step, name, image):
+        self.writer.add_image(name, image, int(step), dataformats="HWC")
+        self.writer.flush()
 
     def close(self):
         self.writer.close()
@@ -109,6 +117,9 @@ class WandbTracker(Tracker):
     def log_config(self, config):
         self.run.config.update(config, allow_val_change=True)
 
+    def log_image(self, step, name, image):
+        self.run.log({name: self.wandb.Image(image)}, step=int(step))
+
     def close(self):
         self.run.finish()
 
@@ -116,7 +127,8 @@ class WandbTracker(Tracker):
 class MlflowTracker(Tracker):
     """An MLflow run in experiment `project` of the tracking server or store that
     MLFLOW_TRACKING_URI names (e.g. file:///path/mlruns, with MLFLOW_ALLOW_FILE_STORE=true for
-    MLflow 3), continued by run id. Tables go to `<name>/step_<step>.json` artifacts
+    MLflow 3), continued by run id. Images go to `<name>/step_<step>.png` artifacts, tables
+    to `<name>/step_<step>.json` artifacts
     ({"columns", "data"}, as mlflow.log_table writes them). A parameter keeps its first value:
     a resumed run logs only the keys it does not have (MLflow refuses changed values)."""
 
@@ -142,6 +154,9 @@ class MlflowTracker(Tracker):
     def log_table(self, step, name, columns, rows):
         table = {"columns": list(columns), "data": [list(r) for r in rows]}
         self.client.log_dict(self.run_id, table, f"{name}/step_{int(step):06d}.json")
+
+    def log_image(self, step, name, image):
+        self.client.log_image(self.run_id, image, f"{name}/step_{int(step):06d}.png")
 
     def log_config(self, config):
         from mlflow.entities import Param
@@ -237,6 +252,10 @@ class Trackers:
 
     def log_config(self, config: dict) -> None:
         self._each("log the config", "log_config", config)
+
+    def log_image(self, step: int, name: str, image) -> None:
+        """image: uint8[H, W, 3] (TensorBoard add_image, wandb.Image, MLflow log_image)."""
+        self._each(f"log image {name} at step {step}", "log_image", step, name, image)
 
     def close(self) -> None:
         for name, tracker in list(self.live.items()):

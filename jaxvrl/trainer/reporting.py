@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import logging
 import os
 import re
 
@@ -21,16 +23,21 @@ from jaxvrl.logging import (
     Trackers,
     attention_section,
     decode_pieces,
+    heatmaps,
     rollout_section,
     rollout_table,
     token_weight_section,
 )
+from jaxvrl.logging.markdown import heatmap_section, token_colour_section
 from jaxvrl.trainer.rollout import (
     PhaseWeights,
     Rollout,
     decode_completions,
     sample_completions,
 )
+
+log = logging.getLogger(__name__)
+ATTENTION_DIR = "attention"  # <workdir>/attention: the heatmaps' PNGs
 
 
 def evaluate(
@@ -205,6 +212,70 @@ class RunLogs:
         if att:
             self.attention.append(attention_section(step, att, limit=self.samples))
 
+    def attention_maps(self, step: int, samples: list[dict], tokenizer) -> None:
+        """The diagnostic pass's samples (`trainer.diagnostics.AttentionMaps`) as pictures:
+        per sample the image(s) under the completion's attention per layer band (clean and
+        perturbed) and its tokens coloured by each value, as PNGs
+        `<workdir>/attention/step_<n>_sample_<k>[_tokens].png` linked from
+        attention_diagnostics.md, TensorBoard / tracker images `attention/sample_<k>` and
+        HTML in token_weights.md; per-layer MDI / AEI over steps (`attention/layers.jsonl`)
+        redrawn as `attention/layers_over_steps.png`. Without matplotlib: one warning."""
+        if not (self.primary and samples):
+            return
+        if not heatmaps.available():
+            if not getattr(self, "_warned_plots", False):
+                log.warning("matplotlib is not installed: attention heatmaps are skipped")
+                self._warned_plots = True
+            return
+        links, coloured = [], []
+        for k, sample in enumerate(samples):
+            title = f"step {step}, sample {k}: completion's attention (mean over heads)"
+            frames, maps = sample["frames"], sample["maps"]
+            image = heatmaps.attention_overlay(frames["clean"], {"clean": maps["clean"]}, title)
+            if "perturbed" in maps:  # the perturbed pass's map over the blackened image
+                aug = {"perturbed": maps["perturbed"]}
+                image = _stack(image, heatmaps.attention_overlay(frames["perturbed"], aug))
+            pictures = {"": image}
+            tokens = [tokenizer.decode([int(t)]) for t in sample["tokens"]]
+            if sample["values"]:
+                pictures["_tokens"] = heatmaps.token_panel(tokens, sample["values"])
+                coloured.append(
+                    [heatmaps.token_html(tokens, v, name) for name, v in sample["values"].items()]
+                )
+            for suffix, image in pictures.items():
+                rel = f"{ATTENTION_DIR}/step_{step}_sample_{k}{suffix}.png"
+                heatmaps.save_png(image, os.path.join(self.workdir, rel))
+                self.trackers.log_image(step, f"attention/sample_{k}{suffix}", image)
+                links.append((f"sample {k}{suffix.replace('_', ' ')}", rel))
+        self.attention.append(heatmap_section(step, links))
+        if coloured:
+            self.tokens.append(token_colour_section(step, coloured))
+        self._layers_over_steps(step, samples)
+
+    def _layers_over_steps(self, step: int, samples: list[dict]) -> None:
+        path = os.path.join(self.workdir, ATTENTION_DIR, "layers.jsonl")
+        row = {"step": step}
+        for name in samples[0]["layers"]:
+            row[name] = np.nanmean([s["layers"][name] for s in samples], axis=0).tolist()
+        history = []
+        if os.path.exists(path):
+            history = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+        history = [h for h in history if h["step"] < step] + [row]
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(h) + "\n" for h in history)
+        names = [k for k in row if k != "step"]
+        values = {k: np.asarray([h[k] for h in history]).T for k in names}  # [L, steps]
+        image = heatmaps.layers_over_steps([h["step"] for h in history], values)
+        heatmaps.save_png(image, os.path.join(self.workdir, ATTENTION_DIR, "layers_over_steps.png"))
+        self.trackers.log_image(step, "attention/layers_over_steps", image)
+
     def close(self) -> None:
         self.metrics.close()
         self.trackers.close()
+
+
+def _stack(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
+    """Two RGB images one above the other (white-padded to one width)."""
+    width = max(top.shape[1], bottom.shape[1])
+    pad = lambda x: np.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0)), constant_values=255)  # noqa: E731
+    return np.concatenate([pad(top), pad(bottom)], axis=0)

@@ -1,0 +1,221 @@
+"""Where a model's attention goes, for the pictures of the run logs: a diagnostic pass over a
+few logged rollout rows, outside the train step's program (its own jitted program, compiled
+once per shape), and what the pictures need of it on the host.
+
+The pass runs the model's forward with `key_queries` (the positions that predict the
+completion's tokens): per layer, each key's heads-averaged attention probabilities summed
+over those queries, float32[L, b, S] (dense with "xla", blocked over the forward's
+log-sum-exps otherwise). The image and video tokens' masses are laid out on each frame's
+merged-patch grid; the frames are rebuilt from the normalised patches. Where the run has a
+perturbed pass (TPRL), the same rows run again on the blackened image, which also gives each
+token's visual dependency (perception score) and, with perception filtering, its mask.
+
+The pass runs on this process's first rows and only in single-process runs (the params of a
+multi-process run are split over hosts; there the pictures are skipped, with one warning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxvrl import models, rl
+from jaxvrl.rl.attention import layer_indices
+from jaxvrl.trainer.passes import RolloutBatch, blacken_patches, take_rows
+from jaxvrl.trainer.rollout import Rollout
+
+BANDS = ("all", "early", "middle", "late")  # rl.attention.LAYER_SETS: what MDI reads
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pass(graphdef, params, batch: RolloutBatch, images):
+    """-> (key masses float32[L, b, S], entropy float32[b, N], log-probs float32[b, N] of the
+    completion tokens at temperature 1)."""
+    model = nnx.merge(graphdef, params)
+    n = batch.completion_length
+    queries = (
+        jnp.zeros(batch.input_ids.shape, bool).at[:, -n - 1 : -1].set(batch.completion_mask > 0)
+    )
+    out = model.forward(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        images=images,
+        videos=batch.videos,
+        key_queries=queries,
+        return_logits=False,
+    )
+    hidden = out.hidden[:, -n - 1 : -1]
+    tokens = batch.input_ids[:, -n:]
+
+    def row(args):  # one row's [N, V] logits at a time
+        h, t = args
+        logp = jax.nn.log_softmax(model.logits(h), axis=-1)
+        ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        return ent, jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0]
+
+    ent, logp = jax.lax.map(row, (hidden, tokens))
+    return out.vision_mass, ent, logp
+
+
+@dataclasses.dataclass
+class AttentionMaps:
+    """The diagnostic pass and its host layout for a model (`graphdef`, config `mcfg`).
+    samples: rows per call (0: off); black_prob > 0: also the blackened image; top_p > 0: the
+    perception mask of those scores (the run's perception filtering)."""
+
+    graphdef: object
+    mcfg: object
+    samples: int = 4
+    black_prob: float = 0.0
+    top_p: float = 0.0
+
+    @classmethod
+    def build(cls, graphdef, mcfg, samples: int, step_cfg) -> AttentionMaps:
+        """From the train step's settings: the perturbed pass where the run has one."""
+        tprl = step_cfg.tprl
+        perturbed = step_cfg.needs_perturbed
+        return cls(
+            graphdef,
+            mcfg,
+            samples,
+            float(tprl.black_prob) if perturbed else 0.0,
+            float(tprl.top_p_perception_tokens) if tprl.enable_perception_filtering else 0.0,
+        )
+
+    def __call__(self, params, rollout: Rollout, token_weights=None, rng=None) -> list[dict]:
+        """params: the policy's (on `graphdef`); rollout: this process's (its first rows of
+        real groups are drawn, as the markdown logs' samples); token_weights: float[B, N]
+        (VGR) or None. Returns per sample {"frames", "maps":
+        {"clean"|"perturbed": {band: grids}}, "tokens" int[n], "values": {name: float[n]},
+        "layers": {"mdi"|"aei_vision": float[L]}}; [] when off, multi-process or no image."""
+        batch, size = rollout.batch, len(rollout.groups[0].texts) if rollout.groups else 0
+        real = np.flatnonzero(np.repeat(np.asarray(rollout.real, bool), size))
+        b = min(self.samples, len(real))
+        if not b or jax.process_count() > 1:
+            return []
+        per_row = [x.pixel_values.ndim == 3 for x in (batch.images, batch.videos) if x is not None]
+        if not per_row or not all(per_row):  # no vision input, or packed patches
+            return []
+        idx = real[:b]
+        rows = take_rows(batch.replace(position_ids=None), idx)  # position_ids: [3, B, L]
+        rows = rows.replace(position_ids=np.asarray(batch.position_ids)[:, idx])
+        rows = jax.tree.map(np.asarray, rows)
+        masses, ent, logp = jax.device_get(_pass(self.graphdef, params, rows, rows.images))
+        variants = {"clean": masses}
+        values = {"entropy": ent}
+        mask = np.asarray(rows.completion_mask)
+        if self.black_prob > 0 and rows.images is not None:
+            rng = jax.random.key(0) if rng is None else rng
+            black = models.processor(self.mcfg).black
+            aug = blacken_patches(rows.images, rng, self.black_prob, black)
+            aug = jax.tree.map(np.asarray, jax.device_get(aug))
+            masses_aug, _, logp_aug = jax.device_get(_pass(self.graphdef, params, rows, aug))
+            variants["perturbed"] = masses_aug
+            score = rl.visual_dependency(logp_aug, logp, mask)
+            values["perception score"] = score
+            if self.top_p > 0:
+                values["perception mask"] = rl.top_p_token_mask(score, mask, self.top_p)
+            frames_aug = aug
+        else:
+            frames_aug = None
+        if token_weights is not None:
+            values = {"VGR weight": np.asarray(token_weights)[idx], **values}
+        return [
+            self._sample(rows, r, variants, values, frames_aug)
+            for r in range(b)
+            if self._has_vision(rows, r)
+        ]
+
+    def _has_vision(self, rows: RolloutBatch, r: int) -> bool:
+        ids = np.asarray(rows.input_ids[r])
+        return bool(np.any(np.isin(ids, self._vision_ids())))
+
+    def _vision_ids(self):
+        ids = [self.mcfg.image_token_id]
+        if getattr(self.mcfg, "video_token_id", None) is not None:
+            ids.append(self.mcfg.video_token_id)
+        return ids
+
+    def _sample(self, rows: RolloutBatch, r, variants, values, images_aug) -> dict:
+        n = int(np.asarray(rows.completion_mask[r]).sum())
+        ids = np.asarray(rows.input_ids[r])
+        token_id, inputs = self.mcfg.image_token_id, rows.images
+        if inputs is None or not np.any(ids == token_id):
+            token_id, inputs = self.mcfg.video_token_id, rows.videos
+        frames, order = self.frames(inputs, r)
+        shown = {"clean": frames}
+        if images_aug is not None and token_id == self.mcfg.image_token_id:
+            shown["perturbed"] = self.frames(images_aug, r)[0]
+        maps = {}
+        for name, masses in variants.items():
+            if name not in shown:
+                continue
+            at = masses[:, r][:, ids == token_id]  # [L, tokens] in processor order
+            maps[name] = {
+                band: self.grids(at[layer_indices(at.shape[0], band)].mean(0), order)
+                for band in BANDS
+            }
+        return {
+            "frames": shown,
+            "maps": maps,
+            "tokens": ids[-rows.completion_length :][:n],
+            "values": {k: np.asarray(v[r], np.float64)[:n] for k, v in values.items()},
+            "layers": self.layer_balance(rows, r, variants["clean"]),
+        }
+
+    def frames(self, inputs, r: int) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
+        """Row r's frames float[h, w, 3] in [0, 1] from its normalised patches (the first of
+        each temporal pair), and each frame's merged grid (gh, gw), in processor order."""
+        proc = models.processor(self.mcfg)
+        p, tp, m = proc.patch_size, proc.temporal_patch_size, proc.merge_size
+        pv = np.asarray(inputs.pixel_values[r], np.float32)
+        pos = np.asarray(inputs.rot_pos[r])
+        seg = np.asarray(inputs.full_segments[r])
+        mean, std = np.asarray(proc.image_mean), np.asarray(proc.image_std)
+        frames, order = [], []
+        for f in np.unique(seg[seg >= 0]):
+            at = seg == f
+            h, w = int(pos[at, 0].max()) + 1, int(pos[at, 1].max()) + 1
+            img = np.zeros((h * p, w * p, 3), np.float32)
+            patches = pv[at].reshape(-1, 3, tp, p, p)[:, :, 0].transpose(0, 2, 3, 1)
+            for (y, x), patch in zip(pos[at], patches):
+                img[y * p : (y + 1) * p, x * p : (x + 1) * p] = patch * std + mean
+            frames.append(np.clip(img, 0.0, 1.0))
+            order.append((h // m, w // m))
+        return frames, order
+
+    @staticmethod
+    def grids(masses: np.ndarray, order) -> list[np.ndarray]:
+        """The vision tokens' masses float[tokens] (processor order) cut into frame grids."""
+        out, start = [], 0
+        for gh, gw in order:
+            out.append(np.asarray(masses[start : start + gh * gw]).reshape(gh, gw))
+            start += gh * gw
+        return out
+
+    def layer_balance(self, rows: RolloutBatch, r: int, masses) -> dict:
+        """Per layer, from the completion's summed key masses: MDI = (text mass / |X|) /
+        (vision mass / |V|) and AEI_vision = vision share of the two pools' mass / vision
+        share of their tokens (the pools of the batch, else vision tokens vs the prompt's
+        other valid tokens): float[L] each."""
+        ids = np.asarray(rows.input_ids[r])
+        if rows.pools is not None:
+            vision = np.asarray(rows.pools["vision"][r], bool)
+            text = np.asarray(rows.pools["text"][r], bool)
+        else:
+            prompt = np.zeros(ids.shape, bool)
+            prompt[: ids.shape[0] - rows.completion_length] = True
+            vision = np.isin(ids, self._vision_ids())
+            text = prompt & np.asarray(rows.attention_mask[r], bool) & ~vision
+        m = np.asarray(masses[:, r], np.float64)  # [L, S]
+        mv, mx = m[:, vision].sum(-1), m[:, text].sum(-1)
+        nv, nx = max(vision.sum(), 1), max(text.sum(), 1)
+        mdi = (mx / nx) / (mv / nv + 1e-6)
+        aei = (mv / np.maximum(mv + mx, 1e-12)) / (nv / (nv + nx))
+        return {"mdi": mdi, "aei_vision": aei}

@@ -1,0 +1,147 @@
+"""The attention diagnostic pass: per-key masses of a query set equal the dense softmax's sums
+(numpy), xla and flash alike; a planted attention shows its patch hottest in the heatmap; the
+model's forward exposes them per layer; a short VGR run writes the pictures."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from jaxvrl.logging import heatmaps
+from jaxvrl.models.attention import attend, attend_key_masses
+from jaxvrl.trainer.diagnostics import AttentionMaps
+
+B, T, N, K, H = 2, 13, 4, 2, 8
+
+
+def softmax_sums(q, k, valid, chosen):
+    """Independent reference: per key, the heads-mean causal softmax summed over chosen rows."""
+    g = q.shape[2] // k.shape[2]
+    out = np.zeros(valid.shape)
+    for b in range(q.shape[0]):
+        for n in range(q.shape[2]):
+            logits = q[b, :, n] @ k[b, :, n // g].T * q.shape[-1] ** -0.5
+            seen = np.tril(np.ones((q.shape[1],) * 2, bool)) & valid[b][None]
+            top = np.where(seen, logits, -np.inf).max(-1, keepdims=True)
+            e = np.exp(np.where(seen, logits - np.where(np.isfinite(top), top, 0), -np.inf))
+            p = e / np.maximum(e.sum(-1, keepdims=True), 1e-30)
+            out[b] += (p * chosen[b][:, None]).sum(0) / q.shape[2]
+    return out
+
+
+@pytest.mark.parametrize("impl", ["xla", "flash"])
+def test_key_masses_equal_numpy_softmax_sums(impl):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in [(B, T, N, H), *[(B, T, K, H)] * 2])
+    valid = np.ones((B, T), bool)
+    valid[1, :3] = False  # a left-padded row
+    chosen = np.zeros((B, T), bool)
+    chosen[:, 8:12] = True
+    out, masses = attend_key_masses(
+        q, k, v, scale=H**-0.5, key_valid=valid, queries=chosen, implementation=impl, block=4
+    )
+    np.testing.assert_allclose(masses, softmax_sums(q, k, valid, chosen), atol=1e-6)
+    ref, _ = attend(q, k, v, scale=H**-0.5, key_valid=valid, implementation=impl, block_q=4)
+    np.testing.assert_allclose(out, ref, atol=1e-6)  # the pass's output is the forward's
+
+
+@pytest.mark.parametrize("impl", ["xla", "flash"])
+def test_planted_attention_heats_its_patch(impl):
+    """Prompt: 2 text tokens, a 2 x 3 grid of image tokens, 2 text tokens; completion: 4
+    queries whose vector matches image token 4's key: that merged patch is the hottest."""
+    rng = np.random.default_rng(1)
+    t, first, grid, planted = 12, 2, (2, 3), 4
+    q = rng.normal(size=(1, t, N, H)).astype(np.float32) * 0.1
+    k = rng.normal(size=(1, t, K, H)).astype(np.float32) * 0.1
+    u = np.zeros(H, np.float32)
+    u[0] = 1.0
+    k[0, first + planted] = 8.0 * u
+    q[0, 8:12] = 8.0 * u
+    chosen = np.zeros((1, t), bool)
+    chosen[0, 8:12] = True
+    _, masses = attend_key_masses(
+        q, k, k, scale=H**-0.5, key_valid=None, queries=chosen, implementation=impl, block=4
+    )
+    image = np.asarray(masses[0, first : first + 6])
+    (g,) = AttentionMaps.grids(image, [grid])
+    assert np.unravel_index(np.argmax(g), grid) == np.unravel_index(planted, grid)
+    frames = [np.full((grid[0] * 28, grid[1] * 28, 3), 0.5, np.float32)]
+    heat = heatmaps.upsample([g], frames)  # what the overlay draws, one value per pixel
+    y, x = np.unravel_index(np.argmax(heat), heat.shape)
+    assert (y // 28, x // 28) == np.unravel_index(planted, grid)
+    assert heat.max() == 1.0
+    pytest.importorskip("matplotlib")
+    picture = heatmaps.attention_overlay(frames, {"clean": {"all": [g]}})
+    assert picture.dtype == np.uint8 and picture.ndim == 3
+
+
+def test_forward_returns_per_layer_key_masses():
+    """The embedded model's forward with key_queries: float32[L, B, T], each layer's masses
+    summing to the number of queries (probabilities), equal for xla and flash."""
+    from jaxvrl import models
+
+    model = models.load(models.EMBEDDED)
+    cfg = model.config
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], np.int32)
+    mask = np.ones_like(ids)
+    pos = np.broadcast_to(np.arange(ids.shape[1]), (3, 1, ids.shape[1])).astype(np.int32)
+    queries = np.zeros(ids.shape, bool)
+    queries[0, 6:] = True
+    got = {}
+    for impl in ("xla", "flash"):
+        model.set_attention(impl, block=4)
+        out = model.forward(ids, mask, pos, key_queries=queries, return_logits=False)
+        assert out.text_mass is None
+        got[impl] = np.asarray(out.vision_mass)
+    assert got["xla"].shape == (cfg.text.num_hidden_layers, 1, ids.shape[1])
+    np.testing.assert_allclose(got["xla"].sum(-1), 4.0, rtol=1e-5)
+    np.testing.assert_allclose(got["flash"], got["xla"], atol=1e-5)
+
+
+def _tb_images(workdir) -> dict:
+    """{tag: PNG bytes} of the image summaries in the run's TensorBoard event files."""
+    from tensorboardX.proto import event_pb2
+
+    found = {}
+    for path in glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*")):
+        data = open(path, "rb").read()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("image"):
+                    found[value.tag] = value.image.encoded_image_string
+    return found
+
+
+def test_vgr_run_writes_heatmaps(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from jaxvrl.train import run
+    from tests.trainer.test_train import tiny_config
+
+    cfg = tiny_config(
+        "configs/vgr.py", tmp_path, "total_steps=2", "val_freq=0", "val_before_train=False"
+    )
+    run(cfg)
+    images = _tb_images(tmp_path)
+    assert "attention/sample_0" in images and "attention/layers_over_steps" in images
+    assert "attention/sample_0_tokens" in images  # the VGR weights and entropies
+    for png in images.values():
+        Image.open(__import__("io").BytesIO(png)).verify()
+    text = (tmp_path / "attention_diagnostics.md").read_text()
+    links = re.findall(r"!\[[^]]*\]\(([^)]+\.png)\)", text)
+    assert links
+    for rel in links:
+        with Image.open(tmp_path / rel) as im:
+            assert im.size[0] > 50 and im.size[1] > 50
+    assert (tmp_path / "attention" / "layers_over_steps.png").exists()
+    assert '<span title="VGR weight' in (tmp_path / "token_weights.md").read_text()
