@@ -8,48 +8,29 @@ the top level, `rope_scaling` with `type: "mrope"`, `rope_theta`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from jaxvrl.config import ConfigError
 from jaxvrl.models.config import (
     TextConfig,
     VisionConfig,
     fields_of,
-    freeze,
-    jsonable,
     text_from_dict,
-    thaw,
     vision_from_dict,
 )
-
-MODEL_TYPES = ("qwen2_5_vl",)
+from jaxvrl.models.family_config import VLConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2_5_VLConfig:
+class Qwen2_5_VLConfig(VLConfig):
     model_type: ClassVar[str] = "qwen2_5_vl"
+    architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
     text: TextConfig = TextConfig()
     vision: VisionConfig = VisionConfig()
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = 151643
-    eos_token_id: int | tuple[int, ...] | None = 151645
-    # Anything else in config.json (kept so that export writes it back).
-    extra: tuple[tuple[str, Any], ...] = ()
 
     # ------------------------------------------------------------------ HF I/O
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> Qwen2_5_VLConfig:
-        model_type = d.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported (supported: {MODEL_TYPES})"
-            )
+        cls.check_type(d, source)
         text_d = dict(d.get("text_config") or {})
         # Flat (original) layout: text keys live at the top level.
         for key in fields_of(TextConfig) | {"rope_scaling", "rope_parameters", "rope_theta"}:
@@ -57,61 +38,15 @@ class Qwen2_5_VLConfig:
                 text_d[key] = d[key]
         text = text_from_dict(text_d, source)
         vision = vision_from_dict(dict(d.get("vision_config") or {}), source)
-        tie = bool(d.get("tie_word_embeddings", False) or text_d.get("tie_word_embeddings", False))
-        known = (
-            {
-                "text_config",
-                "vision_config",
-                "model_type",
-                "image_token_id",
-                "video_token_id",
-                "vision_start_token_id",
-                "vision_end_token_id",
-                "tie_word_embeddings",
-            }
-            | fields_of(TextConfig)
-            | {"rope_scaling", "rope_parameters", "rope_theta"}
-        )
-        extra = tuple(sorted((k, v) for k, v in d.items() if k not in known and jsonable(v)))
-        eos = text_d.get("eos_token_id", d.get("eos_token_id", 151645))
-        return cls(
-            text=text,
-            vision=vision,
-            image_token_id=int(d.get("image_token_id", 151655)),
-            video_token_id=int(d.get("video_token_id", 151656)),
-            vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
-            tie_word_embeddings=tie,
-            bos_token_id=text_d.get("bos_token_id", d.get("bos_token_id")),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            extra=tuple((k, freeze(v)) for k, v in extra),
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> Qwen2_5_VLConfig:
-        file = os.path.join(os.fspath(path), "config.json")
-        if not os.path.exists(file):
-            raise ConfigError(f"{file}: not found (an HF checkpoint directory needs config.json)")
-        with open(file) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{file}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(d, source=file)
+        known = fields_of(TextConfig) | {"rope_scaling", "rope_parameters", "rope_theta"}
+        return cls(text=text, vision=vision, **cls.shared_from_hf(d, text_d, known))
 
     def to_hf_dict(self) -> dict:
         t, v = self.text, self.vision
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        d = {k: thaw(val) for k, val in self.extra}
+        eos = self.eos_json
+        d = self.shared_to_hf()
         d.update(
             {
-                "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-                "model_type": "qwen2_5_vl",
-                "image_token_id": self.image_token_id,
-                "video_token_id": self.video_token_id,
-                "vision_start_token_id": self.vision_start_token_id,
-                "vision_end_token_id": self.vision_end_token_id,
-                "tie_word_embeddings": self.tie_word_embeddings,
                 "text_config": {
                     "model_type": "qwen2_5_vl_text",
                     "vocab_size": t.vocab_size,

@@ -14,22 +14,15 @@ the DeepStack mergers.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from jaxvrl.config import ConfigError
 from jaxvrl.models.config import (
     TextConfig,
     VisionConfig,
-    freeze,
-    jsonable,
     text_from_dict,
-    thaw,
     vision_from_dict,
 )
-
-MODEL_TYPES = ("qwen3_vl",)
+from jaxvrl.models.family_config import VLConfig
 
 # transformers' Qwen3VLTextConfig defaults where they differ from TextConfig's
 TEXT_DEFAULTS = dict(
@@ -60,21 +53,12 @@ VISION_FIXED = dict(
     window_size=0, fullatt_block_indexes=(), norm="layer", mlp="plain", patch_bias=True
 )
 MROPE_SECTION = [24, 20, 20]
-TOP_KEYS = {
-    "text_config",
-    "vision_config",
-    "model_type",
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-    "tie_word_embeddings",
-}
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3VLConfig:
+class Qwen3VLConfig(VLConfig):
     model_type: ClassVar[str] = "qwen3_vl"
+    architecture: ClassVar[str] = "Qwen3VLForConditionalGeneration"
     text: TextConfig = TextConfig(
         **TEXT_DEFAULTS,
         num_key_value_heads=32,
@@ -84,23 +68,10 @@ class Qwen3VLConfig:
         mrope_interleaved=True,
     )
     vision: VisionConfig = VisionConfig(**VISION_DEFAULTS, **VISION_FIXED)
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = 151643
-    eos_token_id: int | tuple[int, ...] | None = 151645
-    # Anything else in config.json (kept so that export writes it back).
-    extra: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> Qwen3VLConfig:
-        model_type = d.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported (supported: {MODEL_TYPES})"
-            )
+        cls.check_type(d, source)
         text_d = dict(d.get("text_config") or {})
         rope = dict(text_d.get("rope_parameters") or text_d.get("rope_scaling") or {})
         rope.setdefault("rope_theta", text_d.get("rope_theta", TEXT_DEFAULTS["rope_theta"]))
@@ -114,47 +85,17 @@ class Qwen3VLConfig:
         text = text_from_dict(text_d, source, output_bias=bias, qk_norm=True)
         vision_d = VISION_DEFAULTS | dict(d.get("vision_config") or {}) | VISION_FIXED
         vision = vision_from_dict(vision_d, source)
+        # the top level's tie_word_embeddings wins over the text part's (transformers' rule)
         tie = d.get("tie_word_embeddings", text_d.get("tie_word_embeddings", False))
-        extra = tuple(sorted((k, v) for k, v in d.items() if k not in TOP_KEYS and jsonable(v)))
-        eos = text_d.get("eos_token_id", d.get("eos_token_id", 151645))
-        return cls(
-            text=text,
-            vision=vision,
-            image_token_id=int(d.get("image_token_id", 151655)),
-            video_token_id=int(d.get("video_token_id", 151656)),
-            vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
-            vision_end_token_id=int(d.get("vision_end_token_id", 151653)),
-            tie_word_embeddings=bool(tie),
-            bos_token_id=text_d.get("bos_token_id", d.get("bos_token_id")),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            extra=tuple((k, freeze(v)) for k, v in extra),
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> Qwen3VLConfig:
-        file = os.path.join(os.fspath(path), "config.json")
-        if not os.path.exists(file):
-            raise ConfigError(f"{file}: not found (an HF checkpoint directory needs config.json)")
-        with open(file) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{file}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(d, source=file)
+        shared = cls.shared_from_hf(d, text_d, set())
+        return cls(text=text, vision=vision, **dict(shared, tie_word_embeddings=bool(tie)))
 
     def to_hf_dict(self) -> dict:
         t, v = self.text, self.vision
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        d = {k: thaw(val) for k, val in self.extra}
+        eos = self.eos_json
+        d = self.shared_to_hf()
         d.update(
             {
-                "architectures": ["Qwen3VLForConditionalGeneration"],
-                "model_type": "qwen3_vl",
-                "image_token_id": self.image_token_id,
-                "video_token_id": self.video_token_id,
-                "vision_start_token_id": self.vision_start_token_id,
-                "vision_end_token_id": self.vision_end_token_id,
-                "tie_word_embeddings": self.tie_word_embeddings,
                 "text_config": {
                     "model_type": "qwen3_vl_text",
                     "vocab_size": t.vocab_size,
