@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError
 from jaxvrl.models import causal_lm
-from jaxvrl.sampling import generate
+from jaxvrl.sampling import Sampler, generate
 from jaxvrl.sampling.sampler import generation_config
 from tests.models import hf_tiny_text as T
 from tests.models.test_qwen2_5_vl_parity import assert_close
@@ -171,27 +171,36 @@ def test_greedy_tokens_match_hf_generate(checkpoints, case):
     np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, ids.shape[1] :].numpy())
 
 
-def test_sampled_logprobs_match_teacher_forcing(checkpoints):
-    """Log-probs of tokens sampled at temperature 1 (through the decode steps' cache) equal
-    those of HF's teacher-forced pass over prompt and completion."""
+def test_sampled_logprobs_match_teacher_forcing_and_slots(checkpoints):
+    """Tokens sampled at temperature 1, G = 3 per prompt (one prefill each): their log-probs
+    equal those of HF's teacher-forced pass over prompt and completion, and the refilling
+    slots over a paged cache sample the same tokens and log-probs."""
     hf, model, _ = checkpoints(CASES[6])
     ids, mask = T.prompts(seed=3)
-    out = generate(
-        model,
-        ids,
-        mask,
-        max_new_tokens=5,
-        temperature=1.0,
-        eos_token_ids=T.EOS,
-        rng=jax.random.key(3),
-    )
-    tokens, keep = np.asarray(out.tokens), np.asarray(out.mask) > 0
-    full = np.concatenate([ids, tokens], axis=1)
-    full_mask = np.concatenate([mask, keep.astype(mask.dtype)], axis=1)
+    pos, deltas = M.rope_index(model.config, ids, mask)
+    base = generation_config(model.config, max_new_tokens=6, temperature=1.0)
+    base = dataclasses.replace(base, eos_token_ids=tuple(range(4, T.VOCAB, 9)))
+
+    def sample(sampling):
+        out = Sampler(nnx.graphdef(model), sampling)(
+            nnx.state(model), ids, mask, pos, deltas, jax.random.key(3), num_samples=3
+        )
+        return jax.tree.map(np.asarray, out)
+
+    out = sample(base)
+    tokens, keep = out.tokens, out.mask > 0
+    assert len(set(keep.sum(1).tolist())) > 1  # rows end at different lengths
+    rows, rows_mask = np.repeat(ids, 3, axis=0), np.repeat(mask, 3, axis=0)
+    full = np.concatenate([rows, tokens], axis=1)
+    full_mask = np.concatenate([rows_mask, keep.astype(mask.dtype)], axis=1)
     logits = hf_logits(hf, full, full_mask)[:, ids.shape[1] - 1 : -1]
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     want = np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-    np.testing.assert_allclose(np.asarray(out.logprobs)[keep], want[keep], atol=2e-4)
+    np.testing.assert_allclose(out.logprobs[keep], want[keep], atol=2e-4)
+    slots = sample(dataclasses.replace(base, slots=4, page_size=5))
+    np.testing.assert_array_equal(slots.tokens, tokens)
+    np.testing.assert_array_equal(slots.mask, out.mask)
+    np.testing.assert_allclose(slots.logprobs, out.logprobs, atol=1e-5)
 
 
 def test_scanned_and_unrolled_layers_agree(checkpoints):
