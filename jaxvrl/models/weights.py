@@ -171,7 +171,8 @@ def hf_tensor(path: str, x, cfg, keys: KeyTable, dtype=None) -> tuple[str, np.nd
     arr = np.asarray(x)
     if dtype is not None:
         arr = arr.astype(dtype)
-    return key, np.ascontiguousarray(_to_hf(arr, kind, patch_shape(cfg)))
+    shape = patch_shape(cfg) if kind == "patch" else None
+    return key, np.ascontiguousarray(_to_hf(arr, kind, shape))
 
 
 def hf_shape(path: str, shape, cfg, keys: KeyTable) -> tuple[str, tuple[int, ...]]:

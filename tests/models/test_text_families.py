@@ -105,12 +105,6 @@ def test_logits_and_config(checkpoints, case):
     assert_close(ours(model, ids, mask).logits, hf_logits(hf, ids, mask), mask)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="weights.hf_tensor reads cfg.vision (patch_shape) for every tensor; a text "
-    "config has none",
-)
 @pytest.mark.parametrize(
     "case", [CASES[1], CASES[2], CASES[5], CASES[6]], ids=_IDS[1:3] + _IDS[5:7]
 )
