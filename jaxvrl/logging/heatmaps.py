@@ -80,7 +80,8 @@ def attention_overlay(frames, maps: dict, title: str = "") -> np.ndarray:
             ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    # fixed margins: tight_layout measured as much as the drawing itself
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.82, wspace=0.05, hspace=0.3)
     return _rgb(fig)
 
 
@@ -129,7 +130,7 @@ def token_panel(tokens: list[str], values: dict, width: int = 90) -> np.ndarray:
                 box = dict(boxstyle="square,pad=0.1", facecolor=rgba, edgecolor="none")
                 ax.text(x, y, shown, fontsize=7, family="monospace", color=ink, bbox=box)
                 x += len(shown) + 1
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.9, hspace=0.5)
     return _rgb(fig)
 
 
