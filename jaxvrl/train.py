@@ -89,7 +89,7 @@ def encode_options(c, model_config=None) -> EncodeOptions:
     if model_config is None:
         model_config = models.load_config(EMBEDDED)
     return EncodeOptions(
-        processor=models.processor(model_config),
+        processor=models.processor(model_config) if model_config.vision is not None else None,
         image_dir=c.data.image_dir or None,
         max_prompt_length=c.data.max_prompt_length,
         max_image_side=c.data.max_image_side,
@@ -196,10 +196,16 @@ IMAGE_SETTINGS = (
 
 
 def check_model_settings(c, model_config) -> None:
-    """A text-only model (no vision tower) refuses, at start, the settings that read the
-    image: the perceptual pass's filtering and shaping, VGR's token weights, the MDI reward."""
+    """A text-only model (no vision tower) refuses, at start, the built-in task (its rows hold
+    images) and the settings that read the image: the perceptual pass's filtering and
+    shaping, VGR's token weights, the MDI reward."""
     if getattr(model_config, "vision", None) is not None:
         return
+    if not c.data.train_files:
+        raise ConfigError(
+            f"config.data.train_files: unset, and the built-in task's rows hold images while "
+            f"model type {model_config.model_type!r} is text-only; name a text dataset"
+        )
     for key, on in IMAGE_SETTINGS:
         if on(c):
             what = "the 'mdi' reward" if key == "reward.funcs" else "True"

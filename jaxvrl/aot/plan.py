@@ -132,7 +132,7 @@ class Plan:
     model: models.Model  # abstract
     init: runtime.ShardedInit  # abstract state and reference params with their shardings
     rows: int  # global rows of a step: prompts_per_step x G x hosts
-    grid: np.ndarray
+    grid: np.ndarray | None  # [1, 3]: the largest image a row holds; None: a text-only model
 
     @classmethod
     def build(cls, c, slice_name: str) -> Plan:
@@ -155,7 +155,8 @@ class Plan:
         model.set_attention(c.model.attention)  # "auto": resolved for the slice's devices
         init = runtime.abstract_train_state(init_train_state, model, mesh, c)
         rows = c.prompts_per_step * c.rollout.num_generations * s.hosts
-        return cls(c, s, mesh, name, model, init, rows, image_grid(c, mcfg.vision))
+        grid = None if mcfg.vision is None else image_grid(c, mcfg.vision)  # None: text only
+        return cls(c, s, mesh, name, model, init, rows, grid)
 
     # ------------------------------------------------------------------ shapes
     @functools.cached_property
@@ -181,6 +182,8 @@ class Plan:
         if impl == "xla":
             return text
         full = "flash" if impl == "cudnn" else impl
+        if self.model.config.vision is None:
+            return text
         if not self.model.config.vision.windowed:
             return text + f" (vision tower: {full} in every block)"
         return text + f" (vision tower: banded windows, {full} full blocks)"
@@ -199,11 +202,19 @@ class Plan:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.init.state.params))
 
     def _images(self, rows: int):
+        if self.grid is None:
+            return None
         vcfg = self.model.config.vision
         patches = int(np.prod(self.grid))
         pv = np.zeros((patches, vcfg.patch_dim), np.float32)
         row = models.vision_inputs(self.model.config, pv, self.grid, patches)
         return jax.tree.map(lambda x: np.broadcast_to(x, (rows,) + x.shape), row)
+
+    def _image_words(self) -> str:
+        if self.grid is None:
+            return " of text"
+        tokens = int(np.prod(self.grid)) // self.model.config.vision.merge_unit
+        return f" holding an image of grid {self.grid[0].tolist()} ({tokens} tokens)"
 
     def _pools(self, length: int, rows: int) -> dict:
         return {k: np.zeros((rows, length), bool) for k in ("vision", "text", "prompt")}
@@ -415,8 +426,7 @@ class Plan:
             f"{m.text.num_hidden_layers} layers\n"
             f"step: {self.rows} rows ({self.c.prompts_per_step} prompts x "
             f"{self.c.rollout.num_generations} x {self.slice.hosts} hosts), prompt "
-            f"{self.prompt_len} tokens holding an image of grid {self.grid[0].tolist()} "
-            f"({int(np.prod(self.grid)) // m.vision.merge_unit} tokens), completion "
+            f"{self.prompt_len} tokens{self._image_words()}, completion "
             f"{self.new_tokens}; {updates} mini-batch(es) x {self.c.actor.ppo_epochs} epoch(s) "
             f"of updates, {self.c.optim.micro_batches} micro-batch(es) of {micro_rows} rows each"
         ) + warn

@@ -41,6 +41,7 @@ REASONS = (
     "corrupt_image",
     "oversized_image",
     "prompt_too_long",
+    "media_for_text_model",
 )
 
 
@@ -164,7 +165,7 @@ class EncodeOptions:
     """How rows become examples: `processor` is the model family's image/video processor
     (patch, merge and temporal sizes); the pixel limits are its `min_pixels`/`max_pixels`."""
 
-    processor: ProcessorSettings = ProcessorSettings()
+    processor: ProcessorSettings | None = ProcessorSettings()  # None: a text-only model
     image_dir: str | None = None
     max_prompt_length: int = 512
     max_image_side: int = 1024
@@ -222,6 +223,9 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
     if opts.require_label and row_label(row) is None:
         stats.skip("missing_label", where, "no label")
         return None
+    if opts.processor is None and (row.get("images") or row.get("videos")):
+        stats.skip("media_for_text_model", where, "images or videos, and the model is text-only")
+        return None
     images = _load_all(row.get("images") or [], opts, stats, where)
     if images is None:
         return None
@@ -231,7 +235,7 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
         if loaded is None:
             return None
         videos.append(loaded)
-    proc = opts.processor
+    proc = opts.processor or ProcessorSettings()  # None (text-only): the empty arrays' width
     pv, grid = process_images(images, opts.min_pixels, opts.max_pixels, settings=proc)
     stamps = None
     if proc.video_timestamps:  # every frame of the row's list, timed by video_fps

@@ -1,0 +1,93 @@
+"""A text-only model in the main job: a tiny Llama saved by transformers (over the embedded
+tokenizer) trains GRPO on a text dataset scored by `accuracy`; rows with images are skipped
+and counted; the built-in task (its rows hold images) and the settings that read the image are
+refused at start, naming the key and the model type."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxvrl import models
+from jaxvrl.config import ConfigError, load_config
+from jaxvrl.train import run
+from tests.trainer.test_train import ROOT, TINY
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny random Llama over the embedded tokenizer's vocabulary, with its files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=448, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2,
+                      bos_token_id=None, max_position_embeddings=512)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(models.EMBEDDED, name), path / name)
+    return path
+
+
+def _config(path, workdir, data, config="configs/grpo.py", *extra):
+    overrides = TINY + [
+        f"workdir={workdir}",
+        f"model.path={path}",
+        f"data.train_files={data}",
+        "data.prompt_key=question",
+        "data.answer_key=answer",
+        "reward.funcs=('accuracy',)",
+        "reward.weights=(1.0,)",
+        "total_steps=1",
+        "val_before_train=False",
+        "val_size=0",
+        *extra,
+    ]
+    return load_config(os.path.join(ROOT, config), overrides)
+
+
+def _text_rows(path):
+    rows = [{"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"} for a in range(4)
+            for b in range(3)]  # fmt: skip
+    rows.append({"question": "Which colour?", "answer": "red", "images": ["red.png"]})
+    with open(path, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def test_grpo_trains_a_text_model_on_text_rows(llama, tmp_path):
+    data = _text_rows(tmp_path / "math.jsonl")
+    metrics = run(_config(llama, tmp_path / "run", data))
+    assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
+    assert "reward/accuracy" in metrics
+    # the data is encoded as it is drawn: the row with an image is skipped and counted
+    from transformers import AutoTokenizer
+
+    from jaxvrl.data.pipeline import EncodeOptions, encode_rows, read_rows
+    from jaxvrl.train import row_format
+
+    rows = read_rows(data, fmt=row_format(_config(llama, tmp_path / "x", data)))
+    examples, stats = encode_rows(rows, AutoTokenizer.from_pretrained(llama),
+                                  EncodeOptions(processor=None))  # fmt: skip
+    assert len(examples) == 12 and dict(stats.counts) == {"media_for_text_model": 1}
+
+
+@pytest.mark.parametrize(
+    "config, extra, key",
+    [
+        ("configs/tprl.py", (), "tprl.enable_perception_filtering"),
+        ("configs/vgr.py", (), "vgr.enable_token_weights"),
+        ("configs/grpo.py", ("data.train_files=",), "data.train_files"),
+    ],
+)
+def test_what_needs_an_image_is_refused_at_start(llama, tmp_path, config, extra, key):
+    data = _text_rows(tmp_path / "math.jsonl")
+    with pytest.raises(ConfigError, match=rf"config\.{key}.*'llama'"):
+        run(_config(llama, tmp_path / "run", data, config, *extra))
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any work
