@@ -56,6 +56,8 @@ ROWS = [
     _row("vgr", "qwen2.5-vl-3b", "v5e-16", 2, 2),
     _row("tprl", "qwen2.5-vl-3b", "v6e-8", 8, 4),
     _row("tprl", "qwen2.5-vl-7b", "v6e-16", 2, 2),
+    _row("tprl", "qwen3-vl-8b", "v5p-16", 4, 4),  # the other families, the 7B row's workload
+    _row("tprl", "qwen2-vl-7b", "v5p-16", 4, 4),
 ]
 
 
