@@ -146,7 +146,7 @@ def token_html(tokens: list[str], values, name: str) -> str:
     spans = []
     for t, x, c in zip(tokens, v, colour):
         rgba = cmap(c)
-        ink = "#000" if sum(rgba[:3]) > 1.5 else "#fff"
+        ink = "black" if sum(rgba[:3]) > 1.5 else "white"
         text = html.escape(t).replace("\n", "⏎")
         spans.append(
             f'<span title="{name} {x:.3g}" style="background:{to_hex(rgba)};color:{ink}">'
