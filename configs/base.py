@@ -110,8 +110,9 @@ def get_config(arg=None):
     # the trackers' run name; None: <name>-<the workdir's basename>
     c.logging.run_name = placeholder(str)
     # logged rollouts drawn as attention heatmaps and coloured tokens at log_rollouts_every
-    # (PNGs under <workdir>/attention, TensorBoard images; needs matplotlib); 0 = off
-    c.logging.attention_samples = setting(4, NON_NEGATIVE)
+    # (PNGs under <workdir>/attention, TensorBoard images; needs matplotlib); 0 = off. 2 keeps
+    # the embedded default's wall time within 5% (bench/RESULTS.md)
+    c.logging.attention_samples = setting(2, NON_NEGATIVE)
 
     c.model = ml_collections.ConfigDict()
     # HF checkpoint: a directory (local or gs://) or a Hub name org/name[@revision]; None = the
