@@ -110,8 +110,8 @@ def get_config(arg=None):
     # the trackers' run name; None: <name>-<the workdir's basename>
     c.logging.run_name = placeholder(str)
     # logged rollouts drawn as attention heatmaps and coloured tokens at log_rollouts_every
-    # (PNGs under <workdir>/attention, TensorBoard images; needs matplotlib); 0 = off. 2 keeps
-    # the embedded default's wall time within 5% (bench/RESULTS.md)
+    # (PNGs under <workdir>/attention, TensorBoard images; needs matplotlib); 0 = off. Its cost
+    # on the embedded default: bench/RESULTS.md ("Attention pictures")
     c.logging.attention_samples = setting(2, NON_NEGATIVE)
 
     c.model = ml_collections.ConfigDict()
