@@ -129,7 +129,12 @@ def test_vgr_run_writes_heatmaps(tmp_path):
     from tests.trainer.test_train import tiny_config
 
     cfg = tiny_config(
-        "configs/vgr.py", tmp_path, "total_steps=2", "val_freq=0", "val_before_train=False"
+        "configs/vgr.py",
+        tmp_path,
+        "total_steps=2",
+        "val_freq=0",
+        "val_before_train=False",
+        "logging.attention_samples=2",
     )
     run(cfg)
     images = _tb_images(tmp_path)

@@ -32,6 +32,7 @@ TINY = [
     "val_size=4",
     "data.synthetic_train_size=16",
     "log_rollouts_every=1",
+    "logging.attention_samples=0",  # the pictures have their own test (test_diagnostics.py)
 ]
 
 
