@@ -326,13 +326,8 @@ class CausalLM(nnx.Module):
             x, position_ids, attention_mask, cache, pools, forms, key_queries=key_queries
         )
         per_key = key_queries is not None  # stats: each key's mass from the queries
-        return ModelOutput(
-            logits=self.logits(hidden) if return_logits else None,
-            hidden=hidden,
-            cache=new_cache,
-            vision_mass=None if stats is None else stats if per_key else stats[0],
-            text_mass=None if stats is None or per_key else stats[1],
-        )
+        logits = self.logits(hidden) if return_logits else None
+        return ModelOutput.of(logits, hidden, new_cache, stats, per_key)
 
     def __call__(
         self,

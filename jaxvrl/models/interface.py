@@ -86,6 +86,14 @@ class ModelOutput:
     vision_mass: jax.Array | None = None
     text_mass: jax.Array | None = None
 
+    @classmethod
+    def of(cls, logits, hidden, cache, stats, per_key: bool) -> ModelOutput:
+        """From the text decoder's outputs: stats is None, (A_V, A_X), or with per_key (the
+        pass was given key_queries) the per-key masses, returned in vision_mass."""
+        if stats is None or per_key:
+            return cls(logits, hidden, cache, stats)
+        return cls(logits, hidden, cache, stats[0], stats[1])
+
 
 class Model(Protocol):
     """Every family's module (an `nnx.Module`).

@@ -158,13 +158,8 @@ class Qwen2_5_VL(nnx.Module):
         hidden, new_cache, stats = self.model(
             x, position_ids, attention_mask, cache, pools, forms, key_queries=key_queries
         )
-        return ModelOutput(
-            logits=self.logits(hidden) if return_logits else None,
-            hidden=hidden,
-            cache=new_cache,
-            vision_mass=None if stats is None else stats if key_queries is not None else stats[0],
-            text_mass=None if stats is None or key_queries is not None else stats[1],
-        )
+        logits = self.logits(hidden) if return_logits else None
+        return ModelOutput.of(logits, hidden, new_cache, stats, key_queries is not None)
 
     # ------------------------------------------------------------------ HF-like call
     def __call__(

@@ -92,13 +92,8 @@ class Qwen3VL(Qwen2_5_VL):
         hidden, new_cache, stats = self.model(
             x, position_ids, attention_mask, cache, pools, forms, deepstack, key_queries
         )
-        return ModelOutput(
-            logits=self.logits(hidden) if return_logits else None,
-            hidden=hidden,
-            cache=new_cache,
-            vision_mass=None if stats is None else stats if key_queries is not None else stats[0],
-            text_mass=None if stats is None or key_queries is not None else stats[1],
-        )
+        logits = self.logits(hidden) if return_logits else None
+        return ModelOutput.of(logits, hidden, new_cache, stats, key_queries is not None)
 
     def __call__(
         self,
