@@ -1,6 +1,7 @@
 """The attention diagnostic pass: per-key masses of a query set equal the dense softmax's sums
-(numpy), xla and flash alike; a planted attention shows its patch hottest in the heatmap; the
-model's forward exposes them per layer; a short VGR run writes the pictures."""
+(numpy), xla and flash alike; a planted attention shows its patch hottest in the heatmap, a
+video's in its frame of the strip; the model's forward exposes them per layer; a short VGR
+run writes the pictures."""
 
 from __future__ import annotations
 
@@ -78,6 +79,43 @@ def test_planted_attention_heats_its_patch(impl):
     pytest.importorskip("matplotlib")
     picture = heatmaps.attention_overlay(frames, {"clean": {"all": [g]}})
     assert picture.dtype == np.uint8 and picture.ndim == 3
+
+
+def test_video_frames_and_planted_mass_make_a_strip():
+    """A video of 3 frames (6 raw frames in temporal pairs), one colour each, through the
+    processor and the per-row patch layout (window order): AttentionMaps rebuilds each frame
+    from its patches, and a mass planted on the lower-left merged patch of frame 2 (processor
+    order: frame, row, col) lands there in the grids and in the strip the overlay draws (a
+    smaller one on frame 3 in its place)."""
+    from jaxvrl import models
+    from jaxvrl.data.processor import process_video
+    from jaxvrl.sampling.sampler import row_vision_inputs
+
+    cfg = models.load_config(models.EMBEDDED)
+    colours = np.array([[200, 30, 30], [30, 200, 30], [30, 30, 200]], np.uint8)
+    raw = [np.full((56, 56, 3), c, np.uint8) for c in colours for _ in range(2)]
+    raw[2][28:, :28] = 255  # frame 2's lower-left quarter is white
+    raw[3][28:, :28] = 255
+    settings = models.processor(cfg)
+    pv, grid = process_video(raw, min_pixels=56 * 56, max_pixels=56 * 56, settings=settings)
+    ids = np.array([[20, 21] + [cfg.video_token_id] * 12 + [22]])  # 3 frames of 2 x 2
+    frames, order = AttentionMaps(None, cfg).frames(
+        row_vision_inputs(pv, grid, ids, cfg.video_token_id, cfg), 0
+    )
+    assert order == [(2, 2)] * 3
+    for f, r in zip(frames, raw[::2]):
+        np.testing.assert_allclose(f * 255, r, atol=0.5)
+    masses = np.random.default_rng(2).uniform(0.0, 0.1, 12)
+    masses[1 * 4 + 1 * 2 + 0] = 1.0
+    masses[2 * 4 + 0 * 2 + 1] = 0.5  # and half as much on frame 3's upper right: the order
+    grids = AttentionMaps.grids(masses, order)
+    assert grids[0].max() < 0.1 and grids[1][1, 0] == 1.0 and grids[2][0, 1] == 0.5
+    heat = heatmaps.upsample(grids, frames)
+    assert heat.shape == (56, 3 * 56 + 2 * 2)
+    y, x = np.unravel_index(np.argmax(heat), heat.shape)
+    assert (x // 58, y // 28, x % 58 // 28) == (1, 1, 0)  # frame 2, its lower-left patch
+    assert np.all(heat[28:, 58:86] == 1.0) and np.all(heat[:28, 144:172] == 0.5)
+    np.testing.assert_array_equal(heatmaps.strip(frames)[:, 58:114], frames[1])
 
 
 def test_forward_returns_per_layer_key_masses():
