@@ -5,14 +5,14 @@ token coloured by a per-token value, and per-layer MDI / AEI over steps.
 Pure functions from numpy arrays to RGB images uint8[H, W, 3] (and HTML text), drawn with
 matplotlib, an optional extra (`pip install jaxvrl[plots]`): `available()` says whether it
 is installed; callers skip the pictures without it. A run draws the same kinds of figure at
-every logged step, so each figure is built once (figure, axes, colorbars) and later calls
-only change its images and texts and draw it again on its Agg canvas (no pyplot).
+every logged step, so with a `Figures` of the run's each figure is built once (figure, axes,
+colorbars) and later calls only change its images and texts and draw it again on its Agg
+canvas (no pyplot).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import html
 import os
 
@@ -57,19 +57,33 @@ class _Reused:
         return np.asarray(self.canvas.buffer_rgba())[..., :3].copy()
 
 
-_figures: collections.OrderedDict = collections.OrderedDict()
+class Figures:
+    """The figures a run reuses, by kind and shape (the least recently used dropped beyond
+    FIGURES), and the fonts: one per run (`RunLogs`); drawing without one builds afresh."""
+
+    def __init__(self):
+        self._made: collections.OrderedDict = collections.OrderedDict()
+        self._fonts: dict = {}
+
+    def get(self, key: tuple, build) -> _Reused:
+        """The figure for `key`, from `build()` the first time: making axes and laying them
+        out costs more than drawing them."""
+        if key in self._made:
+            self._made.move_to_end(key)
+            return self._made[key]
+        made = self._made[key] = build()
+        while len(self._made) > FIGURES:
+            self._made.popitem(last=False)
+        return made
+
+    def font(self, pixels: int):
+        if pixels not in self._fonts:
+            self._fonts[pixels] = _mono_font(pixels)
+        return self._fonts[pixels]
 
 
-def _reused(key: tuple, build) -> _Reused:
-    """The figure for `key`, from `build()` the first time: making axes and laying them out
-    costs more than drawing them."""
-    if key in _figures:
-        _figures.move_to_end(key)
-        return _figures[key]
-    made = _figures[key] = build()
-    while len(_figures) > FIGURES:
-        _figures.popitem(last=False)
-    return made
+def _reused(figures: Figures | None, key: tuple, build) -> _Reused:
+    return build() if figures is None else figures.get(key, build)
 
 
 def _show(image, array: np.ndarray) -> None:
@@ -108,7 +122,9 @@ def blend(base: np.ndarray, heat: np.ndarray, alpha: float = ALPHA) -> np.ndarra
     return np.clip((1.0 - alpha) * np.asarray(base, np.float64) + alpha * colour, 0.0, 1.0)
 
 
-def attention_overlay(frames, maps: dict, title: str = "") -> np.ndarray:
+def attention_overlay(
+    frames, maps: dict, title: str = "", figures: Figures | None = None
+) -> np.ndarray:
     """frames: list of float[h, w, 3] in [0, 1] (one image, or a video's frames); maps:
     {row label: {column label: list of float[gh, gw] per frame}} (e.g. clean / perturbed x
     the layer bands). One panel per map: the frame strip under the heatmap (`blend`: CMAP at
@@ -133,7 +149,7 @@ def attention_overlay(frames, maps: dict, title: str = "") -> np.ndarray:
         )
         return made
 
-    made = _reused(("overlay", len(rows), len(cols)), build)
+    made = _reused(figures, ("overlay", len(rows), len(cols)), build)
     made.resize(size)
     images = iter(made.parts["images"])
     for i, r in enumerate(rows):
@@ -168,7 +184,6 @@ def _lines(tokens: list[str], width: int) -> list[list[tuple[int, str]]]:
     return lines
 
 
-@functools.lru_cache(maxsize=4)
 def _mono_font(pixels: int):
     """matplotlib's monospace font (its font manager's pick) for Pillow, `pixels` high."""
     from matplotlib import font_manager
@@ -181,7 +196,7 @@ def _mono_font(pixels: int):
         return ImageFont.load_default()
 
 
-def token_tiles(lines, colours, width: int = 90) -> np.ndarray:
+def token_tiles(lines, colours, width: int = 90, figures: Figures | None = None) -> np.ndarray:
     """lines: `_lines`' layout; colours: float[n, 4] RGBA per token (a colormap's). Each token
     in its character cells on a box of its colour, in black or white ink (whichever reads on
     it), lines `width` + 1 characters wide (more for a longer token) -> uint8[h, w, 3].
@@ -189,7 +204,7 @@ def token_tiles(lines, colours, width: int = 90) -> np.ndarray:
     figure."""
     from PIL import Image, ImageDraw
 
-    font = _mono_font(TOKEN_FONT)
+    font = figures.font(TOKEN_FONT) if figures is not None else _mono_font(TOKEN_FONT)
     cell = max(1, int(np.ceil(font.getlength("M"))))
     high = TOKEN_FONT + 5
     chars = max([width + 1] + [sum(len(s) + 1 for _, s in line) for line in lines])
@@ -208,7 +223,9 @@ def token_tiles(lines, colours, width: int = 90) -> np.ndarray:
     return np.asarray(tile)
 
 
-def token_panel(tokens: list[str], values: dict, width: int = 90) -> np.ndarray:
+def token_panel(
+    tokens: list[str], values: dict, width: int = 90, figures: Figures | None = None
+) -> np.ndarray:
     """tokens: the completion's token texts; values: {name: float[n]} (VGR weight, perception
     score, entropy, ...). One block per name: the tokens laid out in lines of about `width`
     characters, each on a box coloured by its value (TOKEN_CMAP, min..max of the row) ->
@@ -219,7 +236,7 @@ def token_panel(tokens: list[str], values: dict, width: int = 90) -> np.ndarray:
     lines = _lines(tokens, width)
     names = list(values) or ["token"]
     rows = [np.asarray(values.get(name, np.zeros(len(tokens))), np.float64) for name in names]
-    tiles = [token_tiles(lines, cmap(_normalise(v)), width) for v in rows]
+    tiles = [token_tiles(lines, cmap(_normalise(v)), width, figures) for v in rows]
     h, w = tiles[0].shape[:2]
     title, margin = 16, 6  # pixels: above each block, around the figure
     tall, wide = len(names) * (h + title) + margin, w + 2 * margin
@@ -233,7 +250,7 @@ def token_panel(tokens: list[str], values: dict, width: int = 90) -> np.ndarray:
             ax.axis("off")
         return made
 
-    made = _reused(("tokens", len(names)), build)
+    made = _reused(figures, ("tokens", len(names)), build)
     made.resize((wide / DPI, tall / DPI))
     # each block's axes as large as its tile (shown pixel for pixel), its title in the gap
     made.fig.subplots_adjust(
@@ -270,7 +287,7 @@ def token_html(tokens: list[str], values, name: str) -> str:
     return f"<p><b>{html.escape(name)}</b><br><code>{''.join(spans)}</code></p>"
 
 
-def layers_over_steps(steps, values: dict) -> np.ndarray:
+def layers_over_steps(steps, values: dict, figures: Figures | None = None) -> np.ndarray:
     """steps: int[S]; values: {name: float[L, S]} (per-layer MDI, AEI, ...). One heatmap per
     name, layers (rows, 0 at the top) x steps (columns), with its colorbar -> uint8[H, W, 3];
     5 inches wide up to 10 steps, 8 up to 30, 12 beyond (a figure each, laid out once)."""
@@ -302,7 +319,8 @@ def layers_over_steps(steps, values: dict) -> np.ndarray:
         made.fig.tight_layout(rect=(0.0, 0.0, 1.0 - 0.3 / wide, 1.0))
         return made
 
-    made = _reused(("layers", tuple(names), tuple(m.shape[0] for m in mats), wide), build)
+    key = ("layers", tuple(names), tuple(m.shape[0] for m in mats), wide)
+    made = _reused(figures, key, build)
     ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
     for ax, im, m in zip(made.axes[:, 0], made.parts["images"], mats):
         finite = m[np.isfinite(m)]

@@ -114,28 +114,30 @@ def test_reused_figures_draw_each_call():
     per-layer heatmap, laid out once, draws A, B, A as A twice and spans its colormap for B."""
     matplotlib = pytest.importorskip("matplotlib")
     frames, grids = video()
+    kept = heatmaps.Figures()  # a run's
     calls = [
-        lambda: heatmaps.attention_overlay(frames, {"clean": {"all": grids}}, "a"),
+        lambda: heatmaps.attention_overlay(frames, {"clean": {"all": grids}}, "a", kept),
         lambda: heatmaps.attention_overlay(
-            [np.full((28, 84, 3), 0.5, np.float32)], {"clean": {"all": [np.eye(1, 3)]}}
+            [np.full((28, 84, 3), 0.5, np.float32)], {"clean": {"all": [np.eye(1, 3)]}}, "", kept
         ),
-        lambda: heatmaps.attention_overlay(frames[:1], {"clean": {"all": grids[:1]}}, "c"),
-        lambda: heatmaps.token_panel(["red"], {"w": np.ones(1)}),
-        lambda: heatmaps.token_panel(["token"] * 60, {"w": np.arange(60.0)}),
+        lambda: heatmaps.attention_overlay(frames[:1], {"clean": {"all": grids[:1]}}, "c", kept),
+        lambda: heatmaps.token_panel(["red"], {"w": np.ones(1)}, figures=kept),
+        lambda: heatmaps.token_panel(["token"] * 60, {"w": np.arange(60.0)}, figures=kept),
     ]
     fresh = []
     for call in calls:
-        heatmaps._figures.clear()
+        kept.__init__()  # nothing kept: a fresh figure
         fresh.append(call())
     assert len({p.shape for p in fresh}) == len(calls)  # shapes all differ
     for call, picture in zip(calls[::-1] + calls, fresh[::-1] + fresh):
         np.testing.assert_array_equal(call(), picture)
-    untitled = heatmaps.attention_overlay(frames, {"clean": {"all": grids}})
+    untitled = heatmaps.attention_overlay(frames, {"clean": {"all": grids}}, figures=kept)
     assert not np.array_equal(untitled, fresh[0])
     m = {"mdi": np.arange(8.0).reshape(4, 2)}
-    x = heatmaps.layers_over_steps([5, 10], m)
-    y = heatmaps.layers_over_steps([5, 10], {"mdi": 2 * m["mdi"] + 1})
-    np.testing.assert_array_equal(heatmaps.layers_over_steps([5, 10], m), x)
+    x = heatmaps.layers_over_steps([5, 10], m, kept)
+    y = heatmaps.layers_over_steps([5, 10], {"mdi": 2 * m["mdi"] + 1}, kept)
+    np.testing.assert_array_equal(heatmaps.layers_over_steps([5, 10], m, kept), x)
+    np.testing.assert_array_equal(heatmaps.layers_over_steps([5, 10], m), x)  # none kept
 
     def cells(value):  # pixels coloured as `value` of the colormap: one cell's, at each end
         want = np.round(np.array(matplotlib.colormaps[heatmaps.CMAP](value)[:3]) * 255)
