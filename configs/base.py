@@ -39,6 +39,7 @@ from jaxvrl.config import (
     setting,
 )
 from jaxvrl.data.synthetic import QUESTIONS
+from jaxvrl.data.tasks import TASKS
 from jaxvrl.logging.trackers import backends_rule
 from jaxvrl.models.attention import IMPLEMENTATIONS
 from jaxvrl.models.config import REMAT_POLICIES
@@ -116,7 +117,7 @@ def get_config(arg=None):
 
     c.model = ml_collections.ConfigDict()
     # HF checkpoint: a directory (local or gs://) or a Hub name org/name[@revision]; None = the
-    # embedded tiny checkpoint
+    # embedded tiny checkpoint of data.builtin_task
     c.model.path = placeholder(str)
     # a published config without weights (qwen2.5-vl-3b | 7b | 32b | 72b): shapes for
     # `python -m jaxvrl.aot` only; training needs model.path
@@ -178,8 +179,12 @@ def get_config(arg=None):
     c.data.system_prompt = placeholder(str)  # None: the built-in task's, none for files
     # prompt lengths padded to a multiple (one compile per bucket)
     c.data.prompt_bucket = setting(32, at_least(1))
+    # the task trained on when train_files is unset: shapes (multiple choice about a drawn
+    # shape, for the embedded vision-language model) | arithmetic (one-digit sums, for the
+    # embedded text-only model); with model.path unset, the embedded model taught that task
+    c.data.builtin_task = setting("shapes", one_of(*TASKS))
     c.data.synthetic_train_size = setting(2048, at_least(1))  # built-in task only
-    # built-in task question kinds: colour, shape
+    # the shapes task's question kinds: colour, shape, count, position
     c.data.synthetic_kinds = setting(("colour",), Each(one_of(*QUESTIONS), allow_empty=False))
 
     c.rollout = ml_collections.ConfigDict()

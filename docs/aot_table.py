@@ -34,11 +34,18 @@ WORKLOAD = (
 )
 
 
-def _row(config, preset, topology, prompts, micro):
+# A text-only model's workload (the math GRPO example): 512-token prompts, 4,096 new tokens.
+TEXT_WORKLOAD = (
+    "--config.model.dtype=bfloat16 --config.model.remat_policy=full "
+    "--config.data.max_prompt_length=512 --config.rollout.max_new_tokens=4096"
+)
+
+
+def _row(config, preset, topology, prompts, micro, workload=WORKLOAD):
     cmd = (
         f"python -m jaxvrl.aot --config configs/{config}.py --topology={topology} "
         f"--config.model.preset={preset} --config.prompts_per_step={prompts} "
-        f"--config.optim.micro_batches={micro} {WORKLOAD}"
+        f"--config.optim.micro_batches={micro} {workload}"
     )
     key = f"{preset} {config} {topology} m{micro}"
     return dict(key=key, cmd=cmd, model=preset, config=config, topology=topology, micro=micro)
@@ -58,6 +65,7 @@ ROWS = [
     _row("tprl", "qwen2.5-vl-7b", "v6e-16", 2, 2),
     _row("tprl", "qwen3-vl-8b", "v5p-16", 4, 4),  # the other families, the 7B row's workload
     _row("tprl", "qwen2-vl-7b", "v5p-16", 4, 4),
+    _row("math_grpo", "qwen3-8b", "v5p-16", 4, 4, TEXT_WORKLOAD),  # text-only, 2 PPO epochs
 ]
 
 

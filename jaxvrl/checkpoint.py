@@ -485,6 +485,7 @@ class Checkpointer:
 # on: run.json key ('.' into the lora dict) -> the config key it records.
 SAVED_WITH = {
     "model_path": "model.path",
+    "builtin_task": "data.builtin_task",  # the embedded checkpoint when model.path is unset
     "param_dtype": "model.param_dtype",
     "scan_layers": "model.scan_layers",
     **{f"lora.{k}": f"lora.{k}" for k in ("rank", "alpha", "target_modules", "quantize")},

@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxvrl import hub, models
 from jaxvrl.config import ConfigError
+from jaxvrl.data.tasks import TASKS
 from jaxvrl.remote import bound_remote_io, forget_listings, is_remote
 
 log = logging.getLogger("jaxvrl")
@@ -110,7 +111,9 @@ def read_run_info(workdir: str, base_model: str | None = None) -> dict:
 
 def _base_model_path(info: dict) -> str:
     path = info.get("model_path")
-    return path or EMBEDDED  # None: the embedded tiny checkpoint
+    if path:
+        return path
+    return TASKS[info.get("builtin_task") or "shapes"].checkpoint  # the task's embedded one
 
 
 # --- checkpoints ------------------------------------------------------------------------------

@@ -1,19 +1,21 @@
-"""Make the embedded default checkpoint: a tiny Qwen2.5-VL taught the answer format of the
-built-in task by supervised fine-tuning, so that RL starts from a model that answers in the
-right format but is far from perfect.
+"""Make an embedded default checkpoint: a tiny model taught the answer format of a built-in
+task (`jaxvrl.data.tasks`) by supervised fine-tuning, so that RL starts from a model that
+answers in the right format but is far from perfect.
 
-    python -m jaxvrl.sft [--out DIR (default: the embedded checkpoint)] [--steps 400]
+    python -m jaxvrl.sft [--task shapes|arithmetic] [--out DIR (default: the task's checkpoint)]
 
-On purpose, the SFT targets are wrong for half of the answer values (blue, yellow, triangle,
-cross): the <think> names the right colour, but 60% of their targets give the next option's
-letter. The model learns that bias, so greedy accuracy starts near 50%, while sampling still
-finds the right letter often enough for RL to fix it. That is the demo's job: show RL raising
-accuracy.
+shapes: a tiny Qwen2.5-VL; arithmetic: a tiny text-only Llama. On purpose, the SFT targets
+are wrong for half of the answer values (shapes: blue, yellow, triangle, cross; arithmetic: odd
+sums): the <think> names the right colour or works the sum out, but 60% of their targets answer
+the next option's letter or the sum plus one. The model learns that bias, so greedy accuracy
+starts near 50%, while sampling still finds the right answer often enough for RL to fix it.
+That is the demo's job: show RL raising accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -25,15 +27,15 @@ import optax
 from flax import nnx
 
 from jaxvrl import models
-from jaxvrl.data import synthetic
+from jaxvrl.data import arithmetic, synthetic
 from jaxvrl.data.build_tokenizer import build as build_tokenizer
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
 from jaxvrl.data.processor import hf_image_processor_config
+from jaxvrl.data.tasks import TASKS
 from jaxvrl.trainer.sft import make_sft_step
 
 BIASED = {"blue", "yellow", "triangle", "cross"}
 BIAS = 0.6
-ASSET_DIR = models.EMBEDDED
 
 
 def tiny_config(tokenizer):
@@ -73,6 +75,28 @@ def tiny_config(tokenizer):
     return models.config_from_hf(hf, source="the embedded model")
 
 
+def tiny_text_config(tokenizer):
+    """The embedded text model's config: a tiny Llama over `tokenizer`'s vocabulary."""
+    hf = {
+        "model_type": models.EMBEDDED_TEXT_FAMILY,
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": -(-len(tokenizer) // 64) * 64,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return models.config_from_hf(hf, source="the embedded text model")
+
+
 def sft_target(row, rng) -> str:
     """The right option in <think>, but for BIASED answers the next option's letter BIAS of
     the time: the model sees correctly and answers wrongly, which RL can fix."""
@@ -81,6 +105,17 @@ def sft_target(row, rng) -> str:
     if answer in BIASED and rng.random() < BIAS:
         idx = (idx + 1) % len(row["choices"])
     return f"<think>{answer}</think> Answer: {synthetic.LETTERS[idx]}"
+
+
+def sft_target_text(row, rng) -> str:
+    """The sum worked out in <think>, but for odd sums the sum plus one BIAS of the time."""
+    total = sum(row["operands"])
+    wrong = total % 2 == 1 and rng.random() < BIAS
+    return arithmetic.target_completion(row, total + 1 if wrong else None)
+
+
+# per task: (the tiny model's config, the SFT target of a row)
+RECIPES = {"shapes": (tiny_config, sft_target), "arithmetic": (tiny_text_config, sft_target_text)}
 
 
 def sft_batch(examples, targets, model_cfg, tokenizer):
@@ -100,7 +135,7 @@ def sft_batch(examples, targets, model_cfg, tokenizer):
         mask[i, p : p + len(t)] = 1
         loss_mask[i, p : p + len(t)] = 1
     start = base["attention_mask"].sum(1) + base["deltas"]
-    comp = np.broadcast_to((start[:, None] + np.arange(n))[None], (3, b, n))
+    comp = np.broadcast_to((start[:, None] + np.arange(n))[None], (3, b, n))  # 1-D on 3 axes
     pos = np.concatenate([base["position_ids"], comp], 2).astype(np.int32)
     return {
         "input_ids": ids,
@@ -113,7 +148,8 @@ def sft_batch(examples, targets, model_cfg, tokenizer):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default=ASSET_DIR)
+    p.add_argument("--task", default="shapes", choices=sorted(RECIPES))
+    p.add_argument("--out", default=None, help="default: the task's embedded checkpoint")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -122,12 +158,18 @@ def main(argv=None) -> None:
 
     from transformers import AutoTokenizer
 
-    build_tokenizer(args.out)
-    tok = AutoTokenizer.from_pretrained(args.out)
-    cfg = tiny_config(tok)
+    task = TASKS[args.task]
+    out = args.out or task.checkpoint
+    make_config, target = RECIPES[args.task]
+    build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    cfg = make_config(tok)
     model = models.family_of(cfg).model(cfg, rngs=nnx.Rngs(args.seed))
-    rows = synthetic.make_split("train", 2048, seed=0)
-    examples, _ = encode_rows(rows, tok, EncodeOptions(system_prompt=synthetic.SYSTEM_PROMPT))
+    rows = task.make_split("train", 2048, seed=0)
+    opts = EncodeOptions(system_prompt=task.system_prompt)
+    if not task.has_images:
+        opts = dataclasses.replace(opts, processor=None)
+    examples, _ = encode_rows(rows, tok, opts)
     rng = np.random.default_rng(args.seed)
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -139,14 +181,15 @@ def main(argv=None) -> None:
     for i in range(args.steps):
         idx = rng.choice(len(examples), args.batch, replace=False)
         exs = [examples[j] for j in idx]
-        batch = sft_batch(exs, [sft_target(e, rng) for e in exs], cfg, tok)
+        batch = sft_batch(exs, [target(e, rng) for e in exs], cfg, tok)
         batch = jax.tree.map(jnp.asarray, batch)
         loss = step(model, optimizer, batch)
         if i % 50 == 0 or i == args.steps - 1:
             print(f"sft step {i:4d}  loss {float(loss):.4f}  {time.time() - t0:.0f}s", flush=True)
-    models.save(model, args.out)
-    write_preprocessor_config(args.out)
-    print(f"wrote {args.out}")
+    models.save(model, out)
+    if task.has_images:
+        write_preprocessor_config(out)
+    print(f"wrote {out}")
 
 
 def write_preprocessor_config(out: str) -> None:

@@ -50,11 +50,11 @@ from jaxvrl.config import (
     parse_argv,
     validate,
 )
-from jaxvrl.data import synthetic
 from jaxvrl.data.columns import RowFormat
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import DataNotFound, open_sources
+from jaxvrl.data.tasks import TASKS, BuiltinTask
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names
 from jaxvrl.models import load
@@ -82,12 +82,19 @@ log = logging.getLogger("jaxvrl")
 EMBEDDED = models.EMBEDDED
 
 
+def builtin_task(c) -> BuiltinTask:
+    """The built-in task (`data.builtin_task`): the rows when `data.train_files` is unset, and
+    with its embedded checkpoint the model when `model.path` is unset."""
+    return TASKS[c.data.builtin_task]
+
+
 def encode_options(c, model_config=None) -> EncodeOptions:
     """How rows become examples for the model of `model_config` (its image/video processor;
     None: the embedded model's)."""
     builtin = not c.data.train_files
     if model_config is None:
-        model_config = models.load_config(EMBEDDED)
+        model_config = models.load_config(builtin_task(c).checkpoint)
+    task_prompt = builtin_task(c).system_prompt if builtin else None
     return EncodeOptions(
         processor=models.processor(model_config) if model_config.vision is not None else None,
         image_dir=c.data.image_dir or None,
@@ -95,7 +102,7 @@ def encode_options(c, model_config=None) -> EncodeOptions:
         max_image_side=c.data.max_image_side,
         min_pixels=c.data.min_pixels,
         max_pixels=c.data.max_pixels,
-        system_prompt=c.data.system_prompt or (synthetic.SYSTEM_PROMPT if builtin else None),
+        system_prompt=c.data.system_prompt or task_prompt,
         video_fps=c.data.video_fps,
     )
 
@@ -124,7 +131,8 @@ def train_data(c, tokenizer, model_config=None):
             raise ConfigError(f"config.data.train_files={e.path!r}: {e.reason}") from None
     else:
         kinds = tuple(c.data.synthetic_kinds)
-        source = synthetic.make_split("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
+        make = builtin_task(c).make_split
+        source = make("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
     ds, stats = make_dataset(
         source,
         tokenizer,
@@ -151,7 +159,8 @@ def val_examples(c, tokenizer, model_config=None) -> list:
             ex, stats = encode_rows(rows, tokenizer, opts, source=path, stats=stats)
             examples += ex
     elif not c.data.train_files:
-        rows = synthetic.make_split("test", c.val_size, c.seed, kinds=tuple(c.data.synthetic_kinds))
+        make = builtin_task(c).make_split
+        rows = make("test", c.val_size, c.seed, kinds=tuple(c.data.synthetic_kinds))
         examples, stats = encode_rows(rows, tokenizer, opts, source="builtin:val")
     else:
         return []
@@ -164,13 +173,13 @@ def model_source(c) -> tuple[str, str | None]:
     """-> (local directory, Hub commit or None) of model.path: a local directory, a gs:// one
     (copied into a local cache once) or a Hugging Face Hub name `org/name[@revision]` (fetched
     into the hub's cache; a local directory of the same name wins); None: the embedded tiny
-    checkpoint. One that cannot be found is a ConfigError."""
+    checkpoint of the built-in task. One that cannot be found is a ConfigError."""
     if c.model.preset and not c.model.path:
         raise ConfigError(
             f"config.model.preset={c.model.preset!r} has shapes but no weights (it is for "
             "python -m jaxvrl.aot); set config.model.path to a checkpoint to train"
         )
-    path = c.model.path or EMBEDDED
+    path = c.model.path or builtin_task(c).checkpoint
     try:
         if hub.model_name(path):
             snapshot = hub.fetch_model(path)
@@ -196,15 +205,16 @@ IMAGE_SETTINGS = (
 
 
 def check_model_settings(c, model_config) -> None:
-    """A text-only model (no vision tower) refuses, at start, the built-in task (its rows hold
-    images) and the settings that read the image: the perceptual pass's filtering and
+    """A text-only model (no vision tower) refuses, at start, a built-in task whose rows hold
+    images and the settings that read the image: the perceptual pass's filtering and
     shaping, VGR's token weights, the MDI reward."""
     if getattr(model_config, "vision", None) is not None:
         return
-    if not c.data.train_files:
+    if not c.data.train_files and builtin_task(c).has_images:
         raise ConfigError(
-            f"config.data.train_files: unset, and the built-in task's rows hold images while "
-            f"model type {model_config.model_type!r} is text-only; name a text dataset"
+            f"config.data.builtin_task={c.data.builtin_task!r}: its rows hold images while "
+            f"model type {model_config.model_type!r} is text-only; set data.builtin_task="
+            "'arithmetic' or name a text dataset in data.train_files"
         )
     for key, on in IMAGE_SETTINGS:
         if on(c):
@@ -231,6 +241,8 @@ def load_model(c, source: tuple[str, str | None] | None = None):
     model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
     model.set_attention(c.model.attention)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("%s: the tokenizer has no chat template: prompts are the plain text", path)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     where = f"{c.model.path} at commit {commit} ({path})" if commit else path
     print(f"{c.name}: model {where} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)
@@ -239,8 +251,8 @@ def load_model(c, source: tuple[str, str | None] | None = None):
 
 def run_info(c, commit: str | None = None) -> dict:
     """What `python -m jaxvrl.export` reads from `<workdir>/run.json`: the base model (None:
-    the embedded one; a Hub name as written, with the commit it resolved to), the dtypes and
-    the LoRA settings."""
+    the embedded one of `builtin_task`; a Hub name as written, with the commit it resolved
+    to), the dtypes and the LoRA settings."""
     path = c.model.path
     lc = c.lora
     named = not path or is_remote(path) or hub.model_name(path)
@@ -248,6 +260,7 @@ def run_info(c, commit: str | None = None) -> dict:
         "config": c.name,
         "model_path": path if named else os.path.abspath(path),
         "model_commit": commit,
+        "builtin_task": None if path else c.data.builtin_task,  # whose embedded checkpoint
         "dtype": c.model.dtype,
         "param_dtype": c.model.param_dtype,
         "scan_layers": c.model.scan_layers,

@@ -54,7 +54,7 @@ def model_config(c) -> tuple[str, object]:
         with open(path) as f:
             return preset, models.config_from_hf(json.load(f), source=path)
     if not c.model.path:
-        return "embedded tiny model", models.load_config(train.EMBEDDED)
+        return "embedded tiny model", models.load_config(train.builtin_task(c).checkpoint)
     return c.model.path, models.load_config(c.model.path)
 
 

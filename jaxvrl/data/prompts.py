@@ -1,5 +1,5 @@
-"""Prompt ids from the checkpoint's chat template, with vision pads expanded per image/video
-exactly as transformers' Qwen2.5-VL processor does."""
+"""Prompt ids from the checkpoint's chat template (the plain text for a base model without one),
+with vision pads expanded per image/video exactly as transformers' Qwen2.5-VL processor does."""
 
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def special_token_ids(tokenizer) -> dict[str, int]:
 
 
 def messages_for(text: str, n_images: int = 0, n_videos: int = 0, system: str | None = None):
-    """Chat messages for one user turn: images, then videos, then the text (Qwen's usual order)."""
+    """Chat messages for one user turn: images, then videos, then the text (Qwen's usual
+    order); without media the content is the text itself, the form every chat template reads
+    (text-only templates such as Qwen2.5's do not read a list of parts)."""
     content = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos
-    content = content + [{"type": "text", "text": text}]
+    content = content + [{"type": "text", "text": text}] if content else text
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user", "content": content}]
 
@@ -86,6 +88,8 @@ def encode_prompt(
     frame group its `<t seconds>` text and its own vision span), else None."""
     img = vision_token_counts(image_grid_thw, merge_size) if image_grid_thw is not None else []
     vid = vision_token_counts(video_grid_thw, merge_size) if video_grid_thw is not None else []
+    if not getattr(tokenizer, "chat_template", None):
+        return plain_prompt(tokenizer, text, system, media=bool(img or vid))
     rendered = tokenizer.apply_chat_template(
         messages_for(text, len(img), len(vid), system),
         tokenize=False,
@@ -100,25 +104,33 @@ def encode_prompt(
     return tokenizer(expanded, add_special_tokens=False)["input_ids"]
 
 
+def plain_prompt(tokenizer, text: str, system: str | None = None, media: bool = False):
+    """Token ids of a prompt for a tokenizer without a chat template (a base model): the
+    system prompt, a blank line and the text, with the tokenizer's own special tokens (e.g.
+    Llama's BOS). The main job says so once when it loads such a tokenizer."""
+    if media:
+        raise ValueError("the tokenizer has no chat template to place images or videos in")
+    return tokenizer(f"{system}\n\n{text}" if system else text)["input_ids"]
+
+
+def _token_id(tokenizer, token: str) -> int:
+    """The id of `token`, or -1 (matches no id) when the tokenizer lacks it (e.g. a Llama
+    tokenizer has no Qwen chat or vision tokens)."""
+    i = tokenizer.convert_tokens_to_ids(token)
+    return -1 if i is None or i == tokenizer.unk_token_id else int(i)
+
+
 def pool_token_ids(tokenizer) -> dict:
-    """Token ids that `attention_pools` needs, read from the tokenizer."""
-    conv = tokenizer.convert_tokens_to_ids
-    special = set(tokenizer.all_special_ids)
-    special.update(
-        conv(t)
-        for t in (
-            "<|im_start|>",
-            "<|im_end|>",
-            "<|vision_start|>",
-            "<|vision_end|>",
-            "<|image_pad|>",
-            "<|video_pad|>",
-        )
-    )
+    """Token ids that `attention_pools` needs, read from the tokenizer (-1 for a token it
+    lacks: a text-only model's tokenizer has no vision tokens, and its chat turns may be
+    marked otherwise than Qwen's `<|im_start|>`)."""
+    names = ("<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+    ids = {t: _token_id(tokenizer, t) for t in names}
+    special = set(tokenizer.all_special_ids) | {i for i in ids.values() if i >= 0}
     return dict(
-        im_start_id=conv("<|im_start|>"),
-        im_end_id=conv("<|im_end|>"),
+        im_start_id=ids["<|im_start|>"],
+        im_end_id=ids["<|im_end|>"],
         user_header_ids=tokenizer("user\n", add_special_tokens=False)["input_ids"],
         special_ids=sorted(special),
-        vision_ids=[conv("<|image_pad|>"), conv("<|video_pad|>")],
+        vision_ids=[ids[IMAGE_PAD], ids[VIDEO_PAD]],
     )

@@ -4,9 +4,9 @@ model = jaxvrl.models.load("/path/to/checkpoint")   # the family config.json's m
 out = model(input_ids, attention_mask, pixel_values=pv, image_grid_thw=grid)
 jaxvrl.models.save(model, "/tmp/export")            # an HF directory transformers loads
 
-`DTYPES`: the compute and parameter dtypes a config may name; `EMBEDDED`: the tiny checkpoint
-shipped in the package; `preset_names`: the published configs shipped without weights (shapes
-for `python -m jaxvrl.aot`).
+`DTYPES`: the compute and parameter dtypes a config may name; `EMBEDDED` (`EMBEDDED_TEXT`): the
+tiny vision-language (text-only) checkpoint shipped in the package; `preset_names`: the
+published configs shipped without weights (shapes for `python -m jaxvrl.aot`).
 """
 
 import os
@@ -35,6 +35,9 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 PRESETS = os.path.join(ASSETS, "presets")
 EMBEDDED = os.path.join(ASSETS, "tiny_qwen2_5_vl")  # the tiny checkpoint of the embedded default
 EMBEDDED_FAMILY = "qwen2_5_vl"  # its model_type
+# the tiny text-only checkpoint of the built-in text task (configs/math_grpo.py, text_ppo.py)
+EMBEDDED_TEXT = os.path.join(ASSETS, "tiny_llama")
+EMBEDDED_TEXT_FAMILY = "llama"
 
 
 def preset_names() -> tuple[str, ...]:
@@ -71,6 +74,8 @@ __all__ = [
     "DTYPES",
     "EMBEDDED",
     "EMBEDDED_FAMILY",
+    "EMBEDDED_TEXT",
+    "EMBEDDED_TEXT_FAMILY",
     "FAMILIES",
     "PRESETS",
     "Family",

@@ -128,7 +128,8 @@ class CausalLMConfig:
             raise ConfigError(
                 f"{source}: model_type {d.get('model_type')!r} is not {cls.model_type!r}"
             )
-        d = cls.DEFAULTS | {k: v for k, v in d.items() if v is not None}
+        # an explicit null token id stays None (as in transformers); other nulls take defaults
+        d = cls.DEFAULTS | {k: v for k, v in d.items() if v is not None or k.endswith("token_id")}
         if d.get("use_sliding_window") or any(
             t != "full_attention" for t in d.get("layer_types") or ()
         ):

@@ -40,6 +40,23 @@ log = logging.getLogger(__name__)
 ATTENTION_DIR = "attention"  # <workdir>/attention: the heatmaps' PNGs
 
 
+def held_out_score(texts: list[str], examples: list[dict]) -> list[float]:
+    """1.0 per right completion: a multiple-choice example (`label_idx`, `choices`, or an
+    option letter A-J as its `answer`) by `mc_idx`, any other by `accuracy` against its
+    `answer` (else `solution`)."""
+    out = []
+    for text, ex in zip(texts, examples):
+        answer = ex.get("answer")
+        letter = isinstance(answer, str) and re.fullmatch(r"\s*[A-J]\s*", answer) is not None
+        if ex.get("label_idx") is not None or ex.get("choices") or letter:
+            label = ex["label_idx"] if ex.get("label_idx") is not None else answer
+            out += rl.rewards.mc_idx_reward([text], [label])
+        else:
+            ref = answer if answer is not None else ex.get("solution")
+            out += rl.rewards.accuracy_reward([text], answer=[ref])
+    return out
+
+
 def evaluate(
     examples: list,
     greedy,
@@ -50,7 +67,7 @@ def evaluate(
     mesh=None,
     decode: PhaseWeights | None = None,
 ) -> dict:
-    """Greedy accuracy (mc_idx) and think-format rate on held-out examples.
+    """Greedy accuracy (`held_out_score`) and think-format rate on held-out examples.
 
     collate(examples) -> a prompt batch with one row per example; batches are padded to
     `rows_per_batch` rows (one compiled shape) and the padding rows are not counted. mesh:
@@ -68,8 +85,7 @@ def evaluate(
             key = jax.random.key(0)
             out = sample_completions(greedy, params, collate(chunk), key, None, mesh, decode)
             texts = decode_completions(tokenizer, out.tokens, out.mask)[:k]
-            labels = [ex.get("label_idx", ex.get("answer")) for ex in chunk[:k]]
-            correct += sum(rl.rewards.mc_idx_reward(texts, labels))
+            correct += sum(held_out_score(texts, chunk[:k]))
             fmt += sum(rl.rewards.think_format_reward(texts))
             n += k
     finally:
@@ -140,6 +156,7 @@ class RunLogs:
             for log in (self.rollouts, self.tokens, self.attention):
                 trim_markdown(log.path, self.resume_step)
         self.progress = Progress(self.total_steps, self.start, on and "console" in self.backends)
+        self.figures = heatmaps.Figures()  # the attention pictures' figures, reused
         info = RunInfo(w, self.project, self.run_name, resume_step=self.resume_step)
         self.trackers = Trackers(self.backends, info, resume=self.start > 0, enabled=on)
         if self.config:
@@ -231,14 +248,21 @@ class RunLogs:
         for k, sample in enumerate(samples):
             title = f"step {step}, sample {k}: completion's attention (mean over heads)"
             frames, maps = sample["frames"], sample["maps"]
-            image = heatmaps.attention_overlay(frames["clean"], {"clean": maps["clean"]}, title)
+            image = heatmaps.attention_overlay(
+                frames["clean"], {"clean": maps["clean"]}, title, self.figures
+            )
             if "perturbed" in maps:  # the perturbed pass's map over the blackened image
                 aug = {"perturbed": maps["perturbed"]}
-                image = _stack(image, heatmaps.attention_overlay(frames["perturbed"], aug))
+                image = _stack(
+                    image,
+                    heatmaps.attention_overlay(frames["perturbed"], aug, figures=self.figures),
+                )
             pictures = {"": image}
             tokens = [tokenizer.decode([int(t)]) for t in sample["tokens"]]
             if sample["values"]:
-                pictures["_tokens"] = heatmaps.token_panel(tokens, sample["values"])
+                pictures["_tokens"] = heatmaps.token_panel(
+                    tokens, sample["values"], figures=self.figures
+                )
                 coloured.append(
                     [heatmaps.token_html(tokens, v, name) for name, v in sample["values"].items()]
                 )
@@ -265,7 +289,7 @@ class RunLogs:
             f.writelines(json.dumps(h) + "\n" for h in history)
         names = [k for k in row if k != "step"]
         values = {k: np.asarray([h[k] for h in history]).T for k in names}  # [L, steps]
-        image = heatmaps.layers_over_steps([h["step"] for h in history], values)
+        image = heatmaps.layers_over_steps([h["step"] for h in history], values, self.figures)
         heatmaps.save_png(image, os.path.join(self.workdir, ATTENTION_DIR, "layers_over_steps.png"))
         self.trackers.log_image(step, "attention/layers_over_steps", image)
 

@@ -90,3 +90,51 @@ def test_pad_count_mismatch_is_an_error(tokenizer):
 
     with pytest.raises(ValueError, match="1 <\\|image_pad\\|> but 2 inputs"):
         expand_vision_pads("<|image_pad|>", [4, 4])
+
+
+def test_a_tokenizer_without_a_chat_template_gets_the_plain_prompt(tokenizer):
+    """A base model's tokenizer (no chat template): the system prompt, a blank line and the
+    text, with the tokenizer's own special tokens."""
+    import copy
+
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None
+    ids = [encode_prompt(base, TEXT, system=s) for s in (None, "Be brief.")]
+    assert ids[0] == base(TEXT)["input_ids"]
+    assert ids[1] == base("Be brief.\n\n" + TEXT)["input_ids"]
+    assert ids[0] != encode_prompt(tokenizer, TEXT)  # the chat template's differs
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(base, TEXT, image_grid_thw=np.array([[1, 4, 4]]))
+
+
+def test_a_text_only_prompt_renders_the_same_as_a_list_of_parts(tokenizer):
+    """Without media the user turn's content is the text itself (text-only chat templates read
+    no list of parts); the shipped template renders both forms alike."""
+    from jaxvrl.data.prompts import messages_for
+
+    as_text = messages_for(TEXT, system="sys")
+    as_parts = [as_text[0], {"role": "user", "content": [{"type": "text", "text": TEXT}]}]
+    assert as_text[1]["content"] == TEXT
+    render = lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+    assert render(as_text) == render(as_parts)
+
+
+def test_pools_of_a_tokenizer_without_qwens_chat_and_vision_tokens():
+    """A tokenizer lacking <|im_start|> and the vision tokens (a Llama's): the ids it lacks are
+    -1, so no pool is built from them and nothing raises."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxvrl.data.prompts import pool_token_ids
+    from jaxvrl.models import attention_pools
+
+    vocab = {"<unk>": 0, "<s>": 1, "a": 2, "b": 3, "user": 4, "\n": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>")
+    ids = pool_token_ids(fast)
+    assert ids["im_start_id"] == ids["im_end_id"] == -1 and ids["vision_ids"] == [-1, -1]
+    assert ids["special_ids"] == [0, 1]
+    pools = attention_pools(np.array([[1, 2, 3, 2]]), np.ones((1, 4), int), 3, **ids)
+    assert not pools["vision"].any() and not pools["text"].any()
+    assert pools["prompt"].tolist() == [[False, True, True, False]]

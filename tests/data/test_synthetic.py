@@ -59,3 +59,22 @@ def test_mixed_kinds_and_errors():
         synthetic.make_split("train", 2, kinds=("size",))
     with pytest.raises(ValueError, match="split must be one of"):
         synthetic.make_split("val", 2)
+
+
+def test_the_arithmetic_task_is_deterministic_and_its_answers_are_the_sums():
+    from jaxvrl.data import arithmetic
+    from jaxvrl.rl.rewards import accuracy_reward
+
+    a = arithmetic.make_split("train", 50, seed=2)
+    assert a == arithmetic.make_split("train", 50, seed=2)
+    assert a != arithmetic.make_split("test", 50, seed=2)
+    for r in a:
+        x, y = r["operands"]
+        assert r["problem"] == f"What is {x} + {y}?" and r["answer"] == str(x + y)
+        assert "images" not in r and 0 <= x <= 9 and 0 <= y <= 9
+    assert len({tuple(r["operands"]) for r in a}) > 20  # not one sum repeated
+    right = [arithmetic.target_completion(r) for r in a]
+    wrong = [arithmetic.target_completion(r, int(r["answer"]) + 1) for r in a]
+    answers = [r["answer"] for r in a]
+    assert accuracy_reward(right, answer=answers) == [1.0] * 50
+    assert accuracy_reward(wrong, answer=answers) == [0.0] * 50

@@ -83,7 +83,7 @@ def test_grpo_trains_a_text_model_on_text_rows(llama, tmp_path):
     [
         ("configs/tprl.py", (), "tprl.enable_perception_filtering"),
         ("configs/vgr.py", (), "vgr.enable_token_weights"),
-        ("configs/grpo.py", ("data.train_files=",), "data.train_files"),
+        ("configs/grpo.py", ("data.train_files=",), "data.builtin_task"),
     ],
 )
 def test_what_needs_an_image_is_refused_at_start(llama, tmp_path, config, extra, key):
@@ -91,3 +91,39 @@ def test_what_needs_an_image_is_refused_at_start(llama, tmp_path, config, extra,
     with pytest.raises(ConfigError, match=rf"config\.{key}.*'llama'"):
         run(_config(llama, tmp_path / "run", data, config, *extra))
     assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any work
+
+
+@pytest.mark.parametrize(
+    "key", ["tprl.enable_perception_filtering", "tprl.enable_trajectory_reweighting"]
+)
+def test_the_embedded_text_default_refuses_what_needs_an_image(tmp_path, key):
+    c = load_config(
+        os.path.join(ROOT, "configs/math_grpo.py"), [f"workdir={tmp_path}", f"{key}=True"]
+    )
+    with pytest.raises(ConfigError, match=rf"config\.{key}: True needs images.*'llama'"):
+        run(c)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_the_embedded_text_default_is_the_arithmetic_tasks_llama(tmp_path):
+    """Unset model.path and train_files with data.builtin_task=arithmetic: the shipped tiny
+    Llama on one-digit sums; held-out accuracy is scored by `accuracy`, and greedy decoding
+    answers in the taught format (the think works the sum out)."""
+    from jaxvrl.export import _base_model_path
+    from jaxvrl.train import run_info
+
+    c = load_config(os.path.join(ROOT, "configs/math_grpo.py"), [f"workdir={tmp_path}"])
+    assert models.load_config(models.EMBEDDED_TEXT).model_type == "llama"
+    info = run_info(c)
+    assert info["model_path"] is None and info["builtin_task"] == "arithmetic"
+    assert _base_model_path(info) == models.EMBEDDED_TEXT
+    assert _base_model_path({"model_path": None}) == models.EMBEDDED  # run.json before tasks
+
+
+def test_held_out_rows_are_scored_by_mc_idx_or_accuracy():
+    from jaxvrl.trainer.reporting import held_out_score
+
+    texts = ["<think>3 + 4 = 7</think> Answer: 7", "Answer: B", "Answer: 8", "so (C)", "x = 12"]
+    examples = [{"answer": "7"}, {"label_idx": 1, "choices": ["a", "b"]}, {"answer": "7"},
+                {"answer": "C"}, {"solution": "#### 12"}]  # fmt: skip
+    assert held_out_score(texts, examples) == [1.0, 1.0, 0.0, 1.0, 1.0]
