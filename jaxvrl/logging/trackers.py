@@ -86,8 +86,8 @@ class TensorBoardTracker(Tracker):
         self.writer.add_text("config", markdown_table(("key", "value"), config.items()), 0)
 
     def log_image(self, step, name, image):
+        # no flush per image: the step's scalars flush them all (and close does)
         self.writer.add_image(name, image, int(step), dataformats="HWC")
-        self.writer.flush()
 
     def close(self):
         self.writer.close()

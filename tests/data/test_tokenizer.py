@@ -5,6 +5,8 @@ from __future__ import annotations
 import filecmp
 import os
 
+import pytest
+
 from jaxvrl.data import build_tokenizer, default_tokenizer_path, special_token_ids
 
 FILES = (
@@ -25,8 +27,9 @@ def test_shipped_files_equal_a_fresh_build(tmp_path):
     assert total < 1_000_000
 
 
-def test_embedded_checkpoint_uses_the_same_vocabulary():
-    embedded = os.path.join(os.path.dirname(default_tokenizer_path()), "tiny_qwen2_5_vl")
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen2_5_vl", "tiny_llama"])
+def test_embedded_checkpoints_use_the_same_vocabulary(checkpoint):
+    embedded = os.path.join(os.path.dirname(default_tokenizer_path()), checkpoint)
     assert filecmp.cmp(
         os.path.join(embedded, "tokenizer.json"),
         os.path.join(default_tokenizer_path(), "tokenizer.json"),
