@@ -124,6 +124,7 @@ def draw_only(samples: int, repeats: int, frames: int = 1, perturbed: bool = Fal
                     spent.clear()
                     start = time.perf_counter()
                 logs.attention_maps(5 * (step + 1), batch, Tokenizer())
+                logs.wait_pictures()  # drawn on a thread of their own: count them whole
             per_step = (time.perf_counter() - start) / max(repeats, 1)
             logs.close()
     finally:

@@ -21,6 +21,7 @@ and scores its own rows (`runtime.place_batch` joins them into the global batch,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -603,6 +604,11 @@ def _run(c) -> dict:
         if start == 0:
             logs.scalars(0, metrics, progress=False)
         print(f"step {start}: {_short(metrics)}", flush=True)
+    maps = None
+    if c.logging.attention_samples:
+        n = c.logging.attention_samples
+        maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg)
+    compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxvrl-diagnostics")
     flag = PreemptionFlag()
     try:
         for step in range(start, 0 if c.val_only else c.total_steps):
@@ -611,6 +617,11 @@ def _run(c) -> dict:
             rng, k_sample, k_step = jax.random.split(rng, 3)
             params = sampling_params(state)
             rollout = phase.run(params, step, k_sample, data, max_prompts=train_rows)
+            pictures = (
+                maps is not None and c.log_rollouts_every and step % c.log_rollouts_every == 0
+            )
+            if pictures:  # the diagnostic pass compiles beside the train step
+                maps.prepare(params, rollout, compiler)
             # each process passes its own rows; they join into the global batch
             batch = runtime.place_batch(rollout.batch, mesh)
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
@@ -624,11 +635,13 @@ def _run(c) -> dict:
                 host = runtime.host_local(extras)
                 rows = logs.sample_rows(rollout, host, tokenizer)
                 logs.markdown(done, runtime.gather_json(rows))  # every process's rows
-                if c.logging.attention_samples:  # a diagnostic pass over a few of the rows
-                    n = c.logging.attention_samples
-                    maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg)
-                    samples = maps(sampling_params(state), rollout, host.token_weights)
-                    logs.attention_maps(done, samples, tokenizer)
+                if pictures:  # a diagnostic pass over a few of the rows
+                    try:
+                        samples = maps(sampling_params(state), rollout, host.token_weights)
+                        logs.attention_maps(done, samples, tokenizer)
+                    except Exception:  # noqa: BLE001 -- the pictures must not stop training
+                        logs.picture_failures += 1
+                        log.exception("attention pictures of step %d failed", done)
             if mirror:
                 mirror.push()  # at most every 30 s
             nonfinite = nonfinite + 1 if metrics["train/nonfinite"] else 0
@@ -655,6 +668,7 @@ def _run(c) -> dict:
                 break
     finally:
         flag.restore()
+        compiler.shutdown(wait=True)
         ckpt.close()
         logs.close()
         if mirror:

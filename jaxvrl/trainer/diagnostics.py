@@ -63,6 +63,12 @@ def _pass(graphdef, params, batch: RolloutBatch, images):
     return out.vision_mass, ent, logp
 
 
+def _shapes(*trees) -> tuple:
+    """What a compiled program is specific to: the trees' structure, shapes and dtypes."""
+    leaves, tree = jax.tree.flatten(trees)
+    return tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
 @dataclasses.dataclass
 class AttentionMaps:
     """The diagnostic pass and its host layout for a model (`graphdef`, config `mcfg`).
@@ -74,6 +80,8 @@ class AttentionMaps:
     samples: int = 4
     black_prob: float = 0.0
     top_p: float = 0.0
+    # the pass compiled per input shapes (`prepare`): futures of jax's Compiled programs
+    programs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, graphdef, mcfg, samples: int, step_cfg) -> AttentionMaps:
@@ -94,19 +102,12 @@ class AttentionMaps:
         (VGR) or None. Returns per sample {"frames", "maps":
         {"clean"|"perturbed": {band: grids}}, "tokens" int[n], "values": {name: float[n]},
         "layers": {"mdi"|"aei_vision": float[L]}}; [] when off, multi-process or no image."""
-        batch, size = rollout.batch, len(rollout.groups[0].texts) if rollout.groups else 0
-        real = np.flatnonzero(np.repeat(np.asarray(rollout.real, bool), size))
-        b = min(self.samples, len(real))
-        if not b or jax.process_count() > 1:
+        drawn = self._rows(rollout)
+        if drawn is None:
             return []
-        per_row = [x.pixel_values.ndim == 3 for x in (batch.images, batch.videos) if x is not None]
-        if not per_row or not all(per_row):  # no vision input, or packed patches
-            return []
-        idx = real[:b]
-        rows = take_rows(batch.replace(position_ids=None), idx)  # position_ids: [3, B, L]
-        rows = rows.replace(position_ids=np.asarray(batch.position_ids)[:, idx])
-        rows = jax.tree.map(np.asarray, rows)
-        masses, ent, logp = jax.device_get(_pass(self.graphdef, params, rows, rows.images))
+        idx, rows = drawn
+        b = len(idx)
+        masses, ent, logp = jax.device_get(self._run(params, rows, rows.images))
         variants = {"clean": masses}
         values = {"entropy": ent}
         mask = np.asarray(rows.completion_mask)
@@ -115,7 +116,7 @@ class AttentionMaps:
             black = models.processor(self.mcfg).black
             aug = blacken_patches(rows.images, rng, self.black_prob, black)
             aug = jax.tree.map(np.asarray, jax.device_get(aug))
-            masses_aug, _, logp_aug = jax.device_get(_pass(self.graphdef, params, rows, aug))
+            masses_aug, _, logp_aug = jax.device_get(self._run(params, rows, aug))
             variants["perturbed"] = masses_aug
             score = rl.visual_dependency(logp_aug, logp, mask)
             values["perception score"] = score
@@ -131,6 +132,51 @@ class AttentionMaps:
             for r in range(b)
             if self._has_vision(rows, r)
         ]
+
+    def _rows(self, rollout: Rollout) -> tuple[np.ndarray, RolloutBatch] | None:
+        """(indices, host rows) of the rollout rows drawn; None when none is."""
+        batch, size = rollout.batch, len(rollout.groups[0].texts) if rollout.groups else 0
+        real = np.flatnonzero(np.repeat(np.asarray(rollout.real, bool), size))
+        b = min(self.samples, len(real))
+        if not b or jax.process_count() > 1:
+            return None
+        per_row = [x.pixel_values.ndim == 3 for x in (batch.images, batch.videos) if x is not None]
+        if not per_row or not all(per_row):  # no vision input, or packed patches
+            return None
+        idx = real[:b]
+        rows = take_rows(batch.replace(position_ids=None), idx)  # position_ids: [3, B, L]
+        rows = rows.replace(position_ids=np.asarray(batch.position_ids)[:, idx])
+        return idx, jax.tree.map(np.asarray, rows)
+
+    def prepare(self, params, rollout: Rollout, executor) -> None:
+        """Compile the pass for `rollout`'s drawn rows on `executor` (a thread beside the
+        train step) from the params' shapes and shardings, so that the call after the step
+        finds it compiled: the compile overlaps the step instead of adding to the run's
+        time. Programs compile at the caller's default matmul precision."""
+        drawn = self._rows(rollout)
+        if drawn is None:
+            return
+        rows = drawn[1]
+        key = _shapes(params, rows, rows.images)
+        if key in self.programs:
+            return
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+        )
+        precision = jax.config.jax_default_matmul_precision
+
+        def compile_program():
+            with jax.default_matmul_precision(precision):
+                return _pass.lower(self.graphdef, shapes, rows, rows.images).compile()
+
+        self.programs[key] = executor.submit(compile_program)
+
+    def _run(self, params, rows: RolloutBatch, images):
+        """The pass: the program `prepare` compiled for these shapes, else jit's."""
+        program = self.programs.get(_shapes(params, rows, images))
+        if program is None:
+            return _pass(self.graphdef, params, rows, images)
+        return program.result()(params, rows, images)
 
     def _has_vision(self, rows: RolloutBatch, r: int) -> bool:
         ids = np.asarray(rows.input_ids[r])

@@ -4,12 +4,14 @@ MLflow)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import json
 import logging
 import os
 import re
+import threading
 
 import jax
 import numpy as np
@@ -157,13 +159,18 @@ class RunLogs:
                 trim_markdown(log.path, self.resume_step)
         self.progress = Progress(self.total_steps, self.start, on and "console" in self.backends)
         self.figures = heatmaps.Figures()  # the attention pictures' figures, reused
+        self._drawing = None  # the pictures' thread, started at the first logged pictures
+        self._tracking = threading.Lock()  # the trackers, from this thread and the drawing one
+        self.picture_failures = 0
         info = RunInfo(w, self.project, self.run_name, resume_step=self.resume_step)
         self.trackers = Trackers(self.backends, info, resume=self.start > 0, enabled=on)
         if self.config:
             self.trackers.log_config(self.config)
 
     def scalars(self, step: int, scalars: dict, progress: bool = True) -> None:
-        self.trackers.log_scalars(step, self.metrics.write(step, scalars))
+        rows = self.metrics.write(step, scalars)
+        with self._tracking:
+            self.trackers.log_scalars(step, rows)
         if progress:
             self.progress.update(step - 1, scalars)
 
@@ -221,7 +228,8 @@ class RunLogs:
         )
         self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv))
         columns, table = rollout_table(prompts, texts, parts, totals, adv, self.samples)
-        self.trackers.log_table(step, "rollouts", columns, table)
+        with self._tracking:
+            self.trackers.log_table(step, "rollouts", columns, table)
         if "pieces" in rows[0]:
             pieces = [[tuple(p) for p in r["pieces"]] for r in rows]
             self.tokens.append(token_weight_section(step, pieces, None, limit=self.samples))
@@ -236,7 +244,9 @@ class RunLogs:
         `<workdir>/attention/step_<n>_sample_<k>[_tokens].png` linked from
         attention_diagnostics.md, TensorBoard / tracker images `attention/sample_<k>` and
         HTML in token_weights.md; per-layer MDI / AEI over steps (`attention/layers.jsonl`)
-        redrawn as `attention/layers_over_steps.png`. Without matplotlib: one warning."""
+        redrawn as `attention/layers_over_steps.png`. The markdown is written at once; the
+        drawing, the PNGs and the tracker images run on a thread of their own beside training
+        (`wait_pictures` and `close` wait for them). Without matplotlib: one warning."""
         if not (self.primary and samples):
             return
         if not heatmaps.available():
@@ -244,39 +254,77 @@ class RunLogs:
                 log.warning("matplotlib is not installed: attention heatmaps are skipped")
                 self._warned_plots = True
             return
-        links, coloured = [], []
+        # the markdown (links to PNGs of known names, coloured HTML) and the layers' history
+        # now; the drawing, PNGs and tracker images on the drawing thread, beside training
+        links, coloured, jobs = [], [], []
         for k, sample in enumerate(samples):
-            title = f"step {step}, sample {k}: completion's attention (mean over heads)"
-            frames, maps = sample["frames"], sample["maps"]
-            image = heatmaps.attention_overlay(
-                frames["clean"], {"clean": maps["clean"]}, title, self.figures
-            )
-            if "perturbed" in maps:  # the perturbed pass's map over the blackened image
-                aug = {"perturbed": maps["perturbed"]}
-                image = _stack(
-                    image,
-                    heatmaps.attention_overlay(frames["perturbed"], aug, figures=self.figures),
-                )
-            pictures = {"": image}
             tokens = [tokenizer.decode([int(t)]) for t in sample["tokens"]]
+            suffixes = [""]
             if sample["values"]:
-                pictures["_tokens"] = heatmaps.token_panel(
-                    tokens, sample["values"], figures=self.figures
-                )
+                suffixes.append("_tokens")
                 coloured.append(
                     [heatmaps.token_html(tokens, v, name) for name, v in sample["values"].items()]
                 )
-            for suffix, image in pictures.items():
-                rel = f"{ATTENTION_DIR}/step_{step}_sample_{k}{suffix}.png"
-                heatmaps.save_png(image, os.path.join(self.workdir, rel))
-                self.trackers.log_image(step, f"attention/sample_{k}{suffix}", image)
-                links.append((f"sample {k}{suffix.replace('_', ' ')}", rel))
+            for suffix in suffixes:
+                links.append((f"sample {k}{suffix.replace('_', ' ')}", self._png(step, k, suffix)))
+            jobs.append((k, sample, tokens))
         self.attention.append(heatmap_section(step, links))
         if coloured:
             self.tokens.append(token_colour_section(step, coloured))
-        self._layers_over_steps(step, samples)
+        history = self._layers_history(step, samples)
+        if self._drawing is None:
+            self._drawing = concurrent.futures.ThreadPoolExecutor(1, "jaxvrl-pictures")
+        self._drawing.submit(self._draw, step, jobs, history)
 
-    def _layers_over_steps(self, step: int, samples: list[dict]) -> None:
+    @staticmethod
+    def _png(step: int, k: int, suffix: str) -> str:
+        return f"{ATTENTION_DIR}/step_{step}_sample_{k}{suffix}.png"
+
+    def _draw(self, step: int, jobs: list, history: list[dict]) -> None:
+        """The pictures of one logged step (on the drawing thread): a failure is logged and
+        counted, never raised into training."""
+        try:
+            for k, sample, tokens in jobs:
+                title = f"step {step}, sample {k}: completion's attention (mean over heads)"
+                frames, maps = sample["frames"], sample["maps"]
+                image = heatmaps.attention_overlay(
+                    frames["clean"], {"clean": maps["clean"]}, title, self.figures
+                )
+                if "perturbed" in maps:  # the perturbed pass's map over the blackened image
+                    aug = {"perturbed": maps["perturbed"]}
+                    over = heatmaps.attention_overlay(
+                        frames["perturbed"], aug, figures=self.figures
+                    )
+                    image = _stack(image, over)
+                pictures = {"": image}
+                if sample["values"]:
+                    pictures["_tokens"] = heatmaps.token_panel(
+                        tokens, sample["values"], figures=self.figures
+                    )
+                for suffix, image in pictures.items():
+                    heatmaps.save_png(image, os.path.join(self.workdir, self._png(step, k, suffix)))
+                    with self._tracking:
+                        self.trackers.log_image(step, f"attention/sample_{k}{suffix}", image)
+            names = [k for k in history[-1] if k != "step"]
+            values = {k: np.asarray([h[k] for h in history]).T for k in names}  # [L, steps]
+            image = heatmaps.layers_over_steps([h["step"] for h in history], values, self.figures)
+            path = os.path.join(self.workdir, ATTENTION_DIR, "layers_over_steps.png")
+            heatmaps.save_png(image, path)
+            with self._tracking:
+                self.trackers.log_image(step, "attention/layers_over_steps", image)
+        except Exception:  # noqa: BLE001 -- a picture that fails must not stop training
+            self.picture_failures += 1
+            log.exception("attention pictures of step %d failed (%d so far)", step,
+                          self.picture_failures)  # fmt: skip
+
+    def wait_pictures(self) -> None:
+        """Until every submitted step's pictures are drawn and written."""
+        if self._drawing is not None:
+            self._drawing.submit(lambda: None).result()
+
+    def _layers_history(self, step: int, samples: list[dict]) -> list[dict]:
+        """Per-layer MDI / AEI of every logged step so far (`attention/layers.jsonl`, this
+        step's added: the mean over its samples)."""
         path = os.path.join(self.workdir, ATTENTION_DIR, "layers.jsonl")
         row = {"step": step}
         for name in samples[0]["layers"]:
@@ -285,15 +333,14 @@ class RunLogs:
         if os.path.exists(path):
             history = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
         history = [h for h in history if h["step"] < step] + [row]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(h) + "\n" for h in history)
-        names = [k for k in row if k != "step"]
-        values = {k: np.asarray([h[k] for h in history]).T for k in names}  # [L, steps]
-        image = heatmaps.layers_over_steps([h["step"] for h in history], values, self.figures)
-        heatmaps.save_png(image, os.path.join(self.workdir, ATTENTION_DIR, "layers_over_steps.png"))
-        self.trackers.log_image(step, "attention/layers_over_steps", image)
+        return history
 
     def close(self) -> None:
+        if self._drawing is not None:
+            self._drawing.shutdown(wait=True)
         self.metrics.close()
         self.trackers.close()
 

@@ -159,12 +159,28 @@ def _tb_images(workdir) -> dict:
     return found
 
 
-def test_vgr_run_writes_heatmaps(tmp_path):
+def test_vgr_run_writes_heatmaps(tmp_path, monkeypatch):
+    """A 2-step VGR run draws both logged steps; the diagnostic pass runs the program compiled
+    beside the train step (`AttentionMaps.prepare`), whose outputs equal jit's."""
     pytest.importorskip("matplotlib")
     from PIL import Image
 
     from jaxvrl.train import run
+    from jaxvrl.trainer import diagnostics
     from tests.trainer.test_train import tiny_config
+
+    prepared, original = [], AttentionMaps._run
+
+    def checked(self, params, rows, images):
+        got = original(self, params, rows, images)
+        program = self.programs.get(diagnostics._shapes(params, rows, images))
+        prepared.append(program is not None and program.done())
+        want = diagnostics._pass(self.graphdef, params, rows, images)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        return got
+
+    monkeypatch.setattr(AttentionMaps, "_run", checked)
 
     cfg = tiny_config(
         "configs/vgr.py",
@@ -175,6 +191,7 @@ def test_vgr_run_writes_heatmaps(tmp_path):
         "logging.attention_samples=2",
     )
     run(cfg)
+    assert prepared and all(prepared)  # (a step whose groups all were filtered draws none)
     images = _tb_images(tmp_path)
     assert "attention/sample_0" in images and "attention/layers_over_steps" in images
     assert "attention/sample_0_tokens" in images  # the VGR weights and entropies
