@@ -127,3 +127,29 @@ def test_held_out_rows_are_scored_by_mc_idx_or_accuracy():
     examples = [{"answer": "7"}, {"label_idx": 1, "choices": ["a", "b"]}, {"answer": "7"},
                 {"answer": "C"}, {"solution": "#### 12"}]  # fmt: skip
     assert held_out_score(texts, examples) == [1.0, 1.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # RLOO, KL in the loss, LoRA, the replay buffer
+        ("algorithm.adv_estimator=rloo", "actor.use_kl_loss=True", "actor.kl_loss_coef=0.01",
+         "lora.rank=4", "filter.replay_buffer.enable=True"),
+        # ReMax, DAPO (clip-higher, dynamic sampling, overlong punishment), int8 QLoRA
+        ("algorithm.adv_estimator=remax", "actor.clip_ratio_high=0.28",
+         "filter.dynamic_sampling=True", "filter.overlong_buffer_len=4",
+         "filter.overlong_penalty_factor=1.0", "lora.rank=4", "lora.quantize=int8"),
+        # REINFORCE++ and Dr.GRPO's aggregation
+        ("algorithm.adv_estimator=reinforce_plus_plus", "algorithm.norm_adv_by_std=False",
+         "actor.loss_agg_mode=seq-mean-token-sum-norm"),
+    ],
+)  # fmt: skip
+def test_the_text_default_runs_the_methods_that_need_no_image(tmp_path, extra):
+    c = load_config(
+        os.path.join(ROOT, "configs/math_grpo.py"),
+        [*TINY, f"workdir={tmp_path}", "total_steps=1", "val_before_train=False", "val_size=0",
+         *extra],
+    )  # fmt: skip
+    metrics = run(c)
+    assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
+    assert "reward/accuracy" in metrics
