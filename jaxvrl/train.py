@@ -617,9 +617,8 @@ def _run(c) -> dict:
             rng, k_sample, k_step = jax.random.split(rng, 3)
             params = sampling_params(state)
             rollout = phase.run(params, step, k_sample, data, max_prompts=train_rows)
-            pictures = (
-                maps is not None and c.log_rollouts_every and step % c.log_rollouts_every == 0
-            )
+            logged = bool(c.log_rollouts_every) and step % c.log_rollouts_every == 0
+            pictures = logged and maps is not None
             if pictures:  # the diagnostic pass compiles beside the train step
                 maps.prepare(params, rollout, compiler)
             # each process passes its own rows; they join into the global batch
@@ -631,7 +630,7 @@ def _run(c) -> dict:
             if (c.val_freq and done % c.val_freq == 0) or done == c.total_steps:
                 metrics.update(validate(sampling_params(state)))
             logs.scalars(done, metrics)
-            if c.log_rollouts_every and step % c.log_rollouts_every == 0:
+            if logged:
                 host = runtime.host_local(extras)
                 rows = logs.sample_rows(rollout, host, tokenizer)
                 logs.markdown(done, runtime.gather_json(rows))  # every process's rows

@@ -35,10 +35,9 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     }
     ids = {}
     for key, tok in names.items():
-        i = tokenizer.convert_tokens_to_ids(tok)
-        if i is None or i == tokenizer.unk_token_id:
+        ids[key] = _token_id(tokenizer, tok)
+        if ids[key] < 0:
             raise ValueError(f"tokenizer has no {tok} token (needed for {key})")
-        ids[key] = int(i)
     ids["pad_token_id"] = int(tokenizer.pad_token_id)
     ids["eos_token_id"] = int(tokenizer.eos_token_id)
     return ids
