@@ -263,6 +263,11 @@ def get_config(arg=None):
     c.actor.use_entropy_penalty = False  # VPPO: + coef * agg(-logp)
     # the entropy penalty's weight (with use_entropy_penalty)
     c.actor.entropy_penalty_coef = setting(0.06, NON_NEGATIVE)
+    # every pass computes real tokens only: each micro-batch's rows (their prompt's and
+    # completion's real tokens) packed into buffers of the padded row's length, attention
+    # inside each row (false: padded rows [rows, prompt + completion]). Either way the
+    # completion axis is cut to the batch's longest completion, in eighths of max_new_tokens
+    c.actor.padding_free = True
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
     # the critic's AdamW learning rate (constant, no weight decay)

@@ -74,6 +74,7 @@ from jaxvrl.sampling import (
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.diagnostics import AttentionMaps
+from jaxvrl.trainer.packing import fit_batch
 from jaxvrl.trainer.replay_state import load_buffer, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
@@ -622,7 +623,8 @@ def _run(c) -> dict:
             if pictures:  # the diagnostic pass compiles beside the train step
                 maps.prepare(params, rollout, compiler)
             # each process passes its own rows; they join into the global batch
-            batch = runtime.place_batch(rollout.batch, mesh)
+            batch = fit_batch(rollout.batch, k_step, step_cfg, mesh)  # its real tokens
+            batch = runtime.place_batch(batch, mesh)
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)

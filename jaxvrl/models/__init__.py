@@ -27,6 +27,7 @@ from jaxvrl.models.interface import (
     load_config,
     save,
 )
+from jaxvrl.models.packing import Packing
 from jaxvrl.models.patches import VisionInputs, stack_vision_inputs
 from jaxvrl.models.positions import attention_pools
 
@@ -70,6 +71,7 @@ def processor(cfg) -> ProcessorSettings:
 
 
 __all__ = [
+    "Packing",
     "ASSETS",
     "DTYPES",
     "EMBEDDED",

@@ -318,13 +318,21 @@ class CausalLM(nnx.Module):
         return_logits: bool = True,
         forms=None,
         key_queries=None,
+        packing=None,
     ) -> ModelOutput:
         """Traceable forward pass: input_ids/attention_mask [B, T], position_ids int[3, B, T]
         (`rope_index`); cache, pools, return_logits, forms and key_queries as
         `Qwen2_5_VL.forward`'s."""
         x = self.embed(input_ids, images, videos)
         hidden, new_cache, stats = self.model(
-            x, position_ids, attention_mask, cache, pools, forms, key_queries=key_queries
+            x,
+            position_ids,
+            attention_mask,
+            cache,
+            pools,
+            forms,
+            key_queries=key_queries,
+            packing=packing,
         )
         per_key = key_queries is not None  # stats: each key's mass from the queries
         logits = self.logits(hidden) if return_logits else None

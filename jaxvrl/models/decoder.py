@@ -41,6 +41,7 @@ from jaxvrl.models.layers import (
     scan_layers,
     stacked,
 )
+from jaxvrl.models.packing import Packing
 from jaxvrl.parallel.sharding import constrain
 
 # logical axes of the residual stream [B, T, D]
@@ -144,6 +145,7 @@ class Attention(nnx.Module):
         implementation="xla",
         block=512,
         queries=None,
+        segmented=False,
     ):
         """x: [B, T, D]; kv: None or (k_cache, v_cache, index) to write the new keys at `index`
         and attend over the whole cache (see KVCache); mask: without kv, bool[B, T] key
@@ -153,7 +155,8 @@ class Attention(nnx.Module):
         None; implementation, block: the `attend` implementation of the path without a cache
         and its block size (queries and keys); queries: None, or bool[B, T] (without kv):
         stats are then the keys' attention masses from those queries, float32[B, T]
-        (`attend_key_masses`).
+        (`attend_key_masses`); segmented: without kv, `mask` is int32[B, T] segment ids of
+        packed rows (0: an empty slot), and queries see only keys of their own segment.
         Returns (out, (k, v), stats); k, v are the updated caches when kv is given."""
         b, t, _ = x.shape
         own = forms is None
@@ -180,12 +183,14 @@ class Attention(nnx.Module):
             )  # fmt: skip
             return o_proj(out.reshape(b, t, -1)), (k, v), stats
         if kv is None:
+            segments = dict(q_segments=mask, k_segments=mask) if segmented else {}
             out, stats = attend(
                 q,
                 k,
                 v,
                 scale=scale,
-                key_valid=mask,
+                key_valid=mask > 0 if segmented else mask,
+                **segments,
                 causal=True,
                 pools=pools,
                 implementation=implementation,
@@ -247,9 +252,10 @@ class DecoderLayer(nnx.Module):
         implementation="xla",
         block=512,
         queries=None,
+        segmented=False,
     ):
         x_in = self.input_layernorm(x)
-        kw = dict(implementation=implementation, block=block, queries=queries)
+        kw = dict(implementation=implementation, block=block, queries=queries, segmented=segmented)
         h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, forms, **kw)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), forms)
@@ -302,6 +308,7 @@ class TextDecoder(nnx.Module):
         forms=None,
         deepstack: DeepStack | None = None,
         key_queries=None,
+        packing: Packing | None = None,
     ):
         """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T];
         deepstack: vision features added after the first layers (prompts with vision tokens:
@@ -324,12 +331,30 @@ class TextDecoder(nnx.Module):
         gate_up(x) -> (gate, up), down(x) and attention(qg, k, v, mask, scale, pools, dtype)
         -> (out [B, T, K, G, H], stats) over the cache, each a callable or None (the layer's
         own). The sampler's CPU forms (packed weights, a CPU kernel) live there, not here.
+
+        packing: None, or a `Packing` of the B rows (no cache, no key_queries): the real tokens
+        run packed into its K buffers [K, T'] with their own positions, pools and DeepStack
+        slots, attention inside each row's segment; hidden [K, T', D] and stats [L, K, T']
+        come back packed (`Packing.take` reads them per row).
         """
+        segmented = packing is not None
+        if segmented:
+            if cache is not None or key_queries is not None:
+                raise ValueError("packed rows run without a cache or key_queries")
+            x, position_ids = packing.pack(x), packing.pack(position_ids, axis=1)
+            pools = None if pools is None else {k: packing.pack(v) for k, v in pools.items()}
+            if deepstack is not None:
+                deepstack = deepstack.replace(
+                    slot=packing.pack(deepstack.slot), valid=packing.pack(deepstack.valid)
+                )
+            attention_mask = packing.segments
         t = x.shape[1]
         cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
         x = constrain(x, RESIDUAL)
         extra = {} if key_queries is None else {"queries": jnp.asarray(key_queries, bool)}
+        if segmented:
+            extra["segmented"] = True
         if extra and cache is not None:
             raise ValueError("key_queries needs a forward pass without a cache")
         layer_call = functools.partial(
@@ -343,7 +368,8 @@ class TextDecoder(nnx.Module):
                 raise ValueError("a paged cache runs decode steps, which have no vision tokens")
             return self._paged(layer_call, x, cos, sin, valid, cache, pools, forms)
         if cache is None:
-            mask = valid  # key validity [B, T]; `attend` adds causality block by block
+            # key validity [B, T] (or the segment ids); `attend` adds causality block by block
+            mask = attention_mask if segmented else valid
         else:
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, valid, (0, cache.index))
             q_pos = cache.index + jnp.arange(t)

@@ -29,14 +29,19 @@ def agg_denominator(mask: jax.Array, mode: str) -> jax.Array:
 
 
 def agg_loss(
-    values: jax.Array, mask: jax.Array, mode: str, denominator: jax.Array | None = None
+    values: jax.Array,
+    mask: jax.Array,
+    mode: str,
+    denominator: jax.Array | None = None,
+    horizon: int | None = None,
 ) -> jax.Array:
     """Aggregate per-token values float32[B, T] with a (possibly weighted) mask [B, T].
 
     token-mean (DAPO): sum(m l) / sum(m); seq-mean-token-mean (GRPO): mean over rows of
     sum_t(m l) / sum_t m; seq-mean-token-sum: mean over rows of sum_t(m l);
-    seq-mean-token-sum-norm (Dr.GRPO): sum(m l) / (rows * T), T = values.shape[-1] (the
-    padded completion length, max_T). "rows" are the rows with at least one completion token;
+    seq-mean-token-sum-norm (Dr.GRPO): sum(m l) / (rows * T), T = `horizon` (the longest
+    completion allowed, max_new_tokens; default values.shape[-1], the padded length: pass
+    it where the completion axis is cut to the batch). "rows" are the rows with at least one completion token;
     an empty row adds nothing. `denominator` replaces sum(m) resp. rows by a global count from
     agg_denominator(). Returns float32[].
     """
@@ -56,7 +61,7 @@ def agg_loss(
         return jnp.sum(per_row) / den
     if mode == "seq-mean-token-sum":
         return jnp.sum(row_sum) / den
-    return jnp.sum(row_sum) / (den * values.shape[-1])
+    return jnp.sum(row_sum) / (den * (values.shape[-1] if horizon is None else horizon))
 
 
 def policy_loss(
@@ -72,6 +77,7 @@ def policy_loss(
     token_mask: jax.Array | None = None,
     token_weights: jax.Array | None = None,
     denominator: jax.Array | None = None,
+    horizon: int | None = None,
 ) -> tuple[jax.Array, dict]:
     """PPO clipped surrogate with dual clip (docs/algorithms.md#policy-loss). logp, old_logp,
     mask: [B, T]; advantages: float32[B] (one per row) or float32[B, T].
@@ -80,7 +86,8 @@ def policy_loss(
     A < 0, l = min(l, -dual A). DAPO: high = 0.28, token-mean; GRPO: seq-mean-token-mean.
     token_mask [B, T] multiplies l (the denominator still counts every completion token);
     token_weights [B, T] replace m by m w in numerator and denominator; denominator: the
-    global count from agg_denominator(m or m w, mode) for micro-batching.
+    global count from agg_denominator(m or m w, mode) for micro-batching; horizon: T of
+    seq-mean-token-sum-norm (`agg_loss`).
 
     Returns (loss float32[], metrics): clip_frac (either side), clip_frac_high (A > 0,
     r > 1 + high), clip_frac_low (A < 0, r < 1 - low), dual_clip_frac, approx_kl
@@ -100,7 +107,7 @@ def policy_loss(
     if token_mask is not None:
         loss_t = loss_t * token_mask.astype(jnp.float32)
     agg_mask = m if token_weights is None else m * token_weights.astype(jnp.float32)
-    loss = agg_loss(loss_t, agg_mask, loss_agg_mode, denominator)
+    loss = agg_loss(loss_t, agg_mask, loss_agg_mode, denominator, horizon)
     tm = lambda x: agg_loss(x.astype(jnp.float32), m, "token-mean")
     # Gradients never flow into the metrics.
     log_ratio, ratio = jax.lax.stop_gradient(log_ratio), jax.lax.stop_gradient(ratio)

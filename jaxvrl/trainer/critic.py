@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from jaxvrl import rl
-from jaxvrl.trainer.passes import RolloutBatch
+from jaxvrl.trainer.passes import RolloutBatch, completion_hidden
 
 
 def init_head(hidden_size: int, seed: int = 0) -> dict:
@@ -41,16 +41,7 @@ def init_params(trainable, hidden_size: int, seed: int = 0, share_backbone: bool
 def values(graphdef, backbone, head: dict, batch: RolloutBatch) -> jax.Array:
     """V(s_t) before each completion token: float32[B, N]. `backbone` is the full State."""
     model = nnx.merge(graphdef, backbone)
-    out = model.forward(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.position_ids,
-        images=batch.images,
-        videos=batch.videos,
-        return_logits=False,
-    )
-    n = batch.completion_length
-    return head_values(out.hidden[:, -n - 1 : -1], head)
+    return head_values(completion_hidden(model, batch)[0], head)
 
 
 def head_values(hidden: jax.Array, head: dict) -> jax.Array:

@@ -29,6 +29,7 @@ from jaxvrl.trainer.passes import (
     completion_logprobs,
     interleave_rows,
     micro_split,
+    paired_packing,
     split_rows,
     unpair_rows,
 )
@@ -114,7 +115,7 @@ def no_grad_passes(
         if cfg.old_pass:
             # with a perturbed pass, the clean and the perturbed rows run as one batch of
             # interleaved rows: one forward reads each layer's weights once for both
-            both = interleave_rows(mb, mb.replace(images=aug_mb)) if paired else mb
+            both = paired_packing(interleave_rows(mb, mb.replace(images=aug_mb))) if paired else mb
             hidden, out = completion_hidden(model, both, pools=cfg.vgr.enable_token_weights)
             logp, entropy = completion_logprobs(
                 model,
@@ -128,11 +129,9 @@ def no_grad_passes(
                 hidden = unpair_rows(hidden)[0]
             res["old_logp"], res["entropy"] = logp, entropy
             if cfg.vgr.enable_token_weights:
-                n = mb.completion_length
                 for name in ("vision_mass", "text_mass"):
-                    mass = getattr(out, name)  # [L, rows, T]
-                    mass = unpair_rows(mass, axis=1)[0] if paired else mass
-                    res[name] = mass[:, :, -n - 1 : -1]
+                    mass = getattr(out, name)  # [L, rows, N]
+                    res[name] = unpair_rows(mass, axis=1)[0] if paired else mass
             if critic is not None and critic[0] is None:
                 res["values"] = critic_lib.head_values(hidden, critic[1])
         if aug_mb is not None and not paired:

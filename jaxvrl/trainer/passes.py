@@ -9,10 +9,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
-from jaxvrl.models import ProcessorSettings, VisionInputs
+from jaxvrl.models import Packing, ProcessorSettings, VisionInputs
 from jaxvrl.parallel.sharding import row_axes
 
 
@@ -31,6 +32,15 @@ class RolloutBatch:
     baseline:        float32[B] greedy-completion reward (remax) or zeros.
     old_logprobs:    float32[B, N] the sampler's log-probs of the completion tokens under
                      logits / rollout temperature (0 on padding), or None.
+    pack_start:      int32[B] with padding-free passes (`trainer/packing.py`): each row's
+                     first slot in its micro-batch's packed buffers, for the experience
+                     passes' micro-batches; None: padded passes.
+    update_starts:   int32[updates, B / mini-batches]: the same for each update's
+                     micro-batches (rows in `update_order`); the step takes it off the batch
+                     before splitting rows.
+    pack_groups, pack_buffers, pack_length: static: a micro-batch's rows fall into
+                     pack_groups groups (one per device holding rows), each packed into
+                     pack_buffers buffers of pack_length slots.
     """
 
     input_ids: jax.Array
@@ -44,10 +54,27 @@ class RolloutBatch:
     videos: VisionInputs | None = None
     pools: dict | None = None
     old_logprobs: jax.Array | None = None
+    pack_start: jax.Array | None = None
+    update_starts: jax.Array | None = None
+    pack_groups: int = struct.field(pytree_node=False, default=1)
+    pack_buffers: int = struct.field(pytree_node=False, default=0)
+    pack_length: int = struct.field(pytree_node=False, default=0)
 
     @property
     def completion_length(self) -> int:
         return self.completion_mask.shape[1]
+
+    def packing(self) -> Packing | None:
+        """The `Packing` of these rows (a micro-batch's), or None for padded passes."""
+        if self.pack_start is None:
+            return None
+        return Packing.build(
+            self.attention_mask,
+            self.pack_start,
+            groups=self.pack_groups,
+            buffers=self.pack_buffers,
+            length=self.pack_length,
+        )
 
 
 def split_rows(tree, m: int):
@@ -93,8 +120,10 @@ def batch_rows(batch: RolloutBatch, idx: jax.Array) -> RolloutBatch:
 
 def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
     """Forward the whole sequence; returns (hidden [B, N, D] whose logits predict each
-    completion token, out). Position t predicts token t+1, so the completion's are
-    [P-1, L-1)."""
+    completion token, out with the attention masses of those positions [L, B, N]).
+    Position t predicts token t+1, so the completion's are [P-1, L-1). With the batch's
+    packing the forward runs on the packed real tokens and these come back per row."""
+    packing = batch.packing()
     out = model.forward(
         batch.input_ids,
         batch.attention_mask,
@@ -103,9 +132,29 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
         videos=batch.videos,
         pools=batch.pools if pools else None,
         return_logits=False,
+        packing=packing,
     )
-    n = batch.completion_length
-    return out.hidden[:, -n - 1 : -1], out
+    n, t = batch.completion_length, batch.input_ids.shape[1]
+    if packing is None:
+        per_row = lambda x, axis: x[:, :, -n - 1 : -1] if axis else x[:, -n - 1 : -1]  # noqa: E731
+    else:
+        cols = np.arange(t - n - 1, t - 1)
+        per_row = lambda x, axis: packing.take(x, cols, axis)  # noqa: E731
+    masses = {
+        k: per_row(getattr(out, k), 1)
+        for k in ("vision_mass", "text_mass")
+        if getattr(out, k) is not None
+    }
+    return per_row(out.hidden, 0), out.replace(**masses)
+
+
+def paired_packing(both: RolloutBatch) -> RolloutBatch:
+    """The packing of `interleave_rows(batch, perturbed)`: row 2i (clean) keeps row i's
+    slots, row 2i + 1 (perturbed) takes the same slots in a second set of buffers."""
+    if both.pack_start is None:
+        return both
+    second = (jnp.arange(both.pack_start.shape[0]) % 2) * (both.pack_buffers * both.pack_length)
+    return both.replace(pack_start=both.pack_start + second, pack_buffers=2 * both.pack_buffers)
 
 
 # float32 logits one chunk of the head may hold: [B, chunk, V] stays near this size.

@@ -249,8 +249,7 @@ def collect_groups(
     out = Collected(chosen, sampled, gen_batches, kept)
     if replay is not None:
         informative = [
-            x is not None and bool(replay.informative(x.totals, opts.group_size)[0])
-            for x in chosen
+            x is not None and bool(replay.informative(x.totals, opts.group_size)[0]) for x in chosen
         ]
         out.groups, out.replaced = replay.fill(chosen, informative)
     return out

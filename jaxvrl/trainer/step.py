@@ -43,7 +43,7 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
     weights) for the markdown logs."""
 
     def step(state: TrainState, ref_params, batch, rng):
-        exp = experience(graphdef, state, ref_params, batch, rng, cfg)
+        exp = experience(graphdef, state, ref_params, batch.replace(update_starts=None), rng, cfg)
         new_state, metrics, extras = update(graphdef, tx, state, exp, batch, rng, cfg)
         if exp.kl_coef is not None:
             new_state = new_state.replace(kl_coef=exp.kl_coef)

@@ -111,11 +111,7 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     if in_loss:  # the whole batch is here: shape it from this pass's own quantities
         local = Passes(old_logp=old_logp, entropy=sg(entropy), aug_logp=rows.aug_logp)
         if cfg.vgr.enable_token_weights:
-            n = mb.completion_length
-            local = local.replace(
-                vision_mass=sg(out.vision_mass[:, :, -n - 1 : -1]),
-                text_mass=sg(out.text_mass[:, :, -n - 1 : -1]),
-            )
+            local = local.replace(vision_mass=sg(out.vision_mass), text_mass=sg(out.text_mass))
         adv, token_mask, weights, shaping_metrics = shaping(mb, local, cfg, adv)
     if rows.is_weights is not None:  # rollout correction: on the per-token terms, like a mask
         w = rows.is_weights
@@ -131,9 +127,11 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
         loss_agg_mode=cfg.actor.loss_agg_mode,
         token_mask=token_mask,
         token_weights=weights,
+        horizon=cfg.rollout.max_new_tokens,  # the completion axis may be cut to the batch
     )
     metrics = {"pg_loss": loss, **metrics}
-    agg = lambda x: rl.agg_loss(x, mask, cfg.actor.loss_agg_mode)  # noqa: E731
+    mode, horizon = cfg.actor.loss_agg_mode, cfg.rollout.max_new_tokens
+    agg = lambda x: rl.agg_loss(x, mask, mode, horizon=horizon)  # noqa: E731
     if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:
         kl = rl.kl_penalty(logp, rows.ref_logp, cfg.actor.kl_loss_type)
         metrics["kl_loss"] = agg(kl)
@@ -279,15 +277,18 @@ def _micro_aux(mb: RolloutBatch, rows: Rows, keys, cfg: StepConfig) -> MicroInpu
 
 def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepConfig):
     """The scan body: carry {trainable, opt, critic, critic_opt}, xs (rows int32[b], LoRA
-    dropout keys [m] or None) -> (carry, (metrics, extras or None))."""
+    dropout keys [m] or None, the rows' packing starts int32[b] or None) -> (carry,
+    (metrics, extras or None))."""
     shared = cfg.has_critic and cfg.critic.share_backbone
 
     def body(carry, xs):
-        idx, keys = xs
+        idx, keys, starts = xs
         if cfg.mini_batches == 1:  # every update reads the whole batch: no gather
             mb, rows = batch, exp.rows
         else:
             mb, rows = batch_rows(batch, idx), take_rows(exp.rows, idx)
+        if starts is not None:  # this update's micro-batches' packing
+            mb = mb.replace(pack_start=starts)
         aux = _micro_aux(mb, rows, keys, cfg)
         head = carry["critic"]["head"] if shared else None
         xs = (micro_split(mb, cfg.micro_batches), aux)
@@ -360,8 +361,10 @@ def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch
         "critic": state.critic_params,
         "critic_opt": state.critic_opt_state,
     }
+    starts = batch.update_starts
+    batch = batch.replace(update_starts=None)  # not a row array
     body = _one_update(graphdef, tx, state.step, frozen, batch, exp, cfg)
-    carry, (per, extras) = jax.lax.scan(body, carry, (order, keys))
+    carry, (per, extras) = jax.lax.scan(body, carry, (order, keys, starts))
     metrics = _combine(per)
     new_state = state.replace(
         params=join(carry["trainable"], frozen),

@@ -143,6 +143,7 @@ class Qwen2_5_VL(nnx.Module):
         return_logits: bool = True,
         forms=None,
         key_queries=None,
+        packing=None,
     ) -> ModelOutput:
         """input_ids int[B, T]; attention_mask int[B, T]; position_ids int[3, B, T].
 
@@ -152,11 +153,20 @@ class Qwen2_5_VL(nnx.Module):
         attention (see `TextDecoder.__call__`), or None. key_queries: None, or bool[B, T]
         (no cache, no pools): a diagnostic pass whose `vision_mass` is then float32[L, B, T],
         each key's attention mass from those queries (heads-averaged probabilities summed
-        over the queries, per layer), and text_mass None.
+        over the queries, per layer), and text_mass None. packing: None, or a `Packing` of
+        the rows (no cache): the decoder runs on its packed buffers, and hidden [K, T', D] and
+        the masses [L, K, T'] come back packed (`Packing.take` reads them per row).
         """
         x = self.embed(input_ids, images, videos)
         hidden, new_cache, stats = self.model(
-            x, position_ids, attention_mask, cache, pools, forms, key_queries=key_queries
+            x,
+            position_ids,
+            attention_mask,
+            cache,
+            pools,
+            forms,
+            key_queries=key_queries,
+            packing=packing,
         )
         logits = self.logits(hidden) if return_logits else None
         return ModelOutput.of(logits, hidden, new_cache, stats, key_queries is not None)

@@ -83,6 +83,7 @@ class Qwen3VL(Qwen2_5_VL):
         return_logits: bool = True,
         forms=None,
         key_queries=None,
+        packing=None,
     ) -> ModelOutput:
         """Traceable forward pass, as `Qwen2_5_VL.forward`: input_ids/attention_mask [B, T],
         position_ids int[3, B, T] from Qwen3-VL's rope index; vision inputs add their
@@ -90,7 +91,7 @@ class Qwen3VL(Qwen2_5_VL):
         cache alike; decode steps have none). key_queries: as `Qwen2_5_VL.forward`'s."""
         x, deepstack = self.vision_embed(input_ids, images, videos)
         hidden, new_cache, stats = self.model(
-            x, position_ids, attention_mask, cache, pools, forms, deepstack, key_queries
+            x, position_ids, attention_mask, cache, pools, forms, deepstack, key_queries, packing
         )
         logits = self.logits(hidden) if return_logits else None
         return ModelOutput.of(logits, hidden, new_cache, stats, key_queries is not None)

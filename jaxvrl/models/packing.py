@@ -1,0 +1,87 @@
+"""Padding-free forward passes: the real tokens of B padded rows [B, L] packed into K
+buffers [K, T] with segment ids, so the decoder computes real tokens only.
+
+The rows fall into `groups` equal parts of consecutive rows (one per device that holds rows
+under a mesh, else one); group g's rows go into its own `buffers` buffers (K = groups x
+buffers), so rows never leave the device that holds them. Each row occupies one run of
+slots starting at `start[b]` of its group's buffers (flattened, buffers x T; the caller
+places rows so that none crosses a buffer's end), its real tokens (attention_mask 1) in their
+order. A packed token keeps its own position ids (M-RoPE), its image/video feature, its pools
+and its DeepStack slot; attention never crosses a segment (segment id = 1 + the row's index
+in its group; 0 on empty slots, which no query sees). Causality by index holds inside a
+segment, since a row's tokens keep their order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Packing:
+    """Where every token of B rows [B, L] sits in K = groups x buffers buffers of T slots.
+
+    dest:     int32[B, L] slot of each token in its group's buffers (flattened: 0 ..
+              buffers x T - 1); buffers x T (out of range) for padding.
+    src:      int32[groups, buffers x T] the group's flattened token (row-in-group x L + col)
+              each slot holds (0 on empty slots).
+    segments: int32[K, T] 1 + the row's index in its group, 0 on empty slots.
+    """
+
+    dest: jax.Array
+    src: jax.Array
+    segments: jax.Array
+    groups: int = struct.field(pytree_node=False, default=1)
+    buffers: int = struct.field(pytree_node=False, default=1)
+    length: int = struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def build(cls, attention_mask, start, *, groups: int, buffers: int, length: int) -> Packing:
+        """From the rows' attention masks [B, L] (1 on real tokens) and the first slot of each
+        row in its group's buffers, start int32[B] (traceable; shapes static)."""
+        b, seq = attention_mask.shape
+        if b % groups:
+            raise ValueError(f"{b} rows do not split into {groups} groups")
+        per = b // groups
+        size = buffers * length
+        real = attention_mask > 0
+        rank = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
+        dest = jnp.where(real, start[:, None].astype(jnp.int32) + rank, size)
+        local = jnp.arange(per * seq, dtype=jnp.int32).reshape(per, seq)
+        row = jnp.broadcast_to(jnp.arange(1, per + 1, dtype=jnp.int32)[:, None], (per, seq))
+
+        def one(dest_g):  # [per, L] -> what each of the group's slots holds
+            at = dest_g.reshape(-1)
+            src = jnp.zeros(size, jnp.int32).at[at].set(local.reshape(-1), mode="drop")
+            seg = jnp.zeros(size, jnp.int32).at[at].set(row.reshape(-1), mode="drop")
+            return src, seg
+
+        src, seg = jax.vmap(one)(dest.reshape(groups, per, seq))
+        return cls(dest, src, seg.reshape(groups * buffers, length), groups, buffers, length)
+
+    def pack(self, x: jax.Array, axis: int = 0) -> jax.Array:
+        """x [..., B, L, ...] (rows at `axis`, tokens next) -> [..., K, T, ...]."""
+        x = jnp.moveaxis(x, (axis, axis + 1), (0, 1))
+        b, seq = x.shape[:2]
+        g = x.reshape((self.groups, (b // self.groups) * seq) + x.shape[2:])
+        idx = self.src.reshape(self.src.shape + (1,) * (g.ndim - 2))
+        out = jnp.take_along_axis(g, idx, axis=1)  # [groups, buffers x T, ...]
+        out = out.reshape((self.groups * self.buffers, self.length) + x.shape[2:])
+        return jnp.moveaxis(out, (0, 1), (axis, axis + 1))
+
+    def take(self, y: jax.Array, cols, axis: int = 0) -> jax.Array:
+        """Per-row values of packed outputs: y [..., K, T, ...] (buffers at `axis`) ->
+        [..., B, len(cols), ...] at columns `cols` of every row (static, e.g. the completion's
+        predictors); slots of padding tokens give the group's first slot (masked by the
+        caller)."""
+        y = jnp.moveaxis(y, (axis, axis + 1), (0, 1))
+        size = self.buffers * self.length
+        g = y.reshape((self.groups, size) + y.shape[2:])
+        b = self.dest.shape[0]
+        idx = jnp.minimum(self.dest[:, cols], size - 1)  # [B, n]
+        n = idx.shape[1]
+        idx = idx.reshape((self.groups, (b // self.groups) * n) + (1,) * (g.ndim - 2))
+        out = jnp.take_along_axis(g, idx, axis=1).reshape((b, n) + y.shape[2:])
+        return jnp.moveaxis(out, (0, 1), (axis, axis + 1))

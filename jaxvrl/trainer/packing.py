@@ -1,0 +1,132 @@
+"""Fitting a rollout batch to its real tokens before the train step (on the host).
+
+1. The completion axis is cut to the batch's longest completion, rounded up to one of eight
+   buckets of max_new_tokens (`completion_bucket`), so no pass computes columns that every
+   row left empty; the RL math is unchanged (cut columns are padding of every row).
+2. With `actor.padding_free`, each micro-batch's rows are packed into buffers of the padded
+   row's length (`jaxvrl.models.Packing`): the host places every row of every micro-batch the
+   step will form (the experience passes' and each update's, in `update_order`) into the
+   buffers of the device that holds it, first-fit by decreasing length, and the buffer count
+   (the largest any micro-batch needs) is rounded up to a power of two. A run compiles one
+   program per (completion bucket, buffer count): a handful, not one per step.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxvrl.data.buckets import length_bucket, pow2_bucket
+from jaxvrl.parallel import runtime
+from jaxvrl.trainer.passes import RolloutBatch
+from jaxvrl.trainer.state import StepConfig
+from jaxvrl.trainer.update import update_order
+
+BUCKETS = 8  # completion lengths are cut to a multiple of max_new_tokens / BUCKETS
+
+
+def completion_bucket(longest: int, max_new_tokens: int) -> int:
+    """The completion length a batch whose longest completion has `longest` tokens runs at:
+    a multiple of ceil(max_new_tokens / 8), at most max_new_tokens."""
+    step = -(-max_new_tokens // BUCKETS)
+    return min(max_new_tokens, length_bucket(max(longest, 1), step))
+
+
+def cut_completions(batch: RolloutBatch, n: int) -> RolloutBatch:
+    """The batch (host arrays) with its completion axis cut to the first n columns."""
+    keep = batch.input_ids.shape[1] - batch.completion_length + n
+    cut = lambda x: None if x is None else x[..., :keep]  # noqa: E731
+    return batch.replace(
+        input_ids=cut(batch.input_ids),
+        attention_mask=cut(batch.attention_mask),
+        position_ids=cut(batch.position_ids),
+        completion_mask=batch.completion_mask[:, :n],
+        pools=None if batch.pools is None else {k: cut(v) for k, v in batch.pools.items()},
+        old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[:, :n],
+    )
+
+
+def place_rows(lengths: np.ndarray, groups: int, length: int) -> tuple[np.ndarray, int]:
+    """(start int32[b], buffers): each row's first slot in its group's buffers of `length`
+    slots (flattened), rows of group g = the g-th of `groups` equal runs of rows, first-fit by
+    decreasing length; buffers: the most any group needed."""
+    b = len(lengths)
+    per = b // groups
+    start = np.zeros(b, np.int32)
+    most = 1
+    for g in range(groups):
+        rows = np.arange(g * per, (g + 1) * per)
+        fill: list[int] = []  # tokens used in each open buffer
+        for r in rows[np.argsort(-lengths[rows], kind="stable")]:
+            n = int(lengths[r])
+            k = next((i for i, used in enumerate(fill) if used + n <= length), len(fill))
+            if k == len(fill):
+                fill.append(0)
+            start[r] = k * length + fill[k]
+            fill[k] += n
+        most = max(most, len(fill))
+    return start, most
+
+
+def row_groups(rows_per_micro_batch: int, mesh) -> int:
+    """How many devices split a micro-batch's rows (the mesh's data x fsdp where that divides
+    them; 1 without a mesh)."""
+    if mesh is None:
+        return 1
+    n = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+    return n if rows_per_micro_batch % n == 0 else 1
+
+
+def plan_packing(lengths: np.ndarray, length: int, rng, cfg: StepConfig, mesh=None) -> dict:
+    """The packing plan of a step's rows (real tokens `lengths` int[B], every process's, in
+    global row order; padded row `length`): `pack_start` int32[B] (the experience passes'
+    micro-batches), `update_starts` int32[updates, rows per update] (each update's
+    micro-batches, rows in `update_order(rng, ...)`), and the static `pack_groups`,
+    `pack_buffers`, `pack_length` (buffers of the padded row's length)."""
+    b, m = len(lengths), cfg.micro_batches
+    per_update = b // cfg.mini_batches
+    groups = row_groups(per_update // m, mesh)
+    order = np.asarray(jax.device_get(update_order(rng, b, cfg.epochs, cfg.mini_batches)))
+
+    def plan(rows: np.ndarray) -> tuple[np.ndarray, int]:  # rows in micro-batch order
+        parts = [place_rows(lengths[r], groups, length) for r in np.split(rows, m)]
+        return np.concatenate([p[0] for p in parts]), max(p[1] for p in parts)
+
+    exp_start, most = plan(np.arange(b))
+    upd = [plan(rows) for rows in order]
+    # a power of two, at most the rows of a group of the experience's micro-batches (the
+    # largest: they split all B rows, an update's only its share)
+    buffers = min(pow2_bucket(max([most] + [u[1] for u in upd])), b // m // groups)
+    ends = [exp_start + lengths] + [u[0] + lengths[rows] for u, rows in zip(upd, order)]
+    if max(int(e.max()) for e in ends) > buffers * length:  # a row would lose tokens
+        raise AssertionError(f"packing plan overflows {buffers} buffers of {length}")
+    return dict(
+        pack_start=exp_start,
+        update_starts=np.stack([u[0] for u in upd]).astype(np.int32),
+        pack_groups=groups,
+        pack_buffers=buffers,
+        pack_length=length,
+    )
+
+
+def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBatch:
+    """A rollout batch (host arrays: this process's rows of the step) fitted to its real
+    tokens: the completion axis cut to its bucket, and with actor.padding_free the packing
+    plan. Every process calls it at the same point (the lengths are gathered)."""
+    local = np.asarray(batch.attention_mask).sum(axis=1)
+    longest = int(np.asarray(batch.completion_mask).sum(axis=1).max(initial=0))
+    if jax.process_count() > 1:  # every process cuts and plans from every row
+        every = runtime.gather_json([local.tolist(), longest])
+        lengths = np.concatenate([np.asarray(x[0], np.int64) for x in every])
+        longest = max(x[1] for x in every)
+    else:
+        lengths = local
+    n = completion_bucket(longest, batch.completion_length)
+    if n < batch.completion_length:  # the cut columns are padding: no row's length changes
+        batch = cut_completions(batch, n)
+    if not cfg.actor.padding_free:
+        return batch
+    plan = plan_packing(lengths, int(batch.input_ids.shape[1]), rng, cfg, mesh)
+    first = jax.process_index() * len(local)
+    plan["pack_start"] = plan["pack_start"][first : first + len(local)]  # this process's rows
+    return batch.replace(**plan)

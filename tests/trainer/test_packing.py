@@ -1,0 +1,217 @@
+"""Padding-free passes: the packed step equals the padded one.
+
+A batch mixing a text-only prompt, one image, two images and a video, left-padded prompts and
+completions from 1 token to max_new_tokens: the forward's hidden states and attention masses
+per completion token, then a whole TPRL + VGR step (perturbed-image pass paired with the
+old-policy pass, 2 micro-batches, 2 mini-batches x 2 epochs) give the padded step's updated
+parameters, metrics and token weights. The completion axis is cut to the batch's bucket
+(Dr.GRPO still divides by max_new_tokens). The plans of 50 steps of random lengths stay within
+a handful of shapes, and a step compiles once per shape.
+
+Tolerance: float32; packing changes the shapes of the matmuls and the attention's blocks, so
+sums round differently (observed ~1e-7 on parameters after 4 SGD updates).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxvrl import models
+from jaxvrl.models import attention_pools
+from jaxvrl.sampling.sampler import row_vision_inputs
+from jaxvrl.trainer import packing
+from jaxvrl.trainer.passes import completion_hidden, micro_split
+from jaxvrl.trainer.rollout import assemble
+from jaxvrl.trainer.step import make_train_step
+from tests.helpers import G, init_state, step_config
+from tests.models import hf_tiny as T
+
+MAX_NEW = 8
+# each prompt's vision, G rows each: text only, one image, two images, a video
+PROMPTS = (
+    {},
+    {"images": [[1, 4, 4]]},
+    {"images": [[1, 2, 4], [1, 4, 2]]},
+    {"videos": [[2, 4, 4]]},
+)
+
+
+def mixed_batch(model, seed: int = 0, lengths=None):
+    """8 rows (4 prompts x G) of PROMPTS, completions of `lengths` tokens (default: random
+    from 1 to MAX_NEW, one row at MAX_NEW), sampler log-probs and the attention pools; host
+    arrays."""
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    rows, image_grids, video_grids = [], [], []
+    for spec in PROMPTS:
+        p = T.prompt(rng, spec.get("images", ()), spec.get("videos", ()), text_len=(2, 7))
+        for _ in range(G):
+            rows.append(p)
+            image_grids += spec.get("images", [])
+            video_grids += spec.get("videos", [])
+    ids, mask = T.left_pad(rows, length=max(len(r) for r in rows) + 16)  # a prompt bucket
+    image_grids, video_grids = np.array(image_grids), np.array(video_grids)
+    pos, deltas = models.rope_index(cfg, ids, mask, image_grids, video_grids)
+    dim = models.processor(cfg).patch_dim
+    pv = lambda grids: rng.normal(size=(int(np.prod(grids, -1).sum()), dim)).astype(np.float32)  # noqa: E731
+    images = row_vision_inputs(pv(image_grids), image_grids, ids, T.IMAGE, cfg)
+    videos = row_vision_inputs(pv(video_grids), video_grids, ids, T.VIDEO, cfg)
+    b = len(rows)
+    if lengths is None:
+        lengths = rng.integers(1, MAX_NEW + 1, b)
+        lengths[rng.integers(b)] = MAX_NEW
+    comp = (np.arange(MAX_NEW)[None] < np.asarray(lengths)[:, None]).astype(np.float32)
+    tokens = rng.integers(20, 280, (b, MAX_NEW))
+    has_image = np.array([bool(s) for s in PROMPTS for _ in range(G)])
+    batch = assemble(
+        ids, mask, pos, deltas, tokens, comp, rng.normal(size=b), has_image,
+        images=images,
+        pools=attention_pools(ids, mask, ids.shape[1], **T.POOL_IDS),
+        old_logprobs=(rng.normal(size=(b, MAX_NEW)) * 0.3 - 2.0) * comp,
+    )  # fmt: skip
+    return batch.replace(videos=videos)
+
+
+TPRL = {
+    "prompts_per_step": 4,
+    "rollout.max_new_tokens": MAX_NEW,
+    "tprl.enable_perception_filtering": True,
+    "tprl.enable_entropy_filtering": True,
+    "tprl.enable_trajectory_reweighting": True,
+    "vgr.enable_token_weights": True,
+    "optim.micro_batches": 2,
+    "actor.global_batch_size": 2,
+    "actor.ppo_epochs": 2,
+}
+
+
+def on_device(batch):
+    return jax.tree.map(jnp.asarray, batch)
+
+
+def test_forward_outputs_per_completion_token_equal_padded(model):
+    """completion_hidden on packed rows: hidden states and both attention masses of every
+    real completion token equal the padded forward's (2 groups of 2 buffers)."""
+    batch = mixed_batch(model, seed=1)
+    cfg = step_config(dict(TPRL, **{"optim.micro_batches": 1, "actor.global_batch_size": None}))
+    fitted = packing.fit_batch(batch, jax.random.key(0), cfg)
+    n = fitted.completion_length
+    padded = on_device(batch)
+    want_h, want = completion_hidden(model, padded, pools=True)
+    start, buffers = packing.place_rows(batch.attention_mask.sum(1), 2, fitted.pack_length)
+    packed = on_device(fitted).replace(pack_start=jnp.asarray(start), pack_groups=2,
+                                       pack_buffers=buffers)  # fmt: skip
+    assert np.any(start % fitted.pack_length)  # some rows share a buffer
+    got_h, got = completion_hidden(model, packed, pools=True)
+    m = batch.completion_mask[:, :n] > 0
+    assert not batch.completion_mask[:, n:].any()
+    np.testing.assert_allclose(np.asarray(got_h)[m], np.asarray(want_h)[:, :n][m], atol=2e-5)
+    for name in ("vision_mass", "text_mass"):
+        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))[:, :, :n]
+        np.testing.assert_allclose(a[:, m], b[:, m], atol=1e-6)
+    assert np.asarray(want.vision_mass)[:, m].max() > 0.05  # the masses are not all zero
+
+
+def _step(model, cfg, batch, key):
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.3)
+    state, metrics, extras = make_train_step(graphdef, tx, cfg)(
+        init_state(model, tx), None, on_device(batch), key
+    )
+    params = {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state.params)}
+    return params, jax.device_get(metrics), jax.device_get(extras)
+
+
+@pytest.mark.parametrize("values", [{}, {"actor.loss_agg_mode": "seq-mean-token-sum-norm"}])
+def test_packed_step_equals_padded_step(model, values):
+    cfg = step_config(dict(TPRL, **values))
+    assert cfg.old_pass and cfg.updates == 4  # the paired clean + perturbed pass runs
+    batch = mixed_batch(model, seed=2)
+    key = jax.random.key(4)
+    fitted = packing.fit_batch(batch, key, cfg)
+    assert fitted.completion_length < MAX_NEW or batch.completion_mask.all(1).any()
+    assert fitted.pack_start is not None and fitted.update_starts.shape == (4, 4)
+    want_p, want_m, want_x = _step(model, cfg, batch, key)
+    got_p, got_m, got_x = _step(model, cfg, fitted, key)
+    moved = max(float(np.abs(want_p[k] - p0).max()) for k, p0 in _initial(model).items())
+    assert moved > 1e-3
+    for k, v in want_p.items():
+        np.testing.assert_allclose(got_p[k], v, atol=2e-6, err_msg=k)
+    assert set(got_m) == set(want_m)
+    for k, v in want_m.items():
+        np.testing.assert_allclose(got_m[k], v, rtol=2e-5, atol=2e-6, err_msg=k)
+    n = fitted.completion_length
+    m = batch.completion_mask[:, :n] > 0
+    np.testing.assert_allclose(got_x.token_weights[m], want_x.token_weights[:, :n][m], rtol=2e-5)
+    np.testing.assert_allclose(got_x.advantages, want_x.advantages, rtol=2e-5, atol=1e-6)
+
+
+def _initial(model):
+    _, params = nnx.split(model, nnx.Param)
+    return {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
+def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
+    """50 steps of log-normal completion lengths (median a quarter of max_new_tokens): every
+    plan places each micro-batch's rows inside its buffers without overlap, and the steps
+    need at most (completion buckets) x (powers of two up to the rows) shapes."""
+    cfg = step_config(TPRL)
+    batch = mixed_batch(model)
+    b = batch.input_ids.shape[0]
+    rng = np.random.default_rng(0)
+    shapes = set()
+    for s in range(50):
+        lengths = np.clip(np.round(rng.lognormal(np.log(MAX_NEW / 4), 0.8, b)), 1, MAX_NEW)
+        comp = (np.arange(MAX_NEW)[None] < lengths[:, None]).astype(np.float32)
+        p = batch.input_ids.shape[1] - MAX_NEW
+        mask = batch.attention_mask.copy()
+        mask[:, p:] = comp
+        one = batch.replace(completion_mask=comp, attention_mask=mask)
+        fitted = packing.fit_batch(one, jax.random.key(s), cfg)
+        shapes.add((fitted.completion_length, fitted.pack_buffers))
+        real = fitted.attention_mask.sum(1)
+        starts = [fitted.pack_start] + list(fitted.update_starts)
+        orders = [np.arange(b)] + list(np.asarray(_order(s, b, cfg)))
+        for start, order in zip(starts, orders):
+            for rows, st in zip(np.split(order, cfg.micro_batches), np.split(start, 2)):
+                used = np.zeros(fitted.pack_buffers * fitted.pack_length, int)
+                for r, a in zip(rows, st):
+                    assert a // fitted.pack_length == (a + real[r] - 1) // fitted.pack_length
+                    used[a : a + real[r]] += 1
+                assert used.max() == 1
+    # eight completion buckets x buffer counts 1, 2, 4 (rows of an experience micro-batch)
+    assert {n for n, _ in shapes} <= set(range(1, MAX_NEW + 1)), shapes
+    assert {k for _, k in shapes} <= {1, 2, 4} and len(shapes) <= 3 * packing.BUCKETS
+
+
+def _order(seed, b, cfg):
+    from jaxvrl.trainer.update import update_order
+
+    return update_order(jax.random.key(seed), b, cfg.epochs, cfg.mini_batches)
+
+
+def test_a_step_compiles_once_per_shape(model):
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.1)
+    cfg = step_config({"prompts_per_step": 4, "rollout.max_new_tokens": MAX_NEW})
+    step = make_train_step(graphdef, tx, cfg)
+    state = init_state(model, tx)
+    shapes = set()
+    for s, longest in enumerate([8, 3, 8, 3, 2]):
+        lengths = np.minimum(np.arange(8) % longest + 1, longest)
+        fitted = packing.fit_batch(mixed_batch(model, 0, lengths), jax.random.key(s), cfg)
+        shapes.add((fitted.completion_length, fitted.pack_buffers))
+        state, _, _ = step(state, None, on_device(fitted), jax.random.key(s))
+    assert step._cache_size() == len(shapes) < 5
+
+
+def test_micro_batches_split_the_plan_with_the_rows(model):
+    cfg = step_config(TPRL)
+    fitted = packing.fit_batch(mixed_batch(model), jax.random.key(0), cfg)
+    split = micro_split(on_device(fitted).replace(update_starts=None), 2)
+    assert split.pack_start.shape == (2, 4) and split.pack_buffers == fitted.pack_buffers
