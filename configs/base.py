@@ -248,6 +248,12 @@ def get_config(arg=None):
     # recompute (a no-grad pass before the first update; logs rollout/logprob_abs_diff_*).
     # With one update per batch the loss pass's own (detached) log-probs are exact and used
     c.actor.old_logprobs = setting("sampler", one_of(*OLD_LOGPROBS))
+    # where token shaping (perception and entropy masks, TAS) reads the old policy's
+    # log-probs and entropies when the ratio's old log-probs are the sampler's: sampler (the
+    # rollout returns them: the experience phase runs no clean pass of its own), recompute
+    # (a no-grad pass in model.dtype), auto (sampler where the rollout computes in model.dtype,
+    # recompute where it does not, e.g. a bfloat16 rollout of a float32 model)
+    c.actor.shaping_source = setting("auto", one_of("auto", "sampler", "recompute"))
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     c.actor.loss_agg_mode = setting("seq-mean-token-mean", one_of(*AGG_MODES))
     # PPO ratio clip below: 1 - low

@@ -276,9 +276,10 @@ def run_info(c, commit: str | None = None) -> dict:
     }
 
 
-def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
+def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> SamplingConfig:
     """The rollout's SamplingConfig for model config `mcfg`: EOS from the model config (else
-    the tokenizer's), pad from the tokenizer (0 without one), vision tokens suppressed."""
+    the tokenizer's), pad from the tokenizer (0 without one), vision tokens suppressed;
+    entropies: return each token's entropy (the trainer's token shaping reads them)."""
     if mcfg.eos_token_id is not None:
         eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
     else:
@@ -294,7 +295,7 @@ def sampling_config(c, mcfg, tokenizer=None) -> SamplingConfig:
         eos_token_ids=eos,
         pad_token_id=pad,
     )
-    return dataclasses.replace(cfg, slots=r.slots, page_size=r.page_size)
+    return dataclasses.replace(cfg, slots=r.slots, page_size=r.page_size, entropies=entropies)
 
 
 def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
@@ -331,8 +332,8 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     model graph `graph` (after init: with LoRA adapters) with config `mcfg`, in the rollout
     layout over the devices of the training mesh `mesh` (`rollout_layout`; None: one
     device, the model's dtype)."""
-    cfg = sampling_config(c, mcfg, tokenizer)
-    greedy = dataclasses.replace(cfg, temperature=0.0)
+    cfg = sampling_config(c, mcfg, tokenizer, entropies=step_config(c, mesh).sampler_shaping)
+    greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False)
     rmesh, dtype = None, None
     if mesh is not None:
         rmesh, dtype = rollout_layout(c, mesh, mcfg.text)
@@ -571,7 +572,7 @@ def _run(c) -> dict:
     # of the model, whose graph after init (LoRA adapters) is the sampler's
     s = runtime.sharded_train_state(init_train_state, model, mesh, c)
     state, ref_params = s.state, s.ref_params
-    step_cfg = step_config(c)
+    step_cfg = step_config(c, mesh)
     # state donated, metrics replicated (build_train_step is looked up here, so that tests can
     # wrap the step function)
     step_fn = build_train_step(s.graphdef, s.tx, step_cfg)
@@ -611,6 +612,7 @@ def _run(c) -> dict:
         maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg)
     compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxvrl-diagnostics")
     flag = PreemptionFlag()
+    shapes = set()  # the train step's batch shapes (each compiles a program)
     try:
         for step in range(start, 0 if c.val_only else c.total_steps):
             t0 = time.time()
@@ -624,10 +626,15 @@ def _run(c) -> dict:
                 maps.prepare(params, rollout, compiler)
             # each process passes its own rows; they join into the global batch
             batch = fit_batch(rollout.batch, k_step, step_cfg, mesh)  # its real tokens
+            shapes.add(runtime.shape_key(batch))
             batch = runtime.place_batch(batch, mesh)
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
+            # the step's shape: completion columns kept, packed buffers per device group
+            metrics["train/completion_columns"] = float(batch.completion_length)
+            metrics["train/pack_buffers"] = float(batch.pack_buffers)
+            metrics["compiles/train_step"] = float(runtime.compiles(train_step))
             metrics.update(counters.update(metrics))
             if (c.val_freq and done % c.val_freq == 0) or done == c.total_steps:
                 metrics.update(validate(sampling_params(state)))
@@ -675,6 +682,7 @@ def _run(c) -> dict:
         if mirror:
             mirror.push(force=True)
     metrics["compiles/train_step"] = runtime.compiles(train_step)
+    metrics["compiles/train_step_shapes"] = len(shapes)  # distinct batch shapes trained on
     metrics["compiles/sampler"] = sampler.compiles()
     metrics["compiles/greedy_sampler"] = greedy.compiles()
     return metrics

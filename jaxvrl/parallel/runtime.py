@@ -349,6 +349,13 @@ def jit_train_step(step, mesh: Mesh, state_shardings, ref_shardings=None):
     )
 
 
+def shape_key(tree) -> tuple:
+    """What a jitted function's compiled program is keyed on in `tree` (its structure, static
+    fields included, and each leaf's shape and dtype): distinct keys, distinct programs."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), np.asarray(x).dtype.name) for x in leaves)
+
+
 def compiles(fn) -> int:
     """Programs a jitted function has compiled so far in this process (one per distinct
     argument shape, dtype and sharding): a run logs it to show that steps do not recompile."""

@@ -42,8 +42,8 @@ class SlotsCarry:
     prompts' pages, then room for each slot's own); `prompt_valid` bool[R, width] the prompts'
     key mask; `pools` {name: bool[R, width]} or None; `start` int32[R] each prompt's next
     position; `keys` key[W] (`steps.row_keys`); `first_tok` int32[W], `first_lp` float32[W]
-    each work row's first token and its log-prob; `limits` int[W] or None. width = (pp + pc)
-    * ps."""
+    each work row's first token and its log-prob (`first_ent` its entropy, with
+    cfg.entropies); `limits` int[W] or None. width = (pp + pc) * ps."""
 
     pages: tuple
     prompt_valid: jax.Array
@@ -53,6 +53,7 @@ class SlotsCarry:
     first_tok: jax.Array
     first_lp: jax.Array
     limits: jax.Array | None = None
+    first_ent: jax.Array | None = None
 
 
 def _check(cfg: SamplingConfig):
@@ -99,7 +100,7 @@ def prefill_slots(
     )
     keys = steps.row_keys(rng, r, g)  # [W]
     last = jnp.repeat(steps.logits(model, None, out.hidden[:, -1]), g, axis=0)  # [W, V]
-    first_tok, first_lp = steps.pick(last, keys, 0, cfg)
+    first_tok, first_lp, first_ent = steps.pick(last, keys, 0, cfg)
 
     kv, hd = tcfg.num_key_value_heads, tcfg.head_dim
     gap = pp * ps - p_len
@@ -131,6 +132,7 @@ def prefill_slots(
         first_tok=first_tok,
         first_lp=first_lp,
         limits=limits,
+        first_ent=first_ent,
     )
 
 
@@ -143,6 +145,7 @@ def decode_slots(
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     keys, pools, limits = carry.keys, carry.pools, carry.limits
     first_tok, first_lp, start = carry.first_tok, carry.first_lp, carry.start
+    first_ent = carry.first_ent
     prompt_valid = carry.prompt_valid
     k_pages, v_pages = carry.pages
     (r, width), w = prompt_valid.shape, keys.shape[0]
@@ -180,6 +183,9 @@ def decode_slots(
     if layers:
         state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
         state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
+    if cfg.entropies:
+        state["next_ent"] = first_ent[:s]
+        state["entropies"] = jnp.zeros((w + 1, n), jnp.float32)
     eos = steps.eos_ids(cfg)
 
     def step(st):
@@ -207,7 +213,12 @@ def decode_slots(
         if layers:
             new["vmass"] = st["vmass"].at[:, out_row, t].set(o.vision_mass[:, :, 0])
             new["xmass"] = st["xmass"].at[:, out_row, t].set(o.text_mass[:, :, 0])
-        nxt, nlp = steps.pick(steps.logits(model, forms, o.hidden[:, 0]), keys[safe], t + 1, cfg)
+        nxt, nlp, nent = steps.pick(
+            steps.logits(model, forms, o.hidden[:, 0]), keys[safe], t + 1, cfg
+        )
+        if cfg.entropies:
+            written = jnp.where(live, st["next_ent"], 0.0)
+            new["entropies"] = st["entropies"].at[out_row, t].set(written)
         is_eos = jnp.isin(tok, eos)
         last = t + 1 == n if limits is None else (t + 1 == n) | (t + 1 >= limits[safe])
         ended = live & (is_eos | last)
@@ -223,6 +234,8 @@ def decode_slots(
         first = jnp.minimum(row2, w - 1)
         new["next_tok"] = jnp.where(refill, first_tok[first], nxt)
         new["next_lp"] = jnp.where(refill, first_lp[first], nlp)
+        if cfg.entropies:
+            new["next_ent"] = jnp.where(refill, first_ent[first], nent)
         c = o.cache
         new["cache"] = PagedKVCache(
             c.k,
@@ -248,5 +261,6 @@ def decode_slots(
         steps=st["steps"],
         vision_mass=st["vmass"][:, :w] if layers else None,
         text_mass=st["xmass"][:, :w] if layers else None,
+        entropies=st["entropies"][:w] if cfg.entropies else None,
     )
     return out, carry.replace(pages=(st["cache"].k, st["cache"].v))

@@ -33,6 +33,17 @@ def token_logprob(logits: jax.Array, tokens: jax.Array, temperature: float) -> j
     return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - (top + jnp.log(total))
 
 
+def token_entropy(logits: jax.Array, temperature: float) -> jax.Array:
+    """float32[B]: entropy of softmax(logits / temperature) over the full vocabulary, as a
+    sum of non-negative terms p (lse - x) (what the trainer's passes compute)."""
+    x = logits / temperature if temperature != 1.0 else logits
+    top = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - top)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    gap = top + jnp.log(total) - x  # -log p >= 0
+    return jnp.sum(e / total * gap, axis=-1)
+
+
 def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
     """Keep each row's k largest logits (ties at the k-th value are kept), others NEG_INF."""
     if not k or k <= 0 or k >= logits.shape[-1]:

@@ -109,9 +109,9 @@ def decode(
     forms = steps.decode_forms(model, cfg, keys.shape[0], decode_weights)
     # token 0 is picked from the prefill's last logits; each decode step then feeds token i
     # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
-    tok, lp = steps.pick(steps.logits(model, forms, carry.last), keys, 0, cfg)
+    tok, lp, ent = steps.pick(steps.logits(model, forms, carry.last), keys, 0, cfg)
     layers = model.config.text.num_hidden_layers if pools is not None else 0
-    state = _loop_state(carry.cache, tok, lp, n, cfg, layers)
+    state = _loop_state(carry.cache, tok, lp, n, cfg, layers, ent)
     step = functools.partial(
         _decode_step, model, forms, cfg, keys, carry.start, pools, limits=carry.limits
     )
@@ -132,6 +132,7 @@ def decode(
         steps=s["i"],
         vision_mass=s.get("vmass"),
         text_mass=s.get("xmass"),
+        entropies=s.get("entropies"),
     )
     return out, carry.replace(cache=s["cache"])
 
@@ -150,9 +151,10 @@ def _repeat_cache(cache: KVCache, g: int) -> KVCache:
     return KVCache(k=k, v=v, key_mask=_repeat(cache.key_mask, g), index=cache.index)
 
 
-def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0) -> dict:
+def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0, ent=None) -> dict:
     """The decode loop's carry after the prefill: the cache, the picked first token and its
-    log-prob [B], and the outputs so far; with `layers`, the attention masses [L, B, N]."""
+    log-prob [B] (and entropy, with cfg.entropies), and the outputs so far; with `layers`,
+    the attention masses [L, B, N]."""
     b = tok.shape[0]
     state = dict(
         i=jnp.zeros((), jnp.int32),
@@ -164,6 +166,9 @@ def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0) ->
         logprobs=jnp.zeros((b, n), jnp.float32),
         mask=jnp.zeros((b, n), jnp.float32),
     )
+    if cfg.entropies:
+        state["next_ent"] = jnp.zeros((b,), jnp.float32) if ent is None else ent
+        state["entropies"] = jnp.zeros((b, n), jnp.float32)
     if layers:
         state["vmass"] = jnp.zeros((layers, b, n), jnp.float32)
         state["xmass"] = jnp.zeros((layers, b, n), jnp.float32)
@@ -224,7 +229,7 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
         forms=forms,
     )
     logits = steps.logits(model, forms, out.hidden[:, 0])
-    next_tok, next_lp = steps.pick(logits, keys, i + 1, cfg)
+    next_tok, next_lp, next_ent = steps.pick(logits, keys, i + 1, cfg)
     new = dict(
         s,
         i=i + 1,
@@ -236,6 +241,9 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
         logprobs=s["logprobs"].at[:, i].set(jnp.where(live, s["next_lp"], 0.0)),
         mask=s["mask"].at[:, i].set(live.astype(jnp.float32)),
     )
+    if cfg.entropies:
+        new["next_ent"] = next_ent
+        new["entropies"] = s["entropies"].at[:, i].set(jnp.where(live, s["next_ent"], 0.0))
     if pools is not None:
         # masses of the query fed at step i (token i), the one that predicts token i+1
         new["vmass"] = s["vmass"].at[:, :, i].set(out.vision_mass[:, :, 0])

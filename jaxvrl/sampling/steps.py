@@ -56,6 +56,10 @@ class SamplingConfig:
     # (a prompt's pages shared by its samples). The same completions either way.
     slots: int = 0
     page_size: int = 16
+    # Also return each sampled token's entropy (of softmax(logits / temperature), the full
+    # distribution, as the trainer's passes compute it): a trainer whose old-policy
+    # quantities come from the sampler reads them instead of recomputing them.
+    entropies: bool = False
 
     def __post_init__(self):
         # id lists as tuples: the config is hashed as the programs' static setting
@@ -70,7 +74,9 @@ class SampleOutput:
     under logits / temperature (the full distribution, before top-k/top-p; temperature 0
     uses 1); mask float32[B, N] 1 up to and including the first EOS; truncated bool[B] (no
     EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given; steps
-    int32[]: decode steps run (< N when every row ended early)."""
+    int32[]: decode steps run (< N when every row ended early); entropies float32[B, N] of
+    the distributions the tokens were drawn from (under logits / temperature, 0 on padding)
+    with `SamplingConfig.entropies`."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -79,6 +85,7 @@ class SampleOutput:
     steps: jax.Array | None = None
     vision_mass: jax.Array | None = None
     text_mass: jax.Array | None = None
+    entropies: jax.Array | None = None
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -111,6 +118,16 @@ def row_keys(rng: jax.Array, prompts: int, samples: int) -> jax.Array:
 
 
 def pick(logits: jax.Array, keys: jax.Array, index, cfg: SamplingConfig):
+    """(tokens int32[B], logprobs float32[B], entropies float32[B] or None): `pick_token`,
+    with `SamplingConfig.entropies` the entropy of softmax(logits / temperature) too."""
+    tok, lp = pick_token(logits, keys, index, cfg)
+    if not cfg.entropies:
+        return tok, lp, None
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    return tok, lp, rules.token_entropy(logits, temp)
+
+
+def pick_token(logits: jax.Array, keys: jax.Array, index, cfg: SamplingConfig):
     """Sample (or argmax) token `index` of each row of float32[B, V], row b with its key
     keys[b] (`row_keys`); returns (tokens int32[B], logprobs float32[B]).
 

@@ -9,13 +9,20 @@ import optax
 from flax import nnx
 
 from jaxvrl.models import lora
+from jaxvrl.sampling.layout import rollout_dtype
 from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer.state import StepConfig, TrainState, split_trainable
 
 
-def step_config(c) -> StepConfig:
-    """The train step's settings: the run's config, frozen."""
-    return StepConfig.of(c)
+def step_config(c, mesh=None) -> StepConfig:
+    """The train step's settings: the run's config, frozen, with actor.shaping_source "auto"
+    resolved for the rollout on `mesh` (None: one device): "sampler" where the rollout
+    computes in model.dtype, else "recompute"."""
+    cfg = StepConfig.of(c)
+    if c.actor.shaping_source != "auto":
+        return cfg
+    same = rollout_dtype(c.rollout.dtype, mesh, c.model.dtype) is None
+    return cfg.with_values({"actor.shaping_source": "sampler" if same else "recompute"})
 
 
 def learning_rate(o, total_steps: int, updates_per_step: int = 1):

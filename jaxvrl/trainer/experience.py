@@ -103,6 +103,14 @@ def no_grad_passes(
     black = models.processor(model.config).black if perturb else None
     aug = blacken_patches(batch.images, rng, cfg.tprl.black_prob, black) if perturb else None
     m = cfg.micro_batches
+    # the old policy's log-probs and entropies: the sampler's, or a clean pass's
+    clean = cfg.old_pass and not cfg.sampler_shaping
+    if cfg.sampler_shaping and batch.old_entropy is None:
+        raise ValueError(
+            "the batch carries no sampler entropies (RolloutBatch.old_entropy): "
+            "actor.shaping_source=sampler reads them; sample with entropies or set "
+            "actor.shaping_source=recompute"
+        )
 
     def one(args):
         mb, aug_mb = args
@@ -111,8 +119,8 @@ def no_grad_passes(
             m, h, tokens, cfg.temperature, **kw
         )[0]
         res = {}
-        paired = cfg.old_pass and aug_mb is not None and aug_mb.pixel_values.ndim == 3
-        if cfg.old_pass:
+        paired = clean and aug_mb is not None and aug_mb.pixel_values.ndim == 3
+        if clean:
             # with a perturbed pass, the clean and the perturbed rows run as one batch of
             # interleaved rows: one forward reads each layer's weights once for both
             both = paired_packing(interleave_rows(mb, mb.replace(images=aug_mb))) if paired else mb
@@ -143,9 +151,12 @@ def no_grad_passes(
         return res
 
     micro_aug = None if aug is None else split_rows(aug, m)
-    batch = batch.replace(old_logprobs=None)  # the passes do not read it
+    sampled = (batch.old_logprobs, batch.old_entropy)
+    batch = batch.replace(old_logprobs=None, old_entropy=None)  # the passes do not read them
     res = jax.lax.map(one, (micro_split(batch, m), micro_aug))
     res = jax.tree.map(jax.lax.stop_gradient, res)
+    if cfg.sampler_shaping:
+        res["old_logp"], res["entropy"] = (jnp.reshape(x, (m, -1) + x.shape[1:]) for x in sampled)
 
     def merge_rows(x):
         if x.ndim == 4:  # masses [m, L, b, N] -> [L, B, N]
@@ -272,7 +283,7 @@ def _old_logprobs(batch: RolloutBatch, passes: Passes, cfg: StepConfig, metrics:
             "assemble the batch with the sampler's log-probs or set old_logprobs='recompute'"
         )
     old = sampler if cfg.sampler_old else passes.old_logp if cfg.old_pass else None
-    if sampler is None or passes.old_logp is None:
+    if sampler is None or passes.old_logp is None or cfg.sampler_shaping:
         return old, None
     w, m = rl.rollout_correction(
         passes.old_logp,

@@ -43,6 +43,7 @@ def cut_completions(batch: RolloutBatch, n: int) -> RolloutBatch:
         completion_mask=batch.completion_mask[:, :n],
         pools=None if batch.pools is None else {k: cut(v) for k, v in batch.pools.items()},
         old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[:, :n],
+        old_entropy=None if batch.old_entropy is None else batch.old_entropy[:, :n],
     )
 
 

@@ -32,6 +32,8 @@ class RolloutBatch:
     baseline:        float32[B] greedy-completion reward (remax) or zeros.
     old_logprobs:    float32[B, N] the sampler's log-probs of the completion tokens under
                      logits / rollout temperature (0 on padding), or None.
+    old_entropy:     float32[B, N] the sampler's entropies of the distributions it drew
+                     the completion tokens from (0 on padding), or None.
     pack_start:      int32[B] with padding-free passes (`trainer/packing.py`): each row's
                      first slot in its micro-batch's packed buffers, for the experience
                      passes' micro-batches; None: padded passes.
@@ -54,6 +56,7 @@ class RolloutBatch:
     videos: VisionInputs | None = None
     pools: dict | None = None
     old_logprobs: jax.Array | None = None
+    old_entropy: jax.Array | None = None
     pack_start: jax.Array | None = None
     update_starts: jax.Array | None = None
     pack_groups: int = struct.field(pytree_node=False, default=1)

@@ -38,6 +38,7 @@ def assemble_prompts(
     with_pools: bool = False,
     baseline: np.ndarray | None = None,
     old_logprobs: np.ndarray | None = None,
+    old_entropy: np.ndarray | None = None,
 ) -> RolloutBatch:
     """`assemble` over a collated prompt batch (the data loader's dict: input_ids,
     attention_mask, position_ids, deltas, has_image, images and, with_pools, pools)."""
@@ -54,6 +55,7 @@ def assemble_prompts(
         pools=prompts["pools"] if with_pools else None,
         baseline=baseline,
         old_logprobs=old_logprobs,
+        old_entropy=old_entropy,
     )
 
 
@@ -78,11 +80,13 @@ def assemble(
     pools: dict | None = None,
     baseline: np.ndarray | None = None,
     old_logprobs: np.ndarray | None = None,
+    old_entropy: np.ndarray | None = None,
 ) -> RolloutBatch:
     """Concatenate prompt [B, P] and completion [B, N] into one RolloutBatch (numpy arrays).
 
     Completion tokens after the first EOS get attention_mask 0; they never influence a loss.
-    old_logprobs: the sampler's log-probs of the completion tokens float32[B, N], or None.
+    old_logprobs: the sampler's log-probs of the completion tokens float32[B, N], or None;
+    old_entropy: the sampler's entropies there, or None.
     """
     n = tokens.shape[1]
     comp_mask = completion_mask.astype(np.int32)
@@ -103,6 +107,7 @@ def assemble(
         images=images,
         pools=pools,
         old_logprobs=None if old_logprobs is None else np.asarray(old_logprobs, np.float32),
+        old_entropy=None if old_entropy is None else np.asarray(old_entropy, np.float32),
     )
 
 
@@ -135,7 +140,8 @@ class Group:
     the policy that sampled them: for a replayed group, an earlier one); truncated bool[G]; totals float64[G] the weighted total reward after
     the overlong punishment; parts {reward name: float64[G]} unweighted; texts G strings;
     att {name: float32[G]} per-row attention metrics (empty without statistics); baseline
-    float64[G] the prompt's greedy-completion reward (remax), else zeros.
+    float64[G] the prompt's greedy-completion reward (remax), else zeros; entropies
+    float32[G, N] the sampler's entropies of the distributions it drew from, or None.
     """
 
     example: dict
@@ -148,6 +154,7 @@ class Group:
     att: dict
     baseline: np.ndarray | None = None
     logprobs: np.ndarray | None = None
+    entropies: np.ndarray | None = None
 
     def __post_init__(self):
         if self.baseline is None:
@@ -173,6 +180,15 @@ class Group:
             texts=[""] * group_size,
             att={},
         )
+
+
+def _entropies(groups: list[Group]) -> np.ndarray | None:
+    """The groups' sampler entropies [rows, N] (zeros for padding groups, which have none),
+    or None where no group has them."""
+    if all(x.entropies is None for x in groups):
+        return None
+    zeros = lambda x: np.zeros(x.tokens.shape, np.float32)  # noqa: E731
+    return np.concatenate([zeros(x) if x.entropies is None else x.entropies for x in groups])
 
 
 def keep_flags(groups: list[Group], opts: FilterOptions) -> np.ndarray:
@@ -475,6 +491,9 @@ class RolloutPhase:
                     att={k: v[s] for k, v in att.items()},
                     baseline=baseline[s],
                     logprobs=np.asarray(out.logprobs[s], np.float32),
+                    entropies=None
+                    if out.entropies is None
+                    else np.asarray(out.entropies[s], np.float32),
                 )
             )
         info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
@@ -561,6 +580,7 @@ class RolloutPhase:
             with_pools=self.with_pools,
             baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
             old_logprobs=np.concatenate([x.logprobs for x in groups]),
+            old_entropy=_entropies(groups),
         )
 
     def _metrics(self, got: Collected, infos: list[dict], real: np.ndarray) -> dict:

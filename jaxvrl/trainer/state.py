@@ -123,6 +123,24 @@ class StepConfig:
         return self.updates > 1 and self.actor.old_logprobs == "sampler"
 
     @property
+    def sampler_shaping(self) -> bool:
+        """Whether the old-policy log-probs and entropies token shaping reads are the
+        sampler's (RolloutBatch.old_logprobs, old_entropy) rather than a no-grad clean
+        pass's: with an old-policy pass to replace, the sampler's log-probs as the ratio's,
+        actor.shaping_source sampler ("auto" is resolved when a run starts, else counts as
+        recompute) and nothing else reading the clean pass (VGR masses, the critic, the KL
+        in the reward, groups replayed from an earlier policy)."""
+        return (
+            self.old_pass
+            and self.sampler_old
+            and self.actor.shaping_source == "sampler"
+            and not self.vgr.enable_token_weights
+            and not self.has_critic
+            and not self.algorithm.use_kl_in_reward
+            and not self.filter.replay_buffer.enable
+        )
+
+    @property
     def has_critic(self) -> bool:
         return self.algorithm.adv_estimator == "gae"
 

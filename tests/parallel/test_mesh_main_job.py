@@ -133,7 +133,8 @@ def test_the_runs_use_the_mesh(runs):
     assert [rollout, 8, 1, 4] in placed and [rollout, 8, 2, 8] in placed, placed
     assert len(placed) == 3, placed
     for name in ("one", "mesh", "resumed"):
-        assert report[name]["compiles"]["compiles/train_step"] == 1, report[name]
+        got = report[name]["compiles"]
+        assert got["compiles/train_step"] == got["compiles/train_step_shapes"] <= 2, got
 
 
 def test_rows_that_do_not_split_over_the_mesh_are_a_config_error(runs):

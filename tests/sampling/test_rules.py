@@ -107,7 +107,7 @@ def test_the_samplers_pick_never_takes_a_suppressed_id_and_counts_it_in_the_logp
     x[8:16, v - 1] = x[8:16].max(axis=1) + 1e-3
     cfg = steps.SamplingConfig(4, temperature=temperature, suppress_token_ids=suppress)
     keys = jax.random.split(jax.random.key(0), b)
-    tok, lp = jax.jit(lambda y, k: steps.pick(y, k, 2, cfg))(jnp.asarray(x), keys)
+    tok, lp = jax.jit(lambda y, k: steps.pick(y, k, 2, cfg)[:2])(jnp.asarray(x), keys)
     tok, lp = np.asarray(tok), np.asarray(lp)
     assert not np.isin(tok, suppress).any(), tok
     t = temperature if temperature > 0 else 1.0

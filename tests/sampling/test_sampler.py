@@ -130,6 +130,36 @@ def test_logprobs_match_teacher_forcing_and_eos_masking(models):
         ).any()
 
 
+@pytest.mark.parametrize("slots", [0, 3])
+def test_entropies_match_teacher_forcing(models, slots):
+    """With SamplingConfig.entropies the sampler returns each token's entropy of
+    softmax(logits / T) over the full vocabulary (top-k/top-p do not change it), as the
+    trainer's teacher-forced pass computes it; 0 after a row ends. Static and slot decoding."""
+    import dataclasses
+
+    from flax import nnx
+
+    _, model = models
+    rng = np.random.default_rng(6)
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, text_len=(3, 9)) for _ in range(3)])
+    temp = 0.7
+    cfg = generation_config(model.config, max_new_tokens=N, temperature=temp, top_k=50,
+                            eos_token_ids=tuple(range(3, 400, 9)))  # fmt: skip
+    cfg = dataclasses.replace(cfg, entropies=True, slots=slots, page_size=4)
+    pos, deltas = qwen2_5_vl.get_rope_index(ids, mask, model.config)
+    args = [jax.numpy.asarray(x) for x in (ids, mask, pos, deltas)]
+    out = Sampler(nnx.graphdef(model), cfg)(nnx.state(model), *args, jax.random.key(2))
+    toks, m, ent = (np.asarray(x) for x in (out.tokens, out.mask, out.entropies))
+    full = np.concatenate([ids, toks], 1)
+    fmask = np.concatenate([mask, m.astype(np.int64)], 1)
+    logits = np.asarray(model(full, fmask).logits)[:, ids.shape[1] - 1 : -1] / temp
+    logp = np.asarray(jax.nn.log_softmax(logits, -1), np.float64)
+    ref = -np.sum(np.exp(logp) * logp, -1)
+    assert 0.5 < m.sum() < m.size and ref[m > 0].std() > 0.01  # entropies vary by token
+    np.testing.assert_allclose(ent[m > 0], ref[m > 0], atol=5e-5)  # float32 over 448 terms
+    assert np.all(ent[m == 0] == 0)
+
+
 def test_sampled_tokens_lie_in_the_top_p_set(models):
     _, model = models
     rng = np.random.default_rng(9)

@@ -37,7 +37,7 @@ def test_tprl_lora_runs_two_steps_with_adapter_only_optimizer(tmp_path):
     metrics = run(
         tiny_config("configs/tprl.py", tmp_path, "total_steps=2", "val_freq=2", "lora.rank=8")
     )
-    assert np.isfinite(metrics["loss"]) and metrics["compiles/train_step"] == 1
+    assert np.isfinite(metrics["loss"]) and metrics["compiles/train_step"] == metrics["compiles/train_step_shapes"]
     _, arrays = _saved_state(tmp_path)
     opt = [k for k in arrays if k.startswith("opt_state") and arrays[k].size > 1]
     assert opt and all("lora_" in k for k in opt), opt
