@@ -22,7 +22,10 @@ a bad argument or no TPU compiler.
 Flags besides --config: --topology=NAME (a Cloud TPU accelerator type: v4-8, v5e-16 or
 v5litepod-16, v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step (a subset),
 --jobs=N (programs compiled at once, default: the host's cores), --suggest (when the train
-step does not fit: more micro-batches until one does). Meshes: --config.mesh.* as in training.
+step does not fit: more micro-batches until one does), --lengths=lognormal:median=M,sigma=S
+or --lengths=FILE (completion lengths drawn for the step's rows, FILE holding integers: the
+train step is compiled for the completion columns and packed buffers they imply, as a run
+fits its batch; its MFU counts real tokens). Meshes: --config.mesh.* as in training.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _split_args(argv: list[str]) -> tuple[dict, list[str]]:
     while i < len(argv):
         a = argv[i]
         name = a.split("=", 1)[0]
-        if name in ("--topology", "--programs", "--jobs"):
+        if name in ("--topology", "--programs", "--jobs", "--lengths"):
             if "=" in a:
                 ours[name[2:]] = a.split("=", 1)[1]
             elif i + 1 < len(argv):
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
     try:
         path, overrides = parse_argv(rest)
         c = load_config(path, overrides)
-        plan = Plan.build(c, ours["topology"])
+        plan = Plan.build(c, ours["topology"], lengths=ours.get("lengths"))
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from jaxvrl.models.attention import resolve
 from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
 from jaxvrl.sampling import Sampler, static
+from jaxvrl.trainer import packing
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.rollout import assemble
 from jaxvrl.trainer.step import build_train_step
@@ -80,6 +81,35 @@ def image_grid(c, vcfg) -> np.ndarray:
             f"({tokens} tokens at the least) and {TEXT_ROOM} tokens of text"
         )
     return np.array([[1, h // vcfg.patch_size, w // vcfg.patch_size]])
+
+
+def completion_lengths(spec: str, rows: int, max_new_tokens: int, seed: int = 0) -> np.ndarray:
+    """int[rows] completion lengths drawn (seed `seed`) from `spec`:
+    "lognormal:median=M,sigma=S" (rounded, within 1 .. max_new_tokens: the tail piles up at
+    the maximum, as truncated completions do), or a file of lengths (whitespace-separated
+    integers, e.g. a run's response lengths), drawn from with replacement."""
+    rng = np.random.default_rng(seed)
+    if spec.startswith("lognormal:"):
+        try:
+            kv = dict(part.split("=", 1) for part in spec.split(":", 1)[1].split(","))
+            median, sigma = float(kv.pop("median")), float(kv.pop("sigma"))
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"--lengths={spec!r}: want lognormal:median=M,sigma=S") from e
+        if kv or median <= 0 or sigma < 0:
+            raise ConfigError(f"--lengths={spec!r}: want lognormal:median=M,sigma=S")
+        drawn = np.round(rng.lognormal(np.log(median), sigma, rows))
+    else:
+        if not os.path.exists(spec):
+            raise ConfigError(f"--lengths={spec}: no such file (or lognormal:median=M,sigma=S)")
+        with open(spec) as f:
+            try:
+                pool = np.array([int(x) for x in f.read().split()])
+            except ValueError as e:
+                raise ConfigError(f"{spec}: not whitespace-separated integers ({e})") from e
+        if not len(pool):
+            raise ConfigError(f"{spec}: holds no lengths")
+        drawn = rng.choice(pool, rows)
+    return np.clip(drawn, 1, max_new_tokens).astype(np.int64)
 
 
 def _abstract(x, sharding=None):
@@ -133,9 +163,13 @@ class Plan:
     init: runtime.ShardedInit  # abstract state and reference params with their shardings
     rows: int  # global rows of a step: prompts_per_step x G x hosts
     grid: np.ndarray | None  # [1, 3]: the largest image a row holds; None: a text-only model
+    # int[rows] each row's completion length (`completion_lengths`); None: max_new_tokens
+    lengths: np.ndarray | None = None
 
     @classmethod
-    def build(cls, c, slice_name: str) -> Plan:
+    def build(cls, c, slice_name: str, lengths: str | None = None) -> Plan:
+        """The plan of config `c` on slice `slice_name`; lengths: a completion-length
+        distribution (`completion_lengths`), None: every completion max_new_tokens long."""
         s = topology.parse(slice_name)
         mesh = runtime.mesh_from_config(c.mesh, devices=topology.tpu_devices(s))
         train.check_rows(c, mesh, processes=s.hosts)
@@ -156,7 +190,9 @@ class Plan:
         init = runtime.abstract_train_state(init_train_state, model, mesh, c)
         rows = c.prompts_per_step * c.rollout.num_generations * s.hosts
         grid = None if mcfg.vision is None else image_grid(c, mcfg.vision)  # None: text only
-        return cls(c, s, mesh, name, model, init, rows, grid)
+        n = c.rollout.max_new_tokens
+        drawn = None if lengths is None else completion_lengths(lengths, rows, n)
+        return cls(c, s, mesh, name, model, init, rows, grid, drawn)
 
     # ------------------------------------------------------------------ shapes
     @functools.cached_property
@@ -241,22 +277,49 @@ class Plan:
         )
         return _with_shardings(tree, self.rollout[0], b)
 
+    @property
+    def step_config(self):
+        """The train step's settings, actor.shaping_source resolved for the slice."""
+        return step_config(self.c, self.mesh)
+
+    @property
+    def completions(self) -> np.ndarray:
+        """int[rows]: each row's completion length (all max_new_tokens without `lengths`)."""
+        n = self.new_tokens
+        return np.full(self.rows, n) if self.lengths is None else self.lengths
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the step's rows that are not padding: full prompts and the completions."""
+        return int(self.rows * self.prompt_len + self.completions.sum())
+
     def batch(self):
-        """The train step's RolloutBatch, abstract and sharded."""
-        b, p, n = self.rows, self.prompt_len, self.new_tokens
+        """The train step's RolloutBatch, abstract and sharded, fitted to the completion
+        lengths as the run fits it (`trainer.packing.fit_batch`: the completion axis cut,
+        and with actor.padding_free the packing plan of these lengths)."""
+        cfg = self.step_config
+        b, p = self.rows, self.prompt_len
+        comp = self.completions
+        n = packing.completion_bucket(int(comp.max()), self.new_tokens)
+        mask = (np.arange(n)[None] < comp[:, None]).astype(np.float32)
         batch = assemble(
             np.zeros((b, p), np.int32),
             np.ones((b, p), np.int32),
             np.zeros((3, b, p), np.int32),
             np.zeros((b,), np.int32),
             np.zeros((b, n), np.int32),
-            np.ones((b, n), np.float32),
+            mask,
             np.zeros((b,), np.float32),
             np.ones((b,), bool),
-            pools=self._pools(p, b) if step_config(self.c).vgr.enable_token_weights else None,
+            pools=self._pools(p, b) if cfg.vgr.enable_token_weights else None,
             old_logprobs=np.zeros((b, n), np.float32),  # the sampler's, as the rollout gives
+            old_entropy=np.zeros((b, n), np.float32) if cfg.sampler_shaping else None,
         )
         batch = dataclasses.replace(batch, images=self._images(b))
+        if cfg.actor.padding_free:
+            key = jax.random.key(0)
+            plan = packing.plan_packing(p + comp, p + n, key, cfg, self.mesh)
+            batch = batch.replace(**plan)
         return _with_shardings(batch, self.mesh, self.rows)
 
     def _rng(self, mesh=None):
@@ -302,7 +365,7 @@ class Plan:
         return analyse(name, compiled, secs, self.slice, model_flops, breakdown, bound)
 
     def _train_step(self, micro_batches: int | None = None):
-        cfg = step_config(self.c)
+        cfg = self.step_config
         if micro_batches:
             cfg = dataclasses.replace(cfg, micro_batches=micro_batches)
         i = self.init
@@ -318,14 +381,13 @@ class Plan:
             "reference": per_device_bytes(i.ref_params),
             "batch": per_device_bytes(batch),
         }
-        tokens = self.rows * (self.prompt_len + self.new_tokens)
-        flops = 6.0 * self.params_count * tokens
+        flops = 6.0 * self.params_count * self.real_tokens  # MFU counts real tokens
         lower = lambda: step.lower(st, i.ref_params, batch, self._rng())  # noqa: E731
         return lower, flops, breakdown, None
 
     def _sampler(self):
         sampler = self.sampler()
-        pools = "mdi" in self.c.reward.funcs or step_config(self.c).vgr.enable_token_weights
+        pools = "mdi" in self.c.reward.funcs or self.step_config.vgr.enable_token_weights
         prompts = self.sampler_prompts
         p = self.prompts(pools, prompts)
         params = self.init.state.params  # the trainer's: `prepare` puts them in the layout
@@ -404,7 +466,7 @@ class Plan:
     def describe(self) -> str:
         m = self.model.config
         shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
-        cfg = step_config(self.c)
+        cfg = self.step_config
         updates = cfg.mini_batches  # per epoch; each reads rows / updates rows
         micro_rows = self.rows // updates // cfg.micro_batches
         shards = row_shards(self.mesh)
@@ -418,15 +480,36 @@ class Plan:
         rmesh, rdtype = self.rollout
         rshape = " x ".join(f"{k} {v}" for k, v in rmesh.shape.items() if k != "fsdp")
         return (
-            f"{topology.describe(self.slice)}; mesh {shape}; rollout mesh {rshape}, "
-            f"{rdtype or self.c.model.dtype}\n"
-            f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
-            f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "
-            f"{self.c.model.remat_policy}, attention {self.attention}), text "
-            f"{m.text.num_hidden_layers} layers\n"
-            f"step: {self.rows} rows ({self.c.prompts_per_step} prompts x "
-            f"{self.c.rollout.num_generations} x {self.slice.hosts} hosts), prompt "
-            f"{self.prompt_len} tokens{self._image_words()}, completion "
-            f"{self.new_tokens}; {updates} mini-batch(es) x {self.c.actor.ppo_epochs} epoch(s) "
-            f"of updates, {self.c.optim.micro_batches} micro-batch(es) of {micro_rows} rows each"
-        ) + warn
+            (
+                f"{topology.describe(self.slice)}; mesh {shape}; rollout mesh {rshape}, "
+                f"{rdtype or self.c.model.dtype}\n"
+                f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
+                f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "
+                f"{self.c.model.remat_policy}, attention {self.attention}), text "
+                f"{m.text.num_hidden_layers} layers\n"
+                f"step: {self.rows} rows ({self.c.prompts_per_step} prompts x "
+                f"{self.c.rollout.num_generations} x {self.slice.hosts} hosts), prompt "
+                f"{self.prompt_len} tokens{self._image_words()}, completion "
+                f"{self.new_tokens}; {updates} mini-batch(es) x {self.c.actor.ppo_epochs} epoch(s) "
+                f"of updates, {self.c.optim.micro_batches} micro-batch(es) of {micro_rows} rows each"
+            )
+            + self._fit_words()
+            + warn
+        )
+
+    def _fit_words(self) -> str:
+        """How the batch is fitted to the completion lengths (`batch`)."""
+        comp, cfg = self.completions, self.step_config
+        b = self.batch()
+        words = (
+            f"\ncompletions: median {int(np.median(comp))}, max {int(comp.max())} of "
+            f"{self.new_tokens} (real tokens {self.real_tokens:,} of "
+            f"{self.rows * (self.prompt_len + self.new_tokens):,}); "
+            f"{b.completion_length} completion columns"
+        )
+        if cfg.actor.padding_free:
+            words += (
+                f", packed: {b.pack_buffers} buffer(s) of {b.pack_length} per micro-batch "
+                f"and device group ({b.pack_groups} groups)"
+            )
+        return words + f"; shaping from the {cfg.actor.shaping_source}"

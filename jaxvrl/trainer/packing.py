@@ -3,12 +3,13 @@
 1. The completion axis is cut to the batch's longest completion, rounded up to one of eight
    buckets of max_new_tokens (`completion_bucket`), so no pass computes columns that every
    row left empty; the RL math is unchanged (cut columns are padding of every row).
-2. With `actor.padding_free`, each micro-batch's rows are packed into buffers of the padded
-   row's length (`jaxvrl.models.Packing`): the host places every row of every micro-batch the
-   step will form (the experience passes' and each update's, in `update_order`) into the
-   buffers of the device that holds it, first-fit by decreasing length, and the buffer count
-   (the largest any micro-batch needs) is rounded up to a power of two. A run compiles one
-   program per (completion bucket, buffer count): a handful, not one per step.
+2. With `actor.padding_free`, each micro-batch's rows are packed into buffers
+   (`jaxvrl.models.Packing`): the host places every row of every micro-batch the step will
+   form (the experience passes' and each update's, in `update_order`) into the buffers of the
+   device that holds it, first-fit by decreasing length; the buffer count (a power of two)
+   and length (a multiple of a quarter of the padded row, up to four rows) are those of the
+   fewest slots that hold every micro-batch. A run compiles one program per (completion
+   bucket, buffer count, buffer length): a handful, not one per step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxvrl.data.buckets import length_bucket, pow2_bucket
+from jaxvrl.data.buckets import length_bucket
 from jaxvrl.parallel import runtime
 from jaxvrl.trainer.passes import RolloutBatch
 from jaxvrl.trainer.state import StepConfig
@@ -47,26 +48,42 @@ def cut_completions(batch: RolloutBatch, n: int) -> RolloutBatch:
     )
 
 
-def place_rows(lengths: np.ndarray, groups: int, length: int) -> tuple[np.ndarray, int]:
-    """(start int32[b], buffers): each row's first slot in its group's buffers of `length`
-    slots (flattened), rows of group g = the g-th of `groups` equal runs of rows, first-fit by
-    decreasing length; buffers: the most any group needed."""
-    b = len(lengths)
-    per = b // groups
-    start = np.zeros(b, np.int32)
-    most = 1
-    for g in range(groups):
-        rows = np.arange(g * per, (g + 1) * per)
-        fill: list[int] = []  # tokens used in each open buffer
-        for r in rows[np.argsort(-lengths[rows], kind="stable")]:
-            n = int(lengths[r])
-            k = next((i for i, used in enumerate(fill) if used + n <= length), len(fill))
-            if k == len(fill):
-                fill.append(0)
-            start[r] = k * length + fill[k]
-            fill[k] += n
-        most = max(most, len(fill))
-    return start, most
+SPANS = 4  # buffer lengths are multiples of a quarter of the padded row, up to four rows
+
+
+def first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """(start int32[b], buffers): rows of `lengths` tokens placed in buffers of `capacity`
+    slots (flattened: buffer i's slots are i x capacity ...), first-fit by decreasing
+    length; buffers: how many it opened."""
+    start = np.zeros(len(lengths), np.int32)
+    fill: list[int] = []  # tokens used in each open buffer
+    for r in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[r])
+        k = next((i for i, used in enumerate(fill) if used + n <= capacity), len(fill))
+        if k == len(fill):
+            fill.append(0)
+        start[r] = k * capacity + fill[k]
+        fill[k] += n
+    return start, len(fill)
+
+
+def choose_buffers(groups: list[np.ndarray], length: int, most: int) -> tuple[int, int]:
+    """(buffers, capacity) for groups of rows (each a device's rows of one micro-batch, their
+    lengths): the fewest slots, buffers x capacity, with which first-fit places every group;
+    buffers a power of two (or `most`, the rows of the largest group), capacity a multiple of
+    a quarter of the padded row `length`, up to four rows (so attention, quadratic in the
+    buffer, stays near the padded rows'). Ties go to more, shorter buffers."""
+    unit = -(-length // SPANS)
+    longest = max(int(x.max()) for x in groups)
+    options = sorted({1 << i for i in range(most.bit_length()) if 1 << i <= most} | {most})
+    best = (most * unit * -(-longest // unit), most, unit * -(-longest // unit))
+    for k in reversed(options):
+        for j in range(-(-longest // unit), SPANS * SPANS + 1):
+            if all(first_fit(x, j * unit)[1] <= k for x in groups):
+                if k * j * unit < best[0]:
+                    best = (k * j * unit, k, j * unit)
+                break
+    return best[1], best[2]
 
 
 def row_groups(rows_per_micro_batch: int, mesh) -> int:
@@ -83,30 +100,25 @@ def plan_packing(lengths: np.ndarray, length: int, rng, cfg: StepConfig, mesh=No
     global row order; padded row `length`): `pack_start` int32[B] (the experience passes'
     micro-batches), `update_starts` int32[updates, rows per update] (each update's
     micro-batches, rows in `update_order(rng, ...)`), and the static `pack_groups`,
-    `pack_buffers`, `pack_length` (buffers of the padded row's length)."""
+    `pack_buffers`, `pack_length` (`choose_buffers` over every micro-batch of the step)."""
     b, m = len(lengths), cfg.micro_batches
     per_update = b // cfg.mini_batches
     groups = row_groups(per_update // m, mesh)
     order = np.asarray(jax.device_get(update_order(rng, b, cfg.epochs, cfg.mini_batches)))
-
-    def plan(rows: np.ndarray) -> tuple[np.ndarray, int]:  # rows in micro-batch order
-        parts = [place_rows(lengths[r], groups, length) for r in np.split(rows, m)]
-        return np.concatenate([p[0] for p in parts]), max(p[1] for p in parts)
-
-    exp_start, most = plan(np.arange(b))
-    upd = [plan(rows) for rows in order]
-    # a power of two, at most the rows of a group of the experience's micro-batches (the
-    # largest: they split all B rows, an update's only its share)
-    buffers = min(pow2_bucket(max([most] + [u[1] for u in upd])), b // m // groups)
-    ends = [exp_start + lengths] + [u[0] + lengths[rows] for u, rows in zip(upd, order)]
-    if max(int(e.max()) for e in ends) > buffers * length:  # a row would lose tokens
-        raise AssertionError(f"packing plan overflows {buffers} buffers of {length}")
+    schedules = [np.arange(b)] + list(order)  # each pass's rows, in micro-batch order
+    parts = [g for rows in schedules for mb in np.split(rows, m) for g in np.split(mb, groups)]
+    buffers, capacity = choose_buffers([lengths[g] for g in parts], length, b // m // groups)
+    starts = [np.concatenate([first_fit(lengths[g], capacity)[0] for g in np.split(rows, m * groups)])
+              for rows in schedules]  # fmt: skip
+    for rows, st in zip(schedules, starts):  # no row may lose a token
+        if int((st + lengths[rows]).max()) > buffers * capacity:
+            raise AssertionError(f"packing plan overflows {buffers} buffers of {capacity}")
     return dict(
-        pack_start=exp_start,
-        update_starts=np.stack([u[0] for u in upd]).astype(np.int32),
+        pack_start=starts[0],
+        update_starts=np.stack(starts[1:]).astype(np.int32),
         pack_groups=groups,
         pack_buffers=buffers,
-        pack_length=length,
+        pack_length=capacity,
     )
 
 

@@ -103,10 +103,13 @@ def test_forward_outputs_per_completion_token_equal_padded(model):
     n = fitted.completion_length
     padded = on_device(batch)
     want_h, want = completion_hidden(model, padded, pools=True)
-    start, buffers = packing.place_rows(batch.attention_mask.sum(1), 2, fitted.pack_length)
+    length = int(batch.input_ids.shape[1]) + 16  # buffers longer than a row: any length holds
+    lengths = batch.attention_mask.sum(1)
+    placed = [packing.first_fit(x, length) for x in np.split(lengths, 2)]  # 2 device groups
+    start, buffers = np.concatenate([p[0] for p in placed]), max(p[1] for p in placed)
     packed = on_device(fitted).replace(pack_start=jnp.asarray(start), pack_groups=2,
-                                       pack_buffers=buffers)  # fmt: skip
-    assert np.any(start % fitted.pack_length)  # some rows share a buffer
+                                       pack_buffers=buffers, pack_length=length)  # fmt: skip
+    assert np.any(start % length)  # some rows share a buffer
     got_h, got = completion_hidden(model, packed, pools=True)
     m = batch.completion_mask[:, :n] > 0
     assert not batch.completion_mask[:, n:].any()
@@ -159,7 +162,8 @@ def _initial(model):
 def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
     """50 steps of log-normal completion lengths (median a quarter of max_new_tokens): every
     plan places each micro-batch's rows inside its buffers without overlap, and the steps
-    need at most (completion buckets) x (powers of two up to the rows) shapes."""
+    need a handful of (completion columns, buffers, buffer length) shapes, with fewer
+    slots than the padded rows."""
     cfg = step_config(TPRL)
     batch = mixed_batch(model)
     b = batch.input_ids.shape[0]
@@ -173,8 +177,12 @@ def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
         mask[:, p:] = comp
         one = batch.replace(completion_mask=comp, attention_mask=mask)
         fitted = packing.fit_batch(one, jax.random.key(s), cfg)
-        shapes.add((fitted.completion_length, fitted.pack_buffers))
+        shapes.add((fitted.completion_length, fitted.pack_buffers, fitted.pack_length))
         real = fitted.attention_mask.sum(1)
+        unit = -(-fitted.input_ids.shape[1] // packing.SPANS)  # a quarter of a padded row
+        assert fitted.pack_length % unit == 0 and fitted.pack_length <= 4 * packing.SPANS * unit
+        # fewer slots than the padded rows of a micro-batch (4 of them)
+        assert fitted.pack_buffers * fitted.pack_length < 4 * fitted.input_ids.shape[1]
         starts = [fitted.pack_start] + list(fitted.update_starts)
         orders = [np.arange(b)] + list(np.asarray(_order(s, b, cfg)))
         for start, order in zip(starts, orders):
@@ -184,9 +192,10 @@ def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
                     assert a // fitted.pack_length == (a + real[r] - 1) // fitted.pack_length
                     used[a : a + real[r]] += 1
                 assert used.max() == 1
-    # eight completion buckets x buffer counts 1, 2, 4 (rows of an experience micro-batch)
-    assert {n for n, _ in shapes} <= set(range(1, MAX_NEW + 1)), shapes
-    assert {k for _, k in shapes} <= {1, 2, 4} and len(shapes) <= 3 * packing.BUCKETS
+    # completion buckets x buffer counts 1, 2, 4 (rows of an experience micro-batch) x
+    # buffer lengths: a run meets a handful of them
+    assert {n for n, _, _ in shapes} <= set(range(1, MAX_NEW + 1)), shapes
+    assert {k for _, k, _ in shapes} <= {1, 2, 4} and len(shapes) <= 16, shapes
 
 
 def _order(seed, b, cfg):
@@ -205,7 +214,7 @@ def test_a_step_compiles_once_per_shape(model):
     for s, longest in enumerate([8, 3, 8, 3, 2]):
         lengths = np.minimum(np.arange(8) % longest + 1, longest)
         fitted = packing.fit_batch(mixed_batch(model, 0, lengths), jax.random.key(s), cfg)
-        shapes.add((fitted.completion_length, fitted.pack_buffers))
+        shapes.add((fitted.completion_length, fitted.pack_buffers, fitted.pack_length))
         state, _, _ = step(state, None, on_device(fitted), jax.random.key(s))
     assert step._cache_size() == len(shapes) < 5
 
