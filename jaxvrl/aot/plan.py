@@ -318,7 +318,7 @@ class Plan:
         batch = dataclasses.replace(batch, images=self._images(b))
         if cfg.actor.padding_free:
             key = jax.random.key(0)
-            plan = packing.plan_packing(p + comp, p + n, key, cfg, self.mesh)
+            plan = packing.plan_packing(p + comp, p + n, key, cfg, self.mesh, comp)
             batch = batch.replace(**plan)
         return _with_shardings(batch, self.mesh, self.rows)
 

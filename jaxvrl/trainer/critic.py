@@ -41,7 +41,8 @@ def init_params(trainable, hidden_size: int, seed: int = 0, share_backbone: bool
 def values(graphdef, backbone, head: dict, batch: RolloutBatch) -> jax.Array:
     """V(s_t) before each completion token: float32[B, N]. `backbone` is the full State."""
     model = nnx.merge(graphdef, backbone)
-    return head_values(completion_hidden(model, batch)[0], head)
+    comp = completion_hidden(model, batch)[0]
+    return comp.per_row(head_values(comp.hidden, head))
 
 
 def head_values(hidden: jax.Array, head: dict) -> jax.Array:

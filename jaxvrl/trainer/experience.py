@@ -26,7 +26,6 @@ from jaxvrl.trainer.passes import (
     RolloutBatch,
     blacken_patches,
     completion_hidden,
-    completion_logprobs,
     interleave_rows,
     micro_split,
     paired_packing,
@@ -114,34 +113,25 @@ def no_grad_passes(
 
     def one(args):
         mb, aug_mb = args
-        tokens = mb.input_ids[:, -mb.completion_length :]
-        logprobs = lambda m, h, **kw: completion_logprobs(  # noqa: E731
-            m, h, tokens, cfg.temperature, **kw
-        )[0]
+        logprobs = lambda m, c: c.logprobs(m, cfg.temperature)[0]  # noqa: E731
         res = {}
         paired = clean and aug_mb is not None and aug_mb.pixel_values.ndim == 3
         if clean:
             # with a perturbed pass, the clean and the perturbed rows run as one batch of
             # interleaved rows: one forward reads each layer's weights once for both
             both = paired_packing(interleave_rows(mb, mb.replace(images=aug_mb))) if paired else mb
-            hidden, out = completion_hidden(model, both, pools=cfg.vgr.enable_token_weights)
-            logp, entropy = completion_logprobs(
-                model,
-                hidden,
-                jnp.repeat(tokens, 2, axis=0) if paired else tokens,
-                cfg.temperature,
-                entropy="value",
-            )
+            comp, out = completion_hidden(model, both, pools=cfg.vgr.enable_token_weights)
+            logp, entropy = comp.logprobs(model, cfg.temperature, entropy="value")
             if paired:
                 (logp, res["aug_logp"]), (entropy, _) = unpair_rows(logp), unpair_rows(entropy)
-                hidden = unpair_rows(hidden)[0]
             res["old_logp"], res["entropy"] = logp, entropy
             if cfg.vgr.enable_token_weights:
                 for name in ("vision_mass", "text_mass"):
                     mass = getattr(out, name)  # [L, rows, N]
                     res[name] = unpair_rows(mass, axis=1)[0] if paired else mass
             if critic is not None and critic[0] is None:
-                res["values"] = critic_lib.head_values(hidden, critic[1])
+                values = comp.per_row(critic_lib.head_values(comp.hidden, critic[1]))
+                res["values"] = unpair_rows(values)[0] if paired else values
         if aug_mb is not None and not paired:
             res["aug_logp"] = logprobs(model, completion_hidden(model, mb, images=aug_mb)[0])
         if ref is not None:

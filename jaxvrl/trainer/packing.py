@@ -95,12 +95,17 @@ def row_groups(rows_per_micro_batch: int, mesh) -> int:
     return n if rows_per_micro_batch % n == 0 else 1
 
 
-def plan_packing(lengths: np.ndarray, length: int, rng, cfg: StepConfig, mesh=None) -> dict:
+def plan_packing(
+    lengths: np.ndarray, length: int, rng, cfg: StepConfig, mesh=None, completions=None
+) -> dict:
     """The packing plan of a step's rows (real tokens `lengths` int[B], every process's, in
     global row order; padded row `length`): `pack_start` int32[B] (the experience passes'
     micro-batches), `update_starts` int32[updates, rows per update] (each update's
     micro-batches, rows in `update_order(rng, ...)`), and the static `pack_groups`,
-    `pack_buffers`, `pack_length` (`choose_buffers` over every micro-batch of the step)."""
+    `pack_buffers`, `pack_length` (`choose_buffers` over every micro-batch of the step) and
+    `pack_completions`: the most completion tokens (`completions` int[B], those of the
+    completion mask; default: none) of any device group of a micro-batch, rounded up to a
+    multiple of a quarter of `length`."""
     b, m = len(lengths), cfg.micro_batches
     per_update = b // cfg.mini_batches
     groups = row_groups(per_update // m, mesh)
@@ -113,7 +118,11 @@ def plan_packing(lengths: np.ndarray, length: int, rng, cfg: StepConfig, mesh=No
     for rows, st in zip(schedules, starts):  # no row may lose a token
         if int((st + lengths[rows]).max()) > buffers * capacity:
             raise AssertionError(f"packing plan overflows {buffers} buffers of {capacity}")
+    comp = np.zeros(b, np.int64) if completions is None else np.asarray(completions)
+    most = max(int(comp[g].sum()) for g in parts)
+    unit = -(-length // SPANS)
     return dict(
+        pack_completions=max(unit, -(-most // unit) * unit),
         pack_start=starts[0],
         update_starts=np.stack(starts[1:]).astype(np.int32),
         pack_groups=groups,
@@ -127,19 +136,20 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBa
     tokens: the completion axis cut to its bucket, and with actor.padding_free the packing
     plan. Every process calls it at the same point (the lengths are gathered)."""
     local = np.asarray(batch.attention_mask).sum(axis=1)
-    longest = int(np.asarray(batch.completion_mask).sum(axis=1).max(initial=0))
+    comp = (np.asarray(batch.completion_mask) > 0).sum(axis=1)
     if jax.process_count() > 1:  # every process cuts and plans from every row
-        every = runtime.gather_json([local.tolist(), longest])
+        every = runtime.gather_json([local.tolist(), comp.tolist()])
         lengths = np.concatenate([np.asarray(x[0], np.int64) for x in every])
-        longest = max(x[1] for x in every)
+        comp = np.concatenate([np.asarray(x[1], np.int64) for x in every])
     else:
         lengths = local
+    longest = int(comp.max(initial=0))
     n = completion_bucket(longest, batch.completion_length)
     if n < batch.completion_length:  # the cut columns are padding: no row's length changes
         batch = cut_completions(batch, n)
     if not cfg.actor.padding_free:
         return batch
-    plan = plan_packing(lengths, int(batch.input_ids.shape[1]), rng, cfg, mesh)
+    plan = plan_packing(lengths, int(batch.input_ids.shape[1]), rng, cfg, mesh, comp)
     first = jax.process_index() * len(local)
     plan["pack_start"] = plan["pack_start"][first : first + len(local)]  # this process's rows
     return batch.replace(**plan)

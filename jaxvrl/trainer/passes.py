@@ -40,9 +40,10 @@ class RolloutBatch:
     update_starts:   int32[updates, B / mini-batches]: the same for each update's
                      micro-batches (rows in `update_order`); the step takes it off the batch
                      before splitting rows.
-    pack_groups, pack_buffers, pack_length: static: a micro-batch's rows fall into
-                     pack_groups groups (one per device holding rows), each packed into
-                     pack_buffers buffers of pack_length slots.
+    pack_groups, pack_buffers, pack_length, pack_completions: static: a micro-batch's rows
+                     fall into pack_groups groups (one per device holding rows), each packed
+                     into pack_buffers buffers of pack_length slots, its real completion
+                     tokens (completion_mask) into pack_completions slots for the head.
     """
 
     input_ids: jax.Array
@@ -62,6 +63,7 @@ class RolloutBatch:
     pack_groups: int = struct.field(pytree_node=False, default=1)
     pack_buffers: int = struct.field(pytree_node=False, default=0)
     pack_length: int = struct.field(pytree_node=False, default=0)
+    pack_completions: int = struct.field(pytree_node=False, default=0)
 
     @property
     def completion_length(self) -> int:
@@ -121,11 +123,37 @@ def batch_rows(batch: RolloutBatch, idx: jax.Array) -> RolloutBatch:
     return rows.replace(position_ids=jnp.moveaxis(rows.position_ids, 0, 1))
 
 
+@struct.dataclass
+class Completions:
+    """The final hidden states that predict a batch's completion tokens, and those tokens:
+    hidden [R, C, D] and tokens int32[R, C] with R = B rows of C = N tokens, or, for packed
+    rows, R device groups of C slots holding each group's real completion tokens (those of
+    completion_mask), in order. `per_row` brings per-token values back to [B, N]."""
+
+    hidden: jax.Array
+    tokens: jax.Array
+    index: jax.Array | None = None  # int32[R, rows per group x N]: each token's slot (C: none)
+    rows: int = struct.field(pytree_node=False, default=0)
+
+    def per_row(self, x: jax.Array) -> jax.Array:
+        """[R, C] per-token values -> [B, N] (0 where a packed row has no such token)."""
+        if self.index is None:
+            return x
+        padded = jnp.pad(x, ((0, 0), (0, 1)))
+        return jnp.take_along_axis(padded, self.index, axis=1).reshape(self.rows, -1)
+
+    def logprobs(self, model, temperature: float, **kw):
+        """`completion_logprobs` of these tokens, per row [B, N] (entropy None unless asked)."""
+        logp, ent = completion_logprobs(model, self.hidden, self.tokens, temperature, **kw)
+        return self.per_row(logp), None if ent is None else self.per_row(ent)
+
+
 def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
-    """Forward the whole sequence; returns (hidden [B, N, D] whose logits predict each
-    completion token, out with the attention masses of those positions [L, B, N]).
-    Position t predicts token t+1, so the completion's are [P-1, L-1). With the batch's
-    packing the forward runs on the packed real tokens and these come back per row."""
+    """Forward the whole sequence; returns (`Completions`: the hidden states whose logits
+    predict each completion token, out with the attention masses of those positions
+    [L, B, N]). Position t predicts token t+1, so the completion's are [P-1, L-1). With the
+    batch's packing the forward runs on the packed real tokens, and the head reads the real
+    completion tokens only (`pack_completions` slots per device group)."""
     packing = batch.packing()
     out = model.forward(
         batch.input_ids,
@@ -138,17 +166,26 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
         packing=packing,
     )
     n, t = batch.completion_length, batch.input_ids.shape[1]
+    tokens = batch.input_ids[:, -n:]
     if packing is None:
-        per_row = lambda x, axis: x[:, :, -n - 1 : -1] if axis else x[:, -n - 1 : -1]  # noqa: E731
-    else:
-        cols = np.arange(t - n - 1, t - 1)
-        per_row = lambda x, axis: packing.take(x, cols, axis)  # noqa: E731
-    masses = {
-        k: per_row(getattr(out, k), 1)
-        for k in ("vision_mass", "text_mass")
-        if getattr(out, k) is not None
-    }
-    return per_row(out.hidden, 0), out.replace(**masses)
+        masses = {k: getattr(out, k)[:, :, -n - 1 : -1] for k in ("vision_mass", "text_mass")
+                  if getattr(out, k) is not None}  # fmt: skip
+        return Completions(out.hidden[:, -n - 1 : -1], tokens), out.replace(**masses)
+    cols = np.arange(t - n - 1, t - 1)
+    masses = {k: packing.take(getattr(out, k), cols, 1) for k in ("vision_mass", "text_mass")
+              if getattr(out, k) is not None}  # fmt: skip
+    # each device group's real completion tokens, in order, in pack_completions slots
+    b, g, size = tokens.shape[0], batch.pack_groups, batch.pack_completions
+    real = (batch.completion_mask > 0).reshape(g, -1)  # [groups, rows per group x N]
+    rank = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
+    index = jnp.where(real, rank, size)
+    local = jnp.arange(real.shape[1], dtype=jnp.int32)
+    src = jax.vmap(lambda i: jnp.zeros(size, jnp.int32).at[i].set(local, mode="drop"))(index)
+    take = lambda x: jnp.take_along_axis(x.reshape((g, -1) + x.shape[2:]), src, axis=1)  # noqa: E731
+    slots = take(jnp.minimum(packing.dest[:, cols], packing.buffers * packing.length - 1))
+    flat = out.hidden.reshape(g, -1, out.hidden.shape[-1])  # [groups, buffers x T, D]
+    hidden = jnp.take_along_axis(flat, slots[..., None], axis=1)
+    return Completions(hidden, take(tokens), index, b), out.replace(**masses)
 
 
 def paired_packing(both: RolloutBatch) -> RolloutBatch:
@@ -157,7 +194,11 @@ def paired_packing(both: RolloutBatch) -> RolloutBatch:
     if both.pack_start is None:
         return both
     second = (jnp.arange(both.pack_start.shape[0]) % 2) * (both.pack_buffers * both.pack_length)
-    return both.replace(pack_start=both.pack_start + second, pack_buffers=2 * both.pack_buffers)
+    return both.replace(
+        pack_start=both.pack_start + second,
+        pack_buffers=2 * both.pack_buffers,
+        pack_completions=2 * both.pack_completions,
+    )
 
 
 # float32 logits one chunk of the head may hold: [B, chunk, V] stays near this size.

@@ -182,11 +182,8 @@ class Group:
         )
 
 
-def _entropies(groups: list[Group]) -> np.ndarray | None:
-    """The groups' sampler entropies [rows, N] (zeros for padding groups, which have none),
-    or None where no group has them."""
-    if all(x.entropies is None for x in groups):
-        return None
+def _entropies(groups: list[Group]) -> np.ndarray:
+    """The groups' sampler entropies [rows, N] (zeros for padding groups, which have none)."""
     zeros = lambda x: np.zeros(x.tokens.shape, np.float32)  # noqa: E731
     return np.concatenate([zeros(x) if x.entropies is None else x.entropies for x in groups])
 
@@ -580,7 +577,7 @@ class RolloutPhase:
             with_pools=self.with_pools,
             baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
             old_logprobs=np.concatenate([x.logprobs for x in groups]),
-            old_entropy=_entropies(groups),
+            old_entropy=_entropies(groups) if self.sampler.cfg.entropies else None,
         )
 
     def _metrics(self, got: Collected, infos: list[dict], real: np.ndarray) -> dict:

@@ -24,7 +24,6 @@ from jaxvrl.trainer.passes import (
     RolloutBatch,
     batch_rows,
     completion_hidden,
-    completion_logprobs,
     micro_split,
     split_rows,
     take_rows,
@@ -91,14 +90,11 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     rows = aux.rows
     if aux.dropout_key is not None:  # LoRA dropout, in the gradient pass only
         lora.set_dropout_key(model, aux.dropout_key)
-    tokens = mb.input_ids[:, -mb.completion_length :]
     in_loss = cfg.shaping_in_loss
-    hidden, out = completion_hidden(model, mb, pools=in_loss and cfg.vgr.enable_token_weights)
+    comp, out = completion_hidden(model, mb, pools=in_loss and cfg.vgr.enable_token_weights)
     want_entropy = cfg.actor.entropy_coef or not cfg.old_pass
-    logp, entropy = completion_logprobs(
+    logp, entropy = comp.logprobs(
         model,
-        hidden,
-        tokens,
         cfg.temperature,
         entropy=("grad" if cfg.actor.entropy_coef else "value") if want_entropy else "none",
     )
@@ -156,7 +152,7 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
             kl = rl.kl_penalty(sg(logp), rows.ref_logp, cfg.actor.kl_loss_type)
             old_sums["kl"] = jnp.sum(kl * mask)
     if head is not None:
-        values = critic_lib.head_values(hidden, head)
+        values = comp.per_row(critic_lib.head_values(comp.hidden, head))
         vf, vmets = critic_lib.value_loss_terms(
             values, rows.old_values, rows.returns, mask, cfg.critic.cliprange_value, aux.vf_total
         )

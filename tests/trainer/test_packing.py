@@ -95,8 +95,9 @@ def on_device(batch):
 
 
 def test_forward_outputs_per_completion_token_equal_padded(model):
-    """completion_hidden on packed rows: hidden states and both attention masses of every
-    real completion token equal the padded forward's (2 groups of 2 buffers)."""
+    """completion_hidden on packed rows: the log-probs and entropies of every real completion
+    token (the head reads only those, per device group) and both attention masses equal the
+    padded forward's (2 groups of 2 buffers)."""
     batch = mixed_batch(model, seed=1)
     cfg = step_config(dict(TPRL, **{"optim.micro_batches": 1, "actor.global_batch_size": None}))
     fitted = packing.fit_batch(batch, jax.random.key(0), cfg)
@@ -113,7 +114,11 @@ def test_forward_outputs_per_completion_token_equal_padded(model):
     got_h, got = completion_hidden(model, packed, pools=True)
     m = batch.completion_mask[:, :n] > 0
     assert not batch.completion_mask[:, n:].any()
-    np.testing.assert_allclose(np.asarray(got_h)[m], np.asarray(want_h)[:, :n][m], atol=2e-5)
+    assert got_h.hidden.shape[:2] == (2, fitted.pack_completions)  # real tokens, per group
+    for a, b in zip(got_h.logprobs(model, 0.7, entropy="value"),
+                    want_h.logprobs(model, 0.7, entropy="value")):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(a)[m], np.asarray(b)[:, :n][m], atol=2e-5)
+        assert np.all(np.asarray(a)[~m] == 0)
     for name in ("vision_mass", "text_mass"):
         a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))[:, :, :n]
         np.testing.assert_allclose(a[:, m], b[:, m], atol=1e-6)
