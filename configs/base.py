@@ -274,6 +274,18 @@ def get_config(arg=None):
     # inside each row (false: padded rows [rows, prompt + completion]). Either way the
     # completion axis is cut to the batch's longest completion, in eighths of max_new_tokens
     c.actor.padding_free = True
+    # micro-batches formed by a token budget: each step takes the fewest micro-batches (a
+    # divisor of an update's rows; optim.micro_batches then only sets the first try's floor
+    # of 1) whose packed slots per device (padded: rows x row length) stay within
+    # actor.max_token_len_per_device; the count is logged (train/micro_batches)
+    c.actor.dynamic_batching = setting(
+        False,
+        agree(
+            lambda v, c: not v or c.actor.max_token_len_per_device is not None,
+            "needs actor.max_token_len_per_device (tokens per device per micro-batch)",
+        ),
+    )
+    c.actor.max_token_len_per_device = setting(None, at_least(1), type=int)
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
     # the critic's AdamW learning rate (constant, no weight decay)

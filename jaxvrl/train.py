@@ -634,6 +634,7 @@ def _run(c) -> dict:
             # the step's shape: completion columns kept, packed buffers per device group
             metrics["train/completion_columns"] = float(batch.completion_length)
             metrics["train/pack_buffers"] = float(batch.pack_buffers)
+            metrics["train/micro_batches"] = float(batch.micro_batches or c.optim.micro_batches)
             metrics["compiles/train_step"] = float(runtime.compiles(train_step))
             metrics.update(counters.update(metrics))
             if (c.val_freq and done % c.val_freq == 0) or done == c.total_steps:

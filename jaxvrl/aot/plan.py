@@ -316,10 +316,8 @@ class Plan:
             old_entropy=np.zeros((b, n), np.float32) if cfg.sampler_shaping else None,
         )
         batch = dataclasses.replace(batch, images=self._images(b))
-        if cfg.actor.padding_free:
-            key = jax.random.key(0)
-            plan = packing.plan_packing(p + comp, p + n, key, cfg, self.mesh, comp)
-            batch = batch.replace(**plan)
+        plan = packing.plan_batch(p + comp, comp, p + n, jax.random.key(0), cfg, self.mesh)
+        batch = batch.replace(**plan)
         return _with_shardings(batch, self.mesh, self.rows)
 
     def _rng(self, mesh=None):
@@ -512,4 +510,6 @@ class Plan:
                 f", packed: {b.pack_buffers} buffer(s) of {b.pack_length} per micro-batch "
                 f"and device group ({b.pack_groups} groups)"
             )
+        if b.micro_batches:
+            words += f"; {b.micro_batches} micro-batch(es) (actor.dynamic_batching)"
         return words + f"; shaping from the {cfg.actor.shaping_source}"

@@ -272,7 +272,8 @@ def _old_logprobs(batch: RolloutBatch, passes: Passes, cfg: StepConfig, metrics:
             "updates per batch read them as the old log-probs, and rollout_is weighs them; "
             "assemble the batch with the sampler's log-probs or set old_logprobs='recompute'"
         )
-    old = sampler if cfg.sampler_old else passes.old_logp if cfg.old_pass else None
+    recomputed = cfg.old_pass and not cfg.sampler_shaping  # else the loss pass's own, exact
+    old = sampler if cfg.sampler_old else passes.old_logp if recomputed else None
     if sampler is None or passes.old_logp is None or cfg.sampler_shaping:
         return old, None
     w, m = rl.rollout_correction(

@@ -10,9 +10,13 @@
    and length (a multiple of a quarter of the padded row, up to four rows) are those of the
    fewest slots that hold every micro-batch. A run compiles one program per (completion
    bucket, buffer count, buffer length): a handful, not one per step.
+3. With `actor.dynamic_batching`, the micro-batch count too is the batch's: the fewest whose
+   micro-batches fit `actor.max_token_len_per_device` tokens per device.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import numpy as np
@@ -22,6 +26,8 @@ from jaxvrl.parallel import runtime
 from jaxvrl.trainer.passes import RolloutBatch
 from jaxvrl.trainer.state import StepConfig
 from jaxvrl.trainer.update import update_order
+
+log = logging.getLogger("jaxvrl")
 
 BUCKETS = 8  # completion lengths are cut to a multiple of max_new_tokens / BUCKETS
 
@@ -96,7 +102,13 @@ def row_groups(rows_per_micro_batch: int, mesh) -> int:
 
 
 def plan_packing(
-    lengths: np.ndarray, length: int, rng, cfg: StepConfig, mesh=None, completions=None
+    lengths: np.ndarray,
+    length: int,
+    rng,
+    cfg: StepConfig,
+    mesh=None,
+    completions=None,
+    micro_batches: int | None = None,
 ) -> dict:
     """The packing plan of a step's rows (real tokens `lengths` int[B], every process's, in
     global row order; padded row `length`): `pack_start` int32[B] (the experience passes'
@@ -105,8 +117,8 @@ def plan_packing(
     `pack_buffers`, `pack_length` (`choose_buffers` over every micro-batch of the step) and
     `pack_completions`: the most completion tokens (`completions` int[B], those of the
     completion mask; default: none) of any device group of a micro-batch, rounded up to a
-    multiple of a quarter of `length`."""
-    b, m = len(lengths), cfg.micro_batches
+    multiple of a quarter of `length`. micro_batches: default optim.micro_batches."""
+    b, m = len(lengths), micro_batches or cfg.micro_batches
     per_update = b // cfg.mini_batches
     groups = row_groups(per_update // m, mesh)
     order = np.asarray(jax.device_get(update_order(rng, b, cfg.epochs, cfg.mini_batches)))
@@ -131,6 +143,36 @@ def plan_packing(
     )
 
 
+def plan_batch(lengths, completions, length: int, rng, cfg: StepConfig, mesh=None) -> dict:
+    """What `fit_batch` sets on a batch of rows with `lengths` real tokens, `completions` of
+    them completion tokens and padded row `length`: the packing plan (actor.padding_free)
+    and, with actor.dynamic_batching, `micro_batches`: the fewest (a divisor of an update's
+    rows) whose micro-batches hold at most actor.max_token_len_per_device slots per device
+    (the most: one row per device, with a warning, where a row alone is over the budget)."""
+    free = cfg.actor.padding_free
+    plan = lambda m: plan_packing(lengths, length, rng, cfg, mesh, completions, m)  # noqa: E731
+    if not cfg.actor.dynamic_batching:
+        return plan(None) if free else {}
+    b = len(lengths)
+    per_update = b // cfg.mini_batches
+    budget = cfg.actor.max_token_len_per_device
+    out = {}
+    for m in [d for d in range(1, per_update + 1) if per_update % d == 0]:
+        out = dict(plan(m) if free else {}, micro_batches=m)
+        groups = row_groups(per_update // m, mesh)
+        slots = out["pack_buffers"] * out["pack_length"] if free else b // m // groups * length
+        if slots <= budget:
+            return out
+    log.warning(
+        "actor.max_token_len_per_device=%d: a micro-batch of one row per device needs more "
+        "(%d slots); running %d micro-batches",
+        budget,
+        slots,
+        out["micro_batches"],
+    )
+    return out
+
+
 def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBatch:
     """A rollout batch (host arrays: this process's rows of the step) fitted to its real
     tokens: the completion axis cut to its bucket, and with actor.padding_free the packing
@@ -147,9 +189,8 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBa
     n = completion_bucket(longest, batch.completion_length)
     if n < batch.completion_length:  # the cut columns are padding: no row's length changes
         batch = cut_completions(batch, n)
-    if not cfg.actor.padding_free:
-        return batch
-    plan = plan_packing(lengths, int(batch.input_ids.shape[1]), rng, cfg, mesh, comp)
-    first = jax.process_index() * len(local)
-    plan["pack_start"] = plan["pack_start"][first : first + len(local)]  # this process's rows
+    plan = plan_batch(lengths, comp, int(batch.input_ids.shape[1]), rng, cfg, mesh)
+    if "pack_start" in plan:  # this process's rows
+        first = jax.process_index() * len(local)
+        plan["pack_start"] = plan["pack_start"][first : first + len(local)]
     return batch.replace(**plan)

@@ -44,6 +44,8 @@ class RolloutBatch:
                      fall into pack_groups groups (one per device holding rows), each packed
                      into pack_buffers buffers of pack_length slots, its real completion
                      tokens (completion_mask) into pack_completions slots for the head.
+    micro_batches:   static: the step's micro-batch count (actor.dynamic_batching's choice);
+                     0: optim.micro_batches.
     """
 
     input_ids: jax.Array
@@ -64,6 +66,7 @@ class RolloutBatch:
     pack_buffers: int = struct.field(pytree_node=False, default=0)
     pack_length: int = struct.field(pytree_node=False, default=0)
     pack_completions: int = struct.field(pytree_node=False, default=0)
+    micro_batches: int = struct.field(pytree_node=False, default=0)
 
     @property
     def completion_length(self) -> int:

@@ -108,7 +108,7 @@ class StepConfig:
         itself: the extra forward is needed only for what must be known before the loss (the
         KL in the reward, the critic's values), for token shaping that spans several
         micro-batches or updates, or when asked for (old_logprobs="recompute")."""
-        split = self.micro_batches > 1 or self.updates > 1
+        split = self.micro_batches > 1 or self.updates > 1 or self.actor.dynamic_batching
         return (
             self.algorithm.use_kl_in_reward
             or self.has_critic
@@ -126,13 +126,15 @@ class StepConfig:
     def sampler_shaping(self) -> bool:
         """Whether the old-policy log-probs and entropies token shaping reads are the
         sampler's (RolloutBatch.old_logprobs, old_entropy) rather than a no-grad clean
-        pass's: with an old-policy pass to replace, the sampler's log-probs as the ratio's,
-        actor.shaping_source sampler ("auto" is resolved when a run starts, else counts as
-        recompute) and nothing else reading the clean pass (VGR masses, the critic, the KL
-        in the reward, groups replayed from an earlier policy)."""
+        pass's: with an old-policy pass to replace, actor.old_logprobs sampler (the sampler
+        drew the batch from the old policy), actor.shaping_source sampler ("auto" is
+        resolved when a run starts, else counts as recompute) and nothing else reading the
+        clean pass (VGR masses, the critic, the KL in the reward, groups replayed from an
+        earlier policy). With one update the ratio still takes the loss pass's own
+        log-probs."""
         return (
             self.old_pass
-            and self.sampler_old
+            and self.actor.old_logprobs == "sampler"
             and self.actor.shaping_source == "sampler"
             and not self.vgr.enable_token_weights
             and not self.has_critic

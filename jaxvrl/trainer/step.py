@@ -43,6 +43,13 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
     weights) for the markdown logs."""
 
     def step(state: TrainState, ref_params, batch, rng):
+        cfg_ = cfg
+        if batch.micro_batches and batch.micro_batches != cfg.micro_batches:
+            # dynamic batching: this batch's micro-batch count (a program per count)
+            cfg_ = cfg.with_values({"optim.micro_batches": batch.micro_batches})
+        return run(state, ref_params, batch, rng, cfg_)
+
+    def run(state, ref_params, batch, rng, cfg):
         exp = experience(graphdef, state, ref_params, batch.replace(update_starts=None), rng, cfg)
         new_state, metrics, extras = update(graphdef, tx, state, exp, batch, rng, cfg)
         if exp.kl_coef is not None:

@@ -1,5 +1,6 @@
 """Sharded training: on 8 simulated CPU devices, 3 train steps on meshes (data=8),
-(fsdp=8) and (data=2, fsdp=2, tensor=2) give the losses and parameters of one device, the
+(fsdp=8) and (data=2, fsdp=2, tensor=2) (there also padding-free: rows packed per device)
+give the losses and parameters of one device, the
 sampler gives the same greedy tokens and grouped samples on the last of them (every axis
 split; the rollout's own meshes, below, are what the trainer samples on), and with fsdp=8
 each device holds 1/8 of every fsdp-sharded parameter (and of its optimizer state).
@@ -30,6 +31,7 @@ from flax import nnx
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.parallel import runtime as R, sharding as S
 from jaxvrl.sampling import Sampler, SamplingConfig
+from jaxvrl.trainer.packing import fit_batch
 from jaxvrl.trainer.step import TrainState, build_train_step, make_train_step
 from tests.models import hf_tiny as T
 from tests.helpers import G, make_batch, make_prompts, step_config
@@ -108,6 +110,17 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
         state, m, _ = step(state, ref, batch, k)
         losses.append(float(m["loss"]))
     diffs = [float(np.max(np.abs(params1[p] - np.asarray(v)))) for p, v in flat(state.params)]
+    packed = {}
+    if sizes["tensor"] == 2:  # the same steps padding-free: rows packed per device group
+        (pstate, pref), _ = R.sharded_init(init, mesh, R.put_on_mesh(host, psh))
+        plosses, groups = [], set()
+        for b, k in zip(batches, keys):
+            pb = fit_batch(b, k, cfg, mesh)
+            groups.add(pb.pack_groups)
+            pstate, m, _ = step(pstate, pref, R.place_batch(pb, mesh), k)
+            plosses.append(float(m["loss"]))
+        pd = [float(np.max(np.abs(params1[p] - np.asarray(v)))) for p, v in flat(pstate.params)]
+        packed = {"losses": plosses, "max_param_diff": max(pd), "groups": sorted(groups)}
     tokens = groups = np.zeros(0)
     if sizes["tensor"] == 2:  # parameters as training shards them, rows over data x fsdp
         tokens = sample(R.put_on_mesh(host, psh), R.place_batch(prompts, mesh))
@@ -142,6 +155,7 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
         "n_params": len(diffs),
         "n_matrices": matrices,
         "step": int(state.step),
+        "packed": packed,
     }
 
 # the rollout's own layout: parameters on the fsdp=8 training mesh, prepared (resharded) for
@@ -197,6 +211,16 @@ MESHES = (
 def test_three_steps_match_one_device(report, mesh):
     one, got = report["one_device"], report[mesh]
     assert got["step"] == 3
+    for a, b in zip(one["losses"], got["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a) + 1e-7, (one["losses"], got["losses"])
+    assert got["max_param_diff"] < 1e-6
+
+
+def test_packed_steps_on_a_mesh_match_one_device(report):
+    """Padding-free on 8 devices (data 2 x fsdp 2 x tensor 2): each device's rows packed in
+    its own buffers (4 groups), 3 steps give the padded single-device losses and parameters."""
+    one, got = report["one_device"], report[MESHES[2]]["packed"]
+    assert got["groups"] == [4]
     for a, b in zip(one["losses"], got["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a) + 1e-7, (one["losses"], got["losses"])
     assert got["max_param_diff"] < 1e-6

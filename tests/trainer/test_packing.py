@@ -229,3 +229,66 @@ def test_micro_batches_split_the_plan_with_the_rows(model):
     fitted = packing.fit_batch(mixed_batch(model), jax.random.key(0), cfg)
     split = micro_split(on_device(fitted).replace(update_starts=None), 2)
     assert split.pack_start.shape == (2, 4) and split.pack_buffers == fitted.pack_buffers
+
+
+def _gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _gpu(), reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("attention", ["cudnn", "flash"])
+def test_packed_forward_on_a_gpu(ckpt, attention):
+    """bfloat16 on a GPU: packed rows through cuDNN's (segment ids as its mask) or the flash
+    attention give the padded dense forward's completion log-probs."""
+    from jaxvrl.models import qwen2_5_vl as q
+
+    batch = mixed_batch(q.load(ckpt), seed=3)
+    cfg = step_config(dict(TPRL, **{"optim.micro_batches": 1, "actor.global_batch_size": None}))
+    fitted = packing.fit_batch(batch, jax.random.key(0), cfg)
+    n = fitted.completion_length
+    m = batch.completion_mask[:, :n] > 0
+    dense = q.load(ckpt, dtype=jnp.bfloat16, attention="xla")
+    model = q.load(ckpt, dtype=jnp.bfloat16, attention=attention)
+    want = completion_hidden(dense, on_device(batch))[0].logprobs(dense, 1.0)[0]
+    got = completion_hidden(model, on_device(fitted))[0].logprobs(model, 1.0)[0]
+    want, got = np.asarray(want)[:, :n][m], np.asarray(got)[m]
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+
+def test_dynamic_batching_takes_the_fewest_micro_batches_within_the_budget(model):
+    """actor.dynamic_batching: the micro-batch count is the fewest whose packed slots per
+    device fit actor.max_token_len_per_device (smaller budgets, more micro-batches; one row
+    per micro-batch at the least), and the step with the batch's count equals the step
+    configured with that count."""
+    batch = mixed_batch(model, seed=4)
+    base = dict(TPRL, **{"actor.global_batch_size": None, "actor.ppo_epochs": 1})
+    counts = []
+    for budget in (10_000, 120, 60, 1):
+        cfg = step_config(dict(base, **{"actor.dynamic_batching": True,
+                                        "actor.max_token_len_per_device": budget}))  # fmt: skip
+        fitted = packing.fit_batch(batch, jax.random.key(0), cfg)
+        slots = fitted.pack_buffers * fitted.pack_length
+        assert slots <= budget or fitted.micro_batches == 8
+        if fitted.micro_batches > 1:  # one micro-batch fewer would not fit
+            fewer = packing.plan_packing(
+                batch.attention_mask.sum(1), fitted.input_ids.shape[1], jax.random.key(0), cfg,
+                micro_batches=fitted.micro_batches // 2,
+            )  # fmt: skip
+            assert fewer["pack_buffers"] * fewer["pack_length"] > budget
+        counts.append(fitted.micro_batches)
+    assert counts[0] == 1 and counts[-1] == 8 and counts == sorted(counts), counts
+    cfg = step_config(dict(base, **{"actor.dynamic_batching": True,
+                                    "actor.max_token_len_per_device": 60}))  # fmt: skip
+    dynamic = packing.fit_batch(batch, jax.random.key(0), cfg)
+    m = dynamic.micro_batches
+    fixed_cfg = step_config(dict(base, **{"optim.micro_batches": m}))
+    fixed = packing.fit_batch(batch, jax.random.key(0), fixed_cfg)
+    assert 1 < m < 8 and fixed.micro_batches == 0
+    got_p, got_m, _ = _step(model, cfg, dynamic, jax.random.key(1))
+    want_p, want_m, _ = _step(model, fixed_cfg, fixed, jax.random.key(1))
+    for k, v in want_p.items():
+        np.testing.assert_array_equal(got_p[k], v, err_msg=k)
+    assert float(got_m["loss"]) == float(want_m["loss"])
