@@ -508,7 +508,8 @@ class Plan:
         if cfg.actor.padding_free:
             words += (
                 f", packed: {b.pack_buffers} buffer(s) of {b.pack_length} per micro-batch "
-                f"and device group ({b.pack_groups} groups)"
+                f"and device group ({b.pack_groups} groups) in the experience passes, "
+                f"{b.update_pack[0]} of {b.update_pack[1]} in the updates"
             )
         if b.micro_batches:
             words += f"; {b.micro_batches} micro-batch(es) (actor.dynamic_batching)"

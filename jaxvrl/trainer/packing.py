@@ -114,32 +114,43 @@ def plan_packing(
     global row order; padded row `length`): `pack_start` int32[B] (the experience passes'
     micro-batches), `update_starts` int32[updates, rows per update] (each update's
     micro-batches, rows in `update_order(rng, ...)`), and the static `pack_groups`,
-    `pack_buffers`, `pack_length` (`choose_buffers` over every micro-batch of the step) and
-    `pack_completions`: the most completion tokens (`completions` int[B], those of the
-    completion mask; default: none) of any device group of a micro-batch, rounded up to a
-    multiple of a quarter of `length`. micro_batches: default optim.micro_batches."""
+    `pack_buffers`, `pack_length` (`choose_buffers` over the experience's micro-batches),
+    `pack_completions` (the most completion tokens, `completions` int[B] of the completion
+    mask, default none, of any device group of them, rounded up to a multiple of a quarter
+    of `length`) and `update_pack`: the same three for the updates' micro-batches.
+    micro_batches: default optim.micro_batches."""
     b, m = len(lengths), micro_batches or cfg.micro_batches
     per_update = b // cfg.mini_batches
     groups = row_groups(per_update // m, mesh)
     order = np.asarray(jax.device_get(update_order(rng, b, cfg.epochs, cfg.mini_batches)))
-    schedules = [np.arange(b)] + list(order)  # each pass's rows, in micro-batch order
-    parts = [g for rows in schedules for mb in np.split(rows, m) for g in np.split(mb, groups)]
-    buffers, capacity = choose_buffers([lengths[g] for g in parts], length, b // m // groups)
-    starts = [np.concatenate([first_fit(lengths[g], capacity)[0] for g in np.split(rows, m * groups)])
-              for rows in schedules]  # fmt: skip
-    for rows, st in zip(schedules, starts):  # no row may lose a token
-        if int((st + lengths[rows]).max()) > buffers * capacity:
-            raise AssertionError(f"packing plan overflows {buffers} buffers of {capacity}")
     comp = np.zeros(b, np.int64) if completions is None else np.asarray(completions)
-    most = max(int(comp[g].sum()) for g in parts)
     unit = -(-length // SPANS)
+
+    def place(schedules: list) -> tuple:  # one shape for these passes' micro-batches
+        parts = [g for rows in schedules for mb in np.split(rows, m) for g in np.split(mb, groups)]
+        buffers, capacity = choose_buffers([lengths[g] for g in parts], length, len(parts[0]))
+        starts = [
+            np.concatenate([first_fit(lengths[g], capacity)[0] for g in np.split(rows, m * groups)])
+            for rows in schedules
+        ]
+        for rows, st in zip(schedules, starts):  # no row may lose a token
+            if int((st + lengths[rows]).max()) > buffers * capacity:
+                raise AssertionError(f"packing plan overflows {buffers} buffers of {capacity}")
+        most = max(int(comp[g].sum()) for g in parts)
+        return starts, (buffers, capacity, max(unit, -(-most // unit) * unit))
+
+    # the experience passes' micro-batches split all rows, each update's only its share:
+    # each kind gets its own shape
+    exp, exp_shape = place([np.arange(b)])
+    upd, upd_shape = place(list(order))
     return dict(
-        pack_completions=max(unit, -(-most // unit) * unit),
-        pack_start=starts[0],
-        update_starts=np.stack(starts[1:]).astype(np.int32),
+        pack_start=exp[0],
+        update_starts=np.stack(upd).astype(np.int32),
         pack_groups=groups,
-        pack_buffers=buffers,
-        pack_length=capacity,
+        pack_buffers=exp_shape[0],
+        pack_length=exp_shape[1],
+        pack_completions=exp_shape[2],
+        update_pack=upd_shape,
     )
 
 

@@ -46,6 +46,8 @@ class RolloutBatch:
                      tokens (completion_mask) into pack_completions slots for the head.
     micro_batches:   static: the step's micro-batch count (actor.dynamic_batching's choice);
                      0: optim.micro_batches.
+    update_pack:     static: (pack_buffers, pack_length, pack_completions) of the updates'
+                     micro-batches (fewer rows than the experience passes'), or ().
     """
 
     input_ids: jax.Array
@@ -67,6 +69,7 @@ class RolloutBatch:
     pack_length: int = struct.field(pytree_node=False, default=0)
     pack_completions: int = struct.field(pytree_node=False, default=0)
     micro_batches: int = struct.field(pytree_node=False, default=0)
+    update_pack: tuple = struct.field(pytree_node=False, default=())
 
     @property
     def completion_length(self) -> int:

@@ -284,7 +284,13 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
         else:
             mb, rows = batch_rows(batch, idx), take_rows(exp.rows, idx)
         if starts is not None:  # this update's micro-batches' packing
-            mb = mb.replace(pack_start=starts)
+            buffers, length, completions = batch.update_pack
+            mb = mb.replace(
+                pack_start=starts,
+                pack_buffers=buffers,
+                pack_length=length,
+                pack_completions=completions,
+            )
         aux = _micro_aux(mb, rows, keys, cfg)
         head = carry["critic"]["head"] if shared else None
         xs = (micro_split(mb, cfg.micro_batches), aux)

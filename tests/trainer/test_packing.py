@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxvrl import models
 from jaxvrl.models import attention_pools
+from jaxvrl.parallel import runtime
 from jaxvrl.sampling.sampler import row_vision_inputs
 from jaxvrl.trainer import packing
 from jaxvrl.trainer.passes import completion_hidden, micro_split
@@ -182,25 +183,32 @@ def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
         mask[:, p:] = comp
         one = batch.replace(completion_mask=comp, attention_mask=mask)
         fitted = packing.fit_batch(one, jax.random.key(s), cfg)
-        shapes.add((fitted.completion_length, fitted.pack_buffers, fitted.pack_length))
+        upd_buffers, upd_length, _ = fitted.update_pack
+        shapes.add((fitted.completion_length, fitted.pack_buffers, fitted.pack_length,
+                    upd_buffers, upd_length))  # fmt: skip
         real = fitted.attention_mask.sum(1)
         unit = -(-fitted.input_ids.shape[1] // packing.SPANS)  # a quarter of a padded row
-        assert fitted.pack_length % unit == 0 and fitted.pack_length <= 4 * packing.SPANS * unit
-        # fewer slots than the padded rows of a micro-batch (4 of them)
-        assert fitted.pack_buffers * fitted.pack_length < 4 * fitted.input_ids.shape[1]
+        exp_shape = (fitted.pack_buffers, fitted.pack_length)
+        for (k, t), rows in ((exp_shape, 4), ((upd_buffers, upd_length), 2)):
+            assert t % unit == 0 and t <= 4 * packing.SPANS * unit
+            # fewer slots than the padded rows of a micro-batch (4 in the experience's, 2 in
+            # an update's)
+            assert k * t < rows * fitted.input_ids.shape[1]
         starts = [fitted.pack_start] + list(fitted.update_starts)
         orders = [np.arange(b)] + list(np.asarray(_order(s, b, cfg)))
-        for start, order in zip(starts, orders):
+        for i, (start, order) in enumerate(zip(starts, orders)):
+            k, t = exp_shape if i == 0 else (upd_buffers, upd_length)
             for rows, st in zip(np.split(order, cfg.micro_batches), np.split(start, 2)):
-                used = np.zeros(fitted.pack_buffers * fitted.pack_length, int)
+                used = np.zeros(k * t, int)
                 for r, a in zip(rows, st):
-                    assert a // fitted.pack_length == (a + real[r] - 1) // fitted.pack_length
+                    assert a // t == (a + real[r] - 1) // t
                     used[a : a + real[r]] += 1
                 assert used.max() == 1
     # completion buckets x buffer counts 1, 2, 4 (rows of an experience micro-batch) x
     # buffer lengths: a run meets a handful of them
-    assert {n for n, _, _ in shapes} <= set(range(1, MAX_NEW + 1)), shapes
-    assert {k for _, k, _ in shapes} <= {1, 2, 4} and len(shapes) <= 16, shapes
+    assert {x[0] for x in shapes} <= set(range(1, MAX_NEW + 1)), shapes
+    assert {x[1] for x in shapes} <= {1, 2, 4} and {x[3] for x in shapes} <= {1, 2}, shapes
+    assert len(shapes) <= 16, shapes
 
 
 def _order(seed, b, cfg):
@@ -219,7 +227,7 @@ def test_a_step_compiles_once_per_shape(model):
     for s, longest in enumerate([8, 3, 8, 3, 2]):
         lengths = np.minimum(np.arange(8) % longest + 1, longest)
         fitted = packing.fit_batch(mixed_batch(model, 0, lengths), jax.random.key(s), cfg)
-        shapes.add((fitted.completion_length, fitted.pack_buffers, fitted.pack_length))
+        shapes.add(runtime.shape_key(fitted))
         state, _, _ = step(state, None, on_device(fitted), jax.random.key(s))
     assert step._cache_size() == len(shapes) < 5
 
