@@ -13,19 +13,14 @@ abstract devices, and compiles with the XLA TPU compiler (`libtpu`, `pip install
 - `sampler`: the rollout sampler (prefill + the whole decode loop) on the same rows;
 - `decode_step`: one decode step alone, to price it against the bytes it must read.
 
-For each it prints the compile time, HBM per device against the chip's, the XLA cost model's
-FLOPs and time (scaled for loop trip counts), the model FLOP utilisation that time implies,
-the collectives it runs (loops counted) and the largest arrays; a last line holds the same
-numbers as JSON. Exit status 1 when a program does not fit (with the knobs that help), 2 for
-a bad argument or no TPU compiler.
-
-Flags besides --config: --topology=NAME (a Cloud TPU accelerator type: v4-8, v5e-16 or
-v5litepod-16, v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step (a subset),
---jobs=N (programs compiled at once, default: the host's cores), --suggest (when the train
-step does not fit: more micro-batches until one does), --lengths=lognormal:median=M,sigma=S
-or --lengths=FILE (completion lengths drawn for the step's rows, FILE holding integers: the
-train step is compiled for the completion columns and packed buffers they imply, as a run
-fits its batch; its MFU counts real tokens). Meshes: --config.mesh.* as in training.
+For each it prints the compile time, HBM per device, the XLA cost model's FLOPs and time
+(loops counted), the MFU that implies, the collectives and the largest arrays; a last line
+holds them as JSON. Exit status 1 when a program does not fit (with the knobs that help), 2
+for a bad argument or no TPU compiler. Flags besides --config: --topology=NAME (v4-8, v5e-16,
+v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compiles at once),
+--suggest (more micro-batches until the step fits), --lengths=lognormal:median=M,sigma=S or
+--lengths=FILE of integers (completion lengths for the step's rows: compiled for the
+completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
 """
 
 from __future__ import annotations
