@@ -71,16 +71,21 @@ class Packing:
         out = out.reshape((self.groups * self.buffers, self.length) + x.shape[2:])
         return jnp.moveaxis(out, (0, 1), (axis, axis + 1))
 
-    def take(self, y: jax.Array, cols, axis: int = 0) -> jax.Array:
+    def slots(self, start: int, stop: int) -> jax.Array:
+        """int32[B, stop - start]: the slot of columns start:stop of every row (a static
+        slice: a gather there leaves the program unpriced by the TPU cost model); padding
+        tokens get the last slot (masked by the caller)."""
+        return jnp.minimum(self.dest[:, start:stop], self.buffers * self.length - 1)
+
+    def take(self, y: jax.Array, start: int, stop: int, axis: int = 0) -> jax.Array:
         """Per-row values of packed outputs: y [..., K, T, ...] (buffers at `axis`) ->
-        [..., B, len(cols), ...] at columns `cols` of every row (static, e.g. the completion's
-        predictors); slots of padding tokens give the group's first slot (masked by the
-        caller)."""
+        [..., B, stop - start, ...] at columns start:stop of every row (e.g. the
+        completion's predictors)."""
         y = jnp.moveaxis(y, (axis, axis + 1), (0, 1))
         size = self.buffers * self.length
         g = y.reshape((self.groups, size) + y.shape[2:])
         b = self.dest.shape[0]
-        idx = jnp.minimum(self.dest[:, cols], size - 1)  # [B, n]
+        idx = self.slots(start, stop)  # [B, n]
         n = idx.shape[1]
         idx = idx.reshape((self.groups, (b // self.groups) * n) + (1,) * (g.ndim - 2))
         out = jnp.take_along_axis(g, idx, axis=1).reshape((b, n) + y.shape[2:])

@@ -9,7 +9,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
@@ -177,8 +176,8 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
         masses = {k: getattr(out, k)[:, :, -n - 1 : -1] for k in ("vision_mass", "text_mass")
                   if getattr(out, k) is not None}  # fmt: skip
         return Completions(out.hidden[:, -n - 1 : -1], tokens), out.replace(**masses)
-    cols = np.arange(t - n - 1, t - 1)
-    masses = {k: packing.take(getattr(out, k), cols, 1) for k in ("vision_mass", "text_mass")
+    cols = (t - n - 1, t - 1)  # the completion's predictors
+    masses = {k: packing.take(getattr(out, k), *cols, axis=1) for k in ("vision_mass", "text_mass")
               if getattr(out, k) is not None}  # fmt: skip
     # each device group's real completion tokens, in order, in pack_completions slots
     b, g, size = tokens.shape[0], batch.pack_groups, batch.pack_completions
@@ -188,7 +187,7 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
     local = jnp.arange(real.shape[1], dtype=jnp.int32)
     src = jax.vmap(lambda i: jnp.zeros(size, jnp.int32).at[i].set(local, mode="drop"))(index)
     take = lambda x: jnp.take_along_axis(x.reshape((g, -1) + x.shape[2:]), src, axis=1)  # noqa: E731
-    slots = take(jnp.minimum(packing.dest[:, cols], packing.buffers * packing.length - 1))
+    slots = take(packing.slots(*cols))
     flat = out.hidden.reshape(g, -1, out.hidden.shape[-1])  # [groups, buffers x T, D]
     hidden = jnp.take_along_axis(flat, slots[..., None], axis=1)
     return Completions(hidden, take(tokens), index, b), out.replace(**masses)

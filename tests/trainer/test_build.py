@@ -87,8 +87,9 @@ def _step_bytes(ckpt, **lora):
     c.lora.update(lora)
     model = q.load(ckpt)
     graphdef, tx, state, ref = init_train_state(model, c)
-    # tprl's 2 updates per batch read the sampler's log-probs
+    # tprl's 2 updates per batch read the sampler's log-probs (and its shaping, entropies)
     batch = make_batch(model, seed=0, old_logprobs=np.zeros((2 * G, N), np.float32))
+    batch = batch.replace(old_entropy=np.zeros((2 * G, N), np.float32))
     step = make_train_step(graphdef, tx, step_config(c))
     mem = step.lower(state, ref, batch, jax.random.key(0)).compile().memory_analysis()
     sizes = {
