@@ -24,12 +24,14 @@ from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer.passes import (
     RolloutBatch,
+    batch_rows,
     blacken_patches,
     completion_hidden,
     interleave_rows,
     micro_split,
     paired_packing,
     split_rows,
+    take_rows,
     unpair_rows,
 )
 from jaxvrl.trainer.state import StepConfig, TrainState, join, split_trainable
@@ -140,20 +142,29 @@ def no_grad_passes(
             res["values"] = critic_lib.values(graphdef, critic[0], critic[1], mb)
         return res
 
-    micro_aug = None if aug is None else split_rows(aug, m)
     sampled = (batch.old_logprobs, batch.old_entropy)
     batch = batch.replace(old_logprobs=None, old_entropy=None)  # the passes do not read them
+    order = batch.pack_order
+    if order is not None:  # packed micro-batches take the rows in the plan's balanced order
+        starts = batch.pack_start
+        batch = batch_rows(batch.replace(pack_order=None, pack_start=None), order)
+        batch = batch.replace(pack_start=starts)
+        aug = None if aug is None else take_rows(aug, order)
+    micro_aug = None if aug is None else split_rows(aug, m)
     res = jax.lax.map(one, (micro_split(batch, m), micro_aug))
     res = jax.tree.map(jax.lax.stop_gradient, res)
-    if cfg.sampler_shaping:
-        res["old_logp"], res["entropy"] = (jnp.reshape(x, (m, -1) + x.shape[1:]) for x in sampled)
 
     def merge_rows(x):
         if x.ndim == 4:  # masses [m, L, b, N] -> [L, B, N]
-            return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
-        return x.reshape((-1,) + x.shape[2:])
+            x = jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
+            return x if order is None else jnp.take(x, jnp.argsort(order), axis=1)
+        x = x.reshape((-1,) + x.shape[2:])
+        return x if order is None else jnp.take(x, jnp.argsort(order), axis=0)
 
-    return Passes(**jax.tree.map(merge_rows, res))
+    res = jax.tree.map(merge_rows, res)  # every row back in its place
+    if cfg.sampler_shaping:
+        res["old_logp"], res["entropy"] = sampled
+    return Passes(**res)
 
 
 def advantages(batch: RolloutBatch, passes: Passes, cfg: StepConfig, kl_coef):

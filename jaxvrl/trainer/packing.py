@@ -73,6 +73,20 @@ def first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     return start, len(fill)
 
 
+def balance(rows: np.ndarray, lengths: np.ndarray, bins: int) -> np.ndarray:
+    """`rows` reordered into `bins` equal runs (a micro-batch's device group each) whose
+    token loads are even: longest rows first, each to the least loaded run with room; rows
+    keep their relative order inside a run."""
+    per = len(rows) // bins
+    load, members = np.zeros(bins), [[] for _ in range(bins)]
+    for i in np.argsort(-lengths[rows], kind="stable"):
+        open_ = [k for k in range(bins) if len(members[k]) < per]
+        k = min(open_, key=lambda k: load[k])
+        members[k].append(i)
+        load[k] += lengths[rows[i]]
+    return np.concatenate([rows[np.sort(m)] for m in members])
+
+
 def choose_buffers(groups: list[np.ndarray], length: int, most: int) -> tuple[int, int]:
     """(buffers, capacity) for groups of rows (each a device's rows of one micro-batch, their
     lengths): the fewest slots, buffers x capacity, with which first-fit places every group;
@@ -111,9 +125,11 @@ def plan_packing(
     micro_batches: int | None = None,
 ) -> dict:
     """The packing plan of a step's rows (real tokens `lengths` int[B], every process's, in
-    global row order; padded row `length`): `pack_start` int32[B] (the experience passes'
-    micro-batches), `update_starts` int32[updates, rows per update] (each update's
-    micro-batches, rows in `update_order(rng, ...)`), and the static `pack_groups`,
+    global row order; padded row `length`): `pack_order` int32[B] (the rows in the order the
+    experience passes' micro-batches take them, `balance`d) and `pack_start` int32[B] (their
+    first slots, in that order), `update_rows` and `update_starts` int32[updates, rows per
+    update] (the same for each update: its rows of `update_order(rng, ...)`, balanced), and
+    the static `pack_groups`,
     `pack_buffers`, `pack_length` (`choose_buffers` over the experience's micro-batches),
     `pack_completions` (the most completion tokens, `completions` int[B] of the completion
     mask, default none, of any device group of them, rounded up to a multiple of a quarter
@@ -141,9 +157,15 @@ def plan_packing(
 
     # the experience passes' micro-batches split all rows, each update's only its share:
     # each kind gets its own shape
-    exp, exp_shape = place([np.arange(b)])
-    upd, upd_shape = place(list(order))
+    # rows balanced over each pass's micro-batches and device groups (the gradient of an
+    # update sums the same rows; the experience's per-row outputs go back to their rows)
+    exp_rows = balance(np.arange(b), lengths, m * groups)
+    upd_rows = [balance(rows, lengths, m * groups) for rows in order]
+    exp, exp_shape = place([exp_rows])
+    upd, upd_shape = place(upd_rows)
     return dict(
+        pack_order=exp_rows.astype(np.int32),
+        update_rows=np.stack(upd_rows).astype(np.int32),
         pack_start=exp[0],
         update_starts=np.stack(upd).astype(np.int32),
         pack_groups=groups,
@@ -201,7 +223,8 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBa
     if n < batch.completion_length:  # the cut columns are padding: no row's length changes
         batch = cut_completions(batch, n)
     plan = plan_batch(lengths, comp, int(batch.input_ids.shape[1]), rng, cfg, mesh)
-    if "pack_start" in plan:  # this process's rows
+    if "pack_start" in plan:  # this process's share of the row-long arrays
         first = jax.process_index() * len(local)
-        plan["pack_start"] = plan["pack_start"][first : first + len(local)]
+        for k in ("pack_start", "pack_order"):
+            plan[k] = plan[k][first : first + len(local)]
     return batch.replace(**plan)

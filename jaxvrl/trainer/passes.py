@@ -33,12 +33,13 @@ class RolloutBatch:
                      logits / rollout temperature (0 on padding), or None.
     old_entropy:     float32[B, N] the sampler's entropies of the distributions it drew
                      the completion tokens from (0 on padding), or None.
-    pack_start:      int32[B] with padding-free passes (`trainer/packing.py`): each row's
-                     first slot in its micro-batch's packed buffers, for the experience
-                     passes' micro-batches; None: padded passes.
-    update_starts:   int32[updates, B / mini-batches]: the same for each update's
-                     micro-batches (rows in `update_order`); the step takes it off the batch
-                     before splitting rows.
+    pack_order:      int32[B] with padding-free passes (`trainer/packing.py`): the rows in
+                     the order the experience passes' micro-batches take them (balanced).
+    pack_start:      int32[B]: the first slot of each of those rows in its micro-batch's
+                     packed buffers; None: padded passes.
+    update_rows, update_starts: int32[updates, B / mini-batches]: the rows each update
+                     reads (in place of `update_order`'s, balanced) and their first slots;
+                     the step takes them off the batch before splitting rows.
     pack_groups, pack_buffers, pack_length, pack_completions: static: a micro-batch's rows
                      fall into pack_groups groups (one per device holding rows), each packed
                      into pack_buffers buffers of pack_length slots, its real completion
@@ -61,7 +62,9 @@ class RolloutBatch:
     pools: dict | None = None
     old_logprobs: jax.Array | None = None
     old_entropy: jax.Array | None = None
+    pack_order: jax.Array | None = None
     pack_start: jax.Array | None = None
+    update_rows: jax.Array | None = None
     update_starts: jax.Array | None = None
     pack_groups: int = struct.field(pytree_node=False, default=1)
     pack_buffers: int = struct.field(pytree_node=False, default=0)

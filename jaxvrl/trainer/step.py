@@ -50,7 +50,8 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         return run(state, ref_params, batch, rng, cfg_)
 
     def run(state, ref_params, batch, rng, cfg):
-        exp = experience(graphdef, state, ref_params, batch.replace(update_starts=None), rng, cfg)
+        rows_only = batch.replace(update_starts=None, update_rows=None)
+        exp = experience(graphdef, state, ref_params, rows_only, rng, cfg)
         new_state, metrics, extras = update(graphdef, tx, state, exp, batch, rng, cfg)
         if exp.kl_coef is not None:
             new_state = new_state.replace(kl_coef=exp.kl_coef)

@@ -279,7 +279,7 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
 
     def body(carry, xs):
         idx, keys, starts = xs
-        if cfg.mini_batches == 1:  # every update reads the whole batch: no gather
+        if cfg.mini_batches == 1 and starts is None:  # the whole batch in order: no gather
             mb, rows = batch, exp.rows
         else:
             mb, rows = batch_rows(batch, idx), take_rows(exp.rows, idx)
@@ -351,7 +351,9 @@ def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch
     and draws LoRA dropout (fold_in(rng, 1), then per update u > 0 fold_in(that, u))."""
     trainable, frozen = split_trainable(state.params, cfg)
     u, m = cfg.updates, cfg.micro_batches
-    order = update_order(rng, batch.completion_mask.shape[0], cfg.epochs, cfg.mini_batches)
+    order = batch.update_rows  # the packing plan's (balanced), or:
+    if order is None:
+        order = update_order(rng, batch.completion_mask.shape[0], cfg.epochs, cfg.mini_batches)
     keys = None
     if cfg.uses_lora:
         k_drop = jax.random.fold_in(rng, 1)
@@ -364,7 +366,7 @@ def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch
         "critic_opt": state.critic_opt_state,
     }
     starts = batch.update_starts
-    batch = batch.replace(update_starts=None)  # not a row array
+    batch = batch.replace(update_starts=None, update_rows=None)  # not row arrays
     body = _one_update(graphdef, tx, state.step, frozen, batch, exp, cfg)
     carry, (per, extras) = jax.lax.scan(body, carry, (order, keys, starts))
     metrics = _combine(per)
@@ -377,6 +379,7 @@ def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch
         critic_opt_state=carry["critic_opt"],
     )
     metrics["nonfinite_total"] = new_state.skipped  # over the run: the state is checkpointed
-    if extras is not None:  # shaping inside the loss pass: one update
-        extras = jax.tree.map(lambda x: x[0], extras)
+    if extras is not None:  # shaping inside the loss pass: one update, rows back in place
+        back = jnp.argsort(order[0])
+        extras = jax.tree.map(lambda x: jnp.take(x[0], back, axis=0), extras)
     return new_state, metrics, extras

@@ -151,8 +151,14 @@ def test_packed_step_equals_padded_step(model, values):
     assert moved > 1e-3
     for k, v in want_p.items():
         np.testing.assert_allclose(got_p[k], v, atol=2e-6, err_msg=k)
+    # the loss, and with token-mean every metric, does not depend on which rows share a
+    # micro-batch; the other modes' metrics (per-micro-batch token means weighted by rows)
+    # do: compare those with padded rows in the plan's micro-batches
+    same = fitted.replace(pack_start=None, update_starts=None, pack_order=None)
+    _, same_m, _ = _step(model, cfg, same, key)
+    np.testing.assert_allclose(got_m["loss"], want_m["loss"], rtol=2e-5, atol=2e-6)
     assert set(got_m) == set(want_m)
-    for k, v in want_m.items():
+    for k, v in (want_m if not values else same_m).items():
         np.testing.assert_allclose(got_m[k], v, rtol=2e-5, atol=2e-6, err_msg=k)
     n = fitted.completion_length
     m = batch.completion_mask[:, :n] > 0
@@ -195,7 +201,12 @@ def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
             # an update's)
             assert k * t < rows * fitted.input_ids.shape[1]
         starts = [fitted.pack_start] + list(fitted.update_starts)
-        orders = [np.arange(b)] + list(np.asarray(_order(s, b, cfg)))
+        orders = [fitted.pack_order] + list(fitted.update_rows)
+        # each pass reads a permutation of its rows: the experience all of them, each
+        # update those of `update_order`
+        assert sorted(fitted.pack_order) == list(range(b))
+        for mine, want in zip(fitted.update_rows, np.asarray(_order(s, b, cfg))):
+            assert sorted(mine) == sorted(want)
         for i, (start, order) in enumerate(zip(starts, orders)):
             k, t = exp_shape if i == 0 else (upd_buffers, upd_length)
             for rows, st in zip(np.split(order, cfg.micro_batches), np.split(start, 2)):
@@ -235,7 +246,7 @@ def test_a_step_compiles_once_per_shape(model):
 def test_micro_batches_split_the_plan_with_the_rows(model):
     cfg = step_config(TPRL)
     fitted = packing.fit_batch(mixed_batch(model), jax.random.key(0), cfg)
-    split = micro_split(on_device(fitted).replace(update_starts=None), 2)
+    split = micro_split(on_device(fitted).replace(update_starts=None, update_rows=None), 2)
     assert split.pack_start.shape == (2, 4) and split.pack_buffers == fitted.pack_buffers
 
 
