@@ -7,8 +7,8 @@
    (`jaxvrl.models.Packing`): the host places every row of every micro-batch the step will
    form (the experience passes' and each update's, in `update_order`) into the buffers of the
    device that holds it, first-fit by decreasing length; the buffer count (a power of two)
-   and length (a multiple of a quarter of the padded row, up to four rows) are those of the
-   fewest slots that hold every micro-batch. A run compiles one program per (completion
+   and length (a quarter of the padded row times 1, 2, 3, 4, 6, ..., up to four rows) are
+   those of the fewest slots that hold every micro-batch. A run compiles one program per (completion
    bucket, buffer count, buffer length): a handful, not one per step.
 3. With `actor.dynamic_batching`, the micro-batch count too is the batch's: the fewest whose
    micro-batches fit `actor.max_token_len_per_device` tokens per device.
@@ -87,21 +87,33 @@ def balance(rows: np.ndarray, lengths: np.ndarray, bins: int) -> np.ndarray:
     return np.concatenate([rows[np.sort(m)] for m in members])
 
 
+def half_octaves(limit: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ... up to `limit`: the multiples a packed shape is rounded
+    to, so that a run meets a few shapes (at most a third more than needed)."""
+    out, g = [], 1
+    while g <= limit:
+        out += [g] + ([g * 3 // 2] if g >= 2 and g * 3 // 2 <= limit else [])
+        g *= 2
+    return out
+
+
 def choose_buffers(groups: list[np.ndarray], length: int, most: int) -> tuple[int, int]:
     """(buffers, capacity) for groups of rows (each a device's rows of one micro-batch, their
     lengths): the fewest slots, buffers x capacity, with which first-fit places every group;
-    buffers a power of two (or `most`, the rows of the largest group), capacity a multiple of
-    a quarter of the padded row `length`, up to four rows (so attention, quadratic in the
-    buffer, stays near the padded rows'). Ties go to more, shorter buffers."""
+    buffers a power of two (or `most`, the rows of the largest group), capacity a quarter of
+    the padded row `length` times one of `half_octaves`, up to four rows (so attention,
+    quadratic in the buffer, stays near the padded rows'). Ties go to more, shorter
+    buffers."""
     unit = -(-length // SPANS)
     longest = max(int(x.max()) for x in groups)
     options = sorted({1 << i for i in range(most.bit_length()) if 1 << i <= most} | {most})
-    best = (most * unit * -(-longest // unit), most, unit * -(-longest // unit))
+    steps = [g for g in half_octaves(SPANS * SPANS) if g * unit >= longest]
+    best = (most * steps[0] * unit, most, steps[0] * unit)
     for k in reversed(options):
-        for j in range(-(-longest // unit), SPANS * SPANS + 1):
-            if all(first_fit(x, j * unit)[1] <= k for x in groups):
-                if k * j * unit < best[0]:
-                    best = (k * j * unit, k, j * unit)
+        for g in steps:
+            if all(first_fit(x, g * unit)[1] <= k for x in groups):
+                if k * g * unit < best[0]:
+                    best = (k * g * unit, k, g * unit)
                 break
     return best[1], best[2]
 
@@ -144,7 +156,8 @@ def plan_packing(
 
     def place(schedules: list) -> tuple:  # one shape for these passes' micro-batches
         parts = [g for rows in schedules for mb in np.split(rows, m) for g in np.split(mb, groups)]
-        buffers, capacity = choose_buffers([lengths[g] for g in parts], length, len(parts[0]))
+        groups_ = [lengths[g] for g in parts]
+        buffers, capacity = choose_buffers(groups_, length, len(parts[0]))
         starts = [
             np.concatenate([first_fit(lengths[g], capacity)[0] for g in np.split(rows, m * groups)])
             for rows in schedules
@@ -153,7 +166,8 @@ def plan_packing(
             if int((st + lengths[rows]).max()) > buffers * capacity:
                 raise AssertionError(f"packing plan overflows {buffers} buffers of {capacity}")
         most = max(int(comp[g].sum()) for g in parts)
-        return starts, (buffers, capacity, max(unit, -(-most // unit) * unit))
+        slots = next(g for g in half_octaves(max(most, 1)) if g * unit >= most) * unit
+        return starts, (buffers, capacity, slots)
 
     # the experience passes' micro-batches split all rows, each update's only its share:
     # each kind gets its own shape
@@ -219,8 +233,9 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBa
     else:
         lengths = local
     longest = int(comp.max(initial=0))
-    n = completion_bucket(longest, batch.completion_length)
-    if n < batch.completion_length:  # the cut columns are padding: no row's length changes
+    full = batch.completion_length
+    n = completion_bucket(longest, full)
+    if n < full:  # the cut columns are padding: no row's length changes
         batch = cut_completions(batch, n)
     plan = plan_batch(lengths, comp, int(batch.input_ids.shape[1]), rng, cfg, mesh)
     if "pack_start" in plan:  # this process's share of the row-long arrays

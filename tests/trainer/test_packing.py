@@ -284,8 +284,8 @@ def test_dynamic_batching_takes_the_fewest_micro_batches_within_the_budget(model
     configured with that count."""
     batch = mixed_batch(model, seed=4)
     base = dict(TPRL, **{"actor.global_batch_size": None, "actor.ppo_epochs": 1})
-    counts = []
-    for budget in (10_000, 120, 60, 1):
+    counts, middle = [], None
+    for budget in (10_000, 240, 120, 60, 1):
         cfg = step_config(dict(base, **{"actor.dynamic_batching": True,
                                         "actor.max_token_len_per_device": budget}))  # fmt: skip
         fitted = packing.fit_batch(batch, jax.random.key(0), cfg)
@@ -298,9 +298,11 @@ def test_dynamic_batching_takes_the_fewest_micro_batches_within_the_budget(model
             )  # fmt: skip
             assert fewer["pack_buffers"] * fewer["pack_length"] > budget
         counts.append(fitted.micro_batches)
+        middle = budget if middle is None and 1 < fitted.micro_batches < 8 else middle
     assert counts[0] == 1 and counts[-1] == 8 and counts == sorted(counts), counts
+    assert middle is not None, counts
     cfg = step_config(dict(base, **{"actor.dynamic_batching": True,
-                                    "actor.max_token_len_per_device": 60}))  # fmt: skip
+                                    "actor.max_token_len_per_device": middle}))  # fmt: skip
     dynamic = packing.fit_batch(batch, jax.random.key(0), cfg)
     m = dynamic.micro_batches
     fixed_cfg = step_config(dict(base, **{"optim.micro_batches": m}))
