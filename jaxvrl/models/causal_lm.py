@@ -28,7 +28,7 @@ from jaxvrl.models.attention import resolve
 from jaxvrl.models.cache import KVCache
 from jaxvrl.models.config import TextConfig, fields_of, freeze, jsonable, thaw
 from jaxvrl.models.decoder import TextDecoder
-from jaxvrl.models.interface import ModelOutput, ProcessorSettings
+from jaxvrl.models.interface import ModelOutput, ProcessorSettings, decoder_outputs
 from jaxvrl.models.layers import ROPE_TYPES, activation, linear, remat
 from jaxvrl.models.weights import KeyTable
 
@@ -323,20 +323,18 @@ class CausalLM(nnx.Module):
         """Traceable forward pass: input_ids/attention_mask [B, T], position_ids int[3, B, T]
         (`rope_index`); cache, pools, return_logits, forms and key_queries as
         `Qwen2_5_VL.forward`'s."""
-        x = self.embed(input_ids, images, videos)
-        hidden, new_cache, stats = self.model(
-            x,
+        return decoder_outputs(
+            self,
+            self.embed(input_ids, images, videos),
             position_ids,
             attention_mask,
-            cache,
-            pools,
-            forms,
+            return_logits=return_logits,
+            cache=cache,
+            pools=pools,
+            forms=forms,
             key_queries=key_queries,
             packing=packing,
         )
-        per_key = key_queries is not None  # stats: each key's mass from the queries
-        logits = self.logits(hidden) if return_logits else None
-        return ModelOutput.of(logits, hidden, new_cache, stats, per_key)
 
     def __call__(
         self,

@@ -95,6 +95,15 @@ class ModelOutput:
         return cls(logits, hidden, cache, stats[0], stats[1])
 
 
+def decoder_outputs(model, x, position_ids, attention_mask, *, return_logits=True, **kw):
+    """What every family's `forward` ends with: its text decoder (`model.model`) over the
+    input embeddings x [B, T, D] (cache, pools, forms, deepstack, key_queries, packing in
+    `kw`, as `TextDecoder.__call__` takes them) and the `ModelOutput`."""
+    hidden, cache, stats = model.model(x, position_ids, attention_mask, **kw)
+    logits = model.logits(hidden) if return_logits else None
+    return ModelOutput.of(logits, hidden, cache, stats, kw.get("key_queries") is not None)
+
+
 class Model(Protocol):
     """Every family's module (an `nnx.Module`).
 

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxvrl.models.attention import resolve
 from jaxvrl.models.cache import KVCache
 from jaxvrl.models.decoder import TextDecoder
-from jaxvrl.models.interface import ModelOutput
+from jaxvrl.models.interface import ModelOutput, decoder_outputs
 from jaxvrl.models.layers import linear, remat
 from jaxvrl.models.patches import VisionInputs, vision_inputs
 from jaxvrl.models.positions import get_rope_index
@@ -157,19 +157,18 @@ class Qwen2_5_VL(nnx.Module):
         the rows (no cache): the decoder runs on its packed buffers, and hidden [K, T', D] and
         the masses [L, K, T'] come back packed (`Packing.take` reads them per row).
         """
-        x = self.embed(input_ids, images, videos)
-        hidden, new_cache, stats = self.model(
-            x,
+        return decoder_outputs(
+            self,
+            self.embed(input_ids, images, videos),
             position_ids,
             attention_mask,
-            cache,
-            pools,
-            forms,
+            return_logits=return_logits,
+            cache=cache,
+            pools=pools,
+            forms=forms,
             key_queries=key_queries,
             packing=packing,
         )
-        logits = self.logits(hidden) if return_logits else None
-        return ModelOutput.of(logits, hidden, new_cache, stats, key_queries is not None)
 
     # ------------------------------------------------------------------ HF-like call
     def __call__(

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxvrl.models.cache import KVCache
 from jaxvrl.models.decoder import DeepStack
-from jaxvrl.models.interface import ModelOutput
+from jaxvrl.models.interface import ModelOutput, decoder_outputs
 from jaxvrl.models.patches import VisionInputs, vision_inputs
 from jaxvrl.models.qwen2_5_vl.model import Qwen2_5_VL
 from jaxvrl.models.qwen3_vl.rope import get_rope_index
@@ -90,11 +90,19 @@ class Qwen3VL(Qwen2_5_VL):
         DeepStack levels after the first decoder layers (forward passes and prefills with a
         cache alike; decode steps have none). key_queries: as `Qwen2_5_VL.forward`'s."""
         x, deepstack = self.vision_embed(input_ids, images, videos)
-        hidden, new_cache, stats = self.model(
-            x, position_ids, attention_mask, cache, pools, forms, deepstack, key_queries, packing
+        return decoder_outputs(
+            self,
+            x,
+            position_ids,
+            attention_mask,
+            return_logits=return_logits,
+            cache=cache,
+            pools=pools,
+            forms=forms,
+            deepstack=deepstack,
+            key_queries=key_queries,
+            packing=packing,
         )
-        logits = self.logits(hidden) if return_logits else None
-        return ModelOutput.of(logits, hidden, new_cache, stats, key_queries is not None)
 
     def __call__(
         self,
