@@ -285,7 +285,7 @@ def get_config(arg=None):
             "needs actor.max_token_len_per_device (tokens per device per micro-batch)",
         ),
     )
-    c.actor.max_token_len_per_device = setting(None, at_least(1), type=int)
+    c.actor.max_token_len_per_device = setting(None, at_least(1), type=int)  # dynamic_batching budget
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
     # the critic's AdamW learning rate (constant, no weight decay)
