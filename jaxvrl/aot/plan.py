@@ -293,11 +293,18 @@ class Plan:
         """Tokens of the step's rows that are not padding: full prompts and the completions."""
         return int(self.rows * self.prompt_len + self.completions.sum())
 
-    def batch(self):
+    def batch(self, cfg=None):
         """The train step's RolloutBatch, abstract and sharded, fitted to the completion
         lengths as the run fits it (`trainer.packing.fit_batch`: the completion axis cut,
-        and with actor.padding_free the packing plan of these lengths)."""
-        cfg = self.step_config
+        and with actor.padding_free the packing plan of these lengths) for step settings
+        `cfg` (default: the run's, made once)."""
+        return self._batch if cfg is None else self._fitted_batch(cfg)
+
+    @functools.cached_property
+    def _batch(self):
+        return self._fitted_batch(self.step_config)
+
+    def _fitted_batch(self, cfg):
         b, p = self.rows, self.prompt_len
         comp = self.completions
         n = packing.completion_bucket(int(comp.max()), self.new_tokens)
@@ -365,12 +372,12 @@ class Plan:
     def _train_step(self, micro_batches: int | None = None):
         cfg = self.step_config
         if micro_batches:
-            cfg = dataclasses.replace(cfg, micro_batches=micro_batches)
+            cfg = cfg.with_values({"optim.micro_batches": micro_batches})
         i = self.init
         step = runtime.jit_train_step(
             build_train_step(i.graphdef, i.tx, cfg), self.mesh, i.state_shardings, i.ref_shardings
         )
-        batch = self.batch()
+        batch = self.batch(cfg if micro_batches else None)
         st = i.state
         breakdown = {
             "params": per_device_bytes(st.params),

@@ -154,12 +154,14 @@ def no_grad_passes(
     res = jax.lax.map(one, (micro_split(batch, m), micro_aug))
     res = jax.tree.map(jax.lax.stop_gradient, res)
 
+    back = None if order is None else jnp.argsort(order)
+
     def merge_rows(x):
         if x.ndim == 4:  # masses [m, L, b, N] -> [L, B, N]
             x = jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
-            return x if order is None else jnp.take(x, jnp.argsort(order), axis=1)
+            return x if back is None else jnp.take(x, back, axis=1)
         x = x.reshape((-1,) + x.shape[2:])
-        return x if order is None else jnp.take(x, jnp.argsort(order), axis=0)
+        return x if back is None else jnp.take(x, back, axis=0)
 
     res = jax.tree.map(merge_rows, res)  # every row back in its place
     if cfg.sampler_shaping:

@@ -4,12 +4,13 @@
    buckets of max_new_tokens (`completion_bucket`), so no pass computes columns that every
    row left empty; the RL math is unchanged (cut columns are padding of every row).
 2. With `actor.padding_free`, each micro-batch's rows are packed into buffers
-   (`jaxvrl.models.Packing`): the host places every row of every micro-batch the step will
-   form (the experience passes' and each update's, in `update_order`) into the buffers of the
-   device that holds it, first-fit by decreasing length; the buffer count (a power of two)
-   and length (a quarter of the padded row times 1, 2, 3, 4, 6, ..., up to four rows) are
-   those of the fewest slots that hold every micro-batch. A run compiles one program per (completion
-   bucket, buffer count, buffer length): a handful, not one per step.
+   (`jaxvrl.models.Packing`): the host spreads the rows of every pass the step makes (the
+   experience passes' and each update's, of `update_order`) over its micro-batches and device
+   groups by token load, and places each group's rows in its device's buffers, first-fit by
+   decreasing length; the buffer count (a power of two) and length (a quarter of the padded
+   row times 1, 2, 3, 4, 6, ..., up to four rows) are those of the fewest slots that hold
+   every micro-batch, the experience's and the updates' each their own. A run compiles one
+   program per such shape.
 3. With `actor.dynamic_batching`, the micro-batch count too is the batch's: the fewest whose
    micro-batches fit `actor.max_token_len_per_device` tokens per device.
 """
@@ -23,6 +24,7 @@ import numpy as np
 
 from jaxvrl.data.buckets import length_bucket
 from jaxvrl.parallel import runtime
+from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.trainer.passes import RolloutBatch
 from jaxvrl.trainer.state import StepConfig
 from jaxvrl.trainer.update import update_order
@@ -119,11 +121,9 @@ def choose_buffers(groups: list[np.ndarray], length: int, most: int) -> tuple[in
 
 
 def row_groups(rows_per_micro_batch: int, mesh) -> int:
-    """How many devices split a micro-batch's rows (the mesh's data x fsdp where that divides
-    them; 1 without a mesh)."""
-    if mesh is None:
-        return 1
-    n = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+    """How many devices split a micro-batch's rows: `row_shards(mesh)` where that divides
+    them, else 1 (the rows are not split)."""
+    n = row_shards(mesh)
     return n if rows_per_micro_batch % n == 0 else 1
 
 
@@ -141,11 +141,11 @@ def plan_packing(
     experience passes' micro-batches take them, `balance`d) and `pack_start` int32[B] (their
     first slots, in that order), `update_rows` and `update_starts` int32[updates, rows per
     update] (the same for each update: its rows of `update_order(rng, ...)`, balanced), and
-    the static `pack_groups`,
-    `pack_buffers`, `pack_length` (`choose_buffers` over the experience's micro-batches),
-    `pack_completions` (the most completion tokens, `completions` int[B] of the completion
-    mask, default none, of any device group of them, rounded up to a multiple of a quarter
-    of `length`) and `update_pack`: the same three for the updates' micro-batches.
+    the static `pack_groups`, `pack_buffers`, `pack_length` (`choose_buffers` over the
+    experience's micro-batches), `pack_completions` (the most completion tokens,
+    `completions` int[B] of the completion mask, default none, of any device group of them,
+    in `half_octaves` of a quarter of `length`) and `update_pack`: the same three for the
+    updates' micro-batches.
     micro_batches: default optim.micro_batches."""
     b, m = len(lengths), micro_batches or cfg.micro_batches
     per_update = b // cfg.mini_batches
@@ -169,10 +169,10 @@ def plan_packing(
         slots = next(g for g in half_octaves(max(most, 1)) if g * unit >= most) * unit
         return starts, (buffers, capacity, slots)
 
-    # the experience passes' micro-batches split all rows, each update's only its share:
-    # each kind gets its own shape
-    # rows balanced over each pass's micro-batches and device groups (the gradient of an
-    # update sums the same rows; the experience's per-row outputs go back to their rows)
+    # rows balanced over each pass's micro-batches and device groups (an update's gradient
+    # sums the same rows; the experience's per-row outputs go back to their rows); the
+    # experience's micro-batches split all rows, an update's only its share: each kind gets
+    # its own shape
     exp_rows = balance(np.arange(b), lengths, m * groups)
     upd_rows = [balance(rows, lengths, m * groups) for rows in order]
     exp, exp_shape = place([exp_rows])
