@@ -41,6 +41,7 @@ import numpy as np
 from jaxvrl import hub, models
 from jaxvrl.config import ConfigError
 from jaxvrl.data.tasks import TASKS
+from jaxvrl.logging import show_logs
 from jaxvrl.remote import bound_remote_io, forget_listings, is_remote
 
 log = logging.getLogger("jaxvrl")
@@ -595,7 +596,7 @@ def main(argv=None) -> None:
         p.error(f"--push_to_hub {args.push_to_hub!r}: expected a repository id org/name")
     if args.private and args.push_to_hub is None:
         p.error("--private needs --push_to_hub")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    show_logs()
     try:
         r = export(
             args.workdir,

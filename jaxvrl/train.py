@@ -57,7 +57,7 @@ from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.sources import DataNotFound, open_sources
 from jaxvrl.data.tasks import TASKS, BuiltinTask
 from jaxvrl.export import write_run_info
-from jaxvrl.logging import backend_names
+from jaxvrl.logging import backend_names, show_logs
 from jaxvrl.models import load
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
@@ -74,7 +74,7 @@ from jaxvrl.sampling import (
 from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.diagnostics import AttentionMaps
-from jaxvrl.trainer.packing import fit_batch
+from jaxvrl.trainer.packing import StepShapes, fit_batch
 from jaxvrl.trainer.replay_state import load_buffer, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
@@ -433,14 +433,15 @@ def load_start_params(path: str, state, ref_params, ref_shardings):
 
 
 def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, replay=None):
-    """-> (start step, state, rng, consecutive non-finite steps) from the latest checkpoint
-    in workdir, or the fresh ones; the data iterator, the running totals and the replay
+    """-> (start step, state, rng, meta: the checkpoint's JSON run state, e.g. the
+    consecutive non-finite steps and the step shapes compiled) from the latest checkpoint in
+    workdir, or the fresh ones; the data iterator, the running totals and the replay
     buffer (`replay`: rl.ReplayBuffer or None) continue from their saved state. The arrays
     restore into `state`'s shardings, the RNG replicated over the mesh (a global array every
     process can save)."""
     rng = runtime.replicate(jax.random.key(c.seed), mesh)
     if not c.resume or ckpt.latest_step() is None:
-        return 0, state, rng, 0
+        return 0, state, rng, {}
     r = ckpt.restore_latest(state, rng_sharding=rng.sharding)
     data.set_state(r.data_state if r.data_state is not None else r.meta["iterator"])
     counters.load(r.counters)
@@ -453,7 +454,7 @@ def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, repl
     elif replay is not None:
         load_buffer(replay, r.replay)
     print(f"resumed from step {r.step}", flush=True)
-    return r.step, r.state, r.rng, int(r.meta.get("nonfinite_streak", 0))
+    return r.step, r.state, r.rng, r.meta
 
 
 def training_mesh(c):
@@ -585,7 +586,11 @@ def _run(c) -> dict:
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.rewards)
-    start, state, rng, nonfinite = resume(c, ckpt, state, data, mesh, counters, phase.replay)
+    start, state, rng, meta = resume(c, ckpt, state, data, mesh, counters, phase.replay)
+    nonfinite = int(meta.get("nonfinite_streak", 0))
+    # the step shapes compiled so far, for later batches to reuse (a resumed run takes the
+    # shapes the uninterrupted run would)
+    fitted = StepShapes.from_json(meta.get("step_shapes", []))
     if start == 0 and c.load_checkpoint_path:
         state, ref_params = load_start_params(
             c.load_checkpoint_path, state, ref_params, s.ref_shardings
@@ -625,7 +630,7 @@ def _run(c) -> dict:
             if pictures:  # the diagnostic pass compiles beside the train step
                 maps.prepare(params, rollout, compiler)
             # each process passes its own rows; they join into the global batch
-            batch = fit_batch(rollout.batch, k_step, step_cfg, mesh)  # its real tokens
+            batch = fit_batch(rollout.batch, k_step, step_cfg, mesh, fitted)  # its real tokens
             shapes.add(runtime.shape_key(batch))
             batch = runtime.place_batch(batch, mesh)
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
@@ -661,7 +666,7 @@ def _run(c) -> dict:
             )
             stop = stop_requested_everywhere(flag) or over_budget
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
-                meta = {"nonfinite_streak": nonfinite}
+                meta = {"nonfinite_streak": nonfinite, "step_shapes": fitted.to_json()}
                 ckpt.save(
                     done,
                     state,
@@ -690,7 +695,7 @@ def _run(c) -> dict:
 
 
 def main(argv=None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    show_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     show = "--help_config" in argv
     try:

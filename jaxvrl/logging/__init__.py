@@ -14,7 +14,7 @@ from jaxvrl.logging.markdown import (
     token_weight_section,
 )
 from jaxvrl.logging.metrics import MetricsWriter, to_scalar
-from jaxvrl.logging.progress import Progress, format_duration
+from jaxvrl.logging.progress import Progress, format_duration, show_logs
 from jaxvrl.logging.trackers import RunInfo, Tracker, Trackers, backend_names
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "format_duration",
     "rollout_section",
     "rollout_table",
+    "show_logs",
     "show_token",
     "to_scalar",
     "token_weight_section",

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
 DEFAULT_KEYS = ("reward/total", "accuracy", "loss", "kl", "entropy", "val/accuracy")
+
+
+def show_logs() -> None:
+    """jaxvrl's INFO messages on the console (stderr), others' from WARNING: the libraries
+    we import may have configured the root logger first (absl does at import, at WARNING),
+    which makes a later `logging.basicConfig` a no-op."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxvrl").setLevel(logging.INFO)
 
 
 def format_duration(seconds: float) -> str:

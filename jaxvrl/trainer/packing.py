@@ -9,14 +9,16 @@
    groups by token load, and places each group's rows in its device's buffers, first-fit by
    decreasing length; the buffer count (a power of two) and length (a quarter of the padded
    row times 1, 2, 3, 4, 6, ..., up to four rows) are those of the fewest slots that hold
-   every micro-batch, the experience's and the updates' each their own. A run compiles one
-   program per such shape.
-3. With `actor.dynamic_batching`, the micro-batch count too is the batch's: the fewest whose
+   every micro-batch, the experience's and the updates' each their own.
+3. A run compiles one program per step shape; its `StepShapes` lets a batch take a shape
+   compiled before where that costs little more than its own (`StepShapes.choose`).
+4. With `actor.dynamic_batching`, the micro-batch count too is the batch's: the fewest whose
    micro-batches fit `actor.max_token_len_per_device` tokens per device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -135,7 +137,9 @@ def plan_packing(
     mesh=None,
     completions=None,
     micro_batches: int | None = None,
-) -> dict:
+    fixed: tuple | None = None,
+    head_room: float = 1.0,
+) -> dict | None:
     """The packing plan of a step's rows (real tokens `lengths` int[B], every process's, in
     global row order; padded row `length`): `pack_order` int32[B] (the rows in the order the
     experience passes' micro-batches take them, `balance`d) and `pack_start` int32[B] (their
@@ -146,7 +150,11 @@ def plan_packing(
     `completions` int[B] of the completion mask, default none, of any device group of them,
     in `half_octaves` of a quarter of `length`) and `update_pack`: the same three for the
     updates' micro-batches.
-    micro_batches: default optim.micro_batches."""
+    micro_batches: default optim.micro_batches.
+    fixed: (experience's, updates') shapes to place the rows in instead of the fewest
+        slots' (a shape the run has compiled); None where the rows do not fit them.
+    head_room: head slots for this many times the most completion tokens (room for later
+        batches' longer completions)."""
     b, m = len(lengths), micro_batches or cfg.micro_batches
     per_update = b // cfg.mini_batches
     groups = row_groups(per_update // m, mesh)
@@ -154,10 +162,19 @@ def plan_packing(
     comp = np.zeros(b, np.int64) if completions is None else np.asarray(completions)
     unit = -(-length // SPANS)
 
-    def place(schedules: list) -> tuple:  # one shape for these passes' micro-batches
+    def place(schedules: list, shape=None) -> tuple | None:  # these passes' micro-batches
         parts = [g for rows in schedules for mb in np.split(rows, m) for g in np.split(mb, groups)]
         groups_ = [lengths[g] for g in parts]
-        buffers, capacity = choose_buffers(groups_, length, len(parts[0]))
+        most = max(int(comp[g].sum()) for g in parts)
+        if shape is None:
+            buffers, capacity = choose_buffers(groups_, length, len(parts[0]))
+            want = min(int(np.ceil(most * head_room)), len(parts[0]) * length)
+            slots = next(g for g in half_octaves(max(want, 1)) if g * unit >= want) * unit
+        else:
+            buffers, capacity, slots = shape
+            fits = lambda x: x.max() <= capacity and first_fit(x, capacity)[1] <= buffers  # noqa: E731
+            if most > slots or not all(fits(x) for x in groups_):
+                return None
         starts = [
             np.concatenate([first_fit(lengths[g], capacity)[0] for g in np.split(rows, m * groups)])
             for rows in schedules
@@ -165,8 +182,6 @@ def plan_packing(
         for rows, st in zip(schedules, starts):  # no row may lose a token
             if int((st + lengths[rows]).max()) > buffers * capacity:
                 raise AssertionError(f"packing plan overflows {buffers} buffers of {capacity}")
-        most = max(int(comp[g].sum()) for g in parts)
-        slots = next(g for g in half_octaves(max(most, 1)) if g * unit >= most) * unit
         return starts, (buffers, capacity, slots)
 
     # rows balanced over each pass's micro-batches and device groups (an update's gradient
@@ -175,8 +190,11 @@ def plan_packing(
     # its own shape
     exp_rows = balance(np.arange(b), lengths, m * groups)
     upd_rows = [balance(rows, lengths, m * groups) for rows in order]
-    exp, exp_shape = place([exp_rows])
-    upd, upd_shape = place(upd_rows)
+    exp_fixed, upd_fixed = fixed or (None, None)
+    placed = place([exp_rows], exp_fixed), place(upd_rows, upd_fixed)
+    if None in placed:
+        return None
+    (exp, exp_shape), (upd, upd_shape) = placed
     return dict(
         pack_order=exp_rows.astype(np.int32),
         update_rows=np.stack(upd_rows).astype(np.int32),
@@ -190,14 +208,18 @@ def plan_packing(
     )
 
 
-def plan_batch(lengths, completions, length: int, rng, cfg: StepConfig, mesh=None) -> dict:
+def plan_batch(
+    lengths, completions, length: int, rng, cfg: StepConfig, mesh=None, head_room: float = 1.0
+) -> dict:
     """What `fit_batch` sets on a batch of rows with `lengths` real tokens, `completions` of
     them completion tokens and padded row `length`: the packing plan (actor.padding_free)
     and, with actor.dynamic_batching, `micro_batches`: the fewest (a divisor of an update's
     rows) whose micro-batches hold at most actor.max_token_len_per_device slots per device
     (the most: one row per device, with a warning, where a row alone is over the budget)."""
     free = cfg.actor.padding_free
-    plan = lambda m: plan_packing(lengths, length, rng, cfg, mesh, completions, m)  # noqa: E731
+    def plan(m):
+        return plan_packing(lengths, length, rng, cfg, mesh, completions, m, head_room=head_room)
+
     if not cfg.actor.dynamic_batching:
         return plan(None) if free else {}
     b = len(lengths)
@@ -220,10 +242,93 @@ def plan_batch(lengths, completions, length: int, rng, cfg: StepConfig, mesh=Non
     return out
 
 
-def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBatch:
+@dataclasses.dataclass
+class StepShapes:
+    """The train step's shapes a run has compiled (prompt columns, completion columns,
+    micro-batches, the experience's and the updates' packed shapes), for `fit_batch` to
+    reuse: a batch takes the cheapest of them that holds its rows (completion columns at
+    least its own bucket, the same micro-batch count) when that costs at most `slack` times
+    the slots of its own plan. Only else does it get a shape (a program) of its own, with
+    the most completion columns that cost at most `grow` times its own plan, so that later
+    batches with longer completions fit it. The train loop holds one per run."""
+
+    slack: float = 1.5
+    grow: float = 1.25
+    seen: list = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> list:
+        """The seen shapes as JSON (a checkpoint's run state)."""
+        return [list(k) for k in self.seen]
+
+    @classmethod
+    def from_json(cls, items: list) -> StepShapes:
+        """`to_json`'s shapes back (tuples, as `choose` compares them)."""
+        back = lambda x: tuple(x) if isinstance(x, list) else x  # noqa: E731
+        return cls(seen=[tuple(back(x) for x in k) for k in items])
+
+    def choose(self, lengths, comp, prompt: int, n: int, full: int, rng, cfg, mesh=None):
+        """(completion columns, plan) for a batch whose completions fit in n columns (of
+        `full`): a seen shape's or a new one (then seen)."""
+        plan = plan_batch(lengths, comp, prompt + n, rng, cfg, mesh)
+        key = _shape(prompt, n, plan, cfg)
+        cost = shape_cost(key, cfg)
+        if key in self.seen:
+            return n, plan
+        for k in sorted(self.seen, key=lambda k: shape_cost(k, cfg)):
+            if (k[0], k[2]) != (prompt, key[2]) or not n <= k[1] <= full:
+                continue
+            if shape_cost(k, cfg) > self.slack * cost:
+                break
+            fixed = {}
+            if k[3] is not None:  # its buffers and head slots must hold every micro-batch
+                fixed = plan_packing(lengths, prompt + k[1], rng, cfg, mesh, comp, k[2], k[3:])
+            if fixed is not None:
+                extra = {"micro_batches": k[2]} if cfg.actor.dynamic_batching else {}
+                return k[1], dict(fixed, **extra)
+        step = -(-full // BUCKETS)
+        for wider in sorted({full, *range(n, full, step)}, reverse=True):
+            wide = plan_batch(lengths, comp, prompt + wider, rng, cfg, mesh, self.grow)
+            same = wide.get("micro_batches") == plan.get("micro_batches")
+            if same and shape_cost(_shape(prompt, wider, wide, cfg), cfg) <= self.grow * cost:
+                n, plan = wider, wide
+                break
+        self.seen.append(_shape(prompt, n, plan, cfg))
+        log.info("train step shape %d (a new program): %s", len(self.seen), describe(self.seen[-1]))
+        return n, plan
+
+
+def _shape(prompt: int, n: int, plan: dict, cfg: StepConfig) -> tuple:
+    m = plan.get("micro_batches", cfg.micro_batches)
+    if "pack_start" not in plan:
+        return prompt, n, m, None, None
+    exp = (plan["pack_buffers"], plan["pack_length"], plan["pack_completions"])
+    return prompt, n, m, exp, tuple(plan["update_pack"])
+
+
+def describe(key: tuple) -> str:
+    """A step shape in words."""
+    prompt, n, m, exp, upd = key
+    out = f"{prompt} prompt + {n} completion columns, {m} micro-batch(es)"
+    if exp is None:
+        return out
+    words = lambda s: f"{s[0]} buffer(s) of {s[1]}, {s[2]} head slots"  # noqa: E731
+    return f"{out}; experience {words(exp)}; updates {words(upd)}"
+
+
+def shape_cost(key: tuple, cfg: StepConfig) -> float:
+    """Slots a step of shape `key` computes, an update's (forward and backward) weighing three
+    times a no-grad pass's; per row of the experience where the rows are not packed."""
+    prompt, n, m, exp, upd = key
+    if exp is None:
+        return prompt + n
+    return m * (exp[0] * exp[1] + 3 * cfg.epochs * cfg.mini_batches * upd[0] * upd[1])
+
+
+def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None, shapes=None) -> RolloutBatch:
     """A rollout batch (host arrays: this process's rows of the step) fitted to its real
     tokens: the completion axis cut to its bucket, and with actor.padding_free the packing
-    plan. Every process calls it at the same point (the lengths are gathered)."""
+    plan; with `shapes` (the run's `StepShapes`), a shape the run has compiled where one
+    serves. Every process calls it at the same point (the lengths are gathered)."""
     local = np.asarray(batch.attention_mask).sum(axis=1)
     comp = (np.asarray(batch.completion_mask) > 0).sum(axis=1)
     if jax.process_count() > 1:  # every process cuts and plans from every row
@@ -232,12 +337,15 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None) -> RolloutBa
         comp = np.concatenate([np.asarray(x[1], np.int64) for x in every])
     else:
         lengths = local
-    longest = int(comp.max(initial=0))
     full = batch.completion_length
-    n = completion_bucket(longest, full)
+    prompt = int(batch.input_ids.shape[1]) - full
+    n = completion_bucket(int(comp.max(initial=0)), full)
+    if shapes is None:  # the batch's own plan
+        plan = plan_batch(lengths, comp, prompt + n, rng, cfg, mesh)
+    else:
+        n, plan = shapes.choose(lengths, comp, prompt, n, full, rng, cfg, mesh)
     if n < full:  # the cut columns are padding: no row's length changes
         batch = cut_completions(batch, n)
-    plan = plan_batch(lengths, comp, int(batch.input_ids.shape[1]), rng, cfg, mesh)
     if "pack_start" in plan:  # this process's share of the row-long arrays
         first = jax.process_index() * len(local)
         for k in ("pack_start", "pack_order"):

@@ -14,6 +14,8 @@ sums round differently (observed ~1e-7 on parameters after 4 SGD updates).
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,27 +173,31 @@ def _initial(model):
     return {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
 
 
+def _key(fitted) -> tuple:
+    exp = (fitted.pack_buffers, fitted.pack_length, fitted.pack_completions)
+    return fitted.completion_length, exp, tuple(fitted.update_pack)
+
+
 def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
     """50 steps of log-normal completion lengths (median a quarter of max_new_tokens): every
-    plan places each micro-batch's rows inside its buffers without overlap, and the steps
-    need a handful of (completion columns, buffers, buffer length) shapes, with fewer
-    slots than the padded rows."""
+    plan places each micro-batch's rows inside its buffers without overlap, with fewer slots
+    than the padded rows; a run's `StepShapes` keeps them to a handful of shapes (programs),
+    each step's at most `slack` times the slots of its own best plan."""
     cfg = step_config(TPRL)
     batch = mixed_batch(model)
     b = batch.input_ids.shape[0]
     rng = np.random.default_rng(0)
-    shapes = set()
+    run, alone = packing.StepShapes(), set()
     for s in range(50):
-        lengths = np.clip(np.round(rng.lognormal(np.log(MAX_NEW / 4), 0.8, b)), 1, MAX_NEW)
-        comp = (np.arange(MAX_NEW)[None] < lengths[:, None]).astype(np.float32)
-        p = batch.input_ids.shape[1] - MAX_NEW
-        mask = batch.attention_mask.copy()
-        mask[:, p:] = comp
-        one = batch.replace(completion_mask=comp, attention_mask=mask)
-        fitted = packing.fit_batch(one, jax.random.key(s), cfg)
+        one = _random_lengths(batch, rng)
+        lengths, p = one.completion_mask.sum(1).astype(int), batch.input_ids.shape[1] - MAX_NEW
+        best = packing.fit_batch(one, jax.random.key(s), cfg)
+        fitted = packing.fit_batch(one, jax.random.key(s), cfg, shapes=run)
+        alone.add(_key(best))
+        m = cfg.micro_batches
+        own, took = (packing.shape_cost((p, k[0], m, *k[1:]), cfg) for k in map(_key, (best, fitted)))
+        assert took <= run.slack * own and fitted.completion_length >= best.completion_length
         upd_buffers, upd_length, _ = fitted.update_pack
-        shapes.add((fitted.completion_length, fitted.pack_buffers, fitted.pack_length,
-                    upd_buffers, upd_length))  # fmt: skip
         real = fitted.attention_mask.sum(1)
         unit = -(-fitted.input_ids.shape[1] // packing.SPANS)  # a quarter of a padded row
         exp_shape = (fitted.pack_buffers, fitted.pack_length)
@@ -215,11 +221,51 @@ def test_plans_of_random_lengths_stay_in_a_few_shapes(model):
                     assert a // t == (a + real[r] - 1) // t
                     used[a : a + real[r]] += 1
                 assert used.max() == 1
+            # the head's slots hold each device group's completion tokens
+            assert max(int(lengths[rows].sum()) for rows in np.split(order, 2)) <= (
+                fitted.pack_completions if i == 0 else fitted.update_pack[2]
+            )
     # completion buckets x buffer counts 1, 2, 4 (rows of an experience micro-batch) x
-    # buffer lengths: a run meets a handful of them
-    assert {x[0] for x in shapes} <= set(range(1, MAX_NEW + 1)), shapes
-    assert {x[1] for x in shapes} <= {1, 2, 4} and {x[3] for x in shapes} <= {1, 2}, shapes
-    assert len(shapes) <= 16, shapes
+    # buffer lengths: alone, the plans meet many of them; the run compiles a handful
+    assert {k[1][0] for k in alone} <= {1, 2, 4} and {k[2][0] for k in alone} <= {1, 2}, alone
+    assert len(run.seen) <= 4 < len(alone), (run.seen, alone)
+    # a checkpoint keeps them (JSON), so a resumed run takes the shapes this run would
+    back = packing.StepShapes.from_json(json.loads(json.dumps(run.to_json())))
+    assert back.seen == run.seen
+
+
+def _random_lengths(batch, rng):
+    """The batch with log-normal completion lengths (median a quarter of MAX_NEW)."""
+    b = batch.input_ids.shape[0]
+    lengths = np.clip(np.round(rng.lognormal(np.log(MAX_NEW / 4), 0.8, b)), 1, MAX_NEW)
+    comp = (np.arange(MAX_NEW)[None] < lengths[:, None]).astype(np.float32)
+    mask = batch.attention_mask.copy()
+    mask[:, batch.input_ids.shape[1] - MAX_NEW :] = comp
+    return batch.replace(completion_mask=comp, attention_mask=mask)
+
+
+@pytest.mark.parametrize("mode", ["padded", "dynamic"])
+def test_a_run_reuses_its_shapes_without_packing_or_with_dynamic_batching(model, mode):
+    """Padded rows: a batch takes a compiled completion-column count at least its own
+    bucket, within `slack` of its own columns' cost; dynamic batching: a reused shape keeps
+    the batch's own micro-batch count (its token budget)."""
+    over = {"actor.padding_free": False} if mode == "padded" else {
+        "actor.dynamic_batching": True, "actor.max_token_len_per_device": 60,
+        "actor.global_batch_size": None}  # fmt: skip
+    cfg = step_config(dict(TPRL, **over))
+    batch, rng = mixed_batch(model), np.random.default_rng(1)
+    prompt = batch.input_ids.shape[1] - MAX_NEW
+    run, alone = packing.StepShapes(), set()
+    for s in range(30):
+        one = _random_lengths(batch, rng)
+        best = packing.fit_batch(one, jax.random.key(s), cfg)
+        fitted = packing.fit_batch(one, jax.random.key(s), cfg, shapes=run)
+        alone.add(runtime.shape_key(best))
+        n, own = fitted.completion_length, best.completion_length
+        assert own <= n <= MAX_NEW and fitted.micro_batches == best.micro_batches
+        if mode == "padded":
+            assert prompt + n <= run.slack * (prompt + own)
+    assert len(run.seen) < len(alone), (run.seen, alone)
 
 
 def _order(seed, b, cfg):

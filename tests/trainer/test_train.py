@@ -97,9 +97,18 @@ def _final_params(workdir):
     return step, {k: np.asarray(v) for k, v in arrays.items()}
 
 
+def _final_meta(workdir) -> dict:
+    from jaxvrl.checkpoint import Checkpointer
+
+    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
+    meta = dict(ck.manager.restore(ck.latest_step())["meta"])
+    ck.close()
+    return meta
+
+
 def test_resume_equals_uninterrupted_run(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    run(tiny_config("configs/tprl.py", a, "total_steps=4", "save_freq=0", "val_freq=100"))
+    whole = run(tiny_config("configs/tprl.py", a, "total_steps=4", "save_freq=0", "val_freq=100"))
     run(tiny_config("configs/tprl.py", b, "total_steps=2", "save_freq=0", "val_freq=100"))
     run(tiny_config("configs/tprl.py", b, "total_steps=4", "save_freq=0", "val_freq=100"))
     sa, pa = _final_params(a)
@@ -110,6 +119,15 @@ def test_resume_equals_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
     steps = [json.loads(line)["step"] for line in open(b / "metrics.jsonl")]
     assert steps == [0, 1, 2, 3, 4]  # the resumed run continues at step 3, no repeats
+    # the checkpoint keeps the step shapes compiled so far (a resumed run reuses them as
+    # the uninterrupted run does); the logged shapes agree
+    shapes = [_final_meta(d)["step_shapes"] for d in (a, b)]
+    assert len(shapes[0]) == whole["compiles/train_step"] and shapes[0] == shapes[1]
+    shape = lambda d: [  # noqa: E731
+        [r.get(k) for k in ("train/completion_columns", "train/pack_buffers")]
+        for r in map(json.loads, open(d / "metrics.jsonl"))
+    ]
+    assert shape(a) == shape(b)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
