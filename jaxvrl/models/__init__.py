@@ -27,7 +27,7 @@ from jaxvrl.models.interface import (
     load_config,
     save,
 )
-from jaxvrl.models.packing import Packing
+from jaxvrl.models.packing import Packing, gather_rows
 from jaxvrl.models.patches import VisionInputs, stack_vision_inputs
 from jaxvrl.models.positions import attention_pools
 
@@ -91,6 +91,7 @@ __all__ = [
     "config_from_hf",
     "family",
     "family_of",
+    "gather_rows",
     "load",
     "load_config",
     "preset_names",

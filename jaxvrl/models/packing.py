@@ -26,7 +26,7 @@ class Packing:
     dest:     int32[B, L] slot of each token in its group's buffers (flattened: 0 ..
               buffers x T - 1); buffers x T (out of range) for padding.
     src:      int32[groups, buffers x T] the group's flattened token (row-in-group x L + col)
-              each slot holds (0 on empty slots).
+              each slot holds (rows-in-group x L, out of range, on empty slots).
     segments: int32[K, T] 1 + the row's index in its group, 0 on empty slots.
     """
 
@@ -54,7 +54,7 @@ class Packing:
 
         def one(dest_g):  # [per, L] -> what each of the group's slots holds
             at = dest_g.reshape(-1)
-            src = jnp.zeros(size, jnp.int32).at[at].set(local.reshape(-1), mode="drop")
+            src = jnp.full(size, per * seq, jnp.int32).at[at].set(local.reshape(-1), mode="drop")
             seg = jnp.zeros(size, jnp.int32).at[at].set(row.reshape(-1), mode="drop")
             return src, seg
 
@@ -66,8 +66,8 @@ class Packing:
         x = jnp.moveaxis(x, (axis, axis + 1), (0, 1))
         b, seq = x.shape[:2]
         g = x.reshape((self.groups, (b // self.groups) * seq) + x.shape[2:])
-        idx = self.src.reshape(self.src.shape + (1,) * (g.ndim - 2))
-        out = jnp.take_along_axis(g, idx, axis=1)  # [groups, buffers x T, ...]
+        inverse = self.dest.reshape(self.groups, -1)  # each token's slot (empty: buffers x T)
+        out = gather_rows(g, self.src, inverse)  # [groups, buffers x T, ...], 0 on empty slots
         out = out.reshape((self.groups * self.buffers, self.length) + x.shape[2:])
         return jnp.moveaxis(out, (0, 1), (axis, axis + 1))
 
@@ -90,3 +90,31 @@ class Packing:
         idx = idx.reshape((self.groups, (b // self.groups) * n) + (1,) * (g.ndim - 2))
         out = jnp.take_along_axis(g, idx, axis=1).reshape((b, n) + y.shape[2:])
         return jnp.moveaxis(out, (0, 1), (axis, axis + 1))
+
+
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [G, S, ...] at index int32[G, J] along axis 1; index S reads zeros."""
+    full = jnp.concatenate([x, jnp.zeros((x.shape[0], 1) + x.shape[2:], x.dtype)], axis=1)
+    return jnp.take_along_axis(full, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@jax.custom_vjp
+def gather_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """out[g, j] = x[g, index[g, j]] for x [G, S, ...] and index int32[G, J] (index S: none,
+    reads zeros), where the map is injective and `inverse` int32[G, S] is its inverse: the j
+    that reads each x[g, s] (J: none). The gradient is then a gather by `inverse` instead of
+    the scatter-add a gather's transpose otherwise is (which a TPU compiler may offload to
+    SparseCores, where its cost model cannot price the program, and GPUs run with atomics)."""
+    return _take_rows(x, index)
+
+
+def _gather_rows_fwd(x, index, inverse):
+    return _take_rows(x, index), (index, inverse)
+
+
+def _gather_rows_bwd(res, g):
+    index, inverse = res
+    return _take_rows(g, inverse), None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)

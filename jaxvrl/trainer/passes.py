@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
-from jaxvrl.models import Packing, ProcessorSettings, VisionInputs
+from jaxvrl.models import Packing, ProcessorSettings, VisionInputs, gather_rows
 from jaxvrl.parallel.sharding import row_axes
 
 
@@ -140,15 +140,15 @@ class Completions:
 
     hidden: jax.Array
     tokens: jax.Array
-    index: jax.Array | None = None  # int32[R, rows per group x N]: each token's slot (C: none)
+    index: jax.Array | None = None  # int32[R, J = rows per group x N]: each token's slot (C: none)
+    source: jax.Array | None = None  # int32[R, C]: each slot's token (J: none)
     rows: int = struct.field(pytree_node=False, default=0)
 
     def per_row(self, x: jax.Array) -> jax.Array:
         """[R, C] per-token values -> [B, N] (0 where a packed row has no such token)."""
         if self.index is None:
             return x
-        padded = jnp.pad(x, ((0, 0), (0, 1)))
-        return jnp.take_along_axis(padded, self.index, axis=1).reshape(self.rows, -1)
+        return gather_rows(x, self.index, self.source).reshape(self.rows, -1)
 
     def logprobs(self, model, temperature: float, **kw):
         """`completion_logprobs` of these tokens, per row [B, N] (entropy None unless asked)."""
@@ -182,18 +182,25 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
     cols = (t - n - 1, t - 1)  # the completion's predictors
     masses = {k: packing.take(getattr(out, k), *cols, axis=1) for k in ("vision_mass", "text_mass")
               if getattr(out, k) is not None}  # fmt: skip
-    # each device group's real completion tokens, in order, in pack_completions slots
+    # each device group's real completion tokens, in order, in pack_completions slots: every
+    # map below is injective with its inverse at hand, so their gradients are gathers too
     b, g, size = tokens.shape[0], batch.pack_groups, batch.pack_completions
-    real = (batch.completion_mask > 0).reshape(g, -1)  # [groups, rows per group x N]
-    rank = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
-    index = jnp.where(real, rank, size)
-    local = jnp.arange(real.shape[1], dtype=jnp.int32)
-    src = jax.vmap(lambda i: jnp.zeros(size, jnp.int32).at[i].set(local, mode="drop"))(index)
-    take = lambda x: jnp.take_along_axis(x.reshape((g, -1) + x.shape[2:]), src, axis=1)  # noqa: E731
-    slots = take(packing.slots(*cols))
-    flat = out.hidden.reshape(g, -1, out.hidden.shape[-1])  # [groups, buffers x T, D]
-    hidden = jnp.take_along_axis(flat, slots[..., None], axis=1)
-    return Completions(hidden, take(tokens), index, b), out.replace(**masses)
+    real = (batch.completion_mask > 0).reshape(g, -1)  # [groups, J = rows per group x N]
+    j = real.shape[1]
+    index = jnp.where(real, jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, size)  # token -> slot
+    local = jnp.arange(j, dtype=jnp.int32)
+    source = jax.vmap(lambda i: jnp.full(size, j, jnp.int32).at[i].set(local, mode="drop"))(index)
+    buffered = packing.buffers * packing.length  # a group's packed slots
+    at = gather_rows(packing.slots(*cols).reshape(g, -1), source, index)
+    at = jnp.where(source < j, at, buffered)  # each head slot's packed slot (none: buffered)
+    # the inverse: each packed slot's head slot (none: size), through the token it holds
+    per_token = jnp.full((b, t), size, jnp.int32).at[:, cols[0] : cols[1]].set(index.reshape(b, n))
+    per_token = jnp.pad(per_token.reshape(g, -1), ((0, 0), (0, 1)), constant_values=size)
+    reader = jnp.take_along_axis(per_token, packing.src, axis=1)
+    flat = out.hidden.reshape(g, buffered, out.hidden.shape[-1])  # [groups, buffers x T, D]
+    hidden = gather_rows(flat, at, reader)
+    tokens = gather_rows(tokens.reshape(g, -1), source, index)
+    return Completions(hidden, tokens, index, source, b), out.replace(**masses)
 
 
 def paired_packing(both: RolloutBatch) -> RolloutBatch:
