@@ -209,6 +209,16 @@ def run_jaxvrl(args, ckpt: str, tok, rows) -> dict:
     return dict(times=times, cpu=cpu, length=float(np.mean(lengths)))
 
 
+def model_args(ap) -> None:
+    """The random model's and the built-in task's flags, shared by the benches that build them
+    (`make_checkpoint`, `tokenizer_and_rows`)."""
+    ap.add_argument("--size", default="small", choices=sorted(sampler_bench.SIZES))
+    ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
+    ap.add_argument("--image-size", type=int, default=56, help="built-in task image side (px)")
+    ap.add_argument("--min-pixels", type=int, default=56 * 56)
+    ap.add_argument("--max-pixels", type=int, default=28 * 28 * 256)
+
+
 def pixel_limits(args) -> dict:
     return dict(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
 
@@ -341,11 +351,7 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--iters", type=int, default=3, help="iterations (the first is warm-up)")
-    ap.add_argument("--size", default="small", choices=sorted(sampler_bench.SIZES))
-    ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
-    ap.add_argument("--image-size", type=int, default=56, help="built-in task image side (px)")
-    ap.add_argument("--min-pixels", type=int, default=56 * 56)
-    ap.add_argument("--max-pixels", type=int, default=28 * 28 * 256)
+    model_args(ap)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--updates", type=int, default=1, help="policy updates per rollout batch")
     ap.add_argument("--old-logprobs", default="sampler", choices=["sampler", "recompute"])
