@@ -73,8 +73,8 @@ class Packing:
 
     def slots(self, start: int, stop: int) -> jax.Array:
         """int32[B, stop - start]: the slot of columns start:stop of every row (a static
-        slice: a gather there leaves the program unpriced by the TPU cost model); padding
-        tokens get the last slot (masked by the caller)."""
+        slice, not a gather by an index array); padding tokens get the last slot (masked by
+        the caller)."""
         return jnp.minimum(self.dest[:, start:stop], self.buffers * self.length - 1)
 
     def take(self, y: jax.Array, start: int, stop: int, axis: int = 0) -> jax.Array:
