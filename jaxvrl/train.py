@@ -590,7 +590,7 @@ def _run(c) -> dict:
     nonfinite = int(meta.get("nonfinite_streak", 0))
     # the step shapes compiled so far, for later batches to reuse (a resumed run takes the
     # shapes the uninterrupted run would)
-    fitted = StepShapes.from_json(meta.get("step_shapes", []))
+    step_shapes = StepShapes.from_json(meta.get("step_shapes", []))
     if start == 0 and c.load_checkpoint_path:
         state, ref_params = load_start_params(
             c.load_checkpoint_path, state, ref_params, s.ref_shardings
@@ -630,7 +630,7 @@ def _run(c) -> dict:
             if pictures:  # the diagnostic pass compiles beside the train step
                 maps.prepare(params, rollout, compiler)
             # each process passes its own rows; they join into the global batch
-            batch = fit_batch(rollout.batch, k_step, step_cfg, mesh, fitted)  # its real tokens
+            batch = fit_batch(rollout.batch, k_step, step_cfg, mesh, step_shapes)  # its real tokens
             shapes.add(runtime.shape_key(batch))
             batch = runtime.place_batch(batch, mesh)
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
@@ -666,7 +666,7 @@ def _run(c) -> dict:
             )
             stop = stop_requested_everywhere(flag) or over_budget
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
-                meta = {"nonfinite_streak": nonfinite, "step_shapes": fitted.to_json()}
+                meta = {"nonfinite_streak": nonfinite, "step_shapes": step_shapes.to_json()}
                 ckpt.save(
                     done,
                     state,

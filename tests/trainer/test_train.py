@@ -87,23 +87,20 @@ def test_every_config_runs_two_steps(path, tmp_path):
         assert any("kl_coef" in k for k in arrays)
 
 
-def _final_params(workdir):
+def _final_item(workdir, item: str):
+    """(latest step, that checkpoint's `item`: "state", "meta", ...)."""
     from jaxvrl.checkpoint import Checkpointer
 
     ck = Checkpointer(os.path.join(workdir, "checkpoints"))
     step = ck.latest_step()
-    arrays = ck.manager.restore(step)["state"]
+    value = ck.manager.restore(step)[item]
     ck.close()
+    return step, value
+
+
+def _final_params(workdir):
+    step, arrays = _final_item(workdir, "state")
     return step, {k: np.asarray(v) for k, v in arrays.items()}
-
-
-def _final_meta(workdir) -> dict:
-    from jaxvrl.checkpoint import Checkpointer
-
-    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
-    meta = dict(ck.manager.restore(ck.latest_step())["meta"])
-    ck.close()
-    return meta
 
 
 def test_resume_equals_uninterrupted_run(tmp_path):
@@ -121,7 +118,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert steps == [0, 1, 2, 3, 4]  # the resumed run continues at step 3, no repeats
     # the checkpoint keeps the step shapes compiled so far (a resumed run reuses them as
     # the uninterrupted run does); the logged shapes agree
-    shapes = [_final_meta(d)["step_shapes"] for d in (a, b)]
+    shapes = [_final_item(d, "meta")[1]["step_shapes"] for d in (a, b)]
     assert len(shapes[0]) == whole["compiles/train_step"] and shapes[0] == shapes[1]
     shape = lambda d: [  # noqa: E731
         [r.get(k) for k in ("train/completion_columns", "train/pack_buffers")]
