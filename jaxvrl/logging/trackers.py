@@ -126,8 +126,10 @@ class WandbTracker(Tracker):
 
 class MlflowTracker(Tracker):
     """An MLflow run in experiment `project` of the tracking server or store that
-    MLFLOW_TRACKING_URI names (e.g. file:///path/mlruns, with MLFLOW_ALLOW_FILE_STORE=true for
-    MLflow 3), continued by run id. Images go to `<name>/step_<step>.png` artifacts, tables
+    MLFLOW_TRACKING_URI names (http(s)://host:port, sqlite:///path.db, file:///path/mlruns
+    with MLFLOW_ALLOW_FILE_STORE=true for MLflow 3; unset: MLflow's default, ./mlflow.db in
+    MLflow 3, a SQLite store that the mlflow extra's sqlalchemy and alembic open), continued
+    by run id. Images go to `<name>/step_<step>.png` artifacts, tables
     to `<name>/step_<step>.json` artifacts
     ({"columns", "data"}, as mlflow.log_table writes them). A parameter keeps its first value:
     a resumed run logs only the keys it does not have (MLflow refuses changed values)."""

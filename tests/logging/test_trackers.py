@@ -1,7 +1,8 @@
 """The trackers: every scalar row of metrics.jsonl reaches each backend at its step (wandb
-offline and MLflow's file store read back through their own records), the config once, the
-rollout samples as a table at the markdown logs' cadence; a resumed run continues the same
-tracker run; a backend that raises is warned about once and skipped, the local logs intact."""
+offline; MLflow's file store, a sqlite:/// URI and its default store; each read back through
+its own records), the config once, the rollout samples as a table at the markdown logs'
+cadence; a resumed run continues the same tracker run; a backend that raises is warned about
+once and skipped, the local logs intact."""
 
 from __future__ import annotations
 
@@ -133,6 +134,34 @@ def test_mlflow_receives_the_scalars_config_and_samples_and_a_resume_continues_i
         ["question 0", "answer 3.0.1", 0.0, 0.5, 0.5, -0.7],
         ["question 1", "answer 3.1.0", 1.0, 0.5, 1.5, 0.1],
     ]
+
+
+def test_mlflow_default_store_and_a_sqlite_uri_receive_the_scalars(tmp_path, monkeypatch, caplog):
+    """No MLFLOW_TRACKING_URI: MLflow 3's default, a SQLite store at ./mlflow.db (MLflow 2's:
+    ./mlruns), which the mlflow extra's sqlalchemy and alembic open; then a second run named
+    by a sqlite:/// URI (MLflow 3: the same file; a new one would cost MLflow's schema
+    migrations again, seconds)."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    pytest.importorskip("alembic")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with caplog.at_level(logging.WARNING, logger="jaxvrl.logging.trackers"):
+        write_run(tmp_path / "default", [1, 2, 3])
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+        write_run(tmp_path / "sqlite", [1, 2, 3])
+    assert [r.getMessage() for r in caplog.records if r.name == trackers.__name__] == []
+    for workdir in (tmp_path / "default", tmp_path / "sqlite"):
+        run_id = json.load(open(workdir / "trackers.json"))["mlflow"]
+        client = MlflowClient()
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert_received(mlflow_received(client, run_id), workdir)
+        assert [a.path for a in client.list_artifacts(run_id, "rollouts")] == [
+            "rollouts/step_000001.json",
+            "rollouts/step_000003.json",
+        ]
 
 
 def test_a_fresh_start_over_an_old_run_starts_a_new_tracker_run(tmp_path, mlflow_store):
