@@ -48,12 +48,16 @@ from jaxvrl.rl.advantages import ESTIMATORS
 from jaxvrl.rl.attention import LAYER_SETS
 from jaxvrl.rl.losses import AGG_MODES, KL_CONTROLLERS, KL_KINDS
 from jaxvrl.rl.masks import ENTROPY_SCOPES
+from jaxvrl.rl.rewards import reward_kwargs_error
 from jaxvrl.sampling.layout import DTYPES as ROLLOUT_DTYPES
 from jaxvrl.train import MATMUL_PRECISIONS
 from jaxvrl.trainer.build import SCHEDULES
 from jaxvrl.trainer.state import OLD_LOGPROBS, ROLLOUT_IS
 
 # Rules that several keys share, or that read other keys.
+REWARD_KWARGS = agree(
+    lambda v, c: reward_kwargs_error(v) is None, "a Python dict literal, e.g. \"{'k': 0.5}\""
+)
 MESH_AXIS = agree(lambda v, c: v == -1 or v >= 1, "-1 (the rest of the devices) or >= 1")
 ONE_REST = agree(
     lambda v, c: [c.mesh.data, c.mesh.fsdp, v].count(-1) <= 1,
@@ -333,6 +337,20 @@ def get_config(arg=None):
     c.reward.early_steps = setting(0, NON_NEGATIVE)  # steps that use early_weights (0 = off)
     # R in clip(1 - |ln MDI| / ln R, 0, 1)
     c.reward.mdi_balance_ratio = setting(2.0, Range(1, lo_open=True))
+    # keyword arguments of the reward functions (EasyR1's reward_function_kwargs), a Python
+    # dict: {"format_weight": 0.5} goes to every function whose signature takes it,
+    # {"<reward name>": {...}} to that one only
+    c.reward.kwargs = setting("{}", REWARD_KWARGS)
+    # worker processes that score rows in parallel (0 = a thread of the trainer)
+    c.reward.num_workers = setting(0, NON_NEGATIVE)
+    # seconds each reward call may take (a batch for TRL / EasyR1-batch functions, a row for
+    # per-row ones); past it the rows score 0, counted in reward/<name>_timeouts, and the
+    # worker is replaced (inf = no bound)
+    c.reward.timeout_s = setting(300.0, Range(0, lo_open=True))
+    # a function failing (raising, timing out, wrong count, non-finite) on more than this
+    # fraction of its calls over the last failure_window steps ends the run (exit 2, saved)
+    c.reward.max_failure_fraction = setting(0.5, PROBABILITY)
+    c.reward.failure_window = setting(5, at_least(1))  # steps the failure fraction is over
 
     c.filter = ml_collections.ConfigDict()
     c.filter.dynamic_sampling = False  # DAPO: drop groups whose metric is constant

@@ -62,7 +62,14 @@ from jaxvrl.models import load
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.remote import MirroredDir, is_remote, localize_dir, probe_writable
-from jaxvrl.rl.rewards import SafeReward, load_reward_fn, reward_names
+from jaxvrl.rl.reward_pool import RewardsInterrupted
+from jaxvrl.rl.rewards import (
+    RewardFailing,
+    SafeReward,
+    load_reward_fn,
+    reward_kwargs,
+    reward_names,
+)
 from jaxvrl.sampling import (
     Sampler,
     SamplingConfig,
@@ -78,6 +85,7 @@ from jaxvrl.trainer.packing import StepShapes, fit_batch
 from jaxvrl.trainer.replay_state import load_buffer, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, evaluate, step_scalars
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
+from jaxvrl.trainer.scoring import RewardScorer
 from jaxvrl.trainer.step import build_train_step
 
 log = logging.getLogger("jaxvrl")
@@ -345,7 +353,22 @@ def make_rollout_phase(
 ) -> RolloutPhase:
     # rewards are keyed by the names they are logged under
     names = reward_names(c.reward.funcs, c.reward.names)
-    fns = {n: SafeReward(n, load_reward_fn(f)) for n, f in zip(names, c.reward.funcs)}
+    kwargs = reward_kwargs(c.reward.kwargs, names, c.reward.funcs)
+    try:  # each function's form is recognised by its signature
+        fns = {
+            n: SafeReward(n, load_reward_fn(f), f, kwargs[n]) for n, f in zip(names, c.reward.funcs)
+        }
+    except TypeError as e:
+        raise ConfigError(f"config.reward.funcs: {e}") from None
+    scorer = RewardScorer(
+        fns,
+        num_workers=c.reward.num_workers,
+        timeout_s=c.reward.timeout_s,
+        image_dir=c.data.image_dir or None,
+        max_failure_fraction=c.reward.max_failure_fraction,
+        failure_window=c.reward.failure_window,
+        constants={"mdi_balance_ratio": c.reward.mdi_balance_ratio},
+    )
     regular = dict(zip(names, c.reward.weights))
     early = dict(zip(names, c.reward.early_weights)) if c.reward.early_weights else None
     by_spec = dict(zip(c.reward.funcs, names))
@@ -384,6 +407,7 @@ def make_rollout_phase(
             with_pools=True,
         ),
         rewards=fns,
+        scorer=scorer,
         reward_weights=lambda step: rl.stage_reward_weights(
             step, regular, early, c.reward.early_steps
         ),
@@ -398,10 +422,12 @@ def make_rollout_phase(
     )
 
 
-def make_validate(c, examples, greedy, model_config, tokenizer, mesh=None, decode=None):
+def make_validate(
+    c, examples, greedy, model_config, tokenizer, mesh=None, decode=None, scorer=None
+):
     """-> validate(params): greedy val/accuracy and val/format on the held-out examples, in
     batches of the rollout's row count (`decode`: where the rollout keeps its decode
-    weights, reused here)."""
+    weights, reused here), and with `scorer` (the rollout's) val/reward/<name>."""
     val_collate = functools.partial(
         collate,
         repeat=1,
@@ -412,7 +438,7 @@ def make_validate(c, examples, greedy, model_config, tokenizer, mesh=None, decod
     )
     rows = c.prompts_per_step * c.rollout.num_generations
     return lambda params: evaluate(
-        examples, greedy, params, val_collate, tokenizer, rows, mesh, decode
+        examples, greedy, params, val_collate, tokenizer, rows, mesh, decode, scorer
     )
 
 
@@ -582,7 +608,9 @@ def _run(c) -> dict:
     rmesh = sampler.mesh  # the rollout's layout: the prompts go there
     phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh)
     examples = val_examples(c, tokenizer, model.config)
-    validate = make_validate(c, examples, greedy, model.config, tokenizer, rmesh, phase.decode)
+    validate = make_validate(
+        c, examples, greedy, model.config, tokenizer, rmesh, phase.decode, phase.scorer
+    )
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.rewards)
@@ -618,13 +646,35 @@ def _run(c) -> dict:
     compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxvrl-diagnostics")
     flag = PreemptionFlag()
     shapes = set()  # the train step's batch shapes (each compiles a program)
+
+    def save(n: int, step_rng) -> None:
+        meta = {"nonfinite_streak": nonfinite, "step_shapes": step_shapes.to_json()}
+        ckpt.save(
+            n,
+            state,
+            step_rng,
+            meta,
+            data_state=data.get_state(),
+            counters=counters.state(),
+            replay=None if phase.replay is None else save_buffer(phase.replay),
+        )
+
     try:
         for step in range(start, 0 if c.val_only else c.total_steps):
             t0 = time.time()
             done = step + 1
+            step_rng = rng
             rng, k_sample, k_step = jax.random.split(rng, 3)
             params = sampling_params(state)
-            rollout = phase.run(params, step, k_sample, data, max_prompts=train_rows)
+            try:
+                rollout = phase.run(
+                    params, step, k_sample, data, train_rows, stop=lambda: flag.requested
+                )
+            except RewardsInterrupted:  # SIGTERM while the rewards ran: the last step saved
+                if ckpt.latest_step() != step:
+                    save(step, step_rng)
+                print(f"stopping at step {step} (SIGTERM during the rewards); saved", flush=True)
+                break
             logged = bool(c.log_rollouts_every) and step % c.log_rollouts_every == 0
             pictures = logged and maps is not None
             if pictures:  # the diagnostic pass compiles beside the train step
@@ -644,6 +694,7 @@ def _run(c) -> dict:
             metrics.update(counters.update(metrics))
             if (c.val_freq and done % c.val_freq == 0) or done == c.total_steps:
                 metrics.update(validate(sampling_params(state)))
+            failing = phase.scorer.end_step()  # a reward failing too often ends the run
             logs.scalars(done, metrics)
             if logged:
                 host = runtime.host_local(extras)
@@ -664,24 +715,19 @@ def _run(c) -> dict:
             over_budget = bool(c.time_budget_s) and process0_says(
                 time.time() - t_start > c.time_budget_s
             )
-            stop = stop_requested_everywhere(flag) or over_budget
+            failed = runtime.any_process(failing is not None)
+            stop = stop_requested_everywhere(flag) or over_budget or failed
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
-                meta = {"nonfinite_streak": nonfinite, "step_shapes": step_shapes.to_json()}
-                ckpt.save(
-                    done,
-                    state,
-                    rng,
-                    meta,
-                    data_state=data.get_state(),
-                    counters=counters.state(),
-                    replay=None if phase.replay is None else save_buffer(phase.replay),
-                )
+                save(done, rng)
+            if failed:  # after the checkpoint: one `error:` line, exit 2
+                raise RewardFailing(failing or "a reward function failed too often on a host")
             if stop:
                 why = "SIGTERM" if flag.requested else "time budget"
                 print(f"stopping at step {done} ({why}); checkpoint saved", flush=True)
                 break
     finally:
         flag.restore()
+        phase.close()
         compiler.shutdown(wait=True)
         ckpt.close()
         logs.close()

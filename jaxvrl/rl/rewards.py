@@ -1,18 +1,24 @@
-"""Host-side reward functions (docs/algorithms.md#rewards). Signature like TRL:
-`fn(completions: list[str], **columns) -> list[float]`."""
+"""Host-side reward functions (docs/algorithms.md#rewards): the built-ins (TRL's signature,
+`fn(completions: list[str], **columns) -> list[float]`), loading a user's function, and
+`SafeReward`, one function as the run calls it (its forms: jaxvrl/rl/reward_forms.py; its
+calls off the main thread: jaxvrl/rl/reward_pool.py)."""
 
 from __future__ import annotations
 
+import ast
+import collections
 import logging
 import math
 import re
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxvrl.config import RESERVED_NAMES, reward_name, reward_names  # noqa: F401
+from jaxvrl.config import RESERVED_NAMES, ConfigError, reward_name, reward_names  # noqa: F401
 from jaxvrl.plugins import load_function
+from jaxvrl.rl.reward_forms import RowInput, call, detect
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +232,15 @@ def _match(pred: str, ref: str) -> bool:
     return _normalise(pred) == _normalise(ref)
 
 
+def _for_math_verify(text: str, reference: bool = False) -> str:
+    """What math_verify parses: a marked answer (`marked_answer`) as one LaTeX expression,
+    else a reference as one, else the completion's text after the last </think>."""
+    marked = marked_answer(text)
+    if marked is None and reference and "$" not in text:
+        marked = text
+    return text.rsplit("</think>", 1)[-1] if marked is None else f"${marked.strip()}$"
+
+
 def accuracy_reward(
     completions: Sequence[str],
     answer: Sequence[str] | None = None,
@@ -233,7 +248,8 @@ def accuracy_reward(
     **_,
 ) -> list[float]:
     """1.0 when the completion's answer_span matches the reference's (column `answer`, else
-    `solution`): math_verify's verify when installed and it says equal; otherwise numeric
+    `solution`): math_verify's parse/verify (LaTeX, fractions, sets, \\boxed{}) when
+    installed and it says equal (on the marked answers, `_for_math_verify`); otherwise numeric
     equality (rel. 1e-6; "50%" = 0.5, "1/4" = 0.25) or normalised string equality; a
     completion whose answer nothing marks, against a numeric reference, is read by its last
     number (a model answering in prose)."""
@@ -252,8 +268,14 @@ def accuracy_reward(
         pred, gold = answer_span(c), answer_span(str(ref))
         ok = False
         if verify is not None:
+            # its own timeouts use SIGALRM, which works on the main thread only; elsewhere the
+            # reward pool's timeout bounds the call
+            main = threading.current_thread() is threading.main_thread()
+            limit = {"parsing_timeout": 5} if main else {"parsing_timeout": None}
             try:
-                ok = bool(verify(parse(str(ref)), parse(c.rsplit("</think>", 1)[-1])))
+                gold_p = parse(_for_math_verify(str(ref), reference=True), **limit)
+                pred_p = parse(_for_math_verify(c), **limit)
+                ok = bool(verify(gold_p, pred_p, timeout_seconds=5 if main else None))
             except Exception:  # noqa: BLE001 -- math_verify failing means: compare as text
                 ok = False
         ok = ok or _match(pred, gold)
@@ -303,34 +325,119 @@ def load_reward_fn(spec: str) -> Callable:
     return load_function(spec, "reward")
 
 
-# names a reward cannot take: reward/total and reward/greedy_baseline are other metrics, and
-# overall is the filters' name for the total reward
-class SafeReward:
-    """Calls a reward function; if it raises or returns the wrong length or non-finite values,
-    that call yields zeros, the traceback is logged once per function, and `failures` counts
-    it. Training never stops because of a reward."""
+def reward_kwargs_error(text) -> str | None:
+    """Why `reward.kwargs` is not a Python dict literal with string keys, or None."""
+    try:
+        value = ast.literal_eval(text) if isinstance(text, str) else text
+    except (ValueError, SyntaxError) as e:
+        return f"not a Python literal ({e})"
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return "not a dict with string keys"
+    return None
 
-    def __init__(self, name: str, fn: Callable):
-        self.name, self.fn = name, fn
-        self.failures = 0
+
+def reward_kwargs(text: str, names, specs) -> dict[str, dict]:
+    """`reward.kwargs` -> {reward name: its keyword arguments}: a key that is a reward's name
+    (or spec) with a dict value goes to that reward, any other key to every reward."""
+    value = ast.literal_eval(text) if isinstance(text, str) else dict(text)
+    targets = {**dict(zip(specs, names)), **{n: n for n in names}}
+    common = {k: v for k, v in value.items() if not (k in targets and isinstance(v, dict))}
+    out = {n: dict(common) for n in names}
+    for k, v in value.items():
+        if k in targets and isinstance(v, dict):
+            out[targets[k]].update(v)
+    return out
+
+
+class RewardFailing(ConfigError):
+    """A reward function failed on more than reward.max_failure_fraction of its calls over
+    the last reward.failure_window steps: the run saves and ends (one `error:` line, exit 2)."""
+
+
+class SafeReward:
+    """One reward function as the run calls it: its name, spec (`module:function`, for the
+    workers), form (`reward_forms.detect`), keyword arguments, and what its calls did.
+
+    A call that raises, times out, returns the wrong count or non-finite values scores 0 for
+    its rows and counts in `failures` (`timeouts`: those past reward.timeout_s or whose worker
+    died); the first failure is logged as one line naming the function, the error and the form
+    it was called in (its traceback at debug level). Per step the calls and failures are kept
+    for `failing`. Calling the object scores completions in-process (no timeout) with columns
+    as keywords (lists: one value per completion)."""
+
+    def __init__(self, name: str, fn: Callable, spec: str | None = None, kwargs=None):
+        self.name, self.fn, self.spec = name, fn, spec or name
+        self.form = detect(fn)
+        self.kwargs = dict(kwargs or {})
+        self.failures = self.timeouts = 0
+        self.step_calls = [0, 0]  # this step's calls, failed calls
+        self.history: collections.deque = collections.deque()  # earlier steps' [calls, failed]
         self._logged = False
 
+    def record(self, error: str | None = None, trace: str = "", timed_out: bool = False) -> None:
+        """Count one call; `error` (one line) when it failed."""
+        self.step_calls[0] += 1
+        if error is None:
+            return
+        self.step_calls[1] += 1
+        self.failures += 1
+        self.timeouts += int(timed_out)
+        if not self._logged:
+            self._logged = True
+            log.error("%s; its rows score 0", self.describe_failure(error))
+            if trace:
+                log.debug("reward %s traceback:\n%s", self.name, trace)
+
+    def describe_failure(self, error: str) -> str:
+        return (
+            f"reward {self.name} ({self.spec}) failed: {error} (called in the "
+            f"{self.form.describe()})"
+        )
+
+    def end_step(self, window: int) -> None:
+        """Close the step's tally; keep the last `window` steps'."""
+        self.history.append(self.step_calls)
+        while len(self.history) > window:
+            self.history.popleft()
+        self.step_calls = [0, 0]
+
+    def failing(self, fraction: float, window: int) -> str | None:
+        """Why the run must end, when over the last `window` steps (all of them run) more than
+        `fraction` of this function's calls failed; else None."""
+        calls = sum(c for c, _ in self.history)
+        failed = sum(f for _, f in self.history)
+        if len(self.history) < window or not calls or failed <= fraction * calls:
+            return None
+        return (
+            f"reward {self.name} ({self.spec}) failed on {failed} of its {calls} calls over the "
+            f"last {window} steps, more than config.reward.max_failure_fraction={fraction:g} "
+            f"(config.reward.failure_window={window}); it is called in the "
+            f"{self.form.describe()}. Fix the function (its first failure is logged above) or "
+            "remove it from config.reward.funcs"
+        )
+
     def __call__(self, completions: Sequence[str], **columns) -> np.ndarray:
+        n = len(completions)
+        lists = {k: v for k, v in columns.items() if _per_row(v, n)}
+        constants = {k: v for k, v in columns.items() if k not in lists}
+        rows = [
+            RowInput("", c, 0, None, {k: v[i] for k, v in lists.items()})
+            for i, c in enumerate(completions)
+        ]
         try:
-            vals = np.asarray(self.fn(list(completions), **columns), np.float64)
-            if vals.shape != (len(completions),):
-                raise ValueError(f"returned shape {vals.shape}, expected ({len(completions)},)")
-            return np.where(np.isfinite(vals), vals, 0.0)
-        except Exception:  # noqa: BLE001 -- a user reward must never stop training
-            self.failures += 1
-            if not self._logged:
-                log.error(
-                    "reward %s failed; it gives 0 for this batch:\n%s",
-                    self.name,
-                    traceback.format_exc(),
-                )
-                self._logged = True
-            return np.zeros(len(completions))
+            vals = np.asarray(
+                [v for v, _ in call(self.fn, self.form, rows, self.kwargs, constants)]
+            )
+        except Exception as e:  # noqa: BLE001 -- a user reward must never stop training
+            self.record(f"{type(e).__name__}: {e}", traceback.format_exc())
+            return np.zeros(n)
+        finite = np.isfinite(vals)
+        self.record(None if finite.all() else f"returned non-finite values {vals[~finite][:3]}")
+        return np.where(finite, vals, 0.0)
+
+
+def _per_row(value, n: int) -> bool:
+    return isinstance(value, list | tuple | np.ndarray) and len(value) == n
 
 
 def total_reward(

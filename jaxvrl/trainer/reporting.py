@@ -68,8 +68,11 @@ def evaluate(
     rows_per_batch: int,
     mesh=None,
     decode: PhaseWeights | None = None,
+    scorer=None,
 ) -> dict:
-    """Greedy accuracy (`held_out_score`) and think-format rate on held-out examples.
+    """Greedy accuracy (`held_out_score`) and think-format rate on held-out examples, and
+    with `scorer` (trainer/scoring.py: RewardScorer, the training rewards) each reward's mean
+    as val/reward/<name>.
 
     collate(examples) -> a prompt batch with one row per example; batches are padded to
     `rows_per_batch` rows (one compiled shape) and the padding rows are not counted. mesh:
@@ -79,6 +82,7 @@ def evaluate(
     if not examples:
         return {}
     correct, fmt, n = 0.0, 0.0, 0
+    sums: dict[str, float] = {}
     try:
         for i in range(0, len(examples), rows_per_batch):
             chunk = examples[i : i + rows_per_batch]
@@ -89,11 +93,16 @@ def evaluate(
             texts = decode_completions(tokenizer, out.tokens, out.mask)[:k]
             correct += sum(held_out_score(texts, chunk[:k]))
             fmt += sum(rl.rewards.think_format_reward(texts))
+            if scorer is not None:
+                values, _ = scorer.score(chunk[:k], texts, out.mask[:k].sum(1))
+                for name, v in values.items():
+                    sums[name] = sums.get(name, 0.0) + float(v.sum())
             n += k
     finally:
         if decode is not None:
             decode.end_phase()
-    return {"val/accuracy": correct / n, "val/format": fmt / n}
+    out = {"val/accuracy": correct / n, "val/format": fmt / n}
+    return out | {f"val/reward/{name}": v / n for name, v in sums.items()}
 
 
 def step_scalars(rollout: Rollout, step_metrics: dict, step_time_s: float) -> dict:
@@ -218,7 +227,9 @@ class RunLogs:
             return
         prompts = [r["prompt"] for r in rows]
         texts = [r["text"] for r in rows]
-        parts = {k: [r["parts"][k] for r in rows] for k in rows[0]["parts"]}
+        # sub-scores of one generation batch may be missing in another's rows: NaN there
+        keys = dict.fromkeys(k for r in rows for k in r["parts"])
+        parts = {k: [r["parts"].get(k, float("nan")) for r in rows] for k in keys}
         totals = [r["total"] for r in rows]
         adv = [r["adv"] for r in rows]
         adv = (

@@ -25,6 +25,7 @@ from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.sampling import Sampler
 from jaxvrl.trainer.passes import RolloutBatch
+from jaxvrl.trainer.scoring import RewardScorer
 
 OVERALL = "overall"  # a filter metric: the total (weighted) reward
 
@@ -437,6 +438,22 @@ class RolloutPhase:
     mesh: Mesh | None = None  # where the sampler's inputs go (None: the default device)
     accuracy: str | None = "mc_idx"
     decode: PhaseWeights = dataclasses.field(default_factory=PhaseWeights)
+    # the rewards' calls (trainer/scoring.py: RewardScorer; None: `rewards` in-process, no
+    # timeout); stop() -> whether to abandon them (SIGTERM), set by `run`
+    scorer: RewardScorer | None = None
+    stop: Callable[[], bool] | None = None
+
+    def __post_init__(self):
+        if self.scorer is None:
+            self.scorer = RewardScorer(self.rewards, constants=self.reward_constants())
+
+    def reward_constants(self) -> dict:
+        """Batch-wide keywords of TRL-form rewards (the built-in mdi's balance ratio)."""
+        return {"mdi_balance_ratio": self.mdi_balance_ratio}
+
+    def close(self) -> None:
+        """Stop the reward workers."""
+        self.scorer.close()
 
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""
@@ -462,15 +479,14 @@ class RolloutPhase:
         texts = decode_completions(self.tokenizer, out.tokens, out.mask)
         att = self._attention(out, batch)
         rows = batch["rows"]
-        columns = {k: [r.get(k) for r in rows] for k in ("label_idx", "answer", "solution")}
-        columns["mdi"] = list(att["mdi"]) if "mdi" in att else None
-        columns["mdi_balance_ratio"] = self.mdi_balance_ratio
+        # per-row rollout statistics the rewards may read besides the rows' columns
+        extra = {"mdi": list(att["mdi"])} if "mdi" in att else {}
         mask = out.mask.astype(np.float32)
         lengths = mask.sum(1)
-        totals, parts = self._score(step, texts, lengths, columns)
+        totals, parts = self._score(step, rows, texts, lengths, extra)
         baseline = np.zeros(len(texts))
         if self.greedy is not None:
-            baseline = self._greedy_baseline(params, batch, step, columns)
+            baseline = self._greedy_baseline(params, batch, step)
         if self.opts.mask_truncated_completions:
             mask = rl.mask_truncated_completions(mask, out.truncated)
         groups = []
@@ -501,11 +517,15 @@ class RolloutPhase:
         info["decode_rows"] = self.sampler.decode_rows(len(texts), once)
         return groups, info
 
-    def _score(self, step: int, texts: list, lengths: np.ndarray, columns: dict):
-        """-> (totals float64[B] incl. the soft overlong punishment, {name: float64[B]})."""
-        totals, parts = rl.rewards.total_reward(
-            self.rewards, self.reward_weights(step), texts, **columns
-        )
+    def _score(self, step: int, rows: list, texts: list, lengths: np.ndarray, extra: dict):
+        """-> (totals float64[B] incl. the soft overlong punishment, {name: float64[B]} and
+        the sub-scores {name/key: float64[B]}). Raises RewardsInterrupted at a stop."""
+        values, subs = self.scorer.score(rows, texts, lengths, extra, stop=self.stop)
+        weights = self.reward_weights(step)
+        totals = np.zeros(len(texts))
+        for name, vals in values.items():
+            totals += weights.get(name, 1.0) * vals
+        parts = {**values, **subs}
         o = self.opts
         if o.overlong_buffer_len:
             totals = totals + rl.soft_overlong_punishment(
@@ -513,16 +533,14 @@ class RolloutPhase:
             )
         return totals, parts
 
-    def _greedy_baseline(self, params, batch: dict, step: int, columns: dict) -> np.ndarray:
+    def _greedy_baseline(self, params, batch: dict, step: int) -> np.ndarray:
         """float64[B]: the total reward of each prompt's greedy completion, on its G rows.
         The greedy sampler runs on the whole batch (the validation shape: no new program)."""
         g = self.opts.group_size
         key = jax.random.key(0)
         out = sample_completions(self.greedy, params, batch, key, None, self.mesh, self.decode)
         texts = decode_completions(self.tokenizer, out.tokens[::g], out.mask[::g])
-        cols = {k: (v[::g] if isinstance(v, list) else v) for k, v in columns.items()}
-        cols["mdi"] = None
-        totals, _ = self._score(step, texts, out.mask[::g].sum(1), cols)
+        totals, _ = self._score(step, batch["rows"][::g], texts, out.mask[::g].sum(1), {})
         return np.repeat(totals, g)
 
     def _attention(self, out, batch) -> dict:
@@ -543,11 +561,19 @@ class RolloutPhase:
         return {k: np.asarray(v) for k, v in m.items() if np.ndim(v) == 1}
 
     def run(
-        self, params, step: int, key, examples: Iterator[list], max_prompts: int | None = None
+        self,
+        params,
+        step: int,
+        key,
+        examples: Iterator[list],
+        max_prompts: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> Rollout:
         """Generation batches from `examples` (an iterator of P-example lists) until the
-        filters are satisfied, then the fixed-shape batch of P groups."""
+        filters are satisfied, then the fixed-shape batch of P groups. stop() -> true
+        abandons the running reward calls (RewardsInterrupted)."""
         infos = []
+        self.stop = stop
 
         def generate(i):
             groups, info = self.generate(params, next(examples), jax.random.fold_in(key, i), step)
@@ -588,8 +614,17 @@ class RolloutPhase:
         lengths = np.concatenate([x.mask.sum(1) for x in sampled])
         sample_s = sum(i["sample_s"] for i in infos)
         m = {f"reward/{k}": float(np.mean([x.parts[k] for x in sampled])) for k in self.rewards}
-        # failures over the run (SafeReward counts them; the checkpoint keeps the counts)
+        # sub-scores and metrics of dict-returning rewards (NaN: rows without the key)
+        subs = dict.fromkeys(k for x in sampled for k in x.parts if "/" in k)
+        for k in subs:
+            vals = np.concatenate([x.parts.get(k, np.full(len(x.texts), np.nan)) for x in sampled])
+            finite = np.isfinite(vals)
+            m[f"reward/{k}"] = float(np.mean(vals[finite])) if finite.any() else float("nan")
+        # failures and timeouts over the run (SafeReward counts them; the checkpoint keeps them)
         m.update({f"reward/{k}_failures": float(fn.failures) for k, fn in self.rewards.items()})
+        m.update({f"reward/{k}_timeouts": float(fn.timeouts) for k, fn in self.rewards.items()})
+        # wall time waiting for the reward functions (greedy baseline's included)
+        m["rollout/reward_s"] = self.scorer.take_seconds()
         m["reward/total"] = float(totals.mean())
         if self.accuracy in self.rewards:
             m["accuracy"] = m[f"reward/{self.accuracy}"]
@@ -625,5 +660,5 @@ class RolloutPhase:
             m[f"attn/{k}"] = float(np.mean(vals[finite])) if finite.any() else float("nan")
         # every process samples its own rows: log what all of them did, not process 0's share
         sums = {"tokens_per_s", "rollout/tokens_per_s", "replay/replaced", "replay/buffer_size"}
-        sums |= {k for k in m if k.endswith("_failures")}
+        sums |= {k for k in m if k.endswith(("_failures", "_timeouts"))}
         return runtime.metrics_across_processes(m, weight=len(totals), sums=sums)

@@ -333,7 +333,8 @@ def test_a_reward_that_raises_gives_zero_and_training_goes_on(tmp_path, caplog):
         metrics = run(cfg)
     assert np.isfinite(metrics["loss"])
     # logged under the function's name, not its file path
-    assert metrics["reward/broken"] == 0.0 and metrics["reward/broken_failures"] == 2
+    # two rollout calls and the final validation's (val/reward/broken)
+    assert metrics["reward/broken"] == 0.0 and metrics["reward/broken_failures"] == 3
     assert (
         caplog.text.count("RuntimeError: this reward is broken") == 1
     )  # the traceback is logged once
@@ -622,3 +623,44 @@ def test_the_slot_engine_leaves_the_run_unchanged(tmp_path):
             assert 0 < b["rollout/slot_utilization"] <= 1, b
             assert b["rollout/decode_steps"] >= a["rollout/decode_steps"], (a, b)
     assert any(k.startswith("attn/") for k in got[0][-1])
+
+
+HANGING_REWARD = """
+import os, signal, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    os.kill(os.getpid(), signal.SIGTERM)  # the trainer's process: this call runs on its thread
+    time.sleep(30)
+"""
+
+
+def test_a_reward_failing_every_call_ends_the_run_and_sigterm_during_one_saves(tmp_path):
+    """A verl-form reward raising on every call: the run saves and ends with RewardFailing
+    (a ConfigError: main prints one `error:` line, exit 2) after failure_window steps. A
+    reward that hangs: SIGTERM during it saves a checkpoint and the run ends at once (its
+    timeout is 600 s)."""
+    from jaxvrl.rl.rewards import RewardFailing
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(data_source, solution_str, ground_truth):\n    1 / 0\n")
+    (tmp_path / "hang.py").write_text(HANGING_REWARD)
+
+    def config(workdir, fn, *extra):
+        return tiny_config(
+            "configs/grpo.py",
+            workdir,
+            "total_steps=3",
+            "val_before_train=false",
+            f"reward.funcs=('{fn}:compute_score',)",
+            "reward.weights=(1.0,)",
+            *extra,
+        )
+
+    with pytest.raises(RewardFailing) as e:
+        run(config(tmp_path / "a", broken, "reward.failure_window=1"))
+    assert "\n" not in str(e.value) and "failed on 4 of its 4 calls" in str(e.value)
+    assert "verl form" in str(e.value) and os.path.isdir(tmp_path / "a" / "checkpoints" / "1")
+
+    t0 = time.time()
+    run(config(tmp_path / "b", tmp_path / "hang.py", "reward.timeout_s=600"))
+    assert time.time() - t0 < 60 and os.path.isdir(tmp_path / "b" / "checkpoints" / "0")

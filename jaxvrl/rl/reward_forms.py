@@ -1,0 +1,280 @@
+"""Reward functions as their users write them, recognised by signature (no wrapper), and one
+call of each form on a list of rows. Pure Python (no jax): the reward workers import it.
+
+Forms (`detect`):
+- trl: `fn(completions, **columns) -> list[float]` (TRL's GRPOTrainer), called by keyword with
+  `completions`, `prompts`, one list per row column, `images` when named; a batch per call.
+- verl: `compute_score(data_source, solution_str, ground_truth, extra_info=None)` per row
+  (verl's reward managers), -> a float or a dict with `score` (other keys: sub-scores).
+- easyr1_batch: `compute_score(reward_inputs: list[dict]) -> list[dict]` (EasyR1's
+  `REWARD_TYPE = "batch"`, its default), each dict with `overall` plus sub-scores.
+- easyr1_sequential: `compute_score(reward_input: dict) -> dict` (`REWARD_TYPE =
+  "sequential"`), per row.
+- data_dict: `reward_function(data_dict) -> (reward, metrics)` per row; data_dict holds
+  `prompt`, `response`, `ground_truth`, `images` and the row's columns.
+`async def` functions (or ones returning an awaitable) are awaited. Keyword arguments
+(`reward.kwargs`) go to the functions whose signature takes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import math
+
+TRL, VERL, EASYR1_BATCH, EASYR1_SEQUENTIAL, DATA_DICT = (
+    "trl",
+    "verl",
+    "easyr1_batch",
+    "easyr1_sequential",
+    "data_dict",
+)
+PER_ROW = (VERL, EASYR1_SEQUENTIAL, DATA_DICT)
+_CALLS = {
+    TRL: "fn(completions=[...], prompts=[...], **columns) on a batch",
+    VERL: "fn(data_source, solution_str, ground_truth, extra_info) per row",
+    EASYR1_BATCH: "fn(reward_inputs: list[dict]) on a batch (EasyR1 REWARD_TYPE='batch')",
+    EASYR1_SEQUENTIAL: "fn(reward_input: dict) per row (EasyR1 REWARD_TYPE='sequential')",
+    DATA_DICT: "fn(data_dict) -> (reward, metrics) per row",
+}
+# the main value of a dict result, by form (the other numeric keys are sub-scores)
+_MAIN = {VERL: ("score",), EASYR1_BATCH: ("overall",), EASYR1_SEQUENTIAL: ("overall",)}
+_MAIN_ANY = ("score", "overall", "reward")
+
+
+class RewardFormError(TypeError):
+    """A result that the form's users could not have meant (wrong count, wrong type)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """How jaxvrl calls one reward function: `kind` (one of the module's form names), whether
+    it is async, the parameter names it declares and whether it takes **kwargs."""
+
+    kind: str
+    is_async: bool = False
+    params: frozenset = frozenset()
+    var_kw: bool = True
+    positional: str | None = None  # trl: the completions' parameter when not `completions`
+
+    @property
+    def per_row(self) -> bool:
+        return self.kind in PER_ROW
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether its calls carry the rows' PIL images (loading them costs time)."""
+        return self.kind == DATA_DICT or (self.kind == TRL and "images" in self.params)
+
+    def describe(self) -> str:
+        return f"{self.kind} form, {'awaited ' if self.is_async else ''}{_CALLS[self.kind]}"
+
+    def accepted(self, kwargs: dict) -> dict:
+        """The keyword arguments of `kwargs` its signature takes."""
+        return (
+            dict(kwargs) if self.var_kw else {k: v for k, v in kwargs.items() if k in self.params}
+        )
+
+
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C functions have none
+        return None
+
+
+def detect(fn) -> Form:
+    """The form of `fn` by its parameter names, arity and its module's `REWARD_TYPE`:
+    `solution_str` -> verl; `completions` -> trl; `REWARD_TYPE` batch or sequential ->
+    EasyR1's; a first parameter named `reward_inputs` / `reward_input` / `data_dict` -> that
+    form; one other parameter and **kwargs -> trl (completions passed by position); one
+    parameter alone -> easyr1_batch (EasyR1's default type). Raises TypeError for a
+    signature no form fits."""
+    target = inspect.unwrap(fn)
+    is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+        type(target).__call__  # an object whose __call__ is async
+    )
+    sig = _signature(fn)
+    if sig is None:
+        return Form(TRL, is_async)
+    ps = list(sig.parameters.values())
+    names = frozenset(p.name for p in ps if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in ps)
+    form = _form_of(names, var_kw, ps, _reward_type(fn))
+    if form is None:
+        raise TypeError(
+            f"reward function {_name(fn)}{sig}: no reward form fits its parameters; expected "
+            + "; ".join(_CALLS.values())
+        )
+    positional = [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_position = form == TRL and "completions" not in names and bool(positional)
+    return Form(form, is_async, names, var_kw, positional[0] if by_position else None)
+
+
+def _form_of(names, var_kw, ps, reward_type) -> str | None:
+    """The form name for parameter `names` (see `detect`), or None."""
+    positional = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    first = positional[0].name if positional else None
+    required = [p for p in positional if p.default is p.empty]
+    if "solution_str" in names:
+        return VERL
+    if "completions" in names:
+        return TRL
+    if isinstance(reward_type, str) and reward_type.lower() in ("batch", "sequential"):
+        return EASYR1_BATCH if reward_type.lower() == "batch" else EASYR1_SEQUENTIAL
+    by_name = {"reward_inputs": EASYR1_BATCH, "reward_input": EASYR1_SEQUENTIAL}
+    if first in (*by_name, "data_dict"):
+        return by_name.get(first, DATA_DICT)
+    if var_kw and len(required) <= 1:  # fn(completions_under_another_name, **columns)
+        return TRL
+    if len(required) == 1:
+        return EASYR1_BATCH
+    return None
+
+
+def _reward_type(fn):
+    """The `REWARD_TYPE` of the module that defines `fn` (its globals: a file loaded by path
+    is in no sys.modules entry)."""
+    target = inspect.unwrap(getattr(fn, "func", fn))  # functools.partial: its function
+    return getattr(target, "__globals__", {}).get("REWARD_TYPE")
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+@dataclasses.dataclass
+class RowInput:
+    """What a reward sees of one completion: the rendered prompt, the completion, its length
+    in tokens, the label (ground truth), the row's columns (every column of the dataset row,
+    plus per-row rollout statistics such as `mdi`) and its PIL images (None unless the form
+    takes images)."""
+
+    prompt: str
+    response: str
+    response_length: int
+    ground_truth: object
+    columns: dict
+    images: list | None = None
+
+
+def _resolve(value):
+    if inspect.isawaitable(value):
+
+        async def wait():
+            return await value
+
+        return asyncio.run(wait())
+    return value
+
+
+def _number(value, what: str) -> float:
+    if value is None:  # TRL: None = this reward does not apply to the row
+        return 0.0
+    if isinstance(value, bool | int | float) or hasattr(value, "__float__"):
+        return float(value)
+    raise RewardFormError(f"{what} is {type(value).__name__} {value!r:.80}, expected a number")
+
+
+def _extras(d: dict, skip) -> dict:
+    """The numeric entries of a result dict but its main value (sub-scores, metrics)."""
+    out = {}
+    for k, v in d.items():
+        if k in skip or isinstance(v, str):
+            continue
+        try:
+            out[str(k)] = _number(v, str(k))
+        except RewardFormError:
+            continue  # verl's extra info may hold anything: only numbers are metrics
+    return out
+
+
+def score_of(value, kind: str) -> tuple[float, dict]:
+    """One row's result -> (reward, {sub-score or metric: value})."""
+    if isinstance(value, dict):
+        for key in _MAIN.get(kind, _MAIN_ANY):
+            if key in value:
+                return _number(value[key], key), _extras(value, {key})
+        want = " or ".join(repr(k) for k in _MAIN.get(kind, _MAIN_ANY))
+        raise RewardFormError(f"returned a dict without {want}: keys {sorted(map(str, value))}")
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict | type(None)):
+        return _number(value[0], "the reward"), _extras(value[1] or {}, ())
+    return _number(value, "the result"), {}
+
+
+def _trl_kwargs(form: Form, rows: list[RowInput], kwargs: dict, constants: dict) -> dict:
+    keys = dict.fromkeys(k for r in rows for k in r.columns)
+    cols = {k: [r.columns.get(k) for r in rows] for k in keys}
+    cols.update(constants)
+    cols["prompts"] = [r.prompt for r in rows]
+    if form.takes_images:
+        cols["images"] = [r.images or [] for r in rows]
+    cols.update(kwargs)
+    cols = form.accepted(cols)
+    cols.pop(form.positional, None)
+    cols["completions"] = [r.response for r in rows]
+    return cols
+
+
+def _row_dict(r: RowInput, kind: str) -> dict:
+    """EasyR1's reward_input (response, response_length, ground_truth) and the design
+    document's data_dict (prompt, response, ground_truth, images), each with the row's
+    columns besides."""
+    d = dict(r.columns)
+    d.update(prompt=r.prompt, response=r.response, ground_truth=r.ground_truth)
+    if kind == DATA_DICT:
+        d["images"] = r.images or []
+    else:
+        d["response_length"] = r.response_length
+    return d
+
+
+def _verl_row(fn, form: Form, r: RowInput, kwargs: dict):
+    extra = r.columns.get("extra_info")
+    args = {
+        "data_source": r.columns.get("data_source") or "",
+        "solution_str": r.response,
+        "ground_truth": r.ground_truth,
+        "extra_info": dict(extra) if isinstance(extra, dict) else ({} if extra is None else extra),
+    }
+    more = form.accepted({k: v for k, v in kwargs.items() if k not in args})
+    return fn(**form.accepted(args), **more)
+
+
+def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, constants=None):
+    """-> [(reward, {sub-score: value})] per row of `rows`, from one call of `fn` per batch
+    (trl, easyr1_batch) or one per row. kwargs: `reward.kwargs` for this function (those its
+    signature takes); constants: batch-wide keywords of the trl form (mdi_balance_ratio).
+    Raises what `fn` raises, or RewardFormError for a result of the wrong count or type."""
+    kwargs, kind = kwargs or {}, form.kind
+    if kind == TRL:
+        cols = _trl_kwargs(form, rows, kwargs, constants or {})
+        if form.positional is not None:
+            got = fn(cols.pop("completions"), **cols)
+        else:
+            got = fn(**cols)
+        return _scores(_resolve(got), len(rows), kind)
+    if kind == EASYR1_BATCH:
+        got = _resolve(fn([_row_dict(r, kind) for r in rows], **form.accepted(kwargs)))
+        return _scores(got, len(rows), kind)
+    out = []
+    for r in rows:
+        if kind == VERL:
+            got = _verl_row(fn, form, r, kwargs)
+        else:
+            got = fn(_row_dict(r, kind), **form.accepted(kwargs))
+        out.append(score_of(_resolve(got), kind))
+    return out
+
+
+def _scores(got, n: int, kind: str) -> list[tuple[float, dict]]:
+    if isinstance(got, dict | str | bytes) or not hasattr(got, "__len__"):
+        raise RewardFormError(f"returned {type(got).__name__}, expected a list of {n} values")
+    if len(got) != n:
+        raise RewardFormError(f"returned {len(got)} values for {n} rows")
+    return [score_of(v, kind) for v in got]
+
+
+def all_finite(scores: list[tuple[float, dict]]) -> bool:
+    return all(math.isfinite(v) for v, _ in scores)
