@@ -373,9 +373,12 @@ def reward_names_rule(names, cfg):
 
 
 def reward_metric_rule(value, cfg):
-    """Rule of a filter's reward key: overall (the total) or a reward's name."""
+    """Rule of a filter's reward key: overall (the total) or a reward's name (`model`: the
+    reward model's, when reward.model.path is set)."""
     funcs = tuple(get(cfg, "reward.funcs"))
     names = reward_names(funcs, tuple(get(cfg, "reward.names")))
+    if get(cfg, "reward.model.path"):
+        names += ("model",)
     allowed = ("overall", *names, *(f for f in funcs if f not in names))
     if value in allowed:
         return None

@@ -84,6 +84,8 @@ from jaxvrl.trainer.diagnostics import AttentionMaps
 from jaxvrl.trainer.packing import StepShapes, fit_batch
 from jaxvrl.trainer.replay_state import load_buffer, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, evaluate, step_scalars
+from jaxvrl.trainer.reward_model import NAME as RM_NAME
+from jaxvrl.trainer.reward_model import RewardModel
 from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
 from jaxvrl.trainer.scoring import RewardScorer
 from jaxvrl.trainer.step import build_train_step
@@ -189,17 +191,22 @@ def model_source(c) -> tuple[str, str | None]:
             f"config.model.preset={c.model.preset!r} has shapes but no weights (it is for "
             "python -m jaxvrl.aot); set config.model.path to a checkpoint to train"
         )
-    path = c.model.path or builtin_task(c).checkpoint
+    return checkpoint_dir(c.model.path or builtin_task(c).checkpoint, "model.path")
+
+
+def checkpoint_dir(path: str, key: str) -> tuple[str, str | None]:
+    """-> (local directory, Hub commit or None) of the checkpoint `path` that config key `key`
+    names (model.path, reward.model.path), resolved as `model_source` says."""
     try:
         if hub.model_name(path):
             snapshot = hub.fetch_model(path)
             return snapshot.path, snapshot.commit
         local = localize_dir(path)
     except (hub.NotFound, FileNotFoundError) as e:
-        raise ConfigError(f"config.model.path={path!r}: {e}") from None
+        raise ConfigError(f"config.{key}={path!r}: {e}") from None
     if not os.path.isdir(local):
         raise ConfigError(
-            f"config.model.path={path!r}: no such directory; set a local or gs:// model "
+            f"config.{key}={path!r}: no such directory; set a local or gs:// model "
             "directory, or a Hugging Face Hub name (org/name or org/name@revision)"
         )
     return local, None
@@ -218,6 +225,11 @@ def check_model_settings(c, model_config) -> None:
     """A text-only model (no vision tower) refuses, at start, a built-in task whose rows hold
     images and the settings that read the image: the perceptual pass's filtering and
     shaping, VGR's token weights, the MDI reward."""
+    if getattr(model_config, "num_labels", None):
+        raise ConfigError(
+            f"config.model.path: a {model_config.hf_architecture} is a sequence classifier; "
+            "the policy is a causal LM (a classifier goes in reward.model.path)"
+        )
     if getattr(model_config, "vision", None) is not None:
         return
     if not c.data.train_files and builtin_task(c).has_images:
@@ -419,7 +431,23 @@ def make_rollout_phase(
         greedy=greedy if c.algorithm.adv_estimator == "remax" else None,
         mesh=mesh,
         accuracy=by_spec.get("mc_idx"),
+        reward_model=reward_model(c, names, mesh),
     )
+
+
+def reward_model(c, names, mesh=None) -> RewardModel | None:
+    """The reward model of reward.model.path on `mesh` (None: none), in model.dtype; its
+    reward is named `model`, which no function of `names` may be."""
+    if not c.reward.model.path:
+        return None
+    if RM_NAME in names:
+        raise ConfigError(
+            f"config.reward.names: {RM_NAME!r} is the reward model's name "
+            "(reward.model.path); give the function another one"
+        )
+    local, _ = checkpoint_dir(c.reward.model.path, "reward.model.path")
+    dtype = models.DTYPES[c.model.dtype]
+    return RewardModel.load(local, mesh=mesh, dtype=dtype, weight=c.reward.model.weight)
 
 
 def make_validate(

@@ -7,6 +7,11 @@ axes, and with every rotary frequency on the first axis (mrope_section (head_dim
 that is plain RoPE. A family differs only in its config: the attention biases, per-head q/k
 RMSNorm, the head dim and the rope scaling (`CausalLMConfig` and its subclasses).
 
+A `<Family>ForSequenceClassification` checkpoint (a reward model) is the same decoder with a
+`score` head (Linear(hidden, num_labels), no bias) in place of the LM head: `logits` are then
+float32[..., num_labels], and `classify` reads them at each row's last real token, as
+transformers does.
+
 model = jaxvrl.models.load("/path/to/Llama-3.1-8B")
 out = model(input_ids, attention_mask)
 """
@@ -53,6 +58,7 @@ TEXT_KEYS = {
     "eos_token_id",
     "model_type",
     "architectures",
+    "num_labels",
 }
 
 
@@ -117,10 +123,22 @@ class CausalLMConfig:
 
     text: TextConfig = TextConfig()
     tie_word_embeddings: bool = False
+    # a sequence classifier's labels (its `score` head; config.json's architectures name
+    # `<Family>ForSequenceClassification`); None: a causal LM
+    num_labels: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     # Anything else in config.json (kept so that export writes it back).
     extra: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def classifier_architecture(cls) -> str:
+        """`Qwen2ForCausalLM` -> `Qwen2ForSequenceClassification`."""
+        return cls.architecture.removesuffix("ForCausalLM") + "ForSequenceClassification"
+
+    @property
+    def hf_architecture(self) -> str:
+        return self.classifier_architecture() if self.num_labels else self.architecture
 
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> CausalLMConfig:
@@ -159,9 +177,14 @@ class CausalLMConfig:
             raise ConfigError(f"{source}: {e}") from None
         extra = tuple(sorted((k, v) for k, v in d.items() if k not in TEXT_KEYS and jsonable(v)))
         eos = d.get("eos_token_id")
+        num_labels = None
+        if cls.classifier_architecture() in (d.get("architectures") or ()):
+            # transformers: num_labels is len(id2label), 2 when config.json names neither
+            num_labels = int(d.get("num_labels") or len(d.get("id2label") or ()) or 2)
         return cls(
             text=text,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            num_labels=num_labels,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             extra=tuple((k, freeze(v)) for k, v in extra),
@@ -185,7 +208,7 @@ class CausalLMConfig:
         d = {k: thaw(v) for k, v in self.extra}
         d.update(
             {
-                "architectures": [self.architecture],
+                "architectures": [self.hf_architecture],
                 "model_type": self.model_type,
                 "vocab_size": t.vocab_size,
                 "hidden_size": t.hidden_size,
@@ -205,6 +228,9 @@ class CausalLMConfig:
         )
         if self.BIAS is None:
             d["attention_bias"] = t.attention_bias
+        if self.num_labels and len(d.get("id2label") or ()) != self.num_labels:
+            d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            d["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         return d
 
 
@@ -238,8 +264,8 @@ def processor(cfg) -> ProcessorSettings:
 
 
 class CausalLM(nnx.Module):
-    """A text-only causal LM: `model` (the text decoder), `lm_head` unless tied; the Model
-    protocol's methods, vision inputs refused."""
+    """A text-only causal LM: `model` (the text decoder), `lm_head` unless tied (a sequence
+    classifier: `score`); the Model protocol's methods, vision inputs refused."""
 
     visual = None
 
@@ -262,7 +288,9 @@ class CausalLM(nnx.Module):
         self.dtype = dtype
         self.scan_layers = scan_layers
         self.model = TextDecoder(cfg.text, scan_layers=scan_layers, **kw)
-        if not cfg.tie_word_embeddings:
+        if cfg.num_labels:
+            self.score = linear(cfg.text.hidden_size, cfg.num_labels, bias=False, **kw)
+        elif not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False, **kw)
         self.set_remat_policy(remat_policy)
         self.set_attention(attention)
@@ -295,15 +323,34 @@ class CausalLM(nnx.Module):
         return self.model.embed_tokens(input_ids)
 
     @property
+    def _tied(self) -> bool:
+        return self.config.tie_word_embeddings and not self.config.num_labels
+
+    @property
     def head(self) -> nnx.Module:
-        """The vocabulary projection: `lm_head`, or the token embedding when tied."""
-        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        """The vocabulary projection: `lm_head`, or the token embedding when tied; a
+        classifier's `score`."""
+        if self.config.num_labels:
+            return self.score
+        return self.model.embed_tokens if self._tied else self.lm_head
 
     def logits(self, hidden: jax.Array, head: nnx.Module | None = None) -> jax.Array:
-        """float32[..., V] from final hidden states, through `head` (default `self.head`)."""
+        """float32[..., V] (a classifier: [..., num_labels]) from final hidden states, through
+        `head` (default `self.head`)."""
         head = self.head if head is None else head
-        out = head.attend(hidden) if self.config.tie_word_embeddings else head(hidden)
+        out = head.attend(hidden) if self._tied else head(hidden)
         return out.astype(jnp.float32)
+
+    def classify(self, input_ids, attention_mask, position_ids) -> jax.Array:
+        """A sequence classifier's logits float32[B, num_labels] at each row's last real token
+        (the last attention_mask 1: left or right padding); input_ids/attention_mask [B, T],
+        position_ids int[3, B, T]. transformers takes the last token that is not
+        pad_token_id, the same token where no real token is the pad token."""
+        out = self.forward(input_ids, attention_mask, position_ids, return_logits=False)
+        t = jnp.arange(input_ids.shape[1])
+        last = jnp.argmax(jnp.where(attention_mask > 0, t, -1), axis=1)  # [B]
+        hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
+        return self.logits(hidden)
 
     def forward(
         self,
@@ -388,6 +435,7 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     ("model.layers.{i}.mlp.{proj}.weight", "model.layers.{i}.mlp.{proj}.kernel", "linear"),
     ("model.norm.weight", "model.norm.weight", "copy"),
     ("lm_head.weight", "lm_head.kernel", "linear"),
+    ("score.weight", "score.kernel", "linear"),  # a sequence classifier's head
 )
 
 KEYS = KeyTable(KEY_TABLE)

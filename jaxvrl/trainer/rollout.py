@@ -438,6 +438,9 @@ class RolloutPhase:
     mesh: Mesh | None = None  # where the sampler's inputs go (None: the default device)
     accuracy: str | None = "mc_idx"
     decode: PhaseWeights = dataclasses.field(default_factory=PhaseWeights)
+    # a reward model (trainer/reward_model.py: RewardModel): (prompts, completions) -> its
+    # scores, the reward `model` with its `weight` in the total; None: none
+    reward_model: Callable | None = None
     # the rewards' calls (trainer/scoring.py: RewardScorer; None: `rewards` in-process, no
     # timeout); stop() -> whether to abandon them (SIGTERM), set by `run`
     scorer: RewardScorer | None = None
@@ -484,6 +487,7 @@ class RolloutPhase:
         mask = out.mask.astype(np.float32)
         lengths = mask.sum(1)
         totals, parts = self._score(step, rows, texts, lengths, extra)
+        totals, parts = self._score_model(totals, parts, rows, texts)
         baseline = np.zeros(len(texts))
         if self.greedy is not None:
             baseline = self._greedy_baseline(params, batch, step)
@@ -533,6 +537,15 @@ class RolloutPhase:
             )
         return totals, parts
 
+    def _score_model(self, totals: np.ndarray, parts: dict, rows: list, texts: list):
+        """The reward model's scores of the rows' prompt texts and the completions, added to
+        the totals with its weight and to the parts as reward `model`."""
+        if self.reward_model is None:
+            return totals, parts
+        prompts = [str(r.get("problem", r.get("prompt")) or "") for r in rows]
+        scores = self.reward_model(prompts, texts)
+        return totals + self.reward_model.weight * scores, {**parts, "model": scores}
+
     def _greedy_baseline(self, params, batch: dict, step: int) -> np.ndarray:
         """float64[B]: the total reward of each prompt's greedy completion, on its G rows.
         The greedy sampler runs on the whole batch (the validation shape: no new program)."""
@@ -541,6 +554,7 @@ class RolloutPhase:
         out = sample_completions(self.greedy, params, batch, key, None, self.mesh, self.decode)
         texts = decode_completions(self.tokenizer, out.tokens[::g], out.mask[::g])
         totals, _ = self._score(step, batch["rows"][::g], texts, out.mask[::g].sum(1), {})
+        totals, _ = self._score_model(totals, {}, batch["rows"][::g], texts)
         return np.repeat(totals, g)
 
     def _attention(self, out, batch) -> dict:
@@ -614,6 +628,8 @@ class RolloutPhase:
         lengths = np.concatenate([x.mask.sum(1) for x in sampled])
         sample_s = sum(i["sample_s"] for i in infos)
         m = {f"reward/{k}": float(np.mean([x.parts[k] for x in sampled])) for k in self.rewards}
+        if self.reward_model is not None:
+            m["reward/model"] = float(np.mean([x.parts["model"] for x in sampled]))
         # sub-scores and metrics of dict-returning rewards (NaN: rows without the key)
         subs = dict.fromkeys(k for x in sampled for k in x.parts if "/" in k)
         for k in subs:

@@ -1,5 +1,5 @@
-"""Tiny random text-only checkpoints (Llama, Qwen2, Qwen3) built with transformers (no
-downloads) for parity tests."""
+"""Tiny random text-only checkpoints (Llama, Qwen2, Qwen3; causal LMs and sequence
+classifiers, the reward models) built with transformers (no downloads) for parity tests."""
 
 from __future__ import annotations
 
@@ -24,7 +24,16 @@ ROPES = {
 
 
 def make_config(
-    model_type="llama", *, hidden=32, layers=2, heads=4, kv_heads=2, rope="default", tie=False
+    model_type="llama",
+    *,
+    hidden=32,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    rope="default",
+    tie=False,
+    vocab=VOCAB,
+    **extra,
 ):
     """A transformers config; head_dim 16 for Qwen3 (not hidden / heads), 8 otherwise."""
     from transformers import AutoConfig
@@ -32,7 +41,7 @@ def make_config(
     rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     rope_parameters |= ROPES[rope] or {}
     kw = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -43,6 +52,7 @@ def make_config(
         tie_word_embeddings=tie,
         bos_token_id=1,
         eos_token_id=EOS,
+        **extra,
     )
     if model_type == "qwen3":
         kw["head_dim"] = 16
@@ -56,7 +66,37 @@ def build(path, model_type="llama", seed=0, **kw):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(model_type, **kw)).eval()
-    # Spread the weights a little so that logits are far from zero and differences show.
+    _spread(model)
+    model.save_pretrained(path)
+    return model
+
+
+def build_classifier(path, model_type="llama", seed=0, num_labels=1, tokenizer_dir=None, **kw):
+    """save_pretrained a random `<Family>ForSequenceClassification` (pad token 0) at `path`,
+    with the tokenizer files of `tokenizer_dir` (then the vocabulary is 448, the embedded
+    tokenizer's); returns the torch model (eval mode)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    if tokenizer_dir is not None:
+        kw.setdefault("vocab", 448)
+    cfg = make_config(model_type, num_labels=num_labels, pad_token_id=0, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(cfg).eval()
+    _spread(model)
+    model.save_pretrained(path)
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(f"{tokenizer_dir}/{name}", f"{path}/{name}")
+    return model
+
+
+def _spread(model):
+    """Spread the weights a little so that logits are far from zero and differences show."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("weight") and p.ndim >= 2:
@@ -65,8 +105,6 @@ def build(path, model_type="llama", seed=0, **kw):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
 
 
 def prompts(seed=0, lengths=(7, 11, 4)):

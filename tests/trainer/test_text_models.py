@@ -1,5 +1,5 @@
 """A text-only model in the main job: a tiny Llama saved by transformers (over the embedded
-tokenizer) trains GRPO on a text dataset scored by `accuracy`; rows with images are skipped
+tokenizer) trains GRPO on a text dataset scored by `accuracy` and a reward model; rows with images are skipped
 and counted; the built-in task (its rows hold images) and the settings that read the image are
 refused at start, naming the key and the model type."""
 
@@ -15,6 +15,7 @@ import pytest
 from jaxvrl import models
 from jaxvrl.config import ConfigError, load_config
 from jaxvrl.train import run
+from tests.models import hf_tiny_text as T
 from tests.trainer.test_train import ROOT, TINY
 
 
@@ -62,10 +63,17 @@ def _text_rows(path):
 
 
 def test_grpo_trains_a_text_model_on_text_rows(llama, tmp_path):
+    """... with a reward model (a tiny LlamaForSequenceClassification): one more reward,
+    logged as reward/model and weighted into the total."""
     data = _text_rows(tmp_path / "math.jsonl")
-    metrics = run(_config(llama, tmp_path / "run", data))
+    rm = tmp_path / "rm"
+    T.build_classifier(rm, "llama", tokenizer_dir=models.EMBEDDED_TEXT)
+    extra = (f"reward.model.path={rm}", "reward.model.weight=0.5")
+    metrics = run(_config(llama, tmp_path / "run", data, "configs/grpo.py", *extra))
     assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
-    assert "reward/accuracy" in metrics
+    assert "reward/accuracy" in metrics and metrics["reward/model"] != 0
+    total = metrics["reward/accuracy"] + 0.5 * metrics["reward/model"]
+    assert np.isclose(metrics["reward/total"], total, rtol=1e-5, atol=1e-6)
     # the data is encoded as it is drawn: the row with an image is skipped and counted
     from transformers import AutoTokenizer
 

@@ -299,6 +299,8 @@ DOCUMENTED_KEYS = [  # the option names docs/algorithms.md and the README docume
     "lora.alpha",
     "lora.dropout",
     "lora.target_modules",
+    "reward.model.path",
+    "reward.model.weight",
 ]
 
 

@@ -1,0 +1,132 @@
+"""A reward model: a sequence classifier (`Qwen2ForSequenceClassification`,
+`LlamaForSequenceClassification`, `Qwen3ForSequenceClassification`) that scores each prompt
+and completion on the run's mesh after the rollout, as one more weighted reward (`model`).
+
+Each pair is rendered as TRL's GRPOTrainer renders it for a reward model: the reward model's
+own chat template over a user turn (the prompt text) and an assistant turn (the completion),
+tokenized without added special tokens (the template holds them) and right-padded; without a
+chat template, the prompt text followed by the completion. The score is the classifier's
+logit at the last real token (`CausalLM.classify`; one label: a classifier of several labels
+is refused, which label would be the reward is not known).
+
+    rm = RewardModel.load(path, mesh=mesh, weight=1.0)
+    scores = rm(prompts, completions)  # float64[B]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxvrl import models
+from jaxvrl.config import ConfigError
+from jaxvrl.parallel import runtime
+from jaxvrl.parallel.sharding import param_shardings, row_shards
+
+NAME = "model"  # the reward's name: reward/model, the markdown logs, the filters
+MIN_LENGTH = 16  # padded lengths are powers of two from here (few programs)
+
+
+def render(tokenizer, prompts: list[str], completions: list[str]) -> list[list[int]]:
+    """Token ids of each (prompt, completion) as the reward model reads it."""
+    if getattr(tokenizer, "chat_template", None):
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                tokenize=False,
+            )
+            for p, c in zip(prompts, completions)
+        ]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    return list(tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def padded(ids: list[list[int]], pad_id: int, rows: int, length: int):
+    """Right-padded (input_ids int32[rows, length], attention_mask int32[rows, length]);
+    padding rows hold one pad token (a row with no real token would attend to nothing)."""
+    out = np.full((rows, length), pad_id, np.int32)
+    mask = np.zeros((rows, length), np.int32)
+    mask[len(ids) :, 0] = 1
+    for i, row in enumerate(ids):
+        out[i, : len(row)] = row
+        mask[i, : len(row)] = 1
+    return out, mask
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scores(graphdef, params, input_ids, attention_mask, position_ids):
+    """float32[B]: the classifier's only logit at each row's last real token."""
+    return nnx.merge(graphdef, params).classify(input_ids, attention_mask, position_ids)[:, 0]
+
+
+@dataclasses.dataclass
+class RewardModel:
+    """A loaded reward model: its graph and params (on `mesh`: sharded like the policy's,
+    by the rules table; None: the default device), tokenizer and weight in the total."""
+
+    graphdef: object
+    params: object
+    tokenizer: object
+    mesh: Mesh | None = None
+    weight: float = 1.0
+
+    @classmethod
+    def load(cls, path: str, *, mesh=None, dtype=jnp.float32, weight=1.0, key="reward.model.path"):
+        """The sequence classifier in the HF directory `path` (`key`: the config key that
+        named it, for errors)."""
+        from transformers import AutoTokenizer
+
+        cfg = models.load_config(path)
+        labels = getattr(cfg, "num_labels", None)
+        if not labels:
+            arch = cfg.to_hf_dict()["architectures"][0]
+            raise ConfigError(
+                f"config.{key}={path!r}: {arch} is not a sequence classifier (a reward model "
+                "is Qwen2/Llama/Qwen3ForSequenceClassification)"
+            )
+        if labels != 1:
+            raise ConfigError(
+                f"config.{key}={path!r}: the classifier has {labels} labels; a reward model "
+                "has one (its score)"
+            )
+        with runtime.on_host():
+            model = models.load(path, dtype=dtype)
+        graphdef, params = nnx.split(model)
+        if mesh is None:
+            params = jax.device_put(params)
+        else:
+            params = runtime.put_on_mesh(params, param_shardings(params, mesh))
+        return cls(graphdef, params, AutoTokenizer.from_pretrained(path), mesh, float(weight))
+
+    def __call__(self, prompts: list[str], completions: list[str]) -> np.ndarray:
+        """float64[B] scores of this process's rows (a collective on a pod: every process
+        calls it with as many rows); a non-finite score is 0."""
+        ids = render(self.tokenizer, prompts, completions)
+        n = max(len(r) for r in ids) if ids else 1
+        # every process runs the same program: the longest row of them all
+        n = max(runtime.gather_json(n))
+        length = max(MIN_LENGTH, 2 ** math.ceil(math.log2(max(n, 1))))
+        shards = 1 if self.mesh is None else max(1, row_shards(self.mesh) // jax.process_count())
+        rows = max(1, -(-len(ids) // shards) * shards)
+        pad = self.tokenizer.pad_token_id
+        input_ids, mask = padded(ids, 0 if pad is None else pad, rows, length)
+        pos = np.where(mask > 0, np.cumsum(mask, 1) - 1, 0)  # as causal_lm.rope_index
+        pos = np.broadcast_to(pos, (3, rows, length)).astype(np.int32)
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": pos}
+        if self.mesh is None:
+            out = _scores(self.graphdef, self.params, *map(jnp.asarray, inputs.values()))
+        else:
+            inputs = runtime.place_batch(inputs, self.mesh)
+            with jax.set_mesh(self.mesh):
+                out = _scores(self.graphdef, self.params, *inputs.values())
+            out = runtime.host_local(out)
+        scores = np.asarray(out, np.float64)[: len(ids)]
+        return np.where(np.isfinite(scores), scores, 0.0)

@@ -1,0 +1,92 @@
+"""Reward models: tiny random `Qwen2ForSequenceClassification` (tied embeddings) and
+`LlamaForSequenceClassification` checkpoints saved by transformers (over the embedded
+tokenizer): the scorer renders (prompt, completion) with the reward model's chat template as
+TRL does for reward models and its scores equal transformers' `logits[:, 0]` for the same
+texts (float32, right-padded texts of different lengths); the `score` head's logits at the
+last real token equal transformers' for rows padded on the left and on the right; a causal LM
+or a classifier of two labels is refused naming the key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from jaxvrl import models as M
+from jaxvrl.config import ConfigError
+from jaxvrl.models import causal_lm
+from jaxvrl.trainer.reward_model import RewardModel
+from tests.models import hf_tiny_text as T
+
+FAMILIES = [("qwen2", True), ("llama", False)]  # (model_type, tied embeddings)
+PROMPTS = ["What is 2 + 3?", "Name a colour.", "x"]
+COMPLETIONS = ["<think>2 + 3 = 5</think> 5", "red", "a longer completion that goes on a while"]
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory):
+    """model_type -> (transformers model, path)."""
+    out = {}
+    for i, (model_type, tie) in enumerate(FAMILIES):
+        path = tmp_path_factory.mktemp(f"rm_{model_type}")
+        hf = T.build_classifier(path, model_type, seed=i, tie=tie, tokenizer_dir=M.EMBEDDED_TEXT)
+        out[model_type] = (hf, path)
+    return out
+
+
+def _padded(lengths, left, seed=0):
+    """Rows of random real tokens (ids 4..95, never the pad id 0), each padded on the left
+    (left[i]) or the right."""
+    rng = np.random.default_rng(seed)
+    n = max(lengths)
+    ids, mask = np.zeros((len(lengths), n), np.int64), np.zeros((len(lengths), n), np.int64)
+    for i, (k, lft) in enumerate(zip(lengths, left)):
+        s = slice(n - k, n) if lft else slice(0, k)
+        ids[i, s], mask[i, s] = rng.integers(4, T.VOCAB, k), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("model_type", [f for f, _ in FAMILIES])
+def test_scores_equal_transformers_logits(classifiers, model_type):
+    from transformers import AutoTokenizer
+
+    hf, path = classifiers[model_type]
+    rm = RewardModel.load(str(path))
+    # the scorer: rendered as TRL renders for a reward model, right-padded texts of three
+    # lengths
+    scores = rm(PROMPTS, COMPLETIONS)
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False
+        )
+        for p, c in zip(PROMPTS, COMPLETIONS)
+    ]
+    assert texts[1].endswith("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nred<|im_end|>\n")  # fmt: skip
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="right",
+              add_special_tokens=False)  # fmt: skip
+    assert len(set(enc["attention_mask"].sum(1).tolist())) == 3
+    with torch.no_grad():
+        want = hf(**enc).logits[:, 0].numpy()
+    assert scores.dtype == np.float64 and scores.shape == (3,)
+    np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-5)
+    # the model's score head on token ids: rows padded on the left and on the right
+    model = nnx.merge(rm.graphdef, rm.params)
+    assert model.config.num_labels == 1 and model.head is model.score
+    assert model.config.to_hf_dict()["architectures"] == [hf.config.architectures[0]]
+    ids, mask = _padded((7, 11, 4, 6), (True, True, False, False))
+    pos, _ = causal_lm.rope_index(ids, mask)
+    ours = np.asarray(nnx.jit(type(model).classify)(model, ids, mask, pos))
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+    assert ours.shape == (4, 1)
+    np.testing.assert_allclose(ours, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_causal_lm_or_two_labels_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"config\.reward\.model\.path=.*LlamaForCausalLM is not a sequence classifier"):  # fmt: skip
+        RewardModel.load(M.EMBEDDED_TEXT)
+    T.build_classifier(tmp_path, "qwen3", num_labels=2)
+    with pytest.raises(ConfigError, match=r"config\.reward\.model\.path=.*has 2 labels"):
+        RewardModel.load(str(tmp_path))
