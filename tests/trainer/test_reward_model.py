@@ -48,7 +48,7 @@ def _padded(lengths, left, seed=0):
 
 
 @pytest.mark.parametrize("model_type", [f for f, _ in FAMILIES])
-def test_scores_equal_transformers_logits(classifiers, model_type):
+def test_scores_equal_transformers_logits(classifiers, model_type, tmp_path):
     from transformers import AutoTokenizer
 
     hf, path = classifiers[model_type]
@@ -82,6 +82,27 @@ def test_scores_equal_transformers_logits(classifiers, model_type):
         want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
     assert ours.shape == (4, 1)
     np.testing.assert_allclose(ours, want.numpy(), rtol=1e-5, atol=1e-5)
+    if model_type == "qwen2":  # exported, transformers loads the same classifier
+        from transformers import AutoModelForSequenceClassification
+
+        M.save(model, tmp_path)
+        back = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+        with torch.no_grad():
+            again = back(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+        np.testing.assert_allclose(again.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_filters_may_name_the_reward_model_and_no_function_takes_its_name(tmp_path):
+    from jaxvrl.config import load_config
+    from jaxvrl.train import reward_model
+    from tests.trainer.test_train import ROOT
+
+    base = f"{ROOT}/configs/grpo.py"
+    with pytest.raises(ConfigError, match=r"filter\.filter_key"):
+        load_config(base, ["filter.filter_key=model"])
+    c = load_config(base, ["filter.filter_key=model", f"reward.model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"config\.reward\.names: 'model' is the reward model"):
+        reward_model(c, ("mc_idx", "model"))
 
 
 def test_a_causal_lm_or_two_labels_is_refused_naming_the_key(tmp_path):
