@@ -181,6 +181,10 @@ def get_config(arg=None):
         28 * 28 * 256, at_least(1), agree(lambda v, c: v >= c.data.min_pixels, ">= data.min_pixels")
     )
     c.data.system_prompt = placeholder(str)  # None: the built-in task's, none for files
+    # a Jinja file (EasyR1's format_prompt) rendering each prompt's text as `content`, e.g.
+    # "{{ content | trim }} Put the final answer in \boxed{}."; `<image>` / `<video>` in the
+    # result place each image / video, in order (without them the media come first)
+    c.data.format_prompt = placeholder(str)
     # prompt lengths padded to a multiple (one compile per bucket)
     c.data.prompt_bucket = setting(32, at_least(1))
     # the task trained on when train_files is unset: shapes (multiple choice about a drawn

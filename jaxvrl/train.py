@@ -51,11 +51,10 @@ from jaxvrl.config import (
     parse_argv,
     validate,
 )
-from jaxvrl.data.columns import RowFormat
+from jaxvrl.data.from_config import builtin_task, encode_options, row_format, train_source
 from jaxvrl.data.loader import make_dataset
-from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
-from jaxvrl.data.sources import DataNotFound, open_sources
-from jaxvrl.data.tasks import TASKS, BuiltinTask
+from jaxvrl.data.pipeline import collate, encode_rows, read_rows
+from jaxvrl.data.sources import DataNotFound
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names, show_logs
 from jaxvrl.models import load
@@ -94,57 +93,11 @@ log = logging.getLogger("jaxvrl")
 EMBEDDED = models.EMBEDDED
 
 
-def builtin_task(c) -> BuiltinTask:
-    """The built-in task (`data.builtin_task`): the rows when `data.train_files` is unset, and
-    with its embedded checkpoint the model when `model.path` is unset."""
-    return TASKS[c.data.builtin_task]
-
-
-def encode_options(c, model_config=None) -> EncodeOptions:
-    """How rows become examples for the model of `model_config` (its image/video processor;
-    None: the embedded model's)."""
-    builtin = not c.data.train_files
-    if model_config is None:
-        model_config = models.load_config(builtin_task(c).checkpoint)
-    task_prompt = builtin_task(c).system_prompt if builtin else None
-    return EncodeOptions(
-        processor=models.processor(model_config) if model_config.vision is not None else None,
-        image_dir=c.data.image_dir or None,
-        max_prompt_length=c.data.max_prompt_length,
-        max_image_side=c.data.max_image_side,
-        min_pixels=c.data.min_pixels,
-        max_pixels=c.data.max_pixels,
-        system_prompt=c.data.system_prompt or task_prompt,
-        video_fps=c.data.video_fps,
-    )
-
-
-def row_format(c) -> RowFormat:
-    """The dataset's columns (config.data.*_key) and its format hook (config.data.format)."""
-    d = c.data
-    return RowFormat(
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        image_key=d.image_key,
-        video_key=d.video_key,
-        choices_key=d.choices_key,
-        format=d.format,
-    )
-
-
 def train_data(c, tokenizer, model_config=None):
     """-> (iterator, rows, skip stats): a grain iterator of prompts_per_step encoded examples
     per next() (shuffled per epoch, sharded per process; its state goes into the checkpoint),
     the number of rows in this process's shard, and the live counts of skipped bad rows."""
-    if c.data.train_files:
-        try:
-            source = open_sources(c.data.train_files.split(","), fmt=row_format(c))
-        except DataNotFound as e:  # a file, directory or Hub dataset that is not there
-            raise ConfigError(f"config.data.train_files={e.path!r}: {e.reason}") from None
-    else:
-        kinds = tuple(c.data.synthetic_kinds)
-        make = builtin_task(c).make_split
-        source = make("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
+    source = train_source(c)
     ds, stats = make_dataset(
         source,
         tokenizer,

@@ -18,7 +18,9 @@ A set key maps its column to the row format's name:
 row (a dict) to a dict; the keys then read its output.
 
 `RowMapper.check` runs when a file is opened: a key that names no column there fails at start,
-with the file, the key and the columns the file has.
+with the file, the key and the columns the file has; so does a file with no prompt column or no
+label column under the row format's own names when no key names one (`MissingColumn`, a
+ConfigError too: the main job prints it as one `error:` line).
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from jaxvrl.data.rows import DataError
+from jaxvrl.config import ConfigError
+from jaxvrl.data.rows import LABELS, NESTED_LABEL, DataError
 from jaxvrl.plugins import load_function
 
 MISSING = object()
-LABELS = ("label_idx", "answer", "solution")
+PROMPTS = ("problem", "prompt")
+
+
+class MissingColumn(DataError, ConfigError):
+    """A data file without a column the run needs (named in the message, with the key to set)."""
 
 
 def lookup(row: dict, key: str):
@@ -151,17 +158,34 @@ class RowMapper:
         return out
 
     def check(self, paths: Iterable[tuple[str, ...]], where: str) -> None:
-        """DataError unless every set key names one of `paths` (the columns of `where`)."""
+        """MissingColumn unless every set key names one of `paths` (the columns of `where`),
+        and a prompt and a label column are there (a key's, or one of the built-in names)."""
         paths = list(dict.fromkeys(tuple(p) for p in paths))
+        after = " (as config.data.format returns its rows)" if self.hook else ""
         for name, key in self.fmt.keys().items():
             if (key,) in paths or tuple(key.split(".")) in paths:
                 continue
-            top = [p[0] for p in paths if len(p) == 1]
-            listed = ", ".join(top) or "none"
-            if "." in key:  # nested key: also list the nested columns
-                nested = [".".join(p) for p in paths if len(p) > 1]
-                listed += "; nested: " + (", ".join(nested) or "none")
-            after = " (as config.data.format returns its rows)" if self.hook else ""
-            raise DataError(
-                f"{where}: no column {key!r} for config.data.{name}{after}; its columns: {listed}"
+            raise MissingColumn(
+                f"{where}: no column {key!r} for config.data.{name}{after}; its columns: "
+                f"{_listed(paths, nested='.' in key)}"
             )
+        needed = (
+            ("prompt_key", "prompt", [(k,) for k in PROMPTS]),
+            ("answer_key", "label", [(k,) for k in LABELS] + [NESTED_LABEL]),
+        )
+        for name, what, names in needed:
+            if getattr(self.fmt, name) or any(n in paths for n in names):
+                continue
+            looked = ", ".join(".".join(n) for n in names)
+            raise MissingColumn(
+                f"{where}: no {what} column (looked for {looked}){after}; its columns: "
+                f"{_listed(paths)}; set config.data.{name} to the {what}'s column"
+            )
+
+
+def _listed(paths: list[tuple[str, ...]], nested: bool = False) -> str:
+    """The top-level columns, and with `nested` the nested ones too, for a message."""
+    listed = ", ".join(p[0] for p in paths if len(p) == 1) or "none"
+    if nested:
+        listed += "; nested: " + (", ".join(".".join(p) for p in paths if len(p) > 1) or "none")
+    return listed

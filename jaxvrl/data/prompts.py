@@ -1,9 +1,17 @@
 """Prompt ids from the checkpoint's chat template (the plain text for a base model without one),
-with vision pads expanded per image/video exactly as transformers' Qwen2.5-VL processor does."""
+with vision pads expanded per image/video exactly as transformers' Qwen2.5-VL processor does.
+
+A prompt is a text (one user turn) or a list of chat messages ({"role", "content"}: verl's
+`prompt` column). `<image>` / `<video>` in its text place each image / video at its
+placeholder, in order (EasyR1's and verl's datasets do the same); without placeholders the
+media come first, then the text. `format_prompt` (an EasyR1-style Jinja template rendered
+with `content`) rewrites the last user turn's text before the placeholders are read.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,6 +20,12 @@ from jaxvrl.data.processor import expand_prompt_qwen3
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+PLACEHOLDERS = re.compile(r"(<image>|<video>)")
+PART = {"<image>": "image", "<video>": "video"}
+
+
+class PlaceholderMismatch(ValueError):
+    """A prompt whose `<image>` / `<video>` placeholders do not match the row's media."""
 
 
 def default_tokenizer_path() -> str:
@@ -53,6 +67,122 @@ def messages_for(text: str, n_images: int = 0, n_videos: int = 0, system: str | 
     return msgs + [{"role": "user", "content": content}]
 
 
+def prompt_template(text: str):
+    """The compiled `format_prompt` template (sandboxed Jinja, as transformers renders chat
+    templates; stripped first, as EasyR1 reads its files). Raises jinja2's TemplateError.
+    Compiled per row (well under a millisecond, beside the row's image processing)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment().from_string(text.strip())
+
+
+def chat_messages(prompt, system: str | None = None, format_prompt: str | None = None):
+    """A row's prompt (a text, or a list of {"role", "content"} messages) as messages: the
+    system prompt first where the row has none of its own; `format_prompt` renders the last
+    user turn's text as `content`. Raises ValueError for a prompt of neither form."""
+    if isinstance(prompt, str):
+        msgs = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list | tuple) and prompt and all(_is_message(m) for m in prompt):
+        msgs = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise ValueError("a prompt is a text or a list of {'role', 'content'} messages")
+    if format_prompt:
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        if users and isinstance(msgs[users[-1]]["content"], str):
+            text = msgs[users[-1]]["content"]
+            msgs[users[-1]]["content"] = prompt_template(format_prompt).render(content=text)
+    if system and not any(m["role"] == "system" for m in msgs):
+        msgs = [{"role": "system", "content": system}, *msgs]
+    return msgs
+
+
+def _is_message(m) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+
+
+def _parts(content) -> list[dict]:
+    """A message's content as parts, its text split at the placeholders (empty text dropped,
+    as EasyR1 and verl do)."""
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            parts.append({"type": part.get("type")})
+            continue
+        for piece in PLACEHOLDERS.split(part.get("text") or ""):
+            if piece in PART:
+                parts.append({"type": PART[piece]})
+            elif piece:
+                parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def place_media(messages: list[dict], n_images: int = 0, n_videos: int = 0) -> list[dict]:
+    """Messages with each image / video part where its placeholder is (in order). Without any
+    placeholder the media go first in the first user turn, images then videos (Qwen's usual
+    order); a message without media keeps its text as a plain string (text-only chat templates
+    read no list of parts). Raises PlaceholderMismatch when placeholders and media disagree."""
+    split = [_parts(m["content"]) for m in messages]
+    count = {k: sum(p["type"] == k for parts in split for p in parts) for k in ("image", "video")}
+    if count["image"] or count["video"]:
+        wrong = [
+            f"{count[k]} <{k}> for {n} {k}s"
+            for k, n in (("image", n_images), ("video", n_videos))
+            if count[k] != n
+        ]
+        if wrong:
+            raise PlaceholderMismatch(" and ".join(wrong))
+    elif n_images or n_videos:
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first is None:
+            raise PlaceholderMismatch("images or videos, and no user turn to put them in")
+        media = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos
+        split[first] = media + split[first]
+    out = []
+    for m, parts in zip(messages, split):
+        if all(p["type"] == "text" for p in parts):
+            content = (
+                m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in parts)
+            )
+        else:
+            content = parts
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def render_prompt(
+    tokenizer,
+    prompt,
+    n_images: int = 0,
+    n_videos: int = 0,
+    system: str | None = None,
+    format_prompt: str | None = None,
+    placeholders: bool = True,
+) -> str:
+    """The prompt as the chat template writes it (generation prompt appended), one vision span
+    (`<|vision_start|><|image_pad|><|vision_end|>`) per medium, before the pads are expanded.
+    A tokenizer without a chat template (a base model) gets the plain text: the system
+    prompt, a blank line and the text (its ids then carry the tokenizer's own special tokens,
+    e.g. Llama's BOS; the main job says so once when it loads such a tokenizer). placeholders:
+    read `<image>` / `<video>` (False: a text-only model, whose prompts keep them as text).
+    Raises PlaceholderMismatch (`place_media`)."""
+    msgs = chat_messages(prompt, system, format_prompt)
+    if placeholders:
+        msgs = place_media(msgs, n_images, n_videos)
+    if not getattr(tokenizer, "chat_template", None):
+        if n_images or n_videos:
+            raise ValueError("the tokenizer has no chat template to place images or videos in")
+        return "\n\n".join(_text(m["content"]) for m in msgs)
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+
+
 def expand_vision_pads(
     prompt: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = ()
 ) -> str:
@@ -68,6 +198,16 @@ def expand_vision_pads(
     return prompt
 
 
+def shown_prompt(tokenizer, ids) -> str:
+    """Prompt ids as text for a reader: special tokens kept, each run of vision pads written
+    once with its length (`<|vision_start|><|image_pad|>x64<|vision_end|>`)."""
+    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    for pad in (IMAGE_PAD, VIDEO_PAD):
+        run = re.compile(f"(?:{re.escape(pad)})+")
+        text = run.sub(lambda m, pad=pad: f"{pad}x{len(m.group()) // len(pad)}", text)
+    return text
+
+
 def vision_token_counts(grid_thw, merge_size: int = 2) -> list[int]:
     """Pad tokens per image/video: t*h*w / merge_size**2 for each row of int[N, 3]."""
     return [int(np.prod(g)) // merge_size**2 for g in np.asarray(grid_thw).reshape(-1, 3)]
@@ -75,25 +215,41 @@ def vision_token_counts(grid_thw, merge_size: int = 2) -> list[int]:
 
 def encode_prompt(
     tokenizer,
-    text: str,
+    text,
     image_grid_thw=None,
     video_grid_thw=None,
     system: str | None = None,
     merge_size: int = 2,
     video_timestamps=None,
+    format_prompt: str | None = None,
 ) -> list[int]:
-    """Token ids of the rendered chat prompt (generation prompt appended). video_timestamps:
-    per video the seconds of its frame groups, for a family that writes them (Qwen3-VL: each
-    frame group its `<t seconds>` text and its own vision span), else None."""
+    """Token ids of the rendered chat prompt (generation prompt appended) of `text` (a text or
+    a list of messages; `<image>` / `<video>` placeholders place the media, `render_prompt`).
+    video_timestamps: per video the seconds of its frame groups, for a family that writes
+    them (Qwen3-VL: each frame group its `<t seconds>` text and its own vision span), else
+    None."""
+    n_img = 0 if image_grid_thw is None else len(np.asarray(image_grid_thw).reshape(-1, 3))
+    n_vid = 0 if video_grid_thw is None else len(np.asarray(video_grid_thw).reshape(-1, 3))
+    rendered = render_prompt(tokenizer, text, n_img, n_vid, system, format_prompt)
+    return encode_rendered(
+        tokenizer, rendered, image_grid_thw, video_grid_thw, merge_size, video_timestamps
+    )
+
+
+def encode_rendered(
+    tokenizer,
+    rendered: str,
+    image_grid_thw=None,
+    video_grid_thw=None,
+    merge_size: int = 2,
+    video_timestamps=None,
+) -> list[int]:
+    """Token ids of a prompt `render_prompt` wrote, each vision span's pad expanded to its
+    image's (video's) merged tokens (`encode_prompt`'s arguments)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(rendered)["input_ids"]  # the plain prompt: the tokenizer's own BOS
     img = vision_token_counts(image_grid_thw, merge_size) if image_grid_thw is not None else []
     vid = vision_token_counts(video_grid_thw, merge_size) if video_grid_thw is not None else []
-    if not getattr(tokenizer, "chat_template", None):
-        return plain_prompt(tokenizer, text, system, media=bool(img or vid))
-    rendered = tokenizer.apply_chat_template(
-        messages_for(text, len(img), len(vid), system),
-        tokenize=False,
-        add_generation_prompt=True,
-    )
     if video_timestamps is not None:
         expanded = expand_prompt_qwen3(
             rendered, image_grid_thw, video_grid_thw, video_timestamps, merge_size
@@ -101,15 +257,6 @@ def encode_prompt(
     else:
         expanded = expand_vision_pads(rendered, img, vid)
     return tokenizer(expanded, add_special_tokens=False)["input_ids"]
-
-
-def plain_prompt(tokenizer, text: str, system: str | None = None, media: bool = False):
-    """Token ids of a prompt for a tokenizer without a chat template (a base model): the
-    system prompt, a blank line and the text, with the tokenizer's own special tokens (e.g.
-    Llama's BOS). The main job says so once when it loads such a tokenizer."""
-    if media:
-        raise ValueError("the tokenizer has no chat template to place images or videos in")
-    return tokenizer(f"{system}\n\n{text}" if system else text)["input_ids"]
 
 
 def _token_id(tokenizer, token: str) -> int:

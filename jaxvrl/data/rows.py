@@ -1,16 +1,20 @@
 """Rows -> encoded examples (prompt ids + vision patches), with bad-row accounting.
 
-Row format: `problem` (or `prompt`) text; `images`: a list of images, each a path (relative to
+Row format: `problem` (or `prompt`) text, or `prompt` as a list of chat messages (verl's
+layout); `<image>` / `<video>` in the text place each medium at its placeholder
+(`jaxvrl.data.prompts`); `images`: a list of images, each a path (relative to
 `image_dir`, which may be a `gs://` URL), raw bytes, base64 text (or a `data:` URI), a
 {"bytes": ..., "path": ...} dict (HF datasets' Image feature) or a PIL image; optional
 `videos`: a list of videos, each a list of frames in the same forms, sampled at
 `EncodeOptions.video_fps`; `label_idx` (with `choices`) for multiple choice, or `answer` /
-`solution`. A dataset laid out otherwise is read through `jaxvrl.data.columns` (column keys,
-a format hook).
+`solution`, else verl's `reward_model.ground_truth`. Other columns (verl's `data_source`,
+`extra_info`, ...) ride along to the rewards. A dataset laid out otherwise is read through
+`jaxvrl.data.columns` (column keys, a format hook).
 
 Bad rows (missing or corrupt image, image side over `max_image_side`, prompt over
-`max_prompt_length` tokens, missing prompt or label) never raise: they are counted per reason
-in `SkipStats`, and the first row of each reason is logged with its file and row index.
+`max_prompt_length` tokens, missing prompt or label, placeholders that do not match the
+media) never raise: they are counted per reason in `SkipStats`, and the first row of each
+reason is logged with its file and row index.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 from PIL import Image
 
 from jaxvrl.data.processor import process_images, process_video, process_video_qwen3
-from jaxvrl.data.prompts import encode_prompt
+from jaxvrl.data.prompts import PlaceholderMismatch, encode_rendered, render_prompt
 from jaxvrl.models import ProcessorSettings
 from jaxvrl.remote import is_remote, read_bytes
 
@@ -42,7 +46,10 @@ REASONS = (
     "oversized_image",
     "prompt_too_long",
     "media_for_text_model",
+    "placeholder_mismatch",
 )
+LABELS = ("label_idx", "answer", "solution")
+NESTED_LABEL = ("reward_model", "ground_truth")  # verl's parquet layout
 
 
 class DataError(ValueError):
@@ -173,7 +180,8 @@ class EncodeOptions:
     max_pixels: int = 28 * 28 * 256
     video_min_pixels: int = 128 * 28 * 28
     video_max_pixels: int = 768 * 28 * 28
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # for rows without a system message of their own
+    format_prompt: str | None = None  # a Jinja template of the prompt text (`content`)
     require_label: bool = True
     video_fps: float = 2.0  # frames per second of the videos' frame lists
 
@@ -183,11 +191,13 @@ class EncodeOptions:
 
 
 def row_label(row: dict):
-    """The row's label: `label_idx`, else `answer`, else `solution` (None when absent)."""
-    for key in ("label_idx", "answer", "solution"):
+    """The row's label: `label_idx`, else `answer`, else `solution`, else
+    `reward_model.ground_truth` (None when absent)."""
+    for key in LABELS:
         if row.get(key) is not None:
             return row[key]
-    return None
+    nested = row.get(NESTED_LABEL[0])
+    return nested.get(NESTED_LABEL[1]) if isinstance(nested, dict) else None
 
 
 def _load_all(refs, opts: EncodeOptions, stats: SkipStats, where: str):
@@ -214,23 +224,79 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
     prompt_ids list[int], pixel_values float32[n_patches, 1176], image_grid_thw int64[n_img, 3],
     pixel_values_videos float32[n_video_patches, 1176], video_grid_thw int64[n_vid, 3],
     second_per_grid_ts float32[n_vid] (seconds per temporal patch of 2 frames: 2 / video_fps,
-    the step of the videos' temporal positions as in HF's processor).
+    the step of the videos' temporal positions as in HF's processor), `problem` (the prompt's
+    text: the last user turn of a list of messages), `prompt_text` (the prompt as the chat
+    template renders it, one vision span per medium, before the pads are expanded),
+    `image_refs` (the row's images as given, for `load_image`) and, for a label found only in
+    `reward_model.ground_truth`, `answer`.
     """
-    text = row.get("problem", row.get("prompt"))
-    if not isinstance(text, str) or not text:
+    prompt = row.get("problem", row.get("prompt"))
+    if not prompt or not isinstance(prompt, str | list | tuple):
         stats.skip("missing_prompt", where, "no prompt text")
         return None
-    if opts.require_label and row_label(row) is None:
+    label = row_label(row)
+    if opts.require_label and label is None:
         stats.skip("missing_label", where, "no label")
         return None
-    if opts.processor is None and (row.get("images") or row.get("videos")):
+    refs, video_refs = list(row.get("images") or []), list(row.get("videos") or [])
+    if opts.processor is None and (refs or video_refs):
         stats.skip("media_for_text_model", where, "images or videos, and the model is text-only")
         return None
-    images = _load_all(row.get("images") or [], opts, stats, where)
+    vision = opts.processor is not None
+    try:
+        rendered = render_prompt(
+            tokenizer,
+            prompt,
+            *(len(refs), len(video_refs), opts.system_prompt, opts.format_prompt, vision),
+        )
+    except PlaceholderMismatch as e:
+        stats.skip("placeholder_mismatch", where, str(e))
+        return None
+    except ValueError as e:  # a list that is not chat messages
+        stats.skip("missing_prompt", where, str(e))
+        return None
+    media = _encode_media(refs, video_refs, opts, stats, where)
+    if media is None:
+        return None
+    ids = encode_rendered(
+        tokenizer,
+        rendered,
+        media["image_grid_thw"] if refs else None,
+        media["video_grid_thw"] if video_refs else None,
+        (opts.processor or ProcessorSettings()).merge_size,
+        media.pop("timestamps"),
+    )
+    if len(ids) > opts.max_prompt_length:
+        stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")
+        return None
+    out = {k: v for k, v in row.items() if k not in ("images", "videos")}
+    out.update(media, prompt_ids=ids, problem=_question(prompt))
+    out.update(prompt_text=rendered, image_refs=refs)
+    if label is not None and all(row.get(k) is None for k in LABELS):
+        out["answer"] = label  # what the rewards read as the label
+    return out
+
+
+def _question(prompt) -> str:
+    """The prompt's text: itself, or the last user turn's text of a list of messages."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    text = users[-1] if users else ""
+    if isinstance(text, list):
+        text = "".join(p.get("text") or "" for p in text if isinstance(p, dict))
+    return str(text)
+
+
+def _encode_media(refs, video_refs, opts: EncodeOptions, stats: SkipStats, where: str):
+    """The row's images and videos loaded and processed -> {pixel_values, image_grid_thw,
+    pixel_values_videos, video_grid_thw, second_per_grid_ts, timestamps (per video its frame
+    groups' seconds, for a family that writes them, else None)}, or None when the row is bad."""
+    images = _load_all(refs, opts, stats, where)
     if images is None:
         return None
     videos = []
-    for frames in row.get("videos") or []:
+    for frames in video_refs:
         loaded = _load_all(frames, opts, stats, where)
         if loaded is None:
             return None
@@ -247,29 +313,14 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
     vpv = np.concatenate([v[0] for v in vids]) if vids else np.zeros((0, pv.shape[1]), np.float32)
     vgrid = np.concatenate([v[1] for v in vids]) if vids else np.zeros((0, 3), np.int64)
     seconds = np.full((len(vids),), proc.temporal_patch_size / opts.video_fps, np.float32)
-    ids = encode_prompt(
-        tokenizer,
-        text,
-        grid if images else None,
-        vgrid if vids else None,
-        system=opts.system_prompt,
-        merge_size=proc.merge_size,
-        video_timestamps=stamps,
-    )
-    if len(ids) > opts.max_prompt_length:
-        stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")
-        return None
-    out = {k: v for k, v in row.items() if k not in ("images", "videos")}
-    out.update(
-        prompt_ids=ids,
+    return dict(
         pixel_values=pv,
         image_grid_thw=grid,
         pixel_values_videos=vpv,
         video_grid_thw=vgrid,
         second_per_grid_ts=seconds,
-        problem=text,
+        timestamps=stamps,
     )
-    return out
 
 
 def encode_rows(

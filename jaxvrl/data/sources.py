@@ -249,7 +249,14 @@ def _file_source(local: str, name: str):
 
 
 def _formatted(src, fmt: RowFormat | None, name: str):
-    return src if fmt is None or fmt.identity else FormattedSource(src, fmt, name)
+    """`src` read in the row format `fmt` (None: raw rows, unchecked)."""
+    if fmt is None:
+        return src
+    if not fmt.identity:
+        return FormattedSource(src, fmt, name)
+    if len(src):  # its own names: the prompt and label columns must be there
+        RowMapper(fmt).check(src.columns, name)
+    return src
 
 
 def _directory_files(path: str, split: str | None) -> list[str]:

@@ -76,16 +76,19 @@ def rollout_section(
     totals,
     advantages,
     limit: int = 8,
+    kept: Sequence[bool] | None = None,
 ) -> str:
     """prompts / completions: one per row; rewards: {name: float[B]} (unweighted); totals:
-    float[B] (weighted sum); advantages: float[B] or float[B, T]."""
+    float[B] (weighted sum); advantages: float[B] or float[B, T]; kept: per row whether it
+    is in the step's batch (False: "(filtered)"; None: all are)."""
     n = len(completions)
     totals = _row_values(totals, n)
     adv = _row_values(advantages, n)
     parts = {k: _row_values(v, n) for k, v in rewards.items()}
     lines = [f"## Step {step}", ""]
     for i in range(min(limit, n)):
-        lines += [f"### Sample {i}", "", "**Prompt:**", "", fenced(str(prompts[i])), ""]
+        mark = "" if kept is None or kept[i] else " (filtered)"
+        lines += [f"### Sample {i}{mark}", "", "**Prompt:**", "", fenced(str(prompts[i])), ""]
         lines += ["**Completion:**", "", fenced(str(completions[i])), ""]
         lines += ["| reward | value |", "|---|---|"]
         lines += [f"| {k} | {_num(v[i], 2)} |" for k, v in parts.items()]

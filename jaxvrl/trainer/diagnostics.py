@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxvrl import models, rl
 from jaxvrl.rl.attention import layer_indices
-from jaxvrl.trainer.passes import RolloutBatch, blacken_patches, take_rows
+from jaxvrl.trainer.passes import RolloutBatch, blacken_patches
 from jaxvrl.trainer.rollout import Rollout
 
 BANDS = ("all", "early", "middle", "late")  # rl.attention.LAYER_SETS: what MDI reads
@@ -97,16 +97,16 @@ class AttentionMaps:
         )
 
     def __call__(self, params, rollout: Rollout, token_weights=None, rng=None) -> list[dict]:
-        """params: the policy's (on `graphdef`); rollout: this process's (its first rows of
-        real groups are drawn, as the markdown logs' samples); token_weights: float[B, N]
-        (VGR) or None. Returns per sample {"frames", "maps":
+        """params: the policy's (on `graphdef`); rollout: this process's (its samples are
+        drawn as the markdown logs' are: kept or filtered); token_weights: float[B, N] (VGR)
+        or None. Returns per sample {"kept": in the batch or filtered, "frames", "maps":
         {"clean"|"perturbed": {band: grids}}, "tokens" int[n], "values": {name: float[n]},
         "layers": {"mdi"|"aei_vision": float[L]}}; [] when off, multi-process or no image."""
-        drawn = self._rows(rollout)
-        if drawn is None:
+        got = self._rows(rollout)
+        if got is None:
             return []
-        idx, rows = drawn
-        b = len(idx)
+        drawn, rows = got
+        b = len(drawn)
         masses, ent, logp = jax.device_get(self._run(params, rows, rows.images))
         variants = {"clean": masses}
         values = {"entropy": ent}
@@ -125,28 +125,27 @@ class AttentionMaps:
             frames_aug = aug
         else:
             frames_aug = None
-        if token_weights is not None:
-            values = {"VGR weight": np.asarray(token_weights)[idx], **values}
+        if token_weights is not None:  # a filtered sample (not in the batch) has none
+            weights = [None if not d.kept else np.asarray(token_weights)[d.row] for d in drawn]
+            values = {"VGR weight": weights, **values}
         return [
-            self._sample(rows, r, variants, values, frames_aug)
+            dict(self._sample(rows, r, variants, values, frames_aug), kept=drawn[r].kept)
             for r in range(b)
             if self._has_vision(rows, r)
         ]
 
-    def _rows(self, rollout: Rollout) -> tuple[np.ndarray, RolloutBatch] | None:
-        """(indices, host rows) of the rollout rows drawn; None when none is."""
-        batch, size = rollout.batch, len(rollout.groups[0].texts) if rollout.groups else 0
-        real = np.flatnonzero(np.repeat(np.asarray(rollout.real, bool), size))
-        b = min(self.samples, len(real))
-        if not b or jax.process_count() > 1:
+    def _rows(self, rollout: Rollout) -> tuple[list, RolloutBatch] | None:
+        """(the samples drawn: `Rollout.drawn_batch`, kept or filtered, as the markdown
+        logs' samples; their host rows); None when none is."""
+        if not self.samples or jax.process_count() > 1:
             return None
-        per_row = [x.pixel_values.ndim == 3 for x in (batch.images, batch.videos) if x is not None]
+        drawn, rows = rollout.drawn_batch(self.samples)
+        if not drawn or rows is None:
+            return None
+        per_row = [x.pixel_values.ndim == 3 for x in (rows.images, rows.videos) if x is not None]
         if not per_row or not all(per_row):  # no vision input, or packed patches
             return None
-        idx = real[:b]
-        rows = take_rows(batch.replace(position_ids=None), idx)  # position_ids: [3, B, L]
-        rows = rows.replace(position_ids=np.asarray(batch.position_ids)[:, idx])
-        return idx, jax.tree.map(np.asarray, rows)
+        return drawn, jax.tree.map(np.asarray, rows)
 
     def prepare(self, params, rollout: Rollout, executor) -> None:
         """Compile the pass for `rollout`'s drawn rows on `executor` (a thread beside the
@@ -211,7 +210,9 @@ class AttentionMaps:
             "frames": shown,
             "maps": maps,
             "tokens": ids[-rows.completion_length :][:n],
-            "values": {k: np.asarray(v[r], np.float64)[:n] for k, v in values.items()},
+            "values": {
+                k: np.asarray(v[r], np.float64)[:n] for k, v in values.items() if v[r] is not None
+            },
             "layers": self.layer_balance(rows, r, variants["clean"]),
         }
 

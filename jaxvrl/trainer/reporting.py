@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxvrl import rl
+from jaxvrl.data.prompts import shown_prompt
 from jaxvrl.logging import (
     MarkdownLog,
     MetricsWriter,
@@ -35,6 +36,7 @@ from jaxvrl.trainer.rollout import (
     PhaseWeights,
     Rollout,
     decode_completions,
+    draw_samples,
     sample_completions,
 )
 
@@ -184,35 +186,32 @@ class RunLogs:
             self.progress.update(step - 1, scalars)
 
     def sample_rows(self, rollout: Rollout, extras, tokenizer) -> list[dict]:
-        """This process's first `samples` rows of real groups as JSON-able dicts: prompt,
-        completion, reward parts, total, advantage (a float or per token), VGR token pieces
-        `[(text, weight)]` and per-row attention metrics where the step has them. Every
-        process computes its own; `markdown` writes them all (see `runtime.gather_json`)."""
-        rows = [
-            (gi, j)
-            for gi, g in enumerate(rollout.groups)
-            if rollout.real[gi]
-            for j in range(len(g.texts))
-        ][: self.samples]
-        if not rows:
+        """This process's first `samples` completions of the step, kept (in the batch) or
+        filtered (`rollout.draw_samples`), as JSON-able dicts: prompt (as the model saw it:
+        `shown_prompt`), completion, kept, reward parts, total, advantage (a float or per
+        token; NaN for a filtered one), VGR token pieces `[(text, weight)]` and per-row
+        attention metrics where the step has them. Every process computes its own;
+        `markdown` writes them all (see `runtime.gather_json`)."""
+        drawn = draw_samples(rollout, self.samples)
+        if not drawn:
             return []
-        groups, g_size = rollout.groups, len(rollout.groups[0].texts)
         adv = np.asarray(extras.advantages, np.float64)
         weights = extras.token_weights
         out = []
-        for gi, j in rows:
-            g, i = groups[gi], gi * g_size + j
+        for d in drawn:
+            g, j, i = d.group, d.j, d.row
             row = {
-                "prompt": str(g.example.get("problem", "")),
+                "prompt": _prompt(g.example, tokenizer),
                 "text": g.texts[j],
+                "kept": d.kept,
                 "parts": {k: float(v[j]) for k, v in g.parts.items()},
                 "total": float(g.totals[j]),
-                "adv": adv[i].tolist(),
+                "adv": adv[i].tolist() if d.kept else np.full(adv.shape[1:], np.nan).tolist(),
                 "att": {k: float(v[j]) for k, v in g.att.items()},
             }
             if weights is not None:
                 n = int(g.mask[j].sum())
-                w = np.asarray(weights[i])[:n]
+                w = np.asarray(weights[i])[:n] if d.kept else np.full(n, np.nan)
                 row["pieces"] = decode_pieces(tokenizer.decode, g.tokens[j][:n].tolist(), w)
             out.append(row)
         return out
@@ -237,7 +236,8 @@ class RunLogs:
             if len({np.shape(a) for a in adv}) == 1
             else [float(np.mean(a)) for a in adv]
         )
-        self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv))
+        kept = [r.get("kept", True) for r in rows]
+        self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv, kept=kept))
         columns, table = rollout_table(prompts, texts, parts, totals, adv, self.samples)
         with self._tracking:
             self.trackers.log_table(step, "rollouts", columns, table)
@@ -276,8 +276,10 @@ class RunLogs:
                 coloured.append(
                     [heatmaps.token_html(tokens, v, name) for name, v in sample["values"].items()]
                 )
+            mark = "" if sample.get("kept", True) else " (filtered)"
             for suffix in suffixes:
-                links.append((f"sample {k}{suffix.replace('_', ' ')}", self._png(step, k, suffix)))
+                caption = f"sample {k}{suffix.replace('_', ' ')}{mark}"
+                links.append((caption, self._png(step, k, suffix)))
             jobs.append((k, sample, tokens))
         self.attention.append(heatmap_section(step, links))
         if coloured:
@@ -354,6 +356,13 @@ class RunLogs:
             self._drawing.shutdown(wait=True)
         self.metrics.close()
         self.trackers.close()
+
+
+def _prompt(example: dict, tokenizer) -> str:
+    """The example's prompt as the model saw it (`shown_prompt`), else its text."""
+    if tokenizer is None or example.get("prompt_ids") is None:
+        return str(example.get("problem", ""))
+    return shown_prompt(tokenizer, example["prompt_ids"])
 
 
 def _stack(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:

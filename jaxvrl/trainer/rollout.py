@@ -269,19 +269,79 @@ def collect_groups(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """One logged sample: completion `j` of `group`; `row` its row in the step's batch, or -1
+    for a group the filters dropped (or beyond the step's P)."""
+
+    group: Group
+    j: int
+    row: int
+
+    @property
+    def kept(self) -> bool:
+        return self.row >= 0
+
+
 @dataclasses.dataclass
 class Rollout:
     """A step's rollout: the train step's batch and what the logs read.
 
     batch: RolloutBatch of numpy arrays (B = P * G rows); groups: its P groups in row order
     (padding groups included); real: bool[P], False for padding groups; metrics: scalars about
-    everything sampled this step (reward means, lengths, filtering counts, timing).
+    everything sampled this step (reward means, lengths, filtering counts, timing); sampled:
+    every group generated this step, kept or filtered, in order (empty: only `groups` are
+    known); assemble_rows([(group, j), ...]) -> a RolloutBatch of those completions, one row
+    each (the diagnostic pass's rows where some are not in `batch`).
     """
 
     batch: RolloutBatch
     groups: list[Group]
     real: np.ndarray
     metrics: dict
+    sampled: list[Group] = dataclasses.field(default_factory=list)
+    assemble_rows: Callable | None = None
+    _drawn_batch: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def drawn_batch(self, n: int) -> tuple[list[Drawn], RolloutBatch | None]:
+        """(`draw_samples(self, n)`, their rows as a RolloutBatch: taken from `batch` when all
+        are kept, else assembled; None when neither can be had). Kept per `n` for the step."""
+        if n not in self._drawn_batch:
+            drawn = draw_samples(self, n)
+            rows = np.asarray([d.row for d in drawn], np.int64)
+            if all(d.kept for d in drawn):
+                batch = _take_rows(self.batch, rows)
+            elif self.assemble_rows is not None:
+                batch = self.assemble_rows([(d.group, d.j) for d in drawn])
+            else:
+                batch = None
+            self._drawn_batch[n] = (drawn, batch)
+        return self._drawn_batch[n]
+
+
+def draw_samples(rollout, n: int) -> list[Drawn]:
+    """The first `n` completions of all a step's groups, kept or filtered: the batch's real
+    groups first (those trained on, in batch order), then the groups sampled this step that
+    are not in the batch, in order (a rollout without `sampled`: only the batch's)."""
+    groups, real = rollout.groups, rollout.real
+    g = len(groups[0].texts) if groups else 0
+    at = {id(x): i for i, x in enumerate(groups) if bool(real[i])}
+    sampled = list(getattr(rollout, "sampled", None) or [])
+    order = [x for x in groups if id(x) in at] + [x for x in sampled if id(x) not in at]
+    out = []
+    for x in order:
+        for j in range(len(x.texts)):
+            if len(out) == n:
+                return out
+            out.append(Drawn(x, j, at[id(x)] * g + j if id(x) in at else -1))
+    return out
+
+
+def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
+    """Rows of a host batch (position_ids [3, B, L]: rows on axis 1)."""
+    take = lambda x: None if x is None else np.asarray(x)[rows]  # noqa: E731
+    out = jax.tree.map(take, batch.replace(position_ids=None))
+    return out.replace(position_ids=np.asarray(batch.position_ids)[:, rows])
 
 
 @dataclasses.dataclass
@@ -606,7 +666,7 @@ class RolloutPhase:
         ]
         batch = self._assemble(groups)
         metrics = self._metrics(got, infos, real)
-        return Rollout(batch, groups, real, metrics)
+        return Rollout(batch, groups, real, metrics, got.sampled, self._assemble_rows)
 
     def _assemble(self, groups: list[Group]) -> RolloutBatch:
         return assemble_prompts(
@@ -618,6 +678,16 @@ class RolloutPhase:
             baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
             old_logprobs=np.concatenate([x.logprobs for x in groups]),
             old_entropy=_entropies(groups) if self.sampler.cfg.entropies else None,
+        )
+
+    def _assemble_rows(self, rows: list[tuple[Group, int]]) -> RolloutBatch:
+        """Completion j of each (group, j) as one row of a batch (the logged samples)."""
+        return assemble_prompts(
+            self.collate([x.example for x, _ in rows], 1),
+            np.stack([x.tokens[j] for x, j in rows]),
+            np.stack([x.mask[j] for x, j in rows]),
+            np.asarray([x.totals[j] for x, j in rows]),
+            with_pools=self.with_pools,
         )
 
     def _metrics(self, got: Collected, infos: list[dict], real: np.ndarray) -> dict:

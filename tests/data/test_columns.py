@@ -203,7 +203,9 @@ def test_the_format_hook_maps_raw_rows(tmp_path, image_dir, tokenizer):
     with pytest.raises(AttributeError, match="has no function 'nope'"):
         open_source(path, fmt=RowFormat(format=f"{hook}:nope"))
     # a function of an importable module works the same way
-    src = open_source(path, fmt=RowFormat(format="copy:copy", prompt_key="target"))
+    src = open_source(
+        path, fmt=RowFormat(format="copy:copy", prompt_key="target", answer_key="target")
+    )
     assert src[0]["problem"] == "B"
 
 

@@ -200,8 +200,8 @@ def test_vgr_run_writes_heatmaps(tmp_path, monkeypatch):
     text = (tmp_path / "attention_diagnostics.md").read_text()
     links = re.findall(r"!\[[^]]*\]\(([^)]+\.png)\)", text)
     assert links
-    for rel in links:
+    for rel in links:  # a token panel of a filtered sample (no VGR weights) is one block high
         with Image.open(tmp_path / rel) as im:
-            assert im.size[0] > 50 and im.size[1] > 50
+            assert im.size[0] > 50 and im.size[1] > (30 if "_tokens" in rel else 50)
     assert (tmp_path / "attention" / "layers_over_steps.png").exists()
     assert '<span title="VGR weight' in (tmp_path / "token_weights.md").read_text()

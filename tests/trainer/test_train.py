@@ -283,15 +283,20 @@ def test_dynamic_sampling_refills_with_new_generation_batches(tmp_path):
     rows = _rows(tmp_path)[1:]
     assert [(r["rollout/gen_batches"], r["rollout/filled_fraction"]) for r in rows] == expected
     assert sum(n for n, _ in expected) > 3  # the refill happened
-    # the batch holds only informative groups: every logged sample pair has rewards 0 and 1
+    # the samples come from every group sampled, kept (first) or filtered (marked): the
+    # batch holds only informative groups (each kept pair has rewards 0 and 1), and a step
+    # that kept nothing still shows its samples
     text = (tmp_path / "rollout_results.md").read_text()
-    for step, (_, filled) in enumerate(expected, start=1):
-        if not filled:  # nothing informative: no section
-            assert f"## Step {step}\n" not in text
-            continue
+    for step, (n, filled) in enumerate(expected, start=1):
         section = text.split(f"## Step {step}\n")[1].split("## Step")[0]
-        values = [float(v) for v in re.findall(r"\| \*\*total\*\* \| ([-\d.]+) \|", section)]
-        assert values == [0.0, 1.0] * int(filled * 2), (step, values)
+        samples = section.split("### Sample")[1:]
+        assert len(samples) == min(8, 4 * n), step  # n batches of 2 groups of 2
+        totals = [float(re.search(r"\| \*\*total\*\* \| ([-\d.]+) \|", s)[1]) for s in samples]
+        kept = ["(filtered)" not in s.splitlines()[0] for s in samples]
+        for i in range(0, len(samples), 2):
+            assert kept[i] == kept[i + 1], (step, kept)
+            assert not kept[i] or totals[i : i + 2] == [0.0, 1.0], (step, totals)
+        assert kept == sorted(kept, reverse=True) and any(kept) == bool(filled), (step, kept)
 
 
 def test_replay_buffer_replaces_uninformative_groups(tmp_path):
@@ -372,7 +377,8 @@ def test_training_data_without_one_usable_row_stops_with_the_reasons(tmp_path):
     from jaxvrl.data.rows import DataError
 
     data = tmp_path / "bad.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"q{i}?"}) + "\n" for i in range(3)))
+    rows = [{"problem": f"q{i}?", "answer": None} for i in range(3)]  # a label column, empty
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = tiny_config("configs/grpo.py", tmp_path, "total_steps=2", f"data.train_files={data}")
     with pytest.raises(DataError, match=r"no usable row among the 3 rows.*missing_label': 3"):
         run(cfg)

@@ -1,0 +1,114 @@
+"""A run's data from its ConfigDict (`config.data`): the built-in task, how rows become
+examples (`encode_options`), the dataset's columns (`row_format`) and the training rows
+(`train_source`). The main job (jaxvrl/train.py) and `python -m jaxvrl.data` read the data
+through these, so that both see the same prompts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxvrl import models
+from jaxvrl.config import ConfigError
+from jaxvrl.data.columns import RowFormat
+from jaxvrl.data.rows import EncodeOptions
+from jaxvrl.data.sources import DataNotFound, open_sources
+from jaxvrl.data.tasks import TASKS, BuiltinTask
+
+
+def builtin_task(c) -> BuiltinTask:
+    """The built-in task (`data.builtin_task`): the rows when `data.train_files` is unset, and
+    with its embedded checkpoint the model when `model.path` is unset."""
+    return TASKS[c.data.builtin_task]
+
+
+def format_prompt(c) -> str | None:
+    """The text of the `data.format_prompt` Jinja file (None: unset); a file that is missing
+    or no valid template is a ConfigError."""
+    path = c.data.format_prompt
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"config.data.format_prompt={path!r}: {e.strerror or e}") from None
+    from jinja2 import TemplateError
+
+    from jaxvrl.data.prompts import prompt_template
+
+    try:
+        prompt_template(text).render(content="")
+    except TemplateError as e:
+        raise ConfigError(
+            f"config.data.format_prompt={path!r}: not a valid template ({e})"
+        ) from None
+    return text
+
+
+def encode_options(c, model_config=None) -> EncodeOptions:
+    """How rows become examples for the model of `model_config` (its image/video processor;
+    None: the embedded model's)."""
+    builtin = not c.data.train_files
+    if model_config is None:
+        model_config = models.load_config(builtin_task(c).checkpoint)
+    task_prompt = builtin_task(c).system_prompt if builtin else None
+    return EncodeOptions(
+        processor=models.processor(model_config) if model_config.vision is not None else None,
+        image_dir=c.data.image_dir or None,
+        max_prompt_length=c.data.max_prompt_length,
+        max_image_side=c.data.max_image_side,
+        min_pixels=c.data.min_pixels,
+        max_pixels=c.data.max_pixels,
+        system_prompt=c.data.system_prompt or task_prompt,
+        format_prompt=format_prompt(c),
+        video_fps=c.data.video_fps,
+    )
+
+
+def row_format(c) -> RowFormat:
+    """The dataset's columns (config.data.*_key) and its format hook (config.data.format)."""
+    d = c.data
+    return RowFormat(
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        image_key=d.image_key,
+        video_key=d.video_key,
+        choices_key=d.choices_key,
+        format=d.format,
+    )
+
+
+def train_source(c):
+    """The training rows, random access: the files of `data.train_files` (each checked at
+    open: a file that is not there or lacks a column the run needs is a ConfigError), else the
+    built-in task's train split."""
+    if c.data.train_files:
+        try:
+            return open_sources(c.data.train_files.split(","), fmt=row_format(c))
+        except DataNotFound as e:  # a file, directory or Hub dataset that is not there
+            raise ConfigError(f"config.data.train_files={e.path!r}: {e.reason}") from None
+    kinds = tuple(c.data.synthetic_kinds)
+    make = builtin_task(c).make_split
+    return make("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
+
+
+def model_dir(c) -> str:
+    """The local directory of the checkpoint whose tokenizer and processor read the rows:
+    `model.path` (a local directory; a Hub name or gs:// directory as the main job fetches
+    it), else the built-in task's embedded one."""
+    path = c.model.path or builtin_task(c).checkpoint
+    if os.path.isdir(path):
+        return path
+    from jaxvrl import hub
+    from jaxvrl.remote import localize_dir
+
+    try:
+        if hub.model_name(path):
+            return hub.fetch_model(path).path
+        local = localize_dir(path)
+    except (hub.NotFound, FileNotFoundError) as e:
+        raise ConfigError(f"config.model.path={path!r}: {e}") from None
+    if not os.path.isdir(local):
+        raise ConfigError(f"config.model.path={path!r}: no such directory")
+    return local
