@@ -120,13 +120,14 @@ class RewardModel:
         input_ids, mask = padded(ids, 0 if pad is None else pad, rows, length)
         pos = np.where(mask > 0, np.cumsum(mask, 1) - 1, 0)  # as causal_lm.rope_index
         pos = np.broadcast_to(pos, (3, rows, length)).astype(np.int32)
-        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": pos}
+        x = {"input_ids": input_ids, "attention_mask": mask, "position_ids": pos}
         if self.mesh is None:
-            out = _scores(self.graphdef, self.params, *map(jnp.asarray, inputs.values()))
+            x = jax.tree.map(jnp.asarray, x)
+            out = _scores(self.graphdef, self.params, **x)
         else:
-            inputs = runtime.place_batch(inputs, self.mesh)
+            x = runtime.place_batch(x, self.mesh)  # a dict in sorted order: pass by name
             with jax.set_mesh(self.mesh):
-                out = _scores(self.graphdef, self.params, *inputs.values())
+                out = _scores(self.graphdef, self.params, **x)
             out = runtime.host_local(out)
         scores = np.asarray(out, np.float64)[: len(ids)]
         return np.where(np.isfinite(scores), scores, 0.0)

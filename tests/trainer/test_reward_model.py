@@ -2,11 +2,14 @@
 `LlamaForSequenceClassification` checkpoints saved by transformers (over the embedded
 tokenizer): the scorer renders (prompt, completion) with the reward model's chat template as
 TRL does for reward models and its scores equal transformers' `logits[:, 0]` for the same
-texts (float32, right-padded texts of different lengths); the `score` head's logits at the
-last real token equal transformers' for rows padded on the left and on the right; a causal LM
-or a classifier of two labels is refused naming the key."""
+texts (float32, right-padded texts of different lengths; on one device and on a mesh); the
+`score` head's logits at the last real token equal transformers' for rows padded on the left
+and on the right, and after export; a causal LM or a classifier of two labels is refused
+naming the key."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from flax import nnx
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError
 from jaxvrl.models import causal_lm
+from jaxvrl.parallel.sharding import make_mesh
 from jaxvrl.trainer.reward_model import RewardModel
 from tests.models import hf_tiny_text as T
 
@@ -71,6 +75,9 @@ def test_scores_equal_transformers_logits(classifiers, model_type, tmp_path):
         want = hf(**enc).logits[:, 0].numpy()
     assert scores.dtype == np.float64 and scores.shape == (3,)
     np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-5)
+    # on a mesh (as a run scores): rows placed over (data, fsdp), params by the rules table
+    on_mesh = dataclasses.replace(rm, mesh=make_mesh(1, -1, 1))
+    np.testing.assert_allclose(on_mesh(PROMPTS, COMPLETIONS), want, rtol=1e-5, atol=1e-5)
     # the model's score head on token ids: rows padded on the left and on the right
     model = nnx.merge(rm.graphdef, rm.params)
     assert model.config.num_labels == 1 and model.head is model.score
