@@ -1,0 +1,48 @@
+"""A logged step's samples come from all its groups: those in the batch first, then those the
+filters dropped, marked "(filtered)" in rollout_results.md with no advantage."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from jaxvrl.trainer.reporting import RunLogs
+from jaxvrl.trainer.rollout import draw_samples
+
+
+def _group(name: str, total: float):
+    return types.SimpleNamespace(
+        texts=[f"{name}.0", f"{name}.1"],
+        parts={"accuracy": [total, total]},
+        totals=[total, total],
+        example={"problem": f"question {name}"},
+        att={},
+    )
+
+
+def test_samples_are_drawn_from_kept_then_filtered_groups(tmp_path):
+    kept, dropped, late = _group("kept", 0.5), _group("dropped", 1.0), _group("late", 0.0)
+    padding = _group("padding", 0.0)
+    rollout = types.SimpleNamespace(
+        groups=[padding, kept], real=[False, True], sampled=[dropped, kept, late]
+    )
+    drawn = draw_samples(rollout, 5)
+    assert [(d.group.texts[d.j], d.row, d.kept) for d in drawn] == [
+        ("kept.0", 2, True),
+        ("kept.1", 3, True),
+        ("dropped.0", -1, False),
+        ("dropped.1", -1, False),
+        ("late.0", -1, False),
+    ]
+    logs = RunLogs(str(tmp_path), 2, samples=3, backends=())
+    extras = types.SimpleNamespace(advantages=np.array([0, 0, 0.7, -0.7]), token_weights=None)
+    logs.markdown(1, [logs.sample_rows(rollout, extras, tokenizer=None)])
+    logs.close()
+    text = (tmp_path / "rollout_results.md").read_text()
+    heads = [line for line in text.splitlines() if line.startswith("### Sample")]
+    assert heads == ["### Sample 0", "### Sample 1", "### Sample 2 (filtered)"]
+    assert "| advantage | 0.700 |" in text and "| advantage | n/a |" in text
+    # without the sampled groups (an older caller): the batch's real groups, as before
+    rollout = types.SimpleNamespace(groups=[padding, kept], real=[False, True])
+    assert [d.row for d in draw_samples(rollout, 8)] == [2, 3]
