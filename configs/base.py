@@ -341,12 +341,6 @@ def get_config(arg=None):
     c.reward.early_steps = setting(0, NON_NEGATIVE)  # steps that use early_weights (0 = off)
     # R in clip(1 - |ln MDI| / ln R, 0, 1)
     c.reward.mdi_balance_ratio = setting(2.0, Range(1, lo_open=True))
-    # a reward model: one more reward, `model`, scored on the mesh after the rollout
-    c.reward.model = ml_collections.ConfigDict()
-    # a sequence classifier with one label (Qwen2/Llama/Qwen3ForSequenceClassification): a
-    # directory (local or gs://) or a Hub name org/name[@revision]; None or "" = none
-    c.reward.model.path = placeholder(str)
-    c.reward.model.weight = setting(1.0, Range())  # its weight in the total reward
     # keyword arguments of the reward functions (EasyR1's reward_function_kwargs), a Python
     # dict: {"format_weight": 0.5} goes to every function whose signature takes it,
     # {"<reward name>": {...}} to that one only
@@ -361,6 +355,12 @@ def get_config(arg=None):
     # fraction of its calls over the last failure_window steps ends the run (exit 2, saved)
     c.reward.max_failure_fraction = setting(0.5, PROBABILITY)
     c.reward.failure_window = setting(5, at_least(1))  # steps the failure fraction is over
+    # a reward model: one more reward, `model`, scored on the mesh after the rollout
+    c.reward.model = ml_collections.ConfigDict()
+    # a sequence classifier with one label (Qwen2/Llama/Qwen3ForSequenceClassification): a
+    # directory (local or gs://) or a Hub name org/name[@revision]; None or "" = none
+    c.reward.model.path = placeholder(str)
+    c.reward.model.weight = setting(1.0, Range())  # its weight in the total reward
 
     c.filter = ml_collections.ConfigDict()
     c.filter.dynamic_sampling = False  # DAPO: drop groups whose metric is constant

@@ -19,15 +19,25 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
     atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-# The tests' programs are tiny: compiling them costs far more than running them. LLVM's
-# optimisation passes (not XLA's graph passes, and never float semantics: no fast math) are
-# most of a CPU compile, so the tests skip them; subprocesses inherit the flag.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
+# The tests' programs are tiny: compiling them costs far more than running them. XLA:CPU's
+# newer fusion emitters (MLIR) and LLVM's optimisation passes are most of a CPU compile, so
+# the tests take the classic elemental emitters without LLVM's optimisation (not XLA's graph
+# passes, and never float semantics: no fast math). A tiny TPRL train step compiles in about a
+# third of the CPU time; the rounding differs from the default emitters' in the last bits only
+# (the step's loss by ~1e-6 of itself), inside every tolerance. Subprocesses inherit the flags.
+_FAST_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_llvm_disable_expensive_passes=true",
+)
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in _FAST_COMPILE:
+    if _flag.split("=")[0] not in _flags:
+        _flags = f"{_flags} {_flag}".strip()
+os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -61,3 +71,24 @@ def pytest_collection_modifyitems(session, config, items):
         return len(LONG_FILES)
 
     items.sort(key=rank)  # stable: tests keep their order within a file
+
+
+# Each file's total time (setup, call and teardown of its tests, as the workers report them),
+# printed after pytest's own `--durations` list when that is asked for (`.ci/run` asks for the
+# 25 slowest tests), so that a file's growth shows in every run's log.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own list
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("durations", None) is None or not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"seconds per file (all workers: {total:.0f} s)")
+    for path, secs in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{secs:8.1f} s  {path}")

@@ -2,6 +2,8 @@
 process's bytes in the step directory), bit exact: numpy arrays, numpy scalars and bytes go
 into one .npz as raw arrays (no pickle, no base64); dicts, lists, tuples, str, int, float,
 bool, None and `Group`s go into a JSON skeleton stored beside them that points at the arrays.
+A PIL image (a row's in-memory image reference, as the built-in tasks make them) is kept as its
+PNG bytes, which read back to the same mode, size and pixels.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 
 import ml_dtypes
 import numpy as np
+from PIL import Image
 
 from jaxvrl import rl
 from jaxvrl.trainer.rollout import Group
@@ -56,6 +59,10 @@ class _Writer:
             return {"t": type(x).__name__, "v": [self.encode(v) for v in x]}
         if isinstance(x, dict):
             return {"t": "dict", "v": [[self.encode(k), self.encode(v)] for k, v in x.items()]}
+        if isinstance(x, Image.Image):
+            png = io.BytesIO()
+            x.save(png, "PNG")
+            return {"t": "png", "i": self.put(np.frombuffer(png.getvalue(), np.uint8))}
         name = type(x).__name__
         if dataclasses.is_dataclass(x) and _DATACLASSES.get(name) is type(x):
             fields = {f.name: self.encode(getattr(x, f.name)) for f in dataclasses.fields(x)}
@@ -78,6 +85,10 @@ def _decode(node, arrays):
     if t in ("bytes", "bytearray"):
         raw = arrays[f"a{node['i']}"].tobytes()
         return raw if t == "bytes" else bytearray(raw)
+    if t == "png":
+        image = Image.open(io.BytesIO(arrays[f"a{node['i']}"].tobytes()))
+        image.load()
+        return image
     if t == "objects":
         out = np.empty(len(node["v"]), object)
         out[:] = [_decode(v, arrays) for v in node["v"]]

@@ -110,6 +110,20 @@ def test_payloads_of_several_kinds_round_trip():
         assert_same(a, b, f"item {i}")
 
 
+def test_in_memory_images_round_trip_pixel_exact():
+    """A row's images given as PIL objects (the built-in tasks' rows) come back with the same
+    mode, size and pixels."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (5, 7, 3), dtype=np.uint8))
+    gray = Image.fromarray(rng.integers(0, 256, (3, 4), dtype=np.uint8))
+    (back,) = decode_items(encode_items([{"image_refs": [rgb, gray]}]))
+    for a, b in zip([rgb, gray], back["image_refs"]):
+        assert (b.mode, b.size) == (a.mode, a.size)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
 def test_an_empty_buffer_round_trips():
     assert decode_items(encode_items([])) == []
     buf = rl.ReplayBuffer(capacity=3)

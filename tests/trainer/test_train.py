@@ -260,7 +260,7 @@ def test_dynamic_sampling_refills_with_new_generation_batches(tmp_path):
         "configs/dapo.py",
         tmp_path,
         "total_steps=3",
-        "val_freq=100",
+        "val_size=0",  # validation scores with the training rewards too: no calls but the steps'
         f"reward.funcs=('{fn}',)",
         "reward.weights=(1.0,)",
         "filter.max_num_gen_batches=3",
@@ -280,7 +280,7 @@ def test_dynamic_sampling_refills_with_new_generation_batches(tmp_path):
             i, n = i + 1, n + 1
         expected.append((n, min(kept, 2) / 2))
     assert i == len(calls)
-    rows = _rows(tmp_path)[1:]
+    rows = [r for r in _rows(tmp_path) if r["step"] > 0]
     assert [(r["rollout/gen_batches"], r["rollout/filled_fraction"]) for r in rows] == expected
     assert sum(n for n, _ in expected) > 3  # the refill happened
     # the samples come from every group sampled, kept (first) or filtered (marked): the
@@ -305,7 +305,7 @@ def test_replay_buffer_replaces_uninformative_groups(tmp_path):
         "configs/grpo.py",
         tmp_path,
         "total_steps=4",
-        "val_freq=100",
+        "val_size=0",  # validation scores with the training rewards too: no calls but the steps'
         f"reward.funcs=('{fn}_common',)",
         "reward.weights=(1.0,)",
         "filter.replay_buffer.enable=true",
@@ -319,7 +319,7 @@ def test_replay_buffer_replaces_uninformative_groups(tmp_path):
         replaced = min(size, informative.count(False))
         size = size - replaced + informative.count(True)
         expected.append((replaced, size))
-    rows = _rows(tmp_path)[1:]
+    rows = [r for r in _rows(tmp_path) if r["step"] > 0]
     assert [(r["replay/replaced"], r["replay/buffer_size"]) for r in rows] == expected
     assert sum(r for r, _ in expected) > 0
 
