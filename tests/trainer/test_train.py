@@ -464,7 +464,7 @@ def _data_with_a_bad_row_of_each_reason(tmp_path):
     from jaxvrl.data.rows import REASONS
 
     rows = []
-    # an epoch (22 rows) spans several steps, and the run reads it more than once
+    # an epoch (23 rows) spans several steps, and the run reads it more than once
     for i, r in enumerate(synthetic.make_split("train", 16, seed=0)):
         r["images"][0].save(tmp_path / f"img{i}.png")
         rows.append({**r, "images": [f"img{i}.png"]})
@@ -478,6 +478,7 @@ def _data_with_a_bad_row_of_each_reason(tmp_path):
         {**good, "images": ["corrupt.png"]},
         {**good, "images": ["big.png"]},
         {**good, "problem": "why? " * 300},
+        {**good, "problem": "<image> or <image>? " + good["problem"]},  # 2 placeholders, 1 image
     ]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
