@@ -42,23 +42,37 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-# The files that take longest (half a minute to a few minutes each on the 2-core CI machine),
-# longest first. `pytest -n 2 --dist loadfile` hands whole files to the two workers in
+# The files that take longest (a quarter of a minute to two minutes each on the 2-core CI
+# machine), longest first. `pytest -n 2 --dist loadfile` hands whole files to the two workers in
 # collection order (with `--no-loadscope-reorder`, pyproject.toml; xdist's own order is by
 # test count), so a long file collected last leaves one worker idle while the other finishes
 # it; the long ones first (longest-processing-time scheduling) keep both busy to the end.
-LONG_FILES = (
+LONG_FILES = (  # measured: .ci/run prints each file's total
     "trainer/test_train.py",
-    "trainer/test_build.py",
+    "trainer/test_packing.py",
+    "trainer/test_families.py",
     "parallel/test_mesh_main_job.py",
-    "parallel/test_mesh_step.py",
     "trainer/test_step.py",
-    "trainer/test_updates.py",
     "aot/test_aot.py",
+    "parallel/test_mesh_step.py",
     "parallel/test_runtime.py",
+    "trainer/test_build.py",
+    "sampling/test_sampler.py",
+    "trainer_infra/test_resume_damage.py",
+    "models/test_scan_layers.py",
+    "trainer_infra/test_export.py",
+    "models/test_qwen2_5_vl_parity.py",
     "parallel/test_multihost.py",
-    "trainer/test_ppo.py",
     "sampling/test_engine.py",
+    "sampling/test_prefill.py",
+    "trainer/test_updates.py",
+    "trainer_infra/test_remote.py",
+    "models/test_qwen3_vl_parity.py",
+    "trainer/test_ppo.py",
+    "models/test_attention.py",
+    "trainer/test_passes.py",
+    "parallel/test_remat_precision.py",
+    "sampling/test_cpu_kernels.py",
 )
 
 
