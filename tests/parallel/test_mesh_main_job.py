@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.parallel.common import run_with_devices
+from tests.parallel.common import ROOT, run_with_devices
 
 OVERRIDES = [
     "prompts_per_step=4",  # 8 rows: one per device
@@ -114,8 +114,35 @@ def runs(tmp_path_factory):
         n=8,
         compare=(w["mesh"], w["resumed"]),
     )
-    report.update(_run([("one", [f"workdir={w['one']}", "total_steps=2"])], n=1))
+    report["one"] = _run_here([f"workdir={w['one']}", "total_steps=2"])
     return report, w
+
+
+def _run_here(overrides) -> dict:
+    """The one-device run in this process (one CPU device), spied on as SCRIPT's runs are."""
+    import jax
+
+    from jaxvrl.config import load_config
+    from jaxvrl.parallel import runtime as R
+    from jaxvrl.train import run
+
+    seen, place_batch = [], R.place_batch
+
+    def spy(batch, mesh):
+        out = place_batch(batch, mesh)
+        ids = out["input_ids"] if isinstance(out, dict) else out.input_ids
+        entry = [dict(mesh.shape), len(ids.sharding.device_set),
+                 ids.addressable_shards[0].data.shape[0], ids.shape[0]]  # fmt: skip
+        if entry not in seen:
+            seen.append(entry)
+        return out
+
+    assert jax.device_count() == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(R, "place_batch", spy)
+        m = run(load_config(os.path.join(ROOT, "configs/grpo.py:runlocal"), OVERRIDES + overrides))
+    compiles = {k: v for k, v in m.items() if k.startswith("compiles/")}
+    return json.loads(json.dumps({"compiles": compiles, "placed": seen, "devices": 1}))
 
 
 def test_the_runs_use_the_mesh(runs):
