@@ -25,6 +25,18 @@ from tests.trainer_infra.test_checkpoint import assert_trees_equal
 from tests.trainer_infra.workers import ROOT, needs_gcs, run_worker
 
 
+# orbax leaves the reads of a failed restore to be collected later, each reporting its error
+# (expected here: the steps are damaged on purpose); they are collected before this module ends,
+# not in whichever test the worker runs next
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_failed_reads():
+    yield
+    gc.collect()
+
+
 def state(step: int) -> dict:
     """Random weights: the array data is the largest file of a step's `state` item."""
     w = np.random.default_rng(step).normal(size=(64, 64)).astype(np.float32)
@@ -136,8 +148,6 @@ def test_several_damaged_steps_are_each_moved_and_none_readable_moves_nothing(tm
     ck.close()
 
 
-# orbax leaves the reads of a failed restore to be collected later, each reporting its error
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_failures_that_show_no_damage_move_nothing(tmp_path, monkeypatch):
     ck = Checkpointer(str(tmp_path))
     save(ck, 1)
