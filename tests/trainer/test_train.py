@@ -641,9 +641,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_a_reward_failing_every_call_ends_the_run_and_sigterm_during_one_saves(tmp_path):
+def test_a_reward_failing_every_call_ends_the_run_and_sigterm_during_one_saves(tmp_path, capsys):
     """A verl-form reward raising on every call: the run saves and ends with RewardFailing
     (a ConfigError: main prints one `error:` line, exit 2) after failure_window steps. A
+    reward that never returns: each call times out and scores 0, the run ends its steps. A
     reward that hangs: SIGTERM during it saves a checkpoint and the run ends at once (its
     timeout is 600 s)."""
     from jaxvrl.rl.rewards import RewardFailing
@@ -663,10 +664,35 @@ def test_a_reward_failing_every_call_ends_the_run_and_sigterm_during_one_saves(t
             *extra,
         )
 
-    with pytest.raises(RewardFailing) as e:
-        run(config(tmp_path / "a", broken, "reward.failure_window=1"))
-    assert "\n" not in str(e.value) and "failed on 4 of its 4 calls" in str(e.value)
-    assert "verl form" in str(e.value) and os.path.isdir(tmp_path / "a" / "checkpoints" / "1")
+    # on the command line: the run saves, then one `error:` line on stderr and exit status 2
+    from jaxvrl.train import main
+
+    argv = ["--config", os.path.join(ROOT, "configs/grpo.py")]
+    argv += [f"--config.{k}" for k in TINY + [f"workdir={tmp_path / 'a'}", "total_steps=3",
+             "val_before_train=false", f"reward.funcs=('{broken}:compute_score',)",
+             "reward.weights=(1.0,)", "reward.failure_window=1"]]  # fmt: skip
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: ") and "failed on 4 of its 4 calls" in err[0], err
+    assert "verl form" in err[0] and os.path.isdir(tmp_path / "a" / "checkpoints" / "1")
+    assert issubclass(RewardFailing, ConfigError)  # what main turns into that line
+
+    # a reward that never returns: each call scores 0 after reward.timeout_s, is counted, and
+    # the run ends its steps (the rule that ends a run of failing calls set off)
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\n\ndef compute_score(data_source, solution_str, "
+                       "ground_truth, extra_info=None):\n    time.sleep(3600)\n")  # fmt: skip
+    t0 = time.time()
+    run(config(tmp_path / "c", sleeper, "reward.timeout_s=0.5", "reward.max_failure_fraction=1"))
+    assert time.time() - t0 < 60
+    rows = _rows(tmp_path / "c")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # a verl function is called per row: 4 rows a step, each call timed out (a running count)
+    assert [r["reward/compute_score_timeouts"] for r in rows] == [4.0, 8.0, 12.0], rows
+    assert all(r["reward/total"] == 0.0 for r in rows)
 
     t0 = time.time()
     run(config(tmp_path / "b", tmp_path / "hang.py", "reward.timeout_s=600"))

@@ -24,7 +24,6 @@ from jaxvrl.export import write_run_info
 from tests.trainer_infra.test_checkpoint import assert_trees_equal
 from tests.trainer_infra.workers import ROOT, needs_gcs, run_worker
 
-
 # orbax leaves the reads of a failed restore to be collected later, each reporting its error
 # (expected here: the steps are damaged on purpose); they are collected before this module ends,
 # not in whichever test the worker runs next
