@@ -25,16 +25,31 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # passes, and never float semantics: no fast math). A tiny TPRL train step compiles in about a
 # third of the CPU time; the rounding differs from the default emitters' in the last bits only
 # (the step's loss by ~1e-6 of itself), inside every tolerance. Subprocesses inherit the flags.
+# XLA aborts the process on a flag it does not know (jaxlib 0.11 has no fusion-emitter switch),
+# so each flag is tried once in a throwaway process and kept only where it starts a backend.
 _FAST_COMPILE = (
     "--xla_backend_optimization_level=0",
     "--xla_cpu_use_fusion_emitters=false",
     "--xla_llvm_disable_expensive_passes=true",
 )
-_flags = os.environ.get("XLA_FLAGS", "")
-for _flag in _FAST_COMPILE:
-    if _flag.split("=")[0] not in _flags:
-        _flags = f"{_flags} {_flag}".strip()
-os.environ["XLA_FLAGS"] = _flags
+
+
+def _xla_knows(flag: str) -> bool:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
+if "JAXVRL_TEST_XLA_FLAGS" not in os.environ:  # decided once; workers inherit the decision
+    _flags = os.environ.get("XLA_FLAGS", "")
+    _new = [f for f in _FAST_COMPILE if f.split("=")[0] not in _flags]
+    if _new and not _xla_knows(" ".join(_new)):  # all at once, else one by one
+        _new = [f for f in _new if _xla_knows(f)]
+    _flags = " ".join([_flags, *_new]).strip()
+    os.environ["XLA_FLAGS"] = os.environ["JAXVRL_TEST_XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
