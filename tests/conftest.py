@@ -1,5 +1,6 @@
 """Shared pytest setup: float32 everywhere, quiet logs, one XLA compilation cache per session."""
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -55,6 +56,14 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Tracing allocates many short-lived objects, and with the default thresholds Python's cyclic
+# collector runs often, walking the whole heap that jax, flax, torch and transformers leave: the
+# objects alive now are frozen out of it and it runs less often (measured: a first tiny train
+# run 13-17% faster, a second one 3-4%). Reference counting still frees at once what holds no
+# cycle; tests that need a collection at a given point call gc.collect().
+gc.freeze()
+gc.set_threshold(50_000, 20, 20)
 
 
 # The files that take longest (a quarter of a minute to two minutes each on the 2-core CI
