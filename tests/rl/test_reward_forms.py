@@ -1,5 +1,5 @@
-"""Reward functions as verl, EasyR1, TRL and the design document's users write them run
-unchanged: the form is recognised by signature, each gets its inputs, and the values and
+"""Reward functions as verl, EasyR1 and TRL users write them, and the `reward_function(data_dict)`
+form, run unchanged: the form is recognised by signature, each gets its inputs, and the values and
 sub-scores the run logs equal a direct call's."""
 
 from __future__ import annotations
