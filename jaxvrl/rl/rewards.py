@@ -445,7 +445,12 @@ def total_reward(
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """sum_k weight_k * reward_k, and each reward's raw values."""
     parts = {name: fn(completions, **columns) for name, fn in rewards.items()}
-    total = np.zeros(len(completions))
-    for name, vals in parts.items():
+    return weighted_total(parts, weights, len(completions)), parts
+
+
+def weighted_total(values: dict[str, np.ndarray], weights: dict[str, float], n: int) -> np.ndarray:
+    """float64[n]: sum_k weight_k * values_k (a reward without a weight weighs 1)."""
+    total = np.zeros(n)
+    for name, vals in values.items():
         total += weights.get(name, 1.0) * vals
-    return total, parts
+    return total

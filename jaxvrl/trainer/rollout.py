@@ -337,6 +337,12 @@ def draw_samples(rollout, n: int) -> list[Drawn]:
     return out
 
 
+def _finite_mean(vals: np.ndarray) -> float:
+    """The mean of the finite values (NaN: rows without one), NaN when there are none."""
+    finite = np.isfinite(vals)
+    return float(np.mean(vals[finite])) if finite.any() else float("nan")
+
+
 def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     """Rows of a host batch (position_ids [3, B, L]: rows on axis 1)."""
     take = lambda x: None if x is None else np.asarray(x)[rows]  # noqa: E731
@@ -585,10 +591,7 @@ class RolloutPhase:
         """-> (totals float64[B] incl. the soft overlong punishment, {name: float64[B]} and
         the sub-scores {name/key: float64[B]}). Raises RewardsInterrupted at a stop."""
         values, subs = self.scorer.score(rows, texts, lengths, extra, stop=self.stop)
-        weights = self.reward_weights(step)
-        totals = np.zeros(len(texts))
-        for name, vals in values.items():
-            totals += weights.get(name, 1.0) * vals
+        totals = rl.rewards.weighted_total(values, self.reward_weights(step), len(texts))
         parts = {**values, **subs}
         o = self.opts
         if o.overlong_buffer_len:
@@ -697,15 +700,13 @@ class RolloutPhase:
         totals = np.concatenate([x.totals for x in sampled])
         lengths = np.concatenate([x.mask.sum(1) for x in sampled])
         sample_s = sum(i["sample_s"] for i in infos)
-        m = {f"reward/{k}": float(np.mean([x.parts[k] for x in sampled])) for k in self.rewards}
-        if self.reward_model is not None:
-            m["reward/model"] = float(np.mean([x.parts["model"] for x in sampled]))
+        names = [*self.rewards, *(["model"] if self.reward_model is not None else [])]
+        m = {f"reward/{k}": float(np.mean([x.parts[k] for x in sampled])) for k in names}
         # sub-scores and metrics of dict-returning rewards (NaN: rows without the key)
         subs = dict.fromkeys(k for x in sampled for k in x.parts if "/" in k)
         for k in subs:
-            vals = np.concatenate([x.parts.get(k, np.full(len(x.texts), np.nan)) for x in sampled])
-            finite = np.isfinite(vals)
-            m[f"reward/{k}"] = float(np.mean(vals[finite])) if finite.any() else float("nan")
+            vals = [x.parts.get(k, np.full(len(x.texts), np.nan)) for x in sampled]
+            m[f"reward/{k}"] = _finite_mean(np.concatenate(vals))
         # failures and timeouts over the run (SafeReward counts them; the checkpoint keeps them)
         m.update({f"reward/{k}_failures": float(fn.failures) for k, fn in self.rewards.items()})
         m.update({f"reward/{k}_timeouts": float(fn.timeouts) for k, fn in self.rewards.items()})
@@ -741,9 +742,7 @@ class RolloutPhase:
             m["replay/buffer_size"] = float(len(self.replay))
         att = [x.att for x in sampled if x.att]
         for k in att[0] if att else ():
-            vals = np.concatenate([a[k] for a in att])
-            finite = np.isfinite(vals)
-            m[f"attn/{k}"] = float(np.mean(vals[finite])) if finite.any() else float("nan")
+            m[f"attn/{k}"] = _finite_mean(np.concatenate([a[k] for a in att]))
         # every process samples its own rows: log what all of them did, not process 0's share
         sums = {"tokens_per_s", "rollout/tokens_per_s", "replay/replaced", "replay/buffer_size"}
         sums |= {k for k in m if k.endswith(("_failures", "_timeouts"))}

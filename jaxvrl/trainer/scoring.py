@@ -39,11 +39,10 @@ ENCODED = frozenset(
 
 
 def ground_truth(row: dict):
-    """The row's label (`row_label`: label_idx, answer, solution), else verl's
-    `reward_model.ground_truth` (nested or a dotted column), else `ground_truth`."""
+    """The row's label (`row_label`: label_idx, answer, solution, verl's nested
+    `reward_model.ground_truth`), else a dotted `reward_model.ground_truth` column, else
+    `ground_truth`."""
     label = row_label(row)
-    if label is None and isinstance(row.get("reward_model"), dict):
-        label = row["reward_model"].get("ground_truth")
     if label is None:
         label = row.get("reward_model.ground_truth", row.get("ground_truth"))
     return label
