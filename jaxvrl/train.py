@@ -51,7 +51,13 @@ from jaxvrl.config import (
     parse_argv,
     validate,
 )
-from jaxvrl.data.from_config import builtin_task, encode_options, row_format, train_source
+from jaxvrl.data.from_config import (
+    builtin_task,
+    checkpoint_dir,
+    encode_options,
+    row_format,
+    train_source,
+)
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import collate, encode_rows, read_rows
 from jaxvrl.data.sources import DataNotFound
@@ -60,7 +66,7 @@ from jaxvrl.logging import backend_names, show_logs
 from jaxvrl.models import load
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
-from jaxvrl.remote import MirroredDir, is_remote, localize_dir, probe_writable
+from jaxvrl.remote import MirroredDir, is_remote, probe_writable
 from jaxvrl.rl.reward_pool import RewardsInterrupted
 from jaxvrl.rl.rewards import (
     RewardFailing,
@@ -145,24 +151,6 @@ def model_source(c) -> tuple[str, str | None]:
             "python -m jaxvrl.aot); set config.model.path to a checkpoint to train"
         )
     return checkpoint_dir(c.model.path or builtin_task(c).checkpoint, "model.path")
-
-
-def checkpoint_dir(path: str, key: str) -> tuple[str, str | None]:
-    """-> (local directory, Hub commit or None) of the checkpoint `path` that config key `key`
-    names (model.path, reward.model.path), resolved as `model_source` says."""
-    try:
-        if hub.model_name(path):
-            snapshot = hub.fetch_model(path)
-            return snapshot.path, snapshot.commit
-        local = localize_dir(path)
-    except (hub.NotFound, FileNotFoundError) as e:
-        raise ConfigError(f"config.{key}={path!r}: {e}") from None
-    if not os.path.isdir(local):
-        raise ConfigError(
-            f"config.{key}={path!r}: no such directory; set a local or gs:// model "
-            "directory, or a Hugging Face Hub name (org/name or org/name@revision)"
-        )
-    return local, None
 
 
 # settings that read the image: (config key, whether the run turns it on)

@@ -97,18 +97,26 @@ def model_dir(c) -> str:
     """The local directory of the checkpoint whose tokenizer and processor read the rows:
     `model.path` (a local directory; a Hub name or gs:// directory as the main job fetches
     it), else the built-in task's embedded one."""
-    path = c.model.path or builtin_task(c).checkpoint
-    if os.path.isdir(path):
-        return path
+    return checkpoint_dir(c.model.path or builtin_task(c).checkpoint, "model.path")[0]
+
+
+def checkpoint_dir(path: str, key: str) -> tuple[str, str | None]:
+    """-> (local directory, Hub commit or None) of the checkpoint `path` that config key `key`
+    names (model.path, reward.model.path): a Hub name fetched into the Hugging Face cache, a
+    gs:// directory mirrored locally, or a local directory."""
     from jaxvrl import hub
     from jaxvrl.remote import localize_dir
 
     try:
         if hub.model_name(path):
-            return hub.fetch_model(path).path
+            snapshot = hub.fetch_model(path)
+            return snapshot.path, snapshot.commit
         local = localize_dir(path)
     except (hub.NotFound, FileNotFoundError) as e:
-        raise ConfigError(f"config.model.path={path!r}: {e}") from None
+        raise ConfigError(f"config.{key}={path!r}: {e}") from None
     if not os.path.isdir(local):
-        raise ConfigError(f"config.model.path={path!r}: no such directory")
-    return local
+        raise ConfigError(
+            f"config.{key}={path!r}: no such directory; set a local or gs:// model "
+            "directory, or a Hugging Face Hub name (org/name or org/name@revision)"
+        )
+    return local, None
