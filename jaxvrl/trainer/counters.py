@@ -1,6 +1,7 @@
 """A run's running totals: what the metrics rows count from the run's start, so that the last
 row tells the whole run. Rows skipped per reason (`data/skipped_<reason>`), reward failures
-per function (`reward/<name>_failures`, counted by the rollout phase's SafeRewards) and the
+and timeouts per function (`reward/<name>_failures`, `reward/<name>_timeouts`, counted by the
+rollout phase's SafeRewards) and the
 sums of per-step counts in `TOTALS`; `train/nonfinite_total` lives in the train state.
 
 Each process keeps its own (its data shard's skipped rows, its rewards' failures), saved in
@@ -40,18 +41,20 @@ class RunCounters:
         return {
             "skipped": self.skipped.state(),
             "reward_failures": {k: fn.failures for k, fn in self.rewards.items()},
+            "reward_timeouts": {k: fn.timeouts for k, fn in self.rewards.items()},
             "totals": dict(self.totals),
         }
 
     def load(self, state: dict | None) -> None:
         """Continue from `state()`; None (a checkpoint written before counters were saved)
-        leaves them at zero. Failures of a reward this run does not have are dropped."""
+        leaves them at zero. Counts of a reward this run does not have are dropped."""
         if state is None:
             return
         self.skipped.set_state(state.get("skipped", {}))
-        for name, n in state.get("reward_failures", {}).items():
-            if name in self.rewards:
-                self.rewards[name].failures = int(n)
+        for item, attr in (("reward_failures", "failures"), ("reward_timeouts", "timeouts")):
+            for name, n in state.get(item, {}).items():
+                if name in self.rewards:
+                    setattr(self.rewards[name], attr, int(n))
         self.totals = dict(state.get("totals", {}))
 
     def update(self, metrics: dict) -> dict:

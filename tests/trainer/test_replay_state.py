@@ -183,3 +183,26 @@ def test_resume_restores_the_buffer_and_warns_when_the_checkpoint_has_none(tmp_p
     assert start == 2 and len(buf) == 0
     assert "step 2 holds no replay buffer" in caplog.text
     ck.close()
+
+
+def test_reward_failures_and_timeouts_continue_after_a_resume():
+    """The run's totals of a reward's failed and timed-out calls are in the checkpoint's
+    counters: a resumed run's rewards count on from them (a reward it no longer has is
+    dropped)."""
+    import json
+
+    from jaxvrl.data.rows import SkipStats
+    from jaxvrl.rl.rewards import SafeReward
+    from jaxvrl.trainer.counters import RunCounters
+
+    def fn(completions, **_):
+        return [0.0] * len(completions)
+
+    before = SafeReward("r", fn)
+    before.record("RuntimeError: x")
+    before.record("TimeoutError: y", timed_out=True)
+    saved = json.loads(json.dumps(RunCounters(SkipStats(), {"r": before}).state()))
+    after = SafeReward("r", fn)
+    RunCounters(SkipStats(), {"r": after}).load(dict(saved, reward_timeouts={"r": 1, "gone": 5}))
+    assert (after.failures, after.timeouts) == (2, 1)
+    assert saved["reward_timeouts"] == {"r": 1}
