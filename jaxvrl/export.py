@@ -306,10 +306,9 @@ def _model_shapes(cfg, scan_layers: bool) -> dict[str, tuple[int, ...]]:
     scan_layers: with stacked layers (`model.layers.mlp.up_proj.kernel` [L, D, F])."""
     from flax import nnx
 
-    from jaxvrl.models import family_of
+    from jaxvrl.models import Model
 
-    model = family_of(cfg).model
-    abstract = nnx.eval_shape(lambda: model(cfg, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+    abstract = nnx.eval_shape(lambda: Model(cfg, rngs=nnx.Rngs(0), scan_layers=scan_layers))
     flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
     return {".".join(str(p) for p in path): tuple(v.shape) for path, v in flat}
 

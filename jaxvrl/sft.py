@@ -134,9 +134,9 @@ def sft_batch(examples, targets, model_cfg, tokenizer):
         ids[i, p : p + len(t)] = t
         mask[i, p : p + len(t)] = 1
         loss_mask[i, p : p + len(t)] = 1
-    start = base["attention_mask"].sum(1) + base["deltas"]
-    comp = np.broadcast_to((start[:, None] + np.arange(n))[None], (3, b, n))  # 1-D on 3 axes
-    pos = np.concatenate([base["position_ids"], comp], 2).astype(np.int32)
+    start = (base["attention_mask"].sum(1) + base["deltas"]).astype(np.int32)
+    comp = models.continue_positions(base["position_ids"], start, n)
+    pos = np.concatenate([base["position_ids"], comp], -1).astype(np.int32)
     return {
         "input_ids": ids,
         "attention_mask": mask,
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     build_tokenizer(out)
     tok = AutoTokenizer.from_pretrained(out)
     cfg = make_config(tok)
-    model = models.family_of(cfg).model(cfg, rngs=nnx.Rngs(args.seed))
+    model = models.Model(cfg, rngs=nnx.Rngs(args.seed))
     rows = task.make_split("train", 2048, seed=0)
     opts = EncodeOptions(system_prompt=task.system_prompt)
     if not task.has_images:

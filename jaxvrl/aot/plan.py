@@ -177,7 +177,7 @@ class Plan:
         train.check_model_settings(c, mcfg)
         dtype, param_dtype = models.DTYPES[c.model.dtype], models.DTYPES[c.model.param_dtype]
         model = nnx.eval_shape(
-            lambda: models.family_of(mcfg).model(
+            lambda: models.Model(
                 mcfg,
                 dtype=dtype,
                 param_dtype=param_dtype,
@@ -270,12 +270,17 @@ class Plan:
         tree = dict(
             input_ids=np.zeros((b, p), np.int32),
             attention_mask=np.ones((b, p), np.int32),
-            position_ids=np.zeros((3, b, p), np.int32),
+            position_ids=self._positions(b, p),
             deltas=np.zeros((b,), np.int32),
             images=self._images(b),
             pools=self._pools(p, b) if pools else None,
         )
         return _with_shardings(tree, self.rollout[0], b)
+
+    def _positions(self, b: int, p: int) -> np.ndarray:
+        """The model family's positions of b prompts of p tokens (their shape is what
+        matters here)."""
+        return np.asarray(models.continue_positions(self.model.position_rank, np.zeros(b), p))
 
     @property
     def step_config(self):
@@ -312,7 +317,7 @@ class Plan:
         batch = assemble(
             np.zeros((b, p), np.int32),
             np.ones((b, p), np.int32),
-            np.zeros((3, b, p), np.int32),
+            self._positions(b, p),
             np.zeros((b,), np.int32),
             np.zeros((b, n), np.int32),
             mask,

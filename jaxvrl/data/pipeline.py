@@ -31,7 +31,7 @@ def collate(
     """Batch of len(examples) * repeat rows (each example repeated `repeat` times in a row).
 
     Returns numpy arrays: input_ids/attention_mask int32[B, P] (left-padded), position_ids
-    int32[3, B, P], deltas int32[B], images (per-row VisionInputs, None if no row has one),
+    (the family's positions [..., B, P]), deltas int32[B], images (per-row VisionInputs, None if no row has one),
     has_image bool[B], pools (bool[B, P] each) and the examples per row (`rows`).
     """
     rows = [ex for ex in examples for _ in range(repeat)]

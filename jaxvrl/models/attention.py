@@ -69,8 +69,11 @@ class Visibility(NamedTuple):
     k_segments: jax.Array | None  # int32[B|1, S]
 
 
-def visibility_mask(vis: Visibility, causal: bool, t0=0, bq=None, s0=0, bk=None) -> jax.Array:
-    """bool[B, bq, bk]: which keys s0..s0+bk each query t0..t0+bq may see (all by default)."""
+def visibility_mask(
+    vis: Visibility, causal: bool, t0=0, bq=None, s0=0, bk=None, sliding: int = 0
+) -> jax.Array:
+    """bool[B, bq, bk]: which keys s0..s0+bk each query t0..t0+bq may see (all by default);
+    sliding > 0 (causal): only keys fewer than `sliding` positions back."""
 
     def cut(x, start, size):
         if x is None or size is None:
@@ -81,6 +84,8 @@ def visibility_mask(vis: Visibility, causal: bool, t0=0, bq=None, s0=0, bk=None)
     if causal:
         qp, kp = cut(vis.q_positions, t0, bq), cut(vis.k_positions, s0, bk)
         mask = mask & (kp[:, None, :] <= qp[:, :, None])
+        if sliding:
+            mask = mask & (kp[:, None, :] > qp[:, :, None] - sliding)
     if vis.q_segments is not None:
         qs, ks = cut(vis.q_segments, t0, bq), cut(vis.k_segments, s0, bk)
         mask = mask & (qs[:, :, None] == ks[:, None, :])
@@ -137,6 +142,7 @@ def attend(
     block_k: int = 512,
     interpret: bool = False,
     window: int | None = None,
+    sliding: int = 0,
 ):
     """Attention of q float[B, T, N, H] over k, v float[B, S, K, H] (N = K*G).
 
@@ -150,7 +156,10 @@ def attend(
     `window` or more positions away (self-attention, T == S; e.g. segments that are runs of
     at most `window` consecutive positions, as the vision tower's windows are): every
     implementation but "xla" (the reference) then runs the banded dense form, each block of
-    at least `window` queries against the three blocks of keys around it.
+    at least `window` queries against the three blocks of keys around it. sliding: with
+    causal, a query at position p sees only keys at positions > p - sliding (a sliding-window
+    decoder's layers; 0: none); splash and cudnn, whose masks are index-causal, then run
+    "flash".
 
     Returns (out [B, T, N, H] in q's dtype, stats): stats is None without pools, else
     (A_V, A_X) float32[B, T], gradient-free.
@@ -176,24 +185,28 @@ def attend(
             f"attention implementation {implementation!r}: one of {IMPLEMENTATIONS}{hint}"
         )
     sees_self = _sees_self(t, k.shape[1], key_valid, q_positions, q_segments, k_segments, causal)
+    sliding = int(sliding) if causal else 0
     blocks = _Blocks(
         float(scale),
         causal,
         max(1, min(block_q, t)),
         max(1, min(block_k, k.shape[1])),
         sees_self,
+        sliding,
     )
     explicit_positions = causal and q_positions is not None
-    if implementation in ("splash", "cudnn") and explicit_positions:
-        # kernels with an index-causal mask cannot take a cache's positions
+    if implementation in ("splash", "cudnn") and (explicit_positions or sliding):
+        # kernels with an index-causal mask cannot take a cache's positions or a window
         implementation = "xla" if t == 1 else "flash"
+    if window is not None and sliding:
+        raise ValueError("window (a promise of narrow segments) and sliding do not combine")
     if window is not None and implementation != "xla":
         if k.shape[1] != t or window < 1:
             raise ValueError(f"window={window} needs self-attention (T == S), got {t}, {k.shape}")
         block = _round_up(window, 128) if target_platform() == "tpu" else window
         out, masses = _banded(q, k, v, vis, pool, scale=scale, causal=causal, block=block)
     elif implementation == "xla":
-        out, masses = _xla(q, k, v, vis, pool, scale=scale, causal=causal)
+        out, masses = _xla(q, k, v, vis, pool, scale=scale, causal=causal, sliding=sliding)
     elif implementation == "flash":
         out, masses = _flash(q, k, v, vis, pool, blocks)
     else:
@@ -217,12 +230,12 @@ def _pool_ratios(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
 # xla: dense reference
 
 
-def _xla(q, k, v, vis: Visibility, pool, *, scale, causal):
+def _xla(q, k, v, vis: Visibility, pool, *, scale, causal, sliding=0):
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * scale
-    mask = visibility_mask(vis, causal)[:, None, None]  # [B, 1, 1, T, S]
+    mask = visibility_mask(vis, causal, sliding=sliding)[:, None, None]  # [B, 1, 1, T, S]
     logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(q.dtype), v.astype(q.dtype))
@@ -292,6 +305,7 @@ class _Blocks:
     # every query sees at least its own key (self-attention, no key masked, the same segment
     # ids on both sides): the kernels' rows are never blind
     sees_self: bool = False
+    sliding: int = 0  # causal: keys fewer than this many positions back only (0: all)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -358,7 +372,7 @@ def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
 
         def k_block(j, carry):
             s0 = j * bk
-            mask = visibility_mask(vis, cfg.causal, t0, bq, s0, bk)[:, None, None]
+            mask = visibility_mask(vis, cfg.causal, t0, bq, s0, bk, cfg.sliding)[:, None, None]
 
             def update(carry):
                 m, total, acc, lp = carry
@@ -426,7 +440,7 @@ def _flash_backward(cfg: _Blocks, q, k, v, vis: Visibility, out, lse, d_out):
 
         def q_block(i, carry):
             t0 = i * bq
-            mask = visibility_mask(vis, cfg.causal, t0, bq, s0, bk)[:, None, None]
+            mask = visibility_mask(vis, cfg.causal, t0, bq, s0, bk, cfg.sliding)[:, None, None]
 
             def update(carry):
                 dq, dk, dv = carry
@@ -497,26 +511,26 @@ def _sees_self(t, s, key_valid, q_positions, q_segments, k_segments, causal) -> 
     )
 
 
-def _sees_any(vis: Visibility, causal: bool) -> jax.Array:
+def _sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
     """bool[B, T]: queries that may see at least one key. The kernels below give the other
     rows an average of masked values rather than zeros. Without segments in O(T + S): a query
     sees a key iff the row's first valid key position is at or before its own (causal), or
     the row has a valid key at all; with segments from the [B, T, S] rule, reduced as fused."""
     b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
-    if vis.q_segments is None:
+    if vis.q_segments is None and not sliding:
         if not causal:
             return jnp.broadcast_to(jnp.any(vis.key_valid, axis=-1)[:, None], (b, t))
         never = jnp.iinfo(jnp.int32).max
         first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
         return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
-    return jnp.any(visibility_mask(vis, causal), axis=-1)
+    return jnp.any(visibility_mask(vis, causal, sliding=sliding), axis=-1)
 
 
 def _zero_blind(out, vis: Visibility, cfg: _Blocks):
     """The kernels' out [B, T, N, H] with rows that see no key set to zero."""
     if cfg.sees_self:
         return out
-    return jnp.where(_sees_any(vis, cfg.causal)[..., None, None], out, 0)
+    return jnp.where(_sees_any(vis, cfg.causal, cfg.sliding)[..., None, None], out, 0)
 
 
 def _splash(q, k, v, vis: Visibility, cfg: _Blocks, *, interpret: bool):
@@ -639,13 +653,16 @@ def _round_up(x: int, multiple: int) -> int:
 # key masses: where a set of queries puts its attention (a diagnostic pass, no gradient)
 
 
-def attend_key_masses(q, k, v, *, scale, key_valid, queries, implementation="xla", block=512):
+def attend_key_masses(
+    q, k, v, *, scale, key_valid, queries, implementation="xla", block=512, sliding=0
+):
     """Causal self-attention (T == S, default positions) as `attend`, plus where the queries
     `queries` bool[B, T] put their attention: (out [B, T, N, H], masses float32[B, S]), masses
     = sum over those queries of the heads-averaged probabilities (gradient-free). "xla" sums
     the dense probabilities; the others run the blocked forward (the output and its
     log-sum-exps) and a blocked second pass over the logits that reuses those log-sum-exps,
-    so no [T, S] array is built (splash and cudnn take the blocked form too: a diagnostic)."""
+    so no [T, S] array is built (splash and cudnn take the blocked form too: a diagnostic);
+    sliding: as `attend`'s."""
     b, t, n, h = q.shape
     vis = _visibility(q, k, key_valid, None, None, None, None, True)
     chosen = jnp.broadcast_to(jnp.asarray(queries, bool), (b, t))
@@ -653,14 +670,16 @@ def attend_key_masses(q, k, v, *, scale, key_valid, queries, implementation="xla
         kh = k.shape[2]
         qg = q.reshape(b, t, kh, n // kh, h)
         logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(q.dtype)) * scale
-        mask = visibility_mask(vis, True)[:, None, None]
+        mask = visibility_mask(vis, True, sliding=sliding)[:, None, None]
         logits = jnp.where(mask, logits.astype(jnp.float32), jnp.finfo(jnp.float32).min)
         probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
         out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(q.dtype), v.astype(q.dtype))
         p = lax.stop_gradient(probs)
         masses = jnp.einsum("BKGTS,BT->BS", p, chosen.astype(jnp.float32)) / n
         return out.reshape(b, t, n, h), masses
-    cfg = _Blocks(float(scale), True, max(1, min(block, t)), max(1, min(block, k.shape[1])))
+    cfg = _Blocks(
+        float(scale), True, max(1, min(block, t)), max(1, min(block, k.shape[1])), False, sliding
+    )
     qg, kt, vt, vis_b, _ = _to_blocks(q, k, v, vis, None, cfg)
     out, lse, _ = _flash_forward(cfg, qg, kt, vt, vis_b, None)
     out = out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
@@ -684,7 +703,7 @@ def _blocked_key_masses(cfg: _Blocks, q, k, vis: Visibility, lse, chosen):
         def q_block(i, acc):
             t0 = i * bq
             rows = lax.dynamic_slice_in_dim(chosen, t0, bq, axis=1)  # [B, bq]
-            mask = visibility_mask(vis, True, t0, bq, s0, bk) & rows[:, :, None]
+            mask = visibility_mask(vis, True, t0, bq, s0, bk, cfg.sliding) & rows[:, :, None]
 
             def add(acc):
                 qb = lax.dynamic_slice_in_dim(q, t0, bq, axis=3)

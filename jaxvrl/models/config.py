@@ -109,7 +109,9 @@ class TextConfig:
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
-    mrope_section: tuple[int, int, int] = (16, 24, 24)
+    # M-RoPE: the rotary frequencies on the temporal, height and width axes of positions
+    # int[3, B, T]; () for plain RoPE over positions int[B, T] (the text families)
+    mrope_section: tuple[int, ...] = (16, 24, 24)
     max_position_embeddings: int = 128000
     # 0: hidden_size / num_attention_heads (Qwen2.5-VL); Qwen3 names its own
     head_dim: int = 0
@@ -128,6 +130,9 @@ class TextConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 0
+    # every layer's queries see only the keys fewer than this many positions back (Mistral);
+    # 0: no window
+    sliding_window: int = 0
 
     def __post_init__(self):
         if not self.head_dim:
@@ -177,6 +182,7 @@ def text_from_dict(d: dict, source: str, **overrides) -> TextConfig:
     kw.pop("rope_theta", None)
     kw.pop("mrope_section", None)
     kw.pop("mrope_interleaved", None)
+    kw.pop("sliding_window", None)  # read only where use_sliding_window (refused below)
     for key in ROPE_SCALING_FIELDS:  # the text families' rope scaling, not read here
         kw.pop(key, None)
     kw.update(overrides)

@@ -1,6 +1,7 @@
-"""The text decoder of the Qwen VL families: GQA (q/k/v bias in Qwen2.5-VL; per-head q/k
-RMSNorm in Qwen3-VL), 3-D M-RoPE (in sections, or interleaved), RMSNorm, gated MLP, KV cache,
-and DeepStack (vision features added after the first layers, Qwen3-VL).
+"""The text decoder every family shares: GQA (q/k/v and o biases, per-head q/k RMSNorm and a
+sliding window where the config asks), RoPE over positions int[B, T] or 3-D M-RoPE over
+int[3, B, T] (in sections, or interleaved), RMSNorm, gated MLP, KV cache, and DeepStack
+(vision features added after the first layers, Qwen3-VL).
 
 The decoder can also return attention statistics: for every layer and query position, the
 heads-averaged attention mass on a vision pool and a text pool of keys
@@ -63,20 +64,28 @@ def mrope_axes(cfg: TextConfig) -> np.ndarray:
     return np.pad(axis, (0, half - len(axis)), mode="edge")
 
 
-def mrope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
-    """cos, sin: [B, T, head_dim] from position_ids int[3, B, T] (temporal, height, width).
+def rope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
+    """cos, sin: [B, T, head_dim] from the family's positions: int[B, T] for RoPE
+    (mrope_section ()), int[3, B, T] (temporal, height, width) for M-RoPE.
 
-    Frequency i takes its position from axis `mrope_axes(cfg)[i]`. Each run of frequencies on
-    one axis is a static slice times that axis's positions, and interleaved axes a sum of the
-    three axes' products under static 0/1 masks: no gather over the three axes, which the TPU
-    compiler spent seconds of a 7B step's compile on.
+    With M-RoPE, frequency i takes its position from axis `mrope_axes(cfg)[i]`. Each run of
+    frequencies on one axis is a static slice times that axis's positions, and interleaved
+    axes a sum of the three axes' products under static 0/1 masks: no gather over the three
+    axes, which the TPU compiler spent seconds of a 7B step's compile on.
     """
+    rank = 3 if cfg.mrope_section else 2
+    if position_ids.ndim != rank:
+        kind = "int[3, B, T] (M-RoPE)" if cfg.mrope_section else "int[B, T] (RoPE)"
+        raise ValueError(f"positions must be {kind}, got shape {position_ids.shape}")
     inv_freq = rope_inv_freq(cfg, position_ids)
-    axis = mrope_axes(cfg)
     pos = position_ids.astype(jnp.float32)
-    if cfg.mrope_interleaved:  # the masked products are exact: x * 0 = 0, x + 0 = x
+    if not cfg.mrope_section:
+        freqs = pos[..., None] * inv_freq  # [B, T, hd/2]
+    elif cfg.mrope_interleaved:  # the masked products are exact: x * 0 = 0, x + 0 = x
+        axis = mrope_axes(cfg)
         freqs = sum(pos[a][..., None] * jnp.where(axis == a, inv_freq, 0.0) for a in range(3))
     else:
+        axis = mrope_axes(cfg)
         runs = np.flatnonzero(np.diff(axis, prepend=-1, append=-1))  # where the axis changes
         freqs = jnp.concatenate(
             [pos[axis[a]][..., None] * inv_freq[a:b] for a, b in zip(runs[:-1], runs[1:])],
@@ -127,6 +136,7 @@ class Attention(nnx.Module):
             cfg.num_key_value_heads,
             hd,
         )
+        self.sliding = cfg.sliding_window
 
     def project(self, x):
         """q [B, T, N*H], k and v [B, T, K*H] (a decode step may fuse the three)."""
@@ -179,17 +189,21 @@ class Attention(nnx.Module):
         if kv is None and queries is not None:  # a diagnostic pass: where the queries look
             out, stats = attend_key_masses(
                 q, k, v, scale=scale, key_valid=mask, queries=queries,
-                implementation=implementation, block=block,
+                implementation=implementation, block=block, sliding=self.sliding,
             )  # fmt: skip
             return o_proj(out.reshape(b, t, -1)), (k, v), stats
         if kv is None:
+            valid = mask > 0 if segmented else mask
             segments = dict(q_segments=mask, k_segments=mask) if segmented else {}
+            if self.sliding:  # a token's position: the valid tokens before it
+                pos = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+                segments.update(q_positions=pos, k_positions=pos, sliding=self.sliding)
             out, stats = attend(
                 q,
                 k,
                 v,
                 scale=scale,
-                key_valid=mask > 0 if segmented else mask,
+                key_valid=valid,
                 **segments,
                 causal=True,
                 pools=pools,
@@ -290,8 +304,8 @@ class TextDecoder(nnx.Module):
         self.scan_layers = scan_layers
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.dtype = dtype
-        self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
-        self.attention = "auto"  # see Qwen2_5_VL.set_attention
+        self.remat_policy = "none"  # see Model.set_remat_policy
+        self.attention = "auto"  # see Model.set_attention
         self.attention_block = 512
 
     def layer(self, i: int) -> DecoderLayer:
@@ -310,7 +324,7 @@ class TextDecoder(nnx.Module):
         key_queries=None,
         packing: Packing | None = None,
     ):
-        """x: input embeddings [B, T, D]; position_ids int[3, B, T]; attention_mask [B, T];
+        """x: input embeddings [B, T, D]; position_ids the family's positions (int[B, T] or int[3, B, T]); attention_mask [B, T];
         deepstack: vision features added after the first layers (prompts with vision tokens:
         forward passes and prefills), or None; key_queries: None, or bool[B, T] (no cache):
         stats are then where those queries attend, per layer and key, float32[L, B, T] (the
@@ -341,7 +355,8 @@ class TextDecoder(nnx.Module):
         if segmented:
             if cache is not None or key_queries is not None:
                 raise ValueError("packed rows run without a cache or key_queries")
-            x, position_ids = packing.pack(x), packing.pack(position_ids, axis=1)
+            x = packing.pack(x)
+            position_ids = packing.pack(position_ids, axis=position_ids.ndim - 2)
             pools = None if pools is None else {k: packing.pack(v) for k, v in pools.items()}
             if deepstack is not None:
                 deepstack = deepstack.replace(
@@ -349,7 +364,7 @@ class TextDecoder(nnx.Module):
                 )
             attention_mask = packing.segments
         t = x.shape[1]
-        cos, sin = mrope_cos_sin(position_ids, self.cfg, self.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
         x = constrain(x, RESIDUAL)
         extra = {} if key_queries is None else {"queries": jnp.asarray(key_queries, bool)}
@@ -375,6 +390,7 @@ class TextDecoder(nnx.Module):
             q_pos = cache.index + jnp.arange(t)
             k_pos = jnp.arange(cache.key_mask.shape[1])
             mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
+            mask = self._window(mask, key_mask, q_pos[None])
         scanned = self.scan_layers and forms is None and (cache is None or cache.stacked)
         args = (layer_call, x, cos, sin, mask, cache, pools)
         if scanned:
@@ -385,6 +401,20 @@ class TextDecoder(nnx.Module):
         new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
         return x, new_cache, stats
 
+    def _window(self, mask, key_mask, q_slot):
+        """With a sliding window, mask bool[B, T, S] (queries at cache slots q_slot int[B|1, T]
+        over the slots of key_mask bool[B, S]) keeps only keys fewer than the window's
+        positions back: a token's position is the number of valid keys before it, so gaps
+        in the cache (padding, a prompt padded to whole pages) do not count."""
+        w = self.cfg.sliding_window
+        if not w:
+            return mask
+        rank = jnp.cumsum(key_mask, axis=1, dtype=jnp.int32)  # [B, S]
+        q_rank = jnp.take_along_axis(
+            rank, jnp.broadcast_to(q_slot, (rank.shape[0], q_slot.shape[1])), axis=1
+        )
+        return mask & (rank[:, None, :] > q_rank[:, :, None] - w)
+
     def _paged(self, layer_call, x, cos, sin, valid, cache: PagedKVCache, pools, forms):
         """One decode step (T = 1) over a paged cache: each row's token is written at its
         own slot and attends over its valid keys (the slots before it hold only its past)."""
@@ -392,9 +422,8 @@ class TextDecoder(nnx.Module):
         if t != 1:
             raise ValueError(f"a paged cache takes one token per row, got {t}")
         keys = cache.valid.at[jnp.arange(b), cache.write].set(valid[:, 0])
-        x, (ks, vs), stats = self._loop(
-            layer_call, x, cos, sin, keys[:, None, :], cache, pools, forms
-        )
+        mask = self._window(keys[:, None, :], keys, cache.write[:, None])
+        x, (ks, vs), stats = self._loop(layer_call, x, cos, sin, mask, cache, pools, forms)
         new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
         return self.norm(x), new, stats
 

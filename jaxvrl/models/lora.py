@@ -12,7 +12,7 @@ QLoRA (quantize="int8" | "int4" | "nf4"): every Linear of the text decoder keeps
 quantized by qwix (google's JAX quantisation library; per output channel, blocks of `tile`
 input rows) and dequantizes it on the fly; only the adapters are trained.
 
-Scanned layers (`Qwen2_5_VL(scan_layers=True)`): a Linear of the stacked decoder layer holds
+Scanned layers (`Model(scan_layers=True)`): a Linear of the stacked decoder layer holds
 kernel [L, D_in, D_out]; its adapters are stacked too (lora_a [L, D_in, r], lora_b [L, r,
 D_out], each layer its own initial A), its quantized kernel is quantized layer by layer
 (scale [L, D_in / tile, D_out]), and the scan hands each layer its slices. Targets then

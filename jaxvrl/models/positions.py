@@ -1,11 +1,59 @@
-"""Host-side (numpy) index computations shared by the families: M-RoPE position ids and the
-attention-statistics pools."""
+"""Positions: the family's own (int[B, T] for RoPE, int[3, B, T] for M-RoPE), and what the
+rest of the package does with them without knowing their rank: rows are always the
+second-to-last axis and tokens the last (`row_axis`), and the tokens appended to a row
+continue from one number on every leading axis (`continue_positions`). Also the host-side
+M-RoPE position ids shared by the vision-language families and the attention-statistics
+pools."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
+
+
+def row_axis(positions) -> int:
+    """The axis of the rows in a family's positions [..., B, T]."""
+    return positions.ndim - 2
+
+
+def continue_positions(like, start, n: int):
+    """Positions int32[..., B, n] of n tokens appended to the rows of the family's positions
+    `like` [..., B, T] (only its rank is read; or the rank itself, `Model.position_rank`):
+    token i of row b sits at start[b] + i on every leading axis (M-RoPE's three alike).
+    numpy in, numpy out; jax arrays give jax arrays."""
+    xp = np if isinstance(start, np.ndarray) else jnp
+    steps = (xp.asarray(start)[:, None] + xp.arange(n)).astype(np.int32)  # [B, n]
+    # M-RoPE's three axes (temporal, height, width) hold the same text positions
+    lead = ((3,) if like == 3 else ()) if isinstance(like, int) else like.shape[:-2]
+    return xp.broadcast_to(steps, (*lead, *steps.shape))
+
+
+def take_rows(positions, rows):
+    """The rows `rows` int[b] of a family's positions (numpy or jax)."""
+    xp = np if isinstance(positions, np.ndarray) else jnp
+    return xp.take(positions, rows, axis=row_axis(positions))
+
+
+def repeat_rows(positions, g: int):
+    """Each row of a family's positions repeated g times in a row (numpy or jax)."""
+    xp = np if isinstance(positions, np.ndarray) else jnp
+    return xp.repeat(positions, g, axis=row_axis(positions))
+
+
+def rows_first(positions):
+    """A family's positions with the rows moved to axis 0 ([B, ..., T]), as every other
+    array of a batch holds them; `rows_back` undoes it (numpy or jax)."""
+    xp = np if isinstance(positions, np.ndarray) else jnp
+    return xp.moveaxis(positions, row_axis(positions), 0)
+
+
+def rows_back(positions, lead: int = 0):
+    """`rows_first` undone for positions whose rows are at axis `lead` (after `lead` axes of
+    micro-batches or devices): [m.., B, ..., T] -> [m.., ..., B, T]."""
+    xp = np if isinstance(positions, np.ndarray) else jnp
+    return xp.moveaxis(positions, lead, positions.ndim - 2)
 
 
 def _runs(types: np.ndarray):

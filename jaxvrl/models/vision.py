@@ -190,8 +190,8 @@ class VisionTower(nnx.Module):
                 [PatchMerger(cfg, postshuffle=True, **kw) for _ in cfg.deepstack_visual_indexes]
             )
         self.dtype = dtype
-        self.remat_policy = "none"  # see Qwen2_5_VL.set_remat_policy
-        self.attention = "auto"  # see Qwen2_5_VL.set_attention
+        self.remat_policy = "none"  # see Model.set_remat_policy
+        self.attention = "auto"  # see Model.set_attention
         self.attention_block = 512
 
     def rotary(self, rot_pos):

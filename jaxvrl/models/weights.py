@@ -303,14 +303,16 @@ def _dotted(path: tuple) -> str:
 def load(
     path,
     family,
+    build,
     cfg,
     dtype=jnp.float32,
     param_dtype=None,
     attention: str = "auto",
     scan_layers: bool = True,
 ):
-    """The model of `family` (a `jaxvrl.models.interface.Family`) for `cfg`, filled from the
-    HF checkpoint directory `path` (*.safetensors) without torch.
+    """The model `build(cfg, ...)` (`jaxvrl.models.model.Model`) of `family` (a
+    `jaxvrl.models.families.Family`) for `cfg`, filled from the HF checkpoint directory `path`
+    (*.safetensors) without torch.
 
     dtype: compute dtype; param_dtype: stored parameter dtype (default: dtype); attention:
     the attention implementation; scan_layers: stacked, scanned layers: tensor
@@ -320,7 +322,7 @@ def load(
     param_dtype = dtype if param_dtype is None else param_dtype
     table: KeyTable = family.keys
     abstract = nnx.eval_shape(
-        lambda: family.model(
+        lambda: build(
             cfg,
             dtype=dtype,
             param_dtype=param_dtype,

@@ -257,8 +257,9 @@ def _init_fn(init, graph0, args):
 
 
 def batch_shardings(batch, mesh: Mesh, rows: int | None = None):
-    """Rows over (data, fsdp) for every leaf whose leading axis (axis 1 for position_ids
-    [3, B, L]) is the row axis; other leaves (packed vision patches) are replicated.
+    """Rows over (data, fsdp) for every leaf whose leading axis (for position_ids, the
+    family's positions [..., B, L], the second-to-last) is the row axis; other leaves
+    (packed vision patches) are replicated.
 
     batch: a RolloutBatch (or any dataclass/pytree of arrays); rows: B (default: the leading
     size of input_ids or of the first leaf).
@@ -268,7 +269,7 @@ def batch_shardings(batch, mesh: Mesh, rows: int | None = None):
 
     def one(path, x):
         nd = np.ndim(x)
-        axis = 1 if _name(path) == "position_ids" else 0
+        axis = nd - 2 if _name(path) == "position_ids" else 0
         spec = [None] * nd
         if nd > axis and np.shape(x)[axis] == rows:
             spec[axis] = axes
@@ -304,7 +305,7 @@ def host_local(tree):
     """Global arrays -> numpy holding this process's rows (the inverse of `place_batch`): on
     one host the whole array; on a pod the rows whose shards this process holds, in order
     (sampler outputs go back to the host this way to be decoded and rewarded). The row axis
-    is the one axis the shards split (position_ids: axis 1); unsplit arrays come back whole."""
+    is the one axis the shards split (position_ids: their second-to-last); unsplit arrays come back whole."""
 
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxvrl.models import KVCache, PagedKVCache
+from jaxvrl.models import KVCache, PagedKVCache, continue_positions
 from jaxvrl.sampling import steps
 from jaxvrl.sampling.layout import compute_params
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig
@@ -194,7 +194,7 @@ def decode_slots(
         safe = jnp.minimum(row, w - 1)
         prompt = safe // g
         tok = jnp.where(live, st["next_tok"], cfg.pad_token_id)
-        pos = jnp.broadcast_to((start[prompt] + t)[None, :, None], (3, s, 1))
+        pos = continue_positions(model.position_rank, start[prompt] + t, 1)
         slot_pools = None if pools is None else {k: v[prompt] for k, v in pools.items()}
         o = model.forward(
             tok[:, None],

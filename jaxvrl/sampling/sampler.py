@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxvrl.models import rope_index, stack_vision_inputs, vision_inputs
+from jaxvrl.models import rope_index, stack_vision_inputs, vision_inputs, vision_token_ids
 from jaxvrl.sampling import engine, static, steps
 from jaxvrl.sampling.cpu import decode as cpu_decode
 from jaxvrl.sampling.cpu.decode import DecodeWeights
@@ -71,8 +71,8 @@ def sample(
     `prefill_once` static: `sample_program`; `Sampler` runs the two as programs of their
     own). Samples `num_samples` (G) completions of each of the R given rows.
 
-    input_ids, attention_mask: int[R, T] left-padded; position_ids int32[3, R, T] and deltas
-    int32[R] from `jaxvrl.models.rope_index`; rng: a key (typed, or a legacy uint32[2] one);
+    input_ids, attention_mask: int[R, T] left-padded; position_ids (the family's positions
+    [..., R, T]) and deltas int32[R] from `jaxvrl.models.rope_index`; rng: a key (typed, or a legacy uint32[2] one);
     images/videos: VisionInputs (packed or per row); pools: optional {"vision","text",
     "prompt"} bool[R, T] for per-token attention masses; decode_weights: the decode steps'
     weights prepared for the decode rows (`Sampler.decode_weights`), or None: made here where
@@ -337,16 +337,7 @@ def generation_config(
         top_k=int(top_k),
         eos_token_ids=eos,
         pad_token_id=pad_token_id,
-        suppress_token_ids=tuple(
-            t
-            for t in (
-                cfg_m.image_token_id,
-                cfg_m.video_token_id,
-                cfg_m.vision_start_token_id,
-                cfg_m.vision_end_token_id,
-            )
-            if t is not None  # text-only models have no vision tokens
-        ),
+        suppress_token_ids=vision_token_ids(cfg_m),
         decode_layout=decode_layout,
     )
 
@@ -413,12 +404,15 @@ def generate(
     ids = np.asarray(input_ids)
     mask = np.asarray(attention_mask)
     pos, deltas = rope_index(cfg_m, ids, mask, image_grid_thw, video_grid_thw, second_per_grid_ts)
-    images = row_vision_inputs(
-        pixel_values, image_grid_thw, ids, cfg_m.image_token_id, cfg_m, patch_bucket
-    )
-    videos = row_vision_inputs(
-        pixel_values_videos, video_grid_thw, ids, cfg_m.video_token_id, cfg_m, patch_bucket
-    )
+    images = videos = None
+    if pixel_values is not None:
+        images = row_vision_inputs(
+            pixel_values, image_grid_thw, ids, cfg_m.image_token_id, cfg_m, patch_bucket
+        )
+    if pixel_values_videos is not None:
+        videos = row_vision_inputs(
+            pixel_values_videos, video_grid_thw, ids, cfg_m.video_token_id, cfg_m, patch_bucket
+        )
     rng = jax.random.key(0) if rng is None else rng
     pools = None if pools is None else {k: jnp.asarray(v) for k, v in pools.items()}
     return sampler(

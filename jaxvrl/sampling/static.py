@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxvrl.models import KVCache
+from jaxvrl.models import KVCache, continue_positions
 from jaxvrl.sampling import steps
 from jaxvrl.sampling.layout import compute_params
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig
@@ -218,7 +218,7 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
     live = ~s["done"]
     tok = jnp.where(live, s["next_tok"], cfg.pad_token_id)
     eos = steps.eos_ids(cfg)
-    pos = jnp.broadcast_to((start + i)[None, :, None], (3, b, 1))
+    pos = continue_positions(model.position_rank, start + i, 1)
     out = model.forward(
         tok[:, None],
         jnp.ones((b, 1), jnp.int32),

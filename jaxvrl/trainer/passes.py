@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
-from jaxvrl.models import Packing, ProcessorSettings, VisionInputs, gather_rows
+from jaxvrl.models import Packing, ProcessorSettings, VisionInputs, gather_rows, positions
 from jaxvrl.parallel.sharding import row_axes
 
 
@@ -22,7 +22,8 @@ class RolloutBatch:
 
     input_ids:       int32[B, L] prompt (left-padded to P) followed by the completion (N).
     attention_mask:  int32[B, L].
-    position_ids:    int32[3, B, L] M-RoPE ids (completion continues the prompt's deltas).
+    position_ids:    the family's positions int32[..., B, L] (RoPE: [B, L]; M-RoPE: its
+                     three axes in front; the completion continues the prompt's deltas).
     completion_mask: float32[B, N] 1 on completion tokens up to and including EOS.
     rewards:         float32[B] total reward per row (rows grouped by prompt, G consecutive).
     images:          packed patches of every row's images, or None.
@@ -101,14 +102,18 @@ def take_rows(tree, idx: jax.Array):
 
 
 def _rows_first(batch: RolloutBatch) -> RolloutBatch:
-    """position_ids [3, B, L] -> [B, 3, L]: then every leaf's leading axis is the row."""
-    return batch.replace(position_ids=jnp.moveaxis(batch.position_ids, 1, 0))
+    """The positions' rows moved to axis 0: then every leaf's leading axis is the row."""
+    return batch.replace(position_ids=positions.rows_first(batch.position_ids))
+
+
+def _rows_back(batch: RolloutBatch, lead: int = 0) -> RolloutBatch:
+    """`_rows_first` undone, after `lead` leading axes (micro-batches)."""
+    return batch.replace(position_ids=positions.rows_back(batch.position_ids, lead))
 
 
 def micro_split(batch: RolloutBatch, m: int) -> RolloutBatch:
-    """A batch of m micro-batches: leaves [m, B/m, ...] (position_ids [m, 3, B/m, L])."""
-    rows = split_rows(_rows_first(batch), m)
-    return rows.replace(position_ids=jnp.moveaxis(rows.position_ids, 2, 1))
+    """A batch of m micro-batches: leaves [m, B/m, ...] (the positions [m, ..., B/m, L])."""
+    return _rows_back(split_rows(_rows_first(batch), m), 1)
 
 
 def interleave_rows(first: RolloutBatch, second: RolloutBatch) -> RolloutBatch:
@@ -116,7 +121,7 @@ def interleave_rows(first: RolloutBatch, second: RolloutBatch) -> RolloutBatch:
     shapes). Where rows are split over devices, each device keeps the pairs of its own rows."""
     a, b = _rows_first(first), _rows_first(second)
     both = jax.tree.map(lambda x, y: jnp.stack([x, y], 1).reshape((-1,) + x.shape[1:]), a, b)
-    return both.replace(position_ids=jnp.moveaxis(both.position_ids, 0, 1))
+    return _rows_back(both)
 
 
 def unpair_rows(x: jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -127,8 +132,7 @@ def unpair_rows(x: jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
 
 def batch_rows(batch: RolloutBatch, idx: jax.Array) -> RolloutBatch:
     """The rows idx int32[b] of a batch, as a batch of b rows."""
-    rows = take_rows(_rows_first(batch), idx)
-    return rows.replace(position_ids=jnp.moveaxis(rows.position_ids, 0, 1))
+    return _rows_back(take_rows(_rows_first(batch), idx))
 
 
 @struct.dataclass

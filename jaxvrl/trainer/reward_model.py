@@ -64,7 +64,8 @@ def padded(ids: list[list[int]], pad_id: int, rows: int, length: int):
 @functools.partial(jax.jit, static_argnums=0)
 def _scores(graphdef, params, input_ids, attention_mask, position_ids):
     """float32[B]: the classifier's only logit at each row's last real token."""
-    return nnx.merge(graphdef, params).classify(input_ids, attention_mask, position_ids)[:, 0]
+    logits = nnx.merge(graphdef, params).classify(input_ids, attention_mask, position_ids)
+    return logits[:, 0]
 
 
 @dataclasses.dataclass
@@ -77,6 +78,11 @@ class RewardModel:
     tokenizer: object
     mesh: Mesh | None = None
     weight: float = 1.0
+
+    @functools.cached_property
+    def model_config(self):
+        """The classifier's model config (what its positions follow)."""
+        return nnx.merge(self.graphdef, self.params).config
 
     @classmethod
     def load(cls, path: str, *, mesh=None, dtype=jnp.float32, weight=1.0, key="reward.model.path"):
@@ -118,8 +124,7 @@ class RewardModel:
         rows = max(1, -(-len(ids) // shards) * shards)
         pad = self.tokenizer.pad_token_id
         input_ids, mask = padded(ids, 0 if pad is None else pad, rows, length)
-        pos = np.where(mask > 0, np.cumsum(mask, 1) - 1, 0)  # as causal_lm.rope_index
-        pos = np.broadcast_to(pos, (3, rows, length)).astype(np.int32)
+        pos, _ = models.rope_index(self.model_config, input_ids, mask)
         x = {"input_ids": input_ids, "attention_mask": mask, "position_ids": pos}
         if self.mesh is None:
             x = jax.tree.map(jnp.asarray, x)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxvrl import rl
+from jaxvrl import models, rl
+from jaxvrl.models import positions
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.sampling import Sampler
@@ -60,11 +61,13 @@ def assemble_prompts(
     )
 
 
-def completion_positions(prompt_mask: np.ndarray, deltas: np.ndarray, n: int) -> np.ndarray:
-    """int32[3, B, n]: the i-th completion token of row b sits at n_valid + delta + i."""
-    start = prompt_mask.sum(axis=1) + deltas  # [B]
-    pos = start[:, None] + np.arange(n)[None, :]
-    return np.broadcast_to(pos[None], (3,) + pos.shape).astype(np.int32)
+def completion_positions(
+    prompt_positions: np.ndarray, prompt_mask: np.ndarray, deltas: np.ndarray, n: int
+) -> np.ndarray:
+    """The family's positions of the completions [..., B, n] (the prompts' rank): the i-th
+    completion token of row b sits at n_valid + delta + i."""
+    start = (prompt_mask.sum(axis=1) + deltas).astype(np.int32)  # [B]
+    return models.continue_positions(prompt_positions, start, n)
 
 
 def assemble(
@@ -91,9 +94,8 @@ def assemble(
     """
     n = tokens.shape[1]
     comp_mask = completion_mask.astype(np.int32)
-    pos = np.concatenate(
-        [prompt_positions, completion_positions(prompt_mask, deltas, n)], axis=2
-    ).astype(np.int32)
+    completion = completion_positions(prompt_positions, prompt_mask, deltas, n)
+    pos = np.concatenate([prompt_positions, completion], axis=-1).astype(np.int32)
     if pools is not None:
         pad = np.zeros((tokens.shape[0], n), bool)
         pools = {k: np.concatenate([v, pad], axis=1) for k, v in pools.items()}
@@ -344,10 +346,10 @@ def _finite_mean(vals: np.ndarray) -> float:
 
 
 def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
-    """Rows of a host batch (position_ids [3, B, L]: rows on axis 1)."""
+    """Rows of a host batch (the positions' rows are their own axis)."""
     take = lambda x: None if x is None else np.asarray(x)[rows]  # noqa: E731
     out = jax.tree.map(take, batch.replace(position_ids=None))
-    return out.replace(position_ids=np.asarray(batch.position_ids)[:, rows])
+    return out.replace(position_ids=positions.take_rows(np.asarray(batch.position_ids), rows))
 
 
 @dataclasses.dataclass
@@ -386,7 +388,7 @@ class PhaseWeights:
 
 def repeat_prompts(batch: dict, g: int) -> dict:
     """A collated prompt batch of R rows as R * g rows, each repeated g times in a row: what
-    `collate` with g repeats gives (position_ids [3, B, P] repeat on axis 1)."""
+    `collate` with g repeats gives (the positions' rows are their own axis)."""
     if g == 1:
         return batch
 
@@ -394,7 +396,7 @@ def repeat_prompts(batch: dict, g: int) -> dict:
         return None if x is None else np.repeat(np.asarray(x), g, axis=0)
 
     out = {k: rep(v) for k, v in batch.items() if k not in ("position_ids", "rows")}
-    out["position_ids"] = np.repeat(batch["position_ids"], g, axis=1)
+    out["position_ids"] = positions.repeat_rows(np.asarray(batch["position_ids"]), g)
     out["images"] = None if batch["images"] is None else jax.tree.map(rep, batch["images"])
     out["pools"] = (
         None if batch["pools"] is None else {k: rep(v) for k, v in batch["pools"].items()}

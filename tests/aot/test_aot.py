@@ -17,8 +17,8 @@ from jaxvrl.aot import report as rep
 from jaxvrl.aot.__main__ import main
 from jaxvrl.aot.plan import Plan
 from jaxvrl.config import load_config
-from jaxvrl.models import PRESETS, preset_names
-from jaxvrl.models.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLConfig
+from jaxvrl.models import PRESETS, Model, preset_names
+from jaxvrl.models.qwen2_5_vl import Qwen2_5_VLConfig
 from jaxvrl.parallel import topology as T
 
 pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
@@ -135,7 +135,7 @@ def test_presets_have_the_published_parameter_counts():
             t.hidden_size,
         )
         if name in ("qwen2.5-vl-3b", "qwen2.5-vl-7b"):
-            model = nnx.eval_shape(lambda c=cfg: Qwen2_5_VL(c, rngs=nnx.Rngs(0)))
+            model = nnx.eval_shape(lambda c=cfg: Model(c, rngs=nnx.Rngs(0)))
             params = jax.tree.leaves(nnx.state(model, nnx.Param))
             assert sum(math.prod(x.shape) for x in params) == n, name
 

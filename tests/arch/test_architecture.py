@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -130,3 +131,50 @@ def test_the_main_job_touches_no_private_attribute_of_another_module():
         and not (isinstance(n.value, ast.Name) and n.value.id == "self")
     ]
     assert not private, private
+
+
+# Positions are the family's own: int[B, T] (RoPE) or int[3, B, T] (M-RoPE). Outside
+# jaxvrl/models/ code carries them by rank-free rules (rows on the second-to-last axis,
+# `jaxvrl.models.positions`); these are the shapes of code that assumes a leading axis.
+# a shape that starts with M-RoPE's 3 axes: (3, b, p), [3, B, T], (3,) + shape
+LEADING_THREE = re.compile(r"[(\[]\s*3\s*,\s*(?:\)|[A-Za-z]\b|rows\b|batch\b)")
+POSITION_NAME = re.compile(r"position_ids|positions")
+FIXED_RANK = (
+    re.compile(r"\baxis\s*=\s*[12]\b"),  # rows or tokens at a fixed axis
+    re.compile(r"(?:position_ids|positions)[\]\)\"']*\[\s*(?::\s*,|[0-2]\s*\])"),  # [:, r], [0]
+    re.compile(r"moveaxis\([^)]*,\s*[0-2]\s*,\s*[0-2]\s*\)"),  # axes moved by number
+)
+
+
+def _fixed_rank_positions(path: str, source: str) -> list[str]:
+    return [
+        f"{path}:{i}: {line.strip()}"
+        for i, line in enumerate(source.splitlines(), 1)
+        if LEADING_THREE.search(line)
+        or (POSITION_NAME.search(line) and any(p.search(line) for p in FIXED_RANK))
+    ]
+
+
+def test_no_code_outside_the_models_assumes_the_rank_of_positions():
+    findings = [
+        f
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "models" not in path.relative_to(PACKAGE).parts[:1]
+        for f in _fixed_rank_positions(path.relative_to(ROOT).as_posix(), path.read_text())
+    ]
+    assert not findings, "\n".join(findings)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "    return np.broadcast_to(pos[None], (3,) + pos.shape).astype(np.int32)",
+        "    out = batch.replace(position_ids=np.asarray(batch.position_ids)[:, rows])",
+        "    position_ids=np.zeros((3, b, p), np.int32),",
+        '    out["position_ids"] = np.repeat(batch["position_ids"], g, axis=1)',
+        "    return batch.replace(position_ids=jnp.moveaxis(batch.position_ids, 1, 0))",
+        "    pos = jnp.broadcast_to((start + i)[None, :, None], (3, b, 1))",
+    ],
+)
+def test_the_position_check_finds_what_it_looks_for(line):
+    assert _fixed_rank_positions("bad.py", f"def f():\n{line}\n")

@@ -1,4 +1,4 @@
-"""Tiny random text-only checkpoints (Llama, Qwen2, Qwen3; causal LMs and sequence
+"""Tiny random text-only checkpoints (Llama, Qwen2, Qwen3, Mistral; causal LMs and sequence
 classifiers, the reward models) built with transformers (no downloads) for parity tests."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import numpy as np
 
 VOCAB = 96
 EOS = 3
+SLIDING_WINDOW = 4
 
 ROPES = {
     "default": None,
@@ -35,7 +36,8 @@ def make_config(
     vocab=VOCAB,
     **extra,
 ):
-    """A transformers config; head_dim 16 for Qwen3 (not hidden / heads), 8 otherwise."""
+    """A transformers config; head_dim 16 for Qwen3 (not hidden / heads), 8 otherwise;
+    Mistral's sliding window SLIDING_WINDOW."""
     from transformers import AutoConfig
 
     rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
@@ -56,6 +58,8 @@ def make_config(
     )
     if model_type == "qwen3":
         kw["head_dim"] = 16
+    if model_type == "mistral":  # a window shorter than the prompts (and their completions)
+        kw.setdefault("sliding_window", SLIDING_WINDOW)
     return AutoConfig.for_model(model_type, **kw)
 
 

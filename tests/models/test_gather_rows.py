@@ -51,6 +51,4 @@ def test_pack_puts_each_real_token_in_its_slot_and_zeros_elsewhere():
     np.testing.assert_array_equal(p.segments, [[1, 1, 1], [2, 2, 0], [1, 1, 0], [2, 2, 2]])
     grad = jax.grad(lambda x: jnp.sum(p.pack(x) * jnp.arange(12.0).reshape(4, 3)))(x)
     # each real token's gradient is its slot's weight; padding tokens get none
-    np.testing.assert_array_equal(
-        grad, [[0, 0, 1, 2], [3, 4, 0, 0], [0, 0, 6, 7], [0, 9, 10, 11]]
-    )
+    np.testing.assert_array_equal(grad, [[0, 0, 1, 2], [3, 4, 0, 0], [0, 0, 6, 7], [0, 9, 10, 11]])

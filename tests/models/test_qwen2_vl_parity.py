@@ -50,7 +50,7 @@ def vision_kw(images=(), videos=(), pv=None, pvv=None):
 def test_config_and_family(tiny):
     _, model, _ = tiny
     cfg = model.config
-    assert isinstance(model, q.Qwen2VL) and isinstance(cfg, q.Qwen2VLConfig)
+    assert isinstance(model, M.Model) and isinstance(cfg, q.Qwen2VLConfig)
     v = cfg.vision
     assert (v.norm, v.mlp, v.window_size, v.windowed, v.hidden_act) == (
         "layer",
@@ -341,7 +341,7 @@ def test_presets_have_the_published_parameter_counts(name):
         d = json.load(f)
     cfg = M.config_from_hf(d)
     assert isinstance(cfg, q.Qwen2VLConfig)
-    abstract = nnx.eval_shape(lambda: q.Qwen2VL(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: M.Model(cfg, rngs=nnx.Rngs(0)))
     ours = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     with torch.device("meta"):
         hf = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**d))

@@ -89,7 +89,7 @@ def mixed():
 def test_config_and_rope_index(tiny, mixed):
     hf, model, path = tiny
     cfg = model.config
-    assert M.load_config(path) == cfg and isinstance(model, q3.Qwen3VL)
+    assert M.load_config(path) == cfg and isinstance(model, M.Model)
     t, v = cfg.text, cfg.vision
     assert (t.head_dim, t.qk_norm, t.attention_bias, t.mrope_interleaved) == (24, True, False, True)
     assert (v.patch_size, v.num_position_embeddings, v.deepstack_visual_indexes) == (16, 36, (0, 2))

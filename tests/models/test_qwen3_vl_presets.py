@@ -36,7 +36,7 @@ def test_presets_have_the_published_parameter_counts(name):
     billions, tied = PUBLISHED[name]
     assert cfg.tie_word_embeddings == tied and cfg.text.head_dim == 128
     assert cfg.vision.out_hidden_size == cfg.text.hidden_size
-    model = nnx.eval_shape(lambda: q3.Qwen3VL(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: M.Model(cfg, rngs=nnx.Rngs(0)))
     ours = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     with torch.device("meta"):
         hf = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**d))

@@ -1,8 +1,9 @@
-"""Float32 parity of the text-only families (Llama, Qwen2, Qwen3) against transformers on
-tiny random checkpoints: logits of left-padded batches (GQA and MHA, tied and untied heads,
-each of Llama's rope scalings), greedy tokens of HF `generate`, sampled log-probs against a
-teacher-forced pass, export that transformers loads to the same logits, and scanned against
-unrolled layers."""
+"""Float32 parity of the text-only families (Llama, Qwen2, Qwen3, Mistral with a sliding
+window shorter than the rows) against transformers on tiny random checkpoints: logits of
+left-padded batches (GQA and MHA, tied and untied heads, each of Llama's rope scalings),
+greedy tokens of HF `generate`, sampled log-probs against a teacher-forced pass (and the
+paged slots), export that transformers loads to the same logits, scanned against unrolled
+layers, and a family added as one table entry."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from safetensors.numpy import load_file
 
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError
-from jaxvrl.models import causal_lm
+from jaxvrl.models import text
 from jaxvrl.sampling import Sampler, generate
 from jaxvrl.sampling.sampler import generation_config
 from tests.models import hf_tiny_text as T
@@ -36,6 +37,7 @@ CASES = [
     ("qwen2", "default", 4, False),
     ("qwen3", "default", 2, False),
     ("qwen3", "default", 4, True),
+    ("mistral", "default", 2, False),
 ]
 _IDS = [f"{m}-{r}-kv{kv}-{'tied' if tie else 'untied'}" for m, r, kv, tie in CASES]
 
@@ -60,14 +62,14 @@ def checkpoints(tmp_path_factory):
 def hf_logits(hf, ids, mask):
     """HF logits float32[B, T, V] at the positions our rope index gives (cumsum(mask) - 1, as
     HF's generate places them); a dynamic rope starts from its original frequencies."""
-    pos, _ = causal_lm.rope_index(ids, mask)
+    pos, _ = text.rope_index(ids, mask)
     with torch.no_grad():
         if hf.config.rope_parameters["rope_type"] == "dynamic":  # reset its cached length
             hf(input_ids=torch.tensor(ids[:, :1]))
         out = hf(
             input_ids=torch.tensor(ids),
             attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(pos[0], dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long),
         )
     return out.logits.numpy()
 
@@ -88,7 +90,7 @@ def test_logits_and_config(checkpoints, case):
     hf, model, path = checkpoints(case)
     model_type, rope, kv, tie = case
     cfg = model.config
-    assert type(model) is M.family(model_type).model
+    assert type(model) is M.Model
     assert (cfg.text.rope_type, cfg.text.num_key_value_heads, cfg.tie_word_embeddings) == (
         rope,
         kv,
@@ -99,6 +101,7 @@ def test_logits_and_config(checkpoints, case):
         model_type == "qwen3",
     )
     assert cfg.text.head_dim == (16 if model_type == "qwen3" else 8)
+    assert cfg.text.sliding_window == (T.SLIDING_WINDOW if model_type == "mistral" else 0)
     assert M.load_config(path) == cfg and type(cfg).from_hf_dict(cfg.to_hf_dict()) == cfg
     assert hasattr(model, "lm_head") != tie and model.visual is None
     ids, mask = T.prompts(seed=1)
@@ -140,10 +143,47 @@ def test_rope_scaling_changes_the_logits(checkpoints, case):
     assert np.abs(np.asarray(a) - np.asarray(b))[mask > 0].max() > 3e-3 * np.abs(a).max()
 
 
+def test_the_sliding_window_changes_the_logits(checkpoints):
+    """Mistral's window is exercised: without it the same weights give other logits (rows of
+    up to 11 tokens, a window of 4), and a null sliding_window (later Mistral checkpoints)
+    is no window."""
+    _, model, _ = checkpoints(CASES[8])
+    cfg = model.config
+    whole = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, sliding_window=0))
+    other = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: M.Model(whole))), nnx.state(model))
+    ids, mask = T.prompts(seed=1)
+    a, b = ours(model, ids, mask).logits, ours(other, ids, mask).logits
+    assert np.abs(np.asarray(a) - np.asarray(b))[mask > 0].max() > 3e-3 * np.abs(a).max()
+    d = cfg.to_hf_dict() | {"sliding_window": None}
+    assert M.config_from_hf(d).text.sliding_window == 0
+
+
+def test_a_family_is_one_table_entry(monkeypatch, tmp_path):
+    """A text family the package does not know, added as one entry of the table: a Qwen2
+    checkpoint under another model_type loads with its logits (biases on q, k, v) and
+    exports under its own names."""
+    monkeypatch.setitem(
+        text.TEXT_FAMILIES,
+        "throwaway",
+        text.TextFamily("throwaway", "ThrowawayForCausalLM", bias=(True, False)),
+    )
+    hf = T.build(tmp_path, "qwen2", seed=5)
+    with open(tmp_path / "config.json") as f:
+        d = json.load(f)
+    d.update(model_type="throwaway", architectures=["ThrowawayForCausalLM"])
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(d, f)
+    model = M.load(tmp_path)
+    assert model.config.model_type == "throwaway" and model.config.text.attention_bias
+    ids, mask = T.prompts(seed=1)
+    assert_close(ours(model, ids, mask).logits, hf_logits(hf, ids, mask), mask)
+    assert model.config.to_hf_dict()["architectures"] == ["ThrowawayForCausalLM"]
+
+
 @pytest.mark.parametrize(
     "case",
-    [CASES[2], CASES[4], CASES[7]],
-    ids=["llama-dynamic", "qwen2", "qwen3"],
+    [CASES[2], CASES[4], CASES[7], CASES[8]],
+    ids=["llama-dynamic", "qwen2", "qwen3", "mistral"],
 )
 def test_greedy_tokens_match_hf_generate(checkpoints, case):
     """The sampler's prefill and decode steps (a dynamic rope takes each step's length, as
@@ -165,11 +205,13 @@ def test_greedy_tokens_match_hf_generate(checkpoints, case):
     np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, ids.shape[1] :].numpy())
 
 
-def test_sampled_logprobs_match_teacher_forcing_and_slots(checkpoints):
+@pytest.mark.parametrize("case", [CASES[6], CASES[8]], ids=["qwen3", "mistral"])
+def test_sampled_logprobs_match_teacher_forcing_and_slots(checkpoints, case):
     """Tokens sampled at temperature 1, G = 3 per prompt (one prefill each): their log-probs
     equal those of HF's teacher-forced pass over prompt and completion, and the refilling
-    slots over a paged cache sample the same tokens and log-probs."""
-    hf, model, _ = checkpoints(CASES[6])
+    slots over a paged cache (pages with gaps: the window counts positions, not slots)
+    sample the same tokens and log-probs."""
+    hf, model, _ = checkpoints(case)
     ids, mask = T.prompts(seed=3)
     pos, deltas = M.rope_index(model.config, ids, mask)
     base = generation_config(model.config, max_new_tokens=6, temperature=1.0)
@@ -225,7 +267,7 @@ def test_rope_index_and_generation_config(checkpoints):
     ids, mask = T.prompts(lengths=(3, 5))
     pos, deltas = M.rope_index(model.config, ids, mask)
     want = [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
-    assert pos.dtype == np.int32 and pos.shape == (3, 2, 5)
+    assert pos.dtype == np.int32 and pos.shape == (2, 5)
     np.testing.assert_array_equal(pos, np.broadcast_to(want, pos.shape))
     np.testing.assert_array_equal(deltas, [0, 0])
     cfg = generation_config(model.config, max_new_tokens=2, temperature=0.0)
@@ -240,8 +282,12 @@ def test_rope_index_and_generation_config(checkpoints):
     "change, message",
     [
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "not supported"),
-        ({"use_sliding_window": True}, "sliding-window"),
-        ({"layer_types": ["sliding_attention"]}, "sliding-window"),
+        ({"use_sliding_window": True}, "use_sliding_window=true: sliding-window"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types .*: sliding-window"),
+        (
+            {"model_type": "mistral", "layer_types": ["sliding_attention", "full_attention"]},
+            "layer_types .*mixed",
+        ),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_parameters": {"rope_type": "linear"}}, "needs a factor"),
     ],
@@ -272,7 +318,7 @@ def test_presets_have_the_published_parameter_counts(name):
     cfg = M.config_from_hf(d, name)
     billions, model_type, tied = PUBLISHED[name]
     assert cfg.model_type == model_type and cfg.tie_word_embeddings == tied
-    model = nnx.eval_shape(lambda: M.family_of(cfg).model(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: M.Model(cfg, rngs=nnx.Rngs(0)))
     ours_ = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d))

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError
-from jaxvrl.models import causal_lm
+from jaxvrl.models import text
 from jaxvrl.parallel.sharding import make_mesh
 from jaxvrl.trainer.reward_model import RewardModel
 from tests.models import hf_tiny_text as T
@@ -83,7 +83,7 @@ def test_scores_equal_transformers_logits(classifiers, model_type, tmp_path):
     assert model.config.num_labels == 1 and model.head is model.score
     assert model.config.to_hf_dict()["architectures"] == [hf.config.architectures[0]]
     ids, mask = _padded((7, 11, 4, 6), (True, True, False, False))
-    pos, _ = causal_lm.rope_index(ids, mask)
+    pos, _ = text.rope_index(ids, mask)
     ours = np.asarray(nnx.jit(type(model).classify)(model, ids, mask, pos))
     with torch.no_grad():
         want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits

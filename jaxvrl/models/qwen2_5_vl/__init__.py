@@ -11,8 +11,8 @@ from jaxvrl.models.interface import Family, ModelOutput, ProcessorSettings, load
 from jaxvrl.models.patches import VisionInputs, stack_vision_inputs, vision_inputs
 from jaxvrl.models.positions import attention_pools, get_rope_index
 from jaxvrl.models.qwen2_5_vl.config import Qwen2_5_VLConfig
-from jaxvrl.models.qwen2_5_vl.model import Qwen2_5_VL
 from jaxvrl.models.qwen2_5_vl.weights import KEY_TABLE, KEYS
+from jaxvrl.models.vision import VisionTower
 
 
 def processor(cfg: Qwen2_5_VLConfig) -> ProcessorSettings:
@@ -24,11 +24,11 @@ FAMILY = Family(
     model_type="qwen2_5_vl",
     architecture="Qwen2_5_VLForConditionalGeneration",
     config_from_hf=Qwen2_5_VLConfig.from_hf_dict,
-    model=Qwen2_5_VL,
     keys=KEYS,
     rope_index=get_rope_index,
     vision_inputs=vision_inputs,
     processor=processor,
+    encoder=VisionTower,
 )
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "KVCache",
     "PagedKVCache",
     "ModelOutput",
-    "Qwen2_5_VL",
     "Qwen2_5_VLConfig",
     "TextConfig",
     "VisionConfig",

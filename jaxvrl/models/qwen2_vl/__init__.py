@@ -8,8 +8,9 @@ jaxvrl.models.save(model, "/tmp/export")
 from jaxvrl.models.interface import CLIP_MEAN, CLIP_STD, Family, ProcessorSettings
 from jaxvrl.models.patches import vision_inputs
 from jaxvrl.models.qwen2_vl.config import Qwen2VLConfig
-from jaxvrl.models.qwen2_vl.model import Qwen2VL, get_rope_index
+from jaxvrl.models.qwen2_vl.rope import get_rope_index
 from jaxvrl.models.qwen2_vl.weights import KEY_TABLE, KEYS
+from jaxvrl.models.vision import VisionTower
 
 
 def processor(cfg: Qwen2VLConfig) -> ProcessorSettings:
@@ -23,18 +24,17 @@ FAMILY = Family(
     model_type="qwen2_vl",
     architecture="Qwen2VLForConditionalGeneration",
     config_from_hf=Qwen2VLConfig.from_hf_dict,
-    model=Qwen2VL,
     keys=KEYS,
     rope_index=get_rope_index,
     vision_inputs=vision_inputs,
     processor=processor,
+    encoder=VisionTower,
 )
 
 __all__ = [
     "FAMILY",
     "KEYS",
     "KEY_TABLE",
-    "Qwen2VL",
     "Qwen2VLConfig",
     "get_rope_index",
     "processor",

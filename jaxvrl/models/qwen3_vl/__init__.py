@@ -8,9 +8,9 @@ jaxvrl.models.save(model, "/tmp/export")
 from jaxvrl.models.interface import Family, ProcessorSettings
 from jaxvrl.models.patches import vision_inputs
 from jaxvrl.models.qwen3_vl.config import Qwen3VLConfig
-from jaxvrl.models.qwen3_vl.model import Qwen3VL
 from jaxvrl.models.qwen3_vl.rope import get_rope_index, split_video_grids
 from jaxvrl.models.qwen3_vl.weights import KEY_TABLE, KEYS
+from jaxvrl.models.vision import VisionTower
 
 # the published checkpoints' preprocessor_config.json / video_preprocessor_config.json; the
 # video limits bound all of a video's frames together (t x h x w, transformers' rule)
@@ -39,18 +39,17 @@ FAMILY = Family(
     model_type="qwen3_vl",
     architecture="Qwen3VLForConditionalGeneration",
     config_from_hf=Qwen3VLConfig.from_hf_dict,
-    model=Qwen3VL,
     keys=KEYS,
     rope_index=get_rope_index,
     vision_inputs=vision_inputs,
     processor=processor,
+    encoder=VisionTower,
 )
 
 __all__ = [
     "FAMILY",
     "KEYS",
     "KEY_TABLE",
-    "Qwen3VL",
     "Qwen3VLConfig",
     "get_rope_index",
     "processor",

@@ -7,7 +7,7 @@ with q/k/v and gate/up fused into one weight each. `DecodeWeights` holds those c
 explicit pytree that the sampler's caller prepares once per set of parameters
 (`prepare`, jitted by `Sampler.decode_weights`) and keeps between calls, so the packed buffer
 is reused rather than faulted in afresh. `DecodeForms` hands them to the model's layers
-(the `kernels` argument of `Qwen2_5_VL.forward`) together with the CPU form of the cached
+(the `forms` argument of `Model.forward`) together with the CPU form of the cached
 attention; the model's modules are never changed.
 
 Shapes: B rows, K key/value heads, G query heads per kv head, H head dim, S cache length.

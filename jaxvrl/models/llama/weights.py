@@ -1,6 +1,0 @@
-"""LlamaForCausalLM's HF tensor names <-> param paths: the text-only table (`model.`,
-`lm_head`; see `jaxvrl.models.weights`)."""
-
-from jaxvrl.models.causal_lm import KEY_TABLE, KEYS
-
-__all__ = ["KEYS", "KEY_TABLE"]
