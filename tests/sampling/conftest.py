@@ -21,12 +21,12 @@ def tower_rows(monkeypatch, retrace) -> list:
     """The rows reaching the vision tower, one entry per call traced (programs traced while
     the test runs: jax's caches are emptied first)."""
     rows = []
-    call = vision.VisionTower.window_order  # what every caller of the tower runs
+    call = vision.VisionTower.features  # what every caller of the tower runs
 
     def counted(self, inputs):
         rows.append(inputs.pixel_values.shape[0])
         return call(self, inputs)
 
-    monkeypatch.setattr(vision.VisionTower, "window_order", counted)
+    monkeypatch.setattr(vision.VisionTower, "features", counted)
     retrace()
     return rows
