@@ -17,7 +17,7 @@ prompts with their images, random completions of N tokens, random rewards):
 - VGR: + attention statistics in the old-policy pass and VGR token weights on the loss mask
   (last 2 layers, configs/vgr.py).
 `--attention` (comma-separated: auto, xla, flash, splash, cudnn) compiles each step once per
-attention implementation of the model's forward passes (`Qwen2_5_VL.set_attention`), and
+attention implementation of the model's forward passes (`Model.set_attention`), and
 `--algorithms` picks the steps; ratios are against the table's first step. Peak memory is read
 from the compiled step (`memory_analysis()`: arguments + outputs + temporaries - donated
 aliases; deterministic), and its temporaries alone (activations, logits, gradients).

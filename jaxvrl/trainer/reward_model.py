@@ -6,7 +6,7 @@ Each pair is rendered as TRL's GRPOTrainer renders it for a reward model: the re
 own chat template over a user turn (the prompt text) and an assistant turn (the completion),
 tokenized without added special tokens (the template holds them) and right-padded; without a
 chat template, the prompt text followed by the completion. The score is the classifier's
-logit at the last real token (`CausalLM.classify`; one label: a classifier of several labels
+logit at the last real token (`Model.classify`; one label: a classifier of several labels
 is refused, which label would be the reward is not known).
 
     rm = RewardModel.load(path, mesh=mesh, weight=1.0)
