@@ -1,30 +1,29 @@
-"""Orbax checkpoints: one step directory holds the train state (any pytree of arrays: params,
-optimizer state, counters), the RNG key, the data-iterator state, each process's running
-totals (JSON) and replay buffer (bytes) and JSON run metadata, in a local directory or under
-`gs://`.
-
-Layout of `<directory>/<step>/`: `state` (arrays, keyed by their readable tree path),
-`rng` (key data), `meta` (the caller's JSON), `data` (iterator state: JSON, or grain's bytes
-as base64), `counters` (running totals, one per process), `replay` (one file per process,
-`<index>-of-<count>`: the replay buffer's bytes, jaxvrl/trainer/replay_state.py), `info`
-(tree paths and key implementations, to check a restore target against). Every item is
-written before orbax commits the step, so a step that lacks one is never listed as complete.
+"""Orbax checkpoints of the run state, in a local directory or under `gs://`: each step holds
+the items of jaxvrl/checkpoint_items.py (the train state's arrays, the RNG key, each process's
+data-iterator state, running totals and replay buffer, the trainer's JSON metadata), one
+directory each (`<directory>/<step>/<item>`), and `info` (tree paths and key implementations,
+to check a restore target against). `save(step, items)` takes them by item name;
+`restore_step(step, targets)` and `restore_latest(targets)` give them back by name
+(`Restored`), each filled into its target where it has one: the abstract train state for
+`state`, a sharding for `rng`. Every item is written before orbax commits the step, so a step
+that lacks one is never listed as complete.
 
 A step whose files were damaged afterwards (missing, cut short, not decodable) is skipped by
-`restore_latest`: named in a warning and moved aside to `<step>.damaged` (orbax lists integer
-names only, so it is neither restored nor counted by max_to_keep, and the step can be saved
-again), and the newest step that reads back is restored.
+`restore_latest`: named in one warning and moved aside to `<step>.damaged` (orbax lists
+integer names only, so it is neither restored nor counted by max_to_keep, and the step can be
+saved again), and the newest step that reads back is restored.
 
 Resume order (train.py): build the abstract train state (`jax.eval_shape` + shardings, or the
-freshly initialised state), `restore_latest(abstract)` fills it with the saved arrays in the
-target's shardings and dtypes, then the data iterator, the RNG, the running totals and the
-replay buffer continue from their saved state. Every process calls save and restore (orbax
-coordinates multi-host writes).
+freshly initialised state), `restore_latest({"state": abstract, ...})` fills it with the saved
+arrays in the target's shardings and dtypes, then the data iterator, the RNG, the running
+totals and the replay buffer continue from their saved state. Every process calls save and
+restore (orbax coordinates multi-host writes).
 """
 
 from __future__ import annotations
 
-import base64
+import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -33,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -40,14 +40,29 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxvrl.checkpoint_items import (
+    INFO,
+    ITEMS,
+    At,
+    CheckpointError,
+    ProcessBytesHandler,
+    check_names,
+    item_named,
+    tree_keys,
+)
 from jaxvrl.parallel import runtime
 from jaxvrl.remote import bound_remote_io, forget_listings, is_remote, naming
 
 log = logging.getLogger("jaxvrl")
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the restore target."""
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "DamagedCheckpoint",
+    "ProcessBytesHandler",
+    "Restored",
+    "tree_keys",
+]
 
 
 class DamagedCheckpoint(CheckpointError):
@@ -82,153 +97,56 @@ def _damage(e: BaseException | None) -> str | None:
     return None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Restored:
+    """A restored step: `items` maps each item name (checkpoint_items.ITEMS) to its value,
+    None for an optional item the step does not hold; `r[name]` and `r.name` read it."""
+
     step: int
-    state: Any  # the abstract target's structure, its shardings and dtypes
-    rng: jax.Array | None
-    meta: dict
-    data_state: dict | bytes | None
-    counters: dict | None = None  # this process's; None: the checkpoint has none
-    replay: bytes | None = None  # this process's; None: the checkpoint has none
+    items: Mapping[str, Any]
+
+    def __getitem__(self, name: str):
+        return self.items[name]
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["items"][name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
-def _entry(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+async def _with_its_reads(coro):
+    """`coro`, then every task it started (awaited to the end, their errors collected)."""
+    before = asyncio.all_tasks()
+    try:
+        return await coro
+    finally:
+        started = asyncio.all_tasks() - before - {asyncio.current_task()}
+        if started:
+            await asyncio.gather(*started, return_exceptions=True)
 
 
-def tree_keys(tree) -> list[str]:
-    """Readable '/'-joined tree path of each leaf, in jax.tree.leaves order."""
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    keys = ["/".join(_entry(k) for k in p) or "root" for p in paths]
-    if len(set(keys)) != len(keys):  # e.g. a dict key "0" beside a list index 0
-        keys = [f"{i:05d}:{k}" for i, k in enumerate(keys)]
-    return keys
-
-
-def _is_key(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _key_impl(x) -> str:
-    return str(jax.random.key_impl(x))
-
-
-def _to_saveable(x):
-    return jax.random.key_data(x) if _is_key(x) else x
-
-
-def _default_sharding():
-    """Where a leaf without a sharding is restored: the first device in one process; fully
-    replicated over every device with several processes (each must hold a copy)."""
-    if jax.process_count() == 1:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
-def _abstract_leaf(x, sharding=None):
-    """-> ShapeDtypeStruct with a sharding (typed keys: their key data)."""
-    sharding = sharding or getattr(x, "sharding", None) or _default_sharding()
-    if _is_key(x):
-        x = jax.eval_shape(jax.random.key_data, x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def _process_file(index: int, count: int) -> str:
-    return f"{index}-of-{count}"
-
-
-class ProcessBytesHandler(ocp.AsyncCheckpointHandler):
-    """An item of one file per process (orbax's JSON items are written by process 0 only):
-    each process writes its own bytes and reads its own back. Written, like orbax's own
-    items, after the step's temporary directory exists and before the step is committed."""
-
-    def write(self, directory, data: bytes) -> None:
-        name = _process_file(jax.process_index(), jax.process_count())
-        (directory / name).write_bytes(bytes(data))
-
-    async def async_save(self, directory, args: ProcessBytesSave):
-        async def write():
-            self.write(directory, args.data)
-
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="process_bytes")]
-
-    def save(self, directory, args: ProcessBytesSave):
-        self.write(directory, args.data)
-
-    def restore(self, directory, args: ProcessBytesRestore | None = None) -> bytes:
-        del args
-        n, i = jax.process_count(), jax.process_index()
-        path = directory / _process_file(i, n)
-        if not path.exists():
-            saved = sorted(p.name for p in directory.iterdir())
-            counts = {int(s.rsplit("-of-", 1)[-1]) for s in saved if "-of-" in s}
-            if len(counts) == 1 and counts != {n}:
-                _check_process_count(counts.pop(), directory.parent.name, "replay buffers")
-            raise FileNotFoundError(f"{path} is missing (saved: {saved})")
-        return path.read_bytes()
-
-    def metadata(self, directory):
-        return None
-
-
-@ocp.args.register_with_handler(ProcessBytesHandler, for_save=True)
-@dataclasses.dataclass
-class ProcessBytesSave(ocp.args.CheckpointArgs):
-    data: bytes
-
-
-@ocp.args.register_with_handler(ProcessBytesHandler, for_restore=True)
-@dataclasses.dataclass
-class ProcessBytesRestore(ocp.args.CheckpointArgs):
-    pass
-
-
-def _encode_one(data_state):
-    if data_state is None:
-        return {"kind": "none"}
-    if isinstance(data_state, bytes | bytearray):
-        return {"kind": "bytes", "value": base64.b64encode(bytes(data_state)).decode("ascii")}
-    return {"kind": "json", "value": data_state}
-
-
-def _decode_one(d):
-    if d["kind"] == "bytes":
-        return base64.b64decode(d["value"])
-    return d.get("value")
-
-
-def _encode_data_state(data_state):
-    """Each process reads its own shard of the data, so every process's iterator state is kept
-    (orbax writes JSON items from process 0 only): gathered here, a collective."""
-    return {"kind": "per_process", "value": runtime.gather_json(_encode_one(data_state))}
-
-
-def _this_process(states: list, step: int, what: str):
-    _check_process_count(len(states), step, what)
-    return states[jax.process_index()]
-
-
-def _check_process_count(saved: int, step, what: str) -> None:
-    n = jax.process_count()
-    if saved != n:
-        raise ValueError(
-            f"checkpoint step {step} holds the {what} of {saved} processes, this run "
-            f"has {n}: each process reads its own shard of the data, and the shards change "
-            "with the process count. Resume with the same number of hosts, or start a new "
-            "workdir from the weights (config.load_checkpoint_path)."
-        )
-
-
-def _decode_data_state(d, step: int):
-    if d["kind"] != "per_process":  # written by a single process before per-process states
-        return _decode_one(d)
-    return _decode_one(_this_process(d["value"], step, "data-iterator states"))
+@contextlib.contextmanager
+def _reads_finished():
+    """orbax runs a restore's reads in an event loop of its own and closes the loop as soon as
+    one read fails: the reads still in flight then finish on tensorstore's threads against the
+    closed loop, each printing a traceback ('Event loop is closed'; one per array when the
+    arrays' index file is cut short), some while later steps are read. Inside this block the
+    coroutine orbax runs returns only after every read it started has finished, so a damaged
+    step shows as its one warning. Nothing is muted: a good read leaves nothing running."""
+    try:
+        from orbax.checkpoint._src import asyncio_utils
+    except ImportError:  # another orbax: its reads as they are
+        asyncio_utils = None
+    run_sync = getattr(asyncio_utils, "run_sync", None)
+    if run_sync is None:
+        yield
+        return
+    asyncio_utils.run_sync = lambda coro: run_sync(_with_its_reads(coro))
+    try:
+        yield
+    finally:
+        asyncio_utils.run_sync = run_sync
 
 
 def _drop_failed_reads() -> None:
@@ -248,6 +166,19 @@ def _drop_failed_reads() -> None:
         sys.unraisablehook = hook
 
 
+@contextlib.contextmanager
+def _quiet_absl():
+    """orbax warns (through absl) about read-only managers and item directories without
+    step metadata: both expected when a run's checkpoints are only read."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _sync_processes(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -256,7 +187,8 @@ def _sync_processes(name: str) -> None:
 
 
 class Checkpointer:
-    """Keeps the last `max_to_keep` steps in `directory` (local path or gs://bucket/path)."""
+    """Keeps the last `max_to_keep` steps in `directory` (local path or gs://bucket/path).
+    read_only: lists and reads what is there (nothing is created, saved or deleted)."""
 
     def __init__(
         self,
@@ -264,20 +196,24 @@ class Checkpointer:
         max_to_keep: int = 2,
         save_interval_steps: int = 1,
         async_save: bool = False,
+        read_only: bool = False,
     ):
         if "://" not in directory:
             directory = os.path.abspath(directory)
         bound_remote_io(directory)  # no request to gs:// waits forever
         self.directory = directory
         self.save_interval_steps = max(1, save_interval_steps)
-        with naming(f"opening checkpoints in {directory}"):
+        self.read_only = read_only
+        quiet = _quiet_absl() if read_only else contextlib.nullcontext()
+        with naming(f"opening checkpoints in {directory}"), quiet:
             self.manager = ocp.CheckpointManager(
                 directory,
                 options=ocp.CheckpointManagerOptions(
                     max_to_keep=max_to_keep,
                     save_interval_steps=1,  # the interval is applied in save()
                     enable_async_checkpointing=async_save,
-                    create=True,
+                    create=not read_only,
+                    read_only=read_only,
                 ),
             )
 
@@ -290,72 +226,41 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return step % self.save_interval_steps == 0 and step not in self.manager.all_steps()
 
-    def save(
-        self,
-        step: int,
-        state,
-        rng: jax.Array | None = None,
-        meta: dict | None = None,
-        data_state: dict | bytes | None = None,
-        force: bool = False,
-        counters: dict | None = None,
-        replay: bytes | None = None,
-    ) -> bool:
-        """Saves unless `step` is off the save interval (force: always); -> whether it saved.
+    def save(self, step: int, items: Mapping[str, Any], force: bool = False) -> bool:
+        """Saves `items` (item name -> value, checkpoint_items.ITEMS) as `step` unless it is
+        off the save interval (force: always); -> whether it saved.
 
-        state: any pytree of arrays (typed PRNG keys allowed); rng: a typed key or raw uint32
-        key data; meta: JSON-serialisable; data_state: the iterator's get_state() (a JSON
-        dict, or bytes as grain returns); counters: this process's JSON running totals (every
-        process passes its own, or none does: gathered, a collective); replay: this
-        process's replay buffer as bytes (every process passes its own, or none does)."""
+        state: any pytree of arrays (typed PRNG keys allowed), required; rng: a typed key or
+        raw uint32 key data; meta: JSON-serialisable dict; data_state: this process's
+        iterator get_state() (a JSON dict, or bytes as grain returns; gathered, a
+        collective); counters: this process's JSON running totals (every process passes its
+        own, or none does: gathered, a collective); replay: this process's replay buffer as
+        bytes (every process passes its own, or none does). An optional item left out or
+        None is not written."""
+        check_names(items, "Checkpointer.save")
         if not force and step % self.save_interval_steps:
             return False  # (orbax would always save a first step, whatever the interval)
-        leaves = jax.tree.leaves(state)
-        arrays = dict(zip(tree_keys(state), (_to_saveable(x) for x in leaves)))
-        info = {
-            "keys": list(arrays),
-            "key_impls": {k: _key_impl(x) for k, x in zip(arrays, leaves) if _is_key(x)},
-            "rng_impl": _key_impl(rng) if rng is not None and _is_key(rng) else None,
-            "rng_shape": None if rng is None else list(np.shape(_to_saveable(rng))),
-        }
-        items = {
-            "state": ocp.args.StandardSave(arrays),
-            "meta": ocp.args.JsonSave(dict(meta or {})),
-            "data": ocp.args.JsonSave(_encode_data_state(data_state)),
-            "info": ocp.args.JsonSave(info),
-        }
-        if counters is not None:
-            from jaxvrl.parallel.runtime import gather_json
-
-            items["counters"] = ocp.args.JsonSave({"per_process": gather_json(counters)})
-        if replay is not None:
-            items["replay"] = ProcessBytesSave(replay)
-        if rng is not None:
-            items["rng"] = ocp.args.StandardSave({"key_data": _to_saveable(rng)})
+        info, args = {}, {}
+        for it in ITEMS:
+            value = items.get(it.name)
+            info.update(it.kind.info(it, value))
+            if value is not None or not it.optional:
+                args[it.directory] = it.kind.save_args(it, value)
+        args[INFO] = ocp.args.JsonSave(info)
         with naming(f"saving checkpoint step {step} to {self.directory}"):
-            saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+            saved = self.manager.save(step, args=ocp.args.Composite(**args), force=force)
         return bool(saved)
 
-    def _check_keys(self, step: int, saved: list[str], wanted: list[str]) -> None:
-        if saved == wanted:
-            return
-        missing = [k for k in wanted if k not in set(saved)]
-        extra = [k for k in saved if k not in set(wanted)]
-        raise CheckpointError(
-            f"checkpoint {self.directory}/{step} does not match the restore target: "
-            f"{len(saved)} saved arrays vs {len(wanted)} wanted; missing {missing[:5]}, "
-            f"unexpected {extra[:5]}"
-        )
-
-    def _item(self, step: int, name: str, args=None):
-        """Item `name` of `step` restored with `args` (None: the names of the step's items,
-        listed rather than read from orbax's metadata, which warns about each item it has no
-        handler for). A failure that shows the files damaged raises DamagedCheckpoint naming
-        the item; any other is raised as is."""
+    def _read(self, step: int, name: str, args=None):
+        """Item directory `name` of `step` restored with `args` (None: the names of the step's
+        items, listed rather than read from orbax's metadata, which warns about each item it
+        has no handler for). A failure that shows the files damaged raises DamagedCheckpoint
+        naming the item; any other is raised as is."""
         try:
             if args is None:
                 return {p.name for p in (epath.Path(self.directory) / str(step)).iterdir()}
-            return self.manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+            with _reads_finished():
+                return self.manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
         except Exception as e:
             what = _damage(e)
             if what is None:
@@ -364,61 +269,39 @@ class Checkpointer:
         _drop_failed_reads()
         raise DamagedCheckpoint(step, self.directory, f"{name}: {what}")
 
-    def restore_step(self, step: int, abstract_state, rng_sharding=None) -> Restored:
-        """Restores `step` into abstract_state's structure, shardings and dtypes (its leaves:
-        jax.ShapeDtypeStruct with sharding, or arrays). rng_sharding: where the RNG key goes
+    def restore_step(self, step: int, targets: Mapping[str, Any] | None = None) -> Restored:
+        """Restores `step`'s items, each into its target in `targets` (item name -> target):
+        `state` needs its abstract tree (leaves: jax.ShapeDtypeStruct with sharding, or
+        arrays), filled in its structure, shardings and dtypes; `rng` takes a sharding
         (default: the first device, or replicated over all devices with several processes).
         Raises DamagedCheckpoint when an item's files are missing, cut short or unreadable,
         CheckpointError when the step does not fit the target."""
+        targets = dict(targets or {})
+        check_names(targets, "Checkpointer.restore_step")
         if step not in self.manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
-        saved_items = self._item(step, "its items")
-        json_items = ["info", "meta", "data"] + (["counters"] if "counters" in saved_items else [])
-        head = {k: self._item(step, k, ocp.args.JsonRestore()) for k in json_items}
-        info = head["info"]
-        leaves, treedef = jax.tree.flatten(abstract_state)
-        keys = tree_keys(abstract_state)
-        self._check_keys(step, info["keys"], keys)
-        target = dict(zip(keys, map(_abstract_leaf, leaves)))
-        arrays = self._item(step, "state", ocp.args.StandardRestore(target))
-        restored = []
-        for k in keys:
-            x = arrays[k]
-            impl = info["key_impls"].get(k)
-            restored.append(jax.random.wrap_key_data(x, impl=impl) if impl else x)
-        rng = None
-        if info["rng_shape"] is not None:
-            shape = jax.ShapeDtypeStruct(tuple(info["rng_shape"]), np.uint32)
-            rng_target = {"key_data": _abstract_leaf(shape, rng_sharding)}
-            rng = self._item(step, "rng", ocp.args.StandardRestore(rng_target))["key_data"]
-            if info["rng_impl"]:
-                rng = jax.random.wrap_key_data(rng, impl=info["rng_impl"])
-        replay = None
-        if "replay" in saved_items:
-            replay = self._item(step, "replay", ProcessBytesRestore())
-        return Restored(
-            step=step,
-            state=jax.tree.unflatten(treedef, restored),
-            rng=rng,
-            meta=dict(head["meta"]),
-            data_state=_decode_data_state(head["data"], step),
-            counters=(
-                _this_process(head["counters"]["per_process"], step, "running totals")
-                if "counters" in head
-                else None
-            ),
-            replay=replay,
-        )
+        at = At(self.directory, step)
+        listed = self._read(step, "its items")
+        info = self._read(step, INFO, ocp.args.JsonRestore())
+        values = {}
+        for it in ITEMS:
+            target = targets.get(it.name)
+            if it.optional and not it.kind.saved(it, info, listed):
+                values[it.name] = None
+                continue
+            read = self._read(step, it.directory, it.kind.restore_args(it, info, target, at))
+            values[it.name] = it.kind.value(it, read, info, target, at)
+        return Restored(step, values)
 
-    def restore_latest(self, abstract_state, rng_sharding=None) -> Restored | None:
-        """The newest step that reads back, restored into abstract_state; None when there is
-        no step. Each newer step whose files are damaged (on any process) is named in one
-        warning and moved aside (`_move_aside`); when no step reads back, nothing is moved and
-        CheckpointError names each step's damage."""
+    def restore_latest(self, targets: Mapping[str, Any] | None = None) -> Restored | None:
+        """The newest step that reads back, restored into `targets` (as restore_step); None
+        when there is no step. Each newer step whose files are damaged (on any process) is
+        named in one warning and moved aside (`_move_aside`); when no step reads back, nothing
+        is moved and CheckpointError names each step's damage."""
         damaged: list[DamagedCheckpoint] = []
         for step in reversed(self.all_steps()):
             try:
-                restored, failed = self.restore_step(step, abstract_state, rng_sharding), None
+                restored, failed = self.restore_step(step, targets), None
             except DamagedCheckpoint as e:
                 failed = e
             # every process resumes from the same step (a collective with several)
@@ -436,6 +319,29 @@ class Checkpointer:
             aside = self._move_aside(e.step)
             log.warning("%s: moved to %s; resuming from step %d", e, aside, restored.step)
         return restored
+
+    def item_path(self, step: int, name: str) -> epath.Path:
+        """The directory of item `name` (checkpoint_items.ITEMS) in `step`."""
+        return epath.Path(self.directory) / str(step) / item_named(name).directory
+
+    def array_metadata(self, step: int, name: str = "state") -> dict[str, tuple]:
+        """The arrays of item `name` in `step`: {tree path: (shape, numpy dtype)}, from the
+        item's metadata (no array is read). Read through orbax's handler, which raises what
+        failed (orbax's Checkpointer.metadata answers None for any failure)."""
+        with _quiet_absl():
+            meta = ocp.PyTreeCheckpointHandler().metadata(self.item_path(step, name))
+        return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in meta.items()}
+
+    def read_arrays(self, step: int, keys, name: str = "state") -> dict[str, np.ndarray]:
+        """Arrays `keys` (tree paths) of item `name` in `step`, read onto the host as numpy
+        (orbax's partial restore: nothing else is read)."""
+        args = ocp.args.PyTreeRestore(
+            item={k: 0 for k in keys},
+            restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys},
+            partial_restore=True,
+        )
+        with _quiet_absl(), _reads_finished():
+            return dict(ocp.PyTreeCheckpointer().restore(self.item_path(step, name), args=args))
 
     def _move_aside(self, step: int) -> str:
         """Renames `<directory>/<step>` to `<step>.damaged` (`.damaged-2`, ... when taken) on
@@ -463,13 +369,6 @@ class Checkpointer:
         forget_listings()  # gcsfs would answer from its cached listing of the directory
         self.manager.reload()
         return f"{self.directory}/{name}"
-
-    def restore(self, step: int, abstract_state, rng_impl=None):
-        """-> (state, rng, meta): restore_step's parts for callers that keep the iterator
-        state inside meta. rng_impl: unused, the saved key implementation is used."""
-        del rng_impl
-        r = self.restore_step(step, abstract_state)
-        return r.state, r.rng, r.meta
 
     def wait_until_finished(self) -> None:
         with naming(f"finishing the checkpoints in {self.directory}"):

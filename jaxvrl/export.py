@@ -26,7 +26,6 @@ removed). A push that fails leaves the export in DIR and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -120,48 +119,29 @@ def _base_model_path(info: dict) -> str:
 # --- checkpoints ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet_orbax():
-    """orbax warns (through absl) about read-only managers and item directories without
-    step metadata: both expected here."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def checkpoint_steps(workdir: str) -> tuple[str, list[int]]:
     """-> (RUN/checkpoints, its saved steps in order); nothing is created."""
-    import orbax.checkpoint as ocp
+    from jaxvrl.checkpoint import Checkpointer
 
-    directory = f"{workdir.rstrip('/')}/checkpoints"
-    bound_remote_io(directory)
-    if not is_remote(directory):
-        directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-    with _quiet_orbax():
-        manager = ocp.CheckpointManager(directory, options=options)
-        steps = sorted(manager.all_steps())
-        manager.close()
-    return directory, steps
+    ck = Checkpointer(f"{workdir.rstrip('/')}/checkpoints", read_only=True)
+    try:
+        return ck.directory, ck.all_steps()
+    finally:
+        ck.close()
 
 
 METADATA_ATTEMPTS = 4  # reads of a remote checkpoint's array metadata before giving up
 
 
-def _tree_metadata(ocp, path, attempts: int):
-    """The array metadata (shapes, dtypes) saved with a checkpoint's `state` item. Read through
-    the handler, not `Checkpointer.metadata`, which answers None for any failure. A remote read
-    that fails is tried again (after 1, 2, 4 s; the filesystem's cached listings dropped, as a
-    stale one can hide a file) up to `attempts` times; then an ExportError names the path and
-    the last error."""
-    handler = ocp.PyTreeCheckpointHandler()
+def _tree_metadata(read, path, attempts: int):
+    """The array metadata (shapes, dtypes) saved with a checkpoint's `state` item at `path`,
+    as `read()` gives it (Checkpointer.array_metadata, which raises what orbax raises). A
+    remote read that fails is tried again (after 1, 2, 4 s; the filesystem's cached listings
+    dropped, as a stale one can hide a file) up to `attempts` times; then an ExportError names
+    the path and the last error."""
     for attempt in range(attempts):
         try:
-            return handler.metadata(path)
+            return read()
         except Exception as e:  # noqa: BLE001 - named in the error below
             error = e
         if attempt + 1 < attempts:
@@ -181,29 +161,19 @@ def _tree_metadata(ocp, path, attempts: int):
 
 class StateReader:
     """The arrays of one checkpoint step's `state` item, read by key onto the host as numpy
-    (orbax partial restore: nothing else is read)."""
+    (through a read-only Checkpointer: nothing else is read)."""
 
     def __init__(self, directory: str, step: int):
-        import orbax.checkpoint as ocp
-        from etils import epath
+        from jaxvrl.checkpoint import Checkpointer
 
-        self._ocp = ocp
-        self.path = epath.Path(directory) / str(step) / "state"
-        with _quiet_orbax():
-            self.checkpointer = ocp.PyTreeCheckpointer()
-            attempts = METADATA_ATTEMPTS if is_remote(directory) else 1
-            meta = _tree_metadata(ocp, self.path, attempts)
-        self.shapes = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in meta.items()}
+        self.checkpointer, self.step = Checkpointer(directory, read_only=True), step
+        self.path = self.checkpointer.item_path(step, "state")
+        attempts = METADATA_ATTEMPTS if is_remote(directory) else 1
+        read = lambda: self.checkpointer.array_metadata(step, "state")
+        self.shapes = _tree_metadata(read, self.path, attempts)  # key -> (shape, dtype)
 
     def read(self, keys) -> dict[str, np.ndarray]:
-        ocp = self._ocp
-        args = ocp.args.PyTreeRestore(
-            item={k: 0 for k in keys},
-            restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys},
-            partial_restore=True,
-        )
-        with _quiet_orbax():
-            return dict(self.checkpointer.restore(self.path, args=args))
+        return self.checkpointer.read_arrays(self.step, keys, "state")
 
 
 # --- checkpoint arrays -> the plain model's parameters ----------------------------------------

@@ -418,7 +418,7 @@ def load_start_params(path: str, state, ref_params, ref_shardings):
     if not step.isdigit():
         raise ConfigError(f"config.load_checkpoint_path={path!r}: expected <dir>/<step>")
     ck = Checkpointer(directory)
-    params = ck.restore_step(int(step), state).state.params
+    params = ck.restore_step(int(step), {"state": state})["state"].params
     ck.close()
     print(f"parameters from {path}", flush=True)
     ref = None
@@ -437,19 +437,19 @@ def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, repl
     rng = runtime.replicate(jax.random.key(c.seed), mesh)
     if not c.resume or ckpt.latest_step() is None:
         return 0, state, rng, {}
-    r = ckpt.restore_latest(state, rng_sharding=rng.sharding)
-    data.set_state(r.data_state if r.data_state is not None else r.meta["iterator"])
-    counters.load(r.counters)
-    if replay is not None and r.replay is None:
+    r = ckpt.restore_latest({"state": state, "rng": rng.sharding})
+    data.set_state(r["data_state"] if r["data_state"] is not None else r["meta"]["iterator"])
+    counters.load(r["counters"])
+    if replay is not None and r["replay"] is None:
         log.warning(
             "checkpoint step %d holds no replay buffer (written before it was saved, or by a "
             "run without filter.replay_buffer): the buffer starts empty",
             r.step,
         )
     elif replay is not None:
-        load_buffer(replay, r.replay)
+        load_buffer(replay, r["replay"])
     print(f"resumed from step {r.step}", flush=True)
-    return r.step, r.state, r.rng, r.meta
+    return r.step, r["state"], r["rng"], r["meta"]
 
 
 def training_mesh(c):
@@ -618,15 +618,15 @@ def _run(c) -> dict:
 
     def save(n: int, step_rng) -> None:
         meta = {"nonfinite_streak": nonfinite, "step_shapes": step_shapes.to_json()}
-        ckpt.save(
-            n,
-            state,
-            step_rng,
-            meta,
-            data_state=data.get_state(),
-            counters=counters.state(),
-            replay=None if phase.replay is None else save_buffer(phase.replay),
-        )
+        items = {
+            "state": state,
+            "rng": step_rng,
+            "meta": meta,
+            "data_state": data.get_state(),
+            "counters": counters.state(),
+            "replay": None if phase.replay is None else save_buffer(phase.replay),
+        }
+        ckpt.save(n, items)
 
     try:
         for step in range(start, 0 if c.val_only else c.total_steps):

@@ -103,9 +103,10 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     data_state = {"shard": pid, "next_index": 7 + 3 * pid}
     replay = bytes([pid]) * (5 + pid)  # and its own replay buffer, written by itself
     meta = {"note": "multihost"}
-    ckpt.save(2, state, rng, meta, data_state=data_state, force=True, replay=replay)
+    items = {"state": state, "rng": rng, "meta": meta, "data_state": data_state}
+    ckpt.save(2, {**items, "replay": replay}, force=True)
     ckpt.manager.wait_until_finished()
-    restored = ckpt.restore_latest(state)
+    restored = ckpt.restore_latest({"state": state})
     rng_back = jax.random.key_data(restored.rng).addressable_data(0)
     same_sharding = all(
         a.sharding == b.sharding

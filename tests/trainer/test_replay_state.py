@@ -169,14 +169,15 @@ def test_resume_restores_the_buffer_and_warns_when_the_checkpoint_has_none(tmp_p
     state, saved = {"w": jnp.zeros(2)}, rl.ReplayBuffer(capacity=4)
     saved.fill([group(0), group(1)], [True, True])
     ck = Checkpointer(str(tmp_path))
-    ck.save(1, state, jax.random.key(0), data_state={"pos": 1}, replay=save_buffer(saved))
+    items = {"state": state, "rng": jax.random.key(0), "data_state": {"pos": 1}}
+    ck.save(1, {**items, "replay": save_buffer(saved)})
     buf = rl.ReplayBuffer(capacity=4)
     start, *_ = resume(c, ck, state, data, mesh, RunCounters(SkipStats(), {}), buf)
     assert start == 1 and len(buf) == 2
     for a, b in zip(saved.contents(), buf.contents()):
         assert_same(a, b)
 
-    ck.save(2, state, jax.random.key(0), data_state={"pos": 2})  # no buffer saved
+    ck.save(2, {**items, "data_state": {"pos": 2}})  # no buffer saved
     buf = rl.ReplayBuffer(capacity=4)
     with caplog.at_level("WARNING", logger="jaxvrl"):
         start, *_ = resume(c, ck, state, data, mesh, RunCounters(SkipStats(), {}), buf)

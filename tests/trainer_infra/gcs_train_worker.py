@@ -29,9 +29,9 @@ def _watch(train):
     seen = {"saved": {}, "started": []}
 
     class Checkpointer(train.Checkpointer):
-        def save(self, step, state, *args, **kwargs):
-            seen["saved"][step] = _host_params(state)
-            return super().save(step, state, *args, **kwargs)
+        def save(self, step, items, *args, **kwargs):
+            seen["saved"][step] = _host_params(items["state"])
+            return super().save(step, items, *args, **kwargs)
 
     resume = train.resume
 

@@ -65,15 +65,17 @@ def test_round_trip_is_exact(tmp_path):
     state, rng = train_state(0), jax.random.split(jax.random.key(7))[1]
     meta = {"kl_coef": 0.0123, "counters": {"nonfinite": 2, "replayed": 7}}
     ck = Checkpointer(str(tmp_path / "ck"))
-    assert ck.latest_step() is None and ck.restore_latest(state) is None
+    assert ck.latest_step() is None and ck.restore_latest({"state": state}) is None
     counters = {"skipped": {"corrupt_image": ["a.jsonl:3"]}, "reward_failures": {"f": 2}}
-    assert ck.save(3, state, rng, meta, {"epoch": 1, "position": 17, "seed": 0}, counters=counters)
+    data_state = {"epoch": 1, "position": 17, "seed": 0}
+    items = {"state": state, "rng": rng, "meta": meta, "data_state": data_state}
+    assert ck.save(3, {**items, "counters": counters})
     ck.close()
     # a fresh manager (a new process would do the same), abstract target from eval_shape
     ck = Checkpointer(str(tmp_path / "ck"))
     abstract = jax.eval_shape(lambda: train_state(1))
-    r = ck.restore_latest(abstract)
-    assert r.step == 3 and r.meta == meta
+    r = ck.restore_latest({"state": abstract})
+    assert r.step == 3 and r.meta == meta and r["meta"] == meta
     assert r.data_state == {"epoch": 1, "position": 17, "seed": 0}
     assert r.counters == counters  # this process's running totals
     assert_trees_equal(r.state, state)
@@ -81,10 +83,10 @@ def test_round_trip_is_exact(tmp_path):
     assert r.state["half"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(jax.random.key_data(r.rng), jax.random.key_data(rng))
     assert jax.random.key_impl(r.rng) == jax.random.key_impl(rng)
-    # the train.py form: (state, rng, meta), concrete arrays as the target
-    s2, rng2, meta2 = ck.restore(3, train_state(1))
-    assert_trees_equal(s2, state)
-    assert meta2 == meta
+    # concrete arrays as the target
+    r2 = ck.restore_step(3, {"state": train_state(1)})
+    assert_trees_equal(r2["state"], state)
+    assert r2["meta"] == meta and r2.items.keys() == r.items.keys()
     ck.close()
 
 
@@ -92,14 +94,14 @@ def test_bytes_iterator_state_raw_rng_and_readable_keys(tmp_path):
     ck = Checkpointer(str(tmp_path))
     raw_rng = np.array([1, 2], np.uint32)  # jax.random.PRNGKey-style raw key data
     state = {"a": [jnp.arange(3), jnp.ones(2)], "b": {"c": jnp.zeros(())}}
-    ck.save(1, state, raw_rng, data_state=b'{"grain": "state"}')
-    r = ck.restore_step(1, state)
+    ck.save(1, {"state": state, "rng": raw_rng, "data_state": b'{"grain": "state"}'})
+    r = ck.restore_step(1, {"state": state})
     assert r.data_state == b'{"grain": "state"}'
     assert r.rng.dtype == np.uint32 and list(np.asarray(r.rng)) == [1, 2]
     assert tree_keys(state) == ["a/0", "a/1", "b/c"]
     assert sorted(ck.manager.restore(1)["state"]) == ["a/0", "a/1", "b/c"]
-    ck.save(2, state)  # no rng, no metadata, no counters (as checkpoints written before them)
-    r = ck.restore_latest(state)
+    ck.save(2, {"state": state})  # no rng, metadata or counters (as checkpoints before them)
+    r = ck.restore_latest({"state": state})
     assert r.rng is None and r.meta == {} and r.data_state is None and r.counters is None
     ck.close()
 
@@ -107,10 +109,10 @@ def test_bytes_iterator_state_raw_rng_and_readable_keys(tmp_path):
 def test_replay_bytes_are_this_processs_and_committed_with_the_step(tmp_path, monkeypatch):
     state, blob = {"w": jnp.arange(3.0)}, bytes(range(256)) * 3
     ck = Checkpointer(str(tmp_path))
-    ck.save(1, state, replay=blob)
-    ck.save(2, state)  # a run without a buffer, or a checkpoint from before it was saved
-    assert ck.restore_step(1, state).replay == blob
-    assert ck.restore_step(2, state).replay is None
+    ck.save(1, {"state": state, "replay": blob})
+    ck.save(2, {"state": state})  # a run without a buffer, or a checkpoint from before it was
+    assert ck.restore_step(1, {"state": state}).replay == blob
+    assert ck.restore_step(2, {"state": state}).replay is None
     assert "0-of-1" in os.listdir(tmp_path / "1" / "replay")
 
     def disk_full(self, directory, data):
@@ -118,42 +120,50 @@ def test_replay_bytes_are_this_processs_and_committed_with_the_step(tmp_path, mo
 
     monkeypatch.setattr(ProcessBytesHandler, "write", disk_full)
     with pytest.raises(OSError, match="disk full"):
-        ck.save(3, state, replay=blob)
+        ck.save(3, {"state": state, "replay": blob})
     monkeypatch.undo()
     ck.close()
     ck = Checkpointer(str(tmp_path))  # a step whose buffer was not written is no step
-    assert ck.all_steps() == [1, 2] and ck.restore_latest(state).step == 2
+    assert ck.all_steps() == [1, 2] and ck.restore_latest({"state": state}).step == 2
     replay = tmp_path / "1" / "replay"  # as if written by 2 processes
     os.rename(replay / "0-of-1", replay / "1-of-2")
     (replay / "0-of-2").write_bytes(blob)
     with pytest.raises(ValueError, match="replay buffers of 2 processes, this run has 1"):
-        ck.restore_step(1, state)
+        ck.restore_step(1, {"state": state})
     ck.close()
 
 
 def test_latest_max_to_keep_and_interval(tmp_path):
     ck = Checkpointer(str(tmp_path), max_to_keep=2)
     for step in (1, 2, 3, 4):
-        ck.save(step, {"x": jnp.full((2,), float(step))})
+        ck.save(step, {"state": {"x": jnp.full((2,), float(step))}})
     assert ck.all_steps() == [3, 4] and ck.latest_step() == 4
-    assert float(ck.restore_latest({"x": jnp.zeros(2)}).state["x"][0]) == 4.0
-    assert float(ck.restore_step(3, {"x": jnp.zeros(2)}).state["x"][0]) == 3.0
+    target = {"state": {"x": jnp.zeros(2)}}
+    assert float(ck.restore_latest(target).state["x"][0]) == 4.0
+    assert float(ck.restore_step(3, target).state["x"][0]) == 3.0
     with pytest.raises(CheckpointError, match="no checkpoint for step 1"):
-        ck.restore_step(1, {"x": jnp.zeros(2)})
+        ck.restore_step(1, target)
     ck.close()
     ck = Checkpointer(str(tmp_path / "every3"), save_interval_steps=3)
-    saved = [s for s in range(1, 8) if ck.save(s, {"x": jnp.zeros(1)})]
+    saved = [s for s in range(1, 8) if ck.save(s, {"state": {"x": jnp.zeros(1)}})]
     assert saved == [3, 6] and ck.should_save(9) and not ck.should_save(8)
-    assert ck.save(7, {"x": jnp.zeros(1)}, force=True)  # e.g. on SIGTERM
+    assert ck.save(7, {"state": {"x": jnp.zeros(1)}}, force=True)  # e.g. on SIGTERM
     assert ck.all_steps() == [6, 7]
     ck.close()
 
 
 def test_structure_mismatch_is_a_clear_error(tmp_path):
     ck = Checkpointer(str(tmp_path))
-    ck.save(1, {"w": jnp.zeros(2), "b": jnp.zeros(1)})
+    ck.save(1, {"state": {"w": jnp.zeros(2), "b": jnp.zeros(1)}})
     with pytest.raises(CheckpointError, match=r"missing \['v'\], unexpected \['w'\]"):
-        ck.restore_latest({"v": jnp.zeros(2), "b": jnp.zeros(1)})
+        ck.restore_latest({"state": {"v": jnp.zeros(2), "b": jnp.zeros(1)}})
+    # a name that is no checkpoint item (e.g. the state itself passed as the items)
+    with pytest.raises(TypeError, match=r"unknown checkpoint items \['b', 'w'\]"):
+        ck.save(2, {"w": jnp.zeros(2), "b": jnp.zeros(1)})
+    with pytest.raises(TypeError, match=r"restore_step: unknown checkpoint items \['v'\]"):
+        ck.restore_step(1, {"v": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="'state' is required"):
+        ck.save(2, {"meta": {}})
     ck.close()
 
 
@@ -161,9 +171,9 @@ def test_restore_uses_the_target_sharding(tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
     ck = Checkpointer(str(tmp_path))
-    ck.save(1, {"w": jnp.arange(4.0)})
+    ck.save(1, {"state": {"w": jnp.arange(4.0)}})
     target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=spec)}
-    r = ck.restore_latest(target)
+    r = ck.restore_latest({"state": target})
     assert r.state["w"].sharding == spec
     np.testing.assert_array_equal(np.asarray(r.state["w"]), np.arange(4.0))
     ck.close()
@@ -193,7 +203,7 @@ def test_sigterm_in_a_loop_saves_and_exits_cleanly(tmp_path):
     assert proc.returncode == 0, out
     assert "on SIGTERM" in out
     ck = Checkpointer(str(tmp_path))
-    r = ck.restore_latest({"w": jnp.zeros(3)})
+    r = ck.restore_latest({"state": {"w": jnp.zeros(3)}})
     assert r.meta == {"stopped_by": "SIGTERM"}
     assert float(r.state["w"][0]) == r.step >= 1
     ck.close()

@@ -180,7 +180,7 @@ def test_qlora_checkpoint_exports_dequantized_merged_weights(tmp_path):
         m.lora_b[...] = np.random.default_rng(0).normal(0, 0.1, m.lora_b.shape).astype(np.float32)
     _, params = nnx.split(model, nnx.Param)
     ck = Checkpointer(str(tmp_path / "run" / "checkpoints"))
-    ck.save(3, {"params": params, "opt_state": {"mu": params}}, force=True)
+    ck.save(3, {"state": {"params": params, "opt_state": {"mu": params}}}, force=True)
     ck.close()
     E.write_run_info(
         str(tmp_path / "run"),
@@ -378,16 +378,17 @@ def test_a_failed_remote_metadata_read_is_tried_again(monkeypatch):
                 raise FileNotFoundError(f"{path}/_METADATA")
             return {"params/w": "meta"}
 
-    class Ocp:
-        PyTreeCheckpointHandler = Handler
+    def read(path):
+        return lambda: Handler().metadata(path)
 
     monkeypatch.setattr(E.time, "sleep", sleeps.append)
     monkeypatch.setattr(E, "forget_listings", lambda: forgets.append(1))
-    assert E._tree_metadata(Ocp, "gs://b/run/checkpoints/2/state", 4) == {"params/w": "meta"}
+    path = "gs://b/run/checkpoints/2/state"
+    assert E._tree_metadata(read(path), path, 4) == {"params/w": "meta"}
     assert len(calls) == 3 and sleeps == [1, 2] and len(forgets) == 2
     calls.clear()
     with pytest.raises(E.ExportError, match=r"gs://b/s/_METADATA \(2 attempts\): FileNotFound"):
-        E._tree_metadata(Ocp, "gs://b/s", 2)
+        E._tree_metadata(read("gs://b/s"), "gs://b/s", 2)
 
 
 def test_policy_sources_map_lora_and_qlora_keys():
