@@ -17,7 +17,13 @@ from jaxvrl.data.buckets import length_bucket, pow2_bucket
 from jaxvrl.data.prompts import pool_token_ids
 from jaxvrl.data.rows import EncodeOptions, encode_rows  # noqa: F401 -- re-exported
 from jaxvrl.data.sources import read_rows  # noqa: F401 -- re-exported
-from jaxvrl.models import attention_pools, rope_index, stack_vision_inputs, vision_inputs
+from jaxvrl.models import (
+    attention_pools,
+    processor,
+    rope_index,
+    stack_vision_inputs,
+    vision_inputs,
+)
 
 
 def collate(
@@ -58,7 +64,8 @@ def collate(
         )
     pools = None
     if with_pools:
-        pools = attention_pools(ids, mask, p, **pool_token_ids(tokenizer))
+        tokens = processor(model_config) if model_config.vision is not None else None
+        pools = attention_pools(ids, mask, p, **pool_token_ids(tokenizer, tokens))
     return dict(
         input_ids=ids,
         attention_mask=mask,

@@ -29,8 +29,6 @@ MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
 VIDEO_MIN_PIXELS = 128 * 28 * 28
 VIDEO_MAX_PIXELS = 768 * 28 * 28
-IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
 def _sizes(settings, video: bool = False, **given) -> dict:
@@ -326,13 +324,30 @@ def process_video_qwen3(
     return p, np.asarray([grid], np.int64), frame_timestamps(indices, fps, tps)
 
 
-def video_placeholder_qwen3(grid_thw, timestamps: Sequence[float], merge_size: int = 2) -> str:
+def family_tokens(settings: ProcessorSettings | None) -> ProcessorSettings:
+    """The settings whose special tokens a prompt uses: the family's, or (None) the default
+    processor's (Qwen's tokens), imported here so that reading rows needs no jax."""
+    if settings is not None:
+        return settings
+    from jaxvrl.models.families import ProcessorSettings as Default
+
+    return Default()
+
+
+def video_placeholder_qwen3(
+    grid_thw,
+    timestamps: Sequence[float],
+    merge_size: int = 2,
+    tokens: ProcessorSettings | None = None,
+) -> str:
     """What Qwen3-VL's processor writes for one `<|video_pad|>`: per frame group its
-    timestamp (`<1.3 seconds>`) and its own vision span of h*w / merge^2 pad tokens."""
+    timestamp (`<1.3 seconds>`) and its own vision span of h*w / merge^2 pad tokens (the
+    family's tokens, `tokens`; default the Qwen ones)."""
+    tok = family_tokens(tokens)
     t, h, w = (int(x) for x in np.asarray(grid_thw).reshape(3))
     if len(timestamps) != t:
         raise ValueError(f"a video of {t} frame groups has {len(timestamps)} timestamps")
-    span = VISION_START + VIDEO_PAD * (h * w // merge_size**2) + VISION_END
+    span = tok.vision_start + tok.video_pad * (h * w // merge_size**2) + tok.vision_end
     return "".join(f"<{s:.1f} seconds>" + span for s in timestamps)
 
 
@@ -342,18 +357,22 @@ def expand_prompt_qwen3(
     video_grid_thw=None,
     video_timestamps: Sequence[Sequence[float]] = (),
     merge_size: int = 2,
+    tokens: ProcessorSettings | None = None,
 ) -> str:
     """A rendered prompt with its k-th `<|image_pad|>` repeated for the k-th image's merged
     tokens and its k-th `<|video_pad|>` replaced by `video_placeholder_qwen3` of the k-th
-    video (the chat template's own vision start/end stay around it), as Qwen3VLProcessor."""
+    video (the chat template's own vision start/end stay around it), as Qwen3VLProcessor;
+    the pads are the family's (`tokens`, default the Qwen ones)."""
+    tok = family_tokens(tokens)
     images = [] if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3)
     videos = [] if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
     if len(videos) != len(video_timestamps):
         raise ValueError(f"{len(videos)} videos but {len(video_timestamps)} timestamp lists")
     fills = {
-        IMAGE_PAD: [IMAGE_PAD * (int(np.prod(g)) // merge_size**2) for g in images],
-        VIDEO_PAD: [
-            video_placeholder_qwen3(g, ts, merge_size) for g, ts in zip(videos, video_timestamps)
+        tok.image_pad: [tok.image_pad * (int(np.prod(g)) // merge_size**2) for g in images],
+        tok.video_pad: [
+            video_placeholder_qwen3(g, ts, merge_size, tok)
+            for g, ts in zip(videos, video_timestamps)
         ],
     }
     for pad, parts_in in fills.items():

@@ -16,10 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxvrl.data.processor import expand_prompt_qwen3
+from jaxvrl.data.processor import expand_prompt_qwen3, family_tokens
 
-IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 PLACEHOLDERS = re.compile(r"(<image>|<video>)")
 PART = {"<image>": "image", "<video>": "video"}
 
@@ -35,15 +33,17 @@ def default_tokenizer_path() -> str:
     )
 
 
-def special_token_ids(tokenizer) -> dict[str, int]:
-    """Ids the model config needs: image/video pad, vision start/end, im_start/im_end, pad, eos.
+def special_token_ids(tokenizer, tokens=None) -> dict[str, int]:
+    """Ids the model config needs: image/video pad, vision start/end (the family's tokens,
+    `tokens`: its ProcessorSettings, default Qwen's), im_start/im_end, pad, eos.
 
     Raises if the tokenizer lacks one (a tokenizer without them cannot drive Qwen2.5-VL)."""
+    tok = family_tokens(tokens)
     names = {
-        "image_token_id": IMAGE_PAD,
-        "video_token_id": VIDEO_PAD,
-        "vision_start_token_id": VISION_START,
-        "vision_end_token_id": VISION_END,
+        "image_token_id": tok.image_pad,
+        "video_token_id": tok.video_pad,
+        "vision_start_token_id": tok.vision_start,
+        "vision_end_token_id": tok.vision_end,
         "im_start_id": "<|im_start|>",
         "im_end_id": "<|im_end|>",
     }
@@ -184,10 +184,12 @@ def _text(content) -> str:
 
 
 def expand_vision_pads(
-    prompt: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = ()
+    prompt: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = (), tokens=None
 ) -> str:
-    """Replace the k-th <|image_pad|> (<|video_pad|>) by image_tokens[k] copies."""
-    for pad, counts in ((IMAGE_PAD, image_tokens), (VIDEO_PAD, video_tokens)):
+    """Replace the k-th <|image_pad|> (<|video_pad|>) by image_tokens[k] copies (the family's
+    pads, `tokens`: its ProcessorSettings, default Qwen's)."""
+    tok = family_tokens(tokens)
+    for pad, counts in ((tok.image_pad, image_tokens), (tok.video_pad, video_tokens)):
         parts = prompt.split(pad)
         if len(parts) - 1 != len(counts):
             raise ValueError(f"prompt has {len(parts) - 1} {pad} but {len(counts)} inputs")
@@ -198,11 +200,13 @@ def expand_vision_pads(
     return prompt
 
 
-def shown_prompt(tokenizer, ids) -> str:
+def shown_prompt(tokenizer, ids, tokens=None) -> str:
     """Prompt ids as text for a reader: special tokens kept, each run of vision pads written
-    once with its length (`<|vision_start|><|image_pad|>x64<|vision_end|>`)."""
+    once with its length (`<|vision_start|><|image_pad|>x64<|vision_end|>`; the family's
+    pads, `tokens`, default Qwen's)."""
     text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
-    for pad in (IMAGE_PAD, VIDEO_PAD):
+    tok = family_tokens(tokens)
+    for pad in (tok.image_pad, tok.video_pad):
         run = re.compile(f"(?:{re.escape(pad)})+")
         text = run.sub(lambda m, pad=pad: f"{pad}x{len(m.group()) // len(pad)}", text)
     return text
@@ -243,19 +247,21 @@ def encode_rendered(
     video_grid_thw=None,
     merge_size: int = 2,
     video_timestamps=None,
+    tokens=None,
 ) -> list[int]:
     """Token ids of a prompt `render_prompt` wrote, each vision span's pad expanded to its
-    image's (video's) merged tokens (`encode_prompt`'s arguments)."""
+    image's (video's) merged tokens (`encode_prompt`'s arguments; tokens: the family's
+    ProcessorSettings, whose pads the template wrote, default Qwen's)."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer(rendered)["input_ids"]  # the plain prompt: the tokenizer's own BOS
     img = vision_token_counts(image_grid_thw, merge_size) if image_grid_thw is not None else []
     vid = vision_token_counts(video_grid_thw, merge_size) if video_grid_thw is not None else []
     if video_timestamps is not None:
         expanded = expand_prompt_qwen3(
-            rendered, image_grid_thw, video_grid_thw, video_timestamps, merge_size
+            rendered, image_grid_thw, video_grid_thw, video_timestamps, merge_size, tokens
         )
     else:
-        expanded = expand_vision_pads(rendered, img, vid)
+        expanded = expand_vision_pads(rendered, img, vid, tokens)
     return tokenizer(expanded, add_special_tokens=False)["input_ids"]
 
 
@@ -266,11 +272,14 @@ def _token_id(tokenizer, token: str) -> int:
     return -1 if i is None or i == tokenizer.unk_token_id else int(i)
 
 
-def pool_token_ids(tokenizer) -> dict:
+def pool_token_ids(tokenizer, tokens=None) -> dict:
     """Token ids that `attention_pools` needs, read from the tokenizer (-1 for a token it
     lacks: a text-only model's tokenizer has no vision tokens, and its chat turns may be
-    marked otherwise than Qwen's `<|im_start|>`)."""
-    names = ("<|im_start|>", "<|im_end|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+    marked otherwise than Qwen's `<|im_start|>`); the vision tokens are the family's
+    (`tokens`: its ProcessorSettings, default Qwen's)."""
+    tok = family_tokens(tokens)
+    vision = (tok.vision_start, tok.vision_end, tok.image_pad, tok.video_pad)
+    names = ("<|im_start|>", "<|im_end|>", *vision)
     ids = {t: _token_id(tokenizer, t) for t in names}
     special = set(tokenizer.all_special_ids) | {i for i in ids.values() if i >= 0}
     return dict(
@@ -278,5 +287,5 @@ def pool_token_ids(tokenizer) -> dict:
         im_end_id=ids["<|im_end|>"],
         user_header_ids=tokenizer("user\n", add_special_tokens=False)["input_ids"],
         special_ids=sorted(special),
-        vision_ids=[ids[IMAGE_PAD], ids[VIDEO_PAD]],
+        vision_ids=[ids[tok.image_pad], ids[tok.video_pad]],
     )

@@ -265,6 +265,7 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
         media["video_grid_thw"] if video_refs else None,
         (opts.processor or ProcessorSettings()).merge_size,
         media.pop("timestamps"),
+        opts.processor,
     )
     if len(ids) > opts.max_prompt_length:
         stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")

@@ -39,7 +39,8 @@ class ProcessorSettings:
     """The image/video processor of a family: patches of `patch_size` pixels, `merge_size` x
     `merge_size` of them merged into one token, `temporal_patch_size` frames per patch,
     normalised by `image_mean` / `image_std`; images resized to multiples of patch x merge
-    within [min_pixels, max_pixels], video frames within the video limits."""
+    within [min_pixels, max_pixels], video frames within the video limits; the special
+    tokens that stand for images and videos in its prompts."""
 
     patch_size: int = 14
     merge_size: int = 2
@@ -53,6 +54,12 @@ class ProcessorSettings:
     # Qwen3-VL: each frame group of a video gets its timestamp text and its own vision span,
     # and the video limits bound all of a video's frames together
     video_timestamps: bool = False
+    # the family's special tokens: an image's (video's) pad, repeated once per merged token,
+    # inside a vision span
+    image_pad: str = "<|image_pad|>"
+    video_pad: str = "<|video_pad|>"
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
 
     @property
     def factor(self) -> int:

@@ -92,6 +92,27 @@ def test_pad_count_mismatch_is_an_error(tokenizer):
         expand_vision_pads("<|image_pad|>", [4, 4])
 
 
+def test_the_vision_tokens_are_the_familys():
+    """A family whose processor names other vision tokens: its pads are the ones expanded
+    (and Qwen's are left alone), its video spans use its start and end."""
+    import dataclasses
+
+    from jaxvrl.data.processor import video_placeholder_qwen3
+    from jaxvrl.data.prompts import expand_vision_pads
+    from jaxvrl.models import ProcessorSettings
+
+    own = dataclasses.replace(
+        ProcessorSettings(), image_pad="<img>", video_pad="<vid>", vision_start="[", vision_end="]"
+    )
+    text = "a <img> b <vid> c <|image_pad|>"
+    assert (
+        expand_vision_pads(text, [2], [3], own) == "a <img><img> b <vid><vid><vid> c <|image_pad|>"
+    )
+    assert video_placeholder_qwen3([2, 2, 2], [0.5, 1.5], 2, own) == (
+        "<0.5 seconds>[<vid>]<1.5 seconds>[<vid>]"
+    )
+
+
 def test_a_tokenizer_without_a_chat_template_gets_the_plain_prompt(tokenizer):
     """A base model's tokenizer (no chat template): the system prompt, a blank line and the
     text, with the tokenizer's own special tokens."""
