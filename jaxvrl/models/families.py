@@ -16,7 +16,7 @@ import importlib
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from jaxvrl.config import ConfigError
 from jaxvrl.models import text
@@ -77,6 +77,21 @@ class ProcessorSettings:
         return 3 * self.temporal_patch_size * self.patch_size**2
 
 
+class VisionEncoder(Protocol):
+    """What the model asks of a family's vision encoder (`Family.encoder`, built as
+    `encoder(cfg.vision, dtype=, param_dtype=, rngs=, scan_layers=)`; `VisionTower` is every
+    family's today). Its host-side half is `Family.vision_inputs`, which lays out patches,
+    grids, windows and the reverse index as `VisionInputs`; the model then replaces the k-th
+    image (video) pad token with the k-th merged feature, and adds the DeepStack levels
+    where there are some. remat_policy, attention and attention_block are set by the
+    model's setters."""
+
+    def features(self, inputs: Any) -> tuple[Any, Any]:
+        """(merged features [U, D] (packed inputs) or [B, U, D] (per row), in the order
+        `inputs.reverse_index` reads; DeepStack levels [K, ...] of the same shape, or None)."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family.
@@ -99,7 +114,7 @@ class Family:
     rope_index: Callable
     vision_inputs: Callable | None = None
     processor: Callable[[Any], ProcessorSettings] | None = None
-    encoder: Callable[..., Any] | None = None
+    encoder: Callable[..., VisionEncoder] | None = None
     lora_prefix: str = "model"
     vision_prefix: str = "visual"
 
