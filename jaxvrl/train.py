@@ -345,7 +345,7 @@ def make_rollout_phase(
         filter_low=f.filter_low,
         filter_high=f.filter_high,
     )
-    stats = "mdi" in c.reward.funcs or step_cfg.vgr.enable_token_weights
+    stats = "mdi" in c.reward.funcs or step_cfg.needs_attention
     replay = None
     if rb.enable:
         replay = rl.ReplayBuffer(rb.capacity, rb.min_std, rb.min_mean, rb.max_mean)
@@ -366,7 +366,7 @@ def make_rollout_phase(
         ),
         opts=opts,
         attention=(c.vgr.layer_set, c.vgr.token_weight_last_k_layers) if stats else None,
-        with_pools=step_cfg.vgr.enable_token_weights,
+        with_pools=step_cfg.needs_attention,
         mdi_balance_ratio=c.reward.mdi_balance_ratio,
         replay=replay,
         greedy=greedy if c.algorithm.adv_estimator == "remax" else None,

@@ -323,7 +323,7 @@ class Plan:
             mask,
             np.zeros((b,), np.float32),
             np.ones((b,), bool),
-            pools=self._pools(p, b) if cfg.vgr.enable_token_weights else None,
+            pools=self._pools(p, b) if cfg.needs_attention else None,
             old_logprobs=np.zeros((b, n), np.float32),  # the sampler's, as the rollout gives
             old_entropy=np.zeros((b, n), np.float32) if cfg.sampler_shaping else None,
         )
@@ -397,7 +397,7 @@ class Plan:
 
     def _sampler(self):
         sampler = self.sampler()
-        pools = "mdi" in self.c.reward.funcs or self.step_config.vgr.enable_token_weights
+        pools = "mdi" in self.c.reward.funcs or self.step_config.needs_attention
         prompts = self.sampler_prompts
         p = self.prompts(pools, prompts)
         params = self.init.state.params  # the trainer's: `prepare` puts them in the layout

@@ -206,19 +206,31 @@ def kl_in_reward(
 
 
 def entropy_bonus(
-    entropy: jax.Array, mask: jax.Array, mode: str, coef: float = 1.0, denominator=None
+    entropy: jax.Array,
+    mask: jax.Array,
+    mode: str,
+    coef: float = 1.0,
+    denominator=None,
+    horizon: int | None = None,
 ) -> jax.Array:
     """Term to add to the loss for the entropy bonus: -coef * agg(H), H float32[B, T] the
-    policy's per-token entropy (`entropy_coef`). float32[]."""
-    return -coef * agg_loss(entropy, mask, mode, denominator)
+    policy's per-token entropy (`entropy_coef`); denominator, horizon: as `agg_loss`'s.
+    float32[]."""
+    return -coef * agg_loss(entropy, mask, mode, denominator, horizon)
 
 
 def entropy_penalty(
-    logp: jax.Array, mask: jax.Array, mode: str, coef: float = 1.0, denominator=None
+    logp: jax.Array,
+    mask: jax.Array,
+    mode: str,
+    coef: float = 1.0,
+    denominator=None,
+    horizon: int | None = None,
 ) -> jax.Array:
     """Term to add to the loss for the entropy penalty (VPPO): coef * agg(-logp), logp
-    float32[B, T] of the sampled tokens (`entropy_penalty_coef`, VPPO 0.06). float32[]."""
-    return coef * agg_loss(-logp, mask, mode, denominator)
+    float32[B, T] of the sampled tokens (`entropy_penalty_coef`, VPPO 0.06); denominator,
+    horizon: as `agg_loss`'s. float32[]."""
+    return coef * agg_loss(-logp, mask, mode, denominator, horizon)
 
 
 def value_loss(
@@ -254,14 +266,16 @@ def value_loss(
 def adaptive_kl_coef(
     beta: float, current_kl: float, target: float, horizon: int, n_steps: int
 ) -> float:
-    """beta (1 + e n_steps / horizon) with e = clip(KL / target - 1, -0.2, 0.2) (host side)."""
-    e = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    """beta (1 + e n_steps / horizon) with e = clip(KL / target - 1, -0.2, 0.2): Python
+    numbers on the host, or jax arrays (jit-able, as the train step calls it)."""
+    e = current_kl / target - 1.0
+    e = jnp.clip(e, -0.2, 0.2) if isinstance(e, jax.Array) else min(max(e, -0.2), 0.2)
     return beta * (1.0 + e * n_steps / horizon)
 
 
 @dataclasses.dataclass
 class FixedKLController:
-    """KL coefficient that never changes (host side)."""
+    """KL coefficient that never changes (on the host, or inside jit on an array)."""
 
     value: float
 
@@ -272,7 +286,8 @@ class FixedKLController:
 
 @dataclasses.dataclass
 class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al.; verl): see adaptive_kl_coef (host side)."""
+    """Adaptive KL coefficient (Ziegler et al.; verl): see adaptive_kl_coef (on the host, or
+    inside jit on arrays: the train step builds one per step from its state's beta)."""
 
     value: float
     target: float

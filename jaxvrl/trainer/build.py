@@ -11,14 +11,15 @@ from flax import nnx
 from jaxvrl.models import lora
 from jaxvrl.sampling.layout import rollout_dtype
 from jaxvrl.trainer import critic as critic_lib
+from jaxvrl.trainer.methods import TOKEN_METHODS, Term
 from jaxvrl.trainer.state import StepConfig, TrainState, split_trainable
 
 
-def step_config(c, mesh=None) -> StepConfig:
-    """The train step's settings: the run's config, frozen, with actor.shaping_source "auto"
-    resolved for the rollout on `mesh` (None: one device): "sampler" where the rollout
-    computes in model.dtype, else "recompute"."""
-    cfg = StepConfig.of(c)
+def step_config(c, mesh=None, table: tuple[Term, ...] = TOKEN_METHODS) -> StepConfig:
+    """The train step's settings: what it reads of the run's config, with the token methods
+    of `table` and actor.shaping_source "auto" resolved for the rollout on `mesh` (None: one
+    device): "sampler" where the rollout computes in model.dtype, else "recompute"."""
+    cfg = StepConfig.of(c, table)
     if c.actor.shaping_source != "auto":
         return cfg
     same = rollout_dtype(c.rollout.dtype, mesh, c.model.dtype) is None

@@ -86,14 +86,15 @@ class AttentionMaps:
     @classmethod
     def build(cls, graphdef, mcfg, samples: int, step_cfg) -> AttentionMaps:
         """From the train step's settings: the perturbed pass where the run has one."""
-        tprl = step_cfg.tprl
         perturbed = step_cfg.needs_perturbed
+        perception = any(t.name == "perception_mask" for t in step_cfg.terms)
+        top_p = step_cfg.option("tprl.top_p_perception_tokens") if perception else 0.0
         return cls(
             graphdef,
             mcfg,
             samples,
-            float(tprl.black_prob) if perturbed else 0.0,
-            float(tprl.top_p_perception_tokens) if tprl.enable_perception_filtering else 0.0,
+            float(step_cfg.tprl.black_prob) if perturbed else 0.0,
+            float(top_p),
         )
 
     def __call__(self, params, rollout: Rollout, token_weights=None, rng=None) -> list[dict]:

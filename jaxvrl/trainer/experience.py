@@ -7,13 +7,16 @@ updates.
    adapters off), critic values (GAE);
 2. batch-level rules on [B, N] arrays: token-level rewards (score on the last completion token,
    minus kl_coef * KL(old || ref) with KL-in-reward), advantages (GAE or group estimators),
-   visual dependency, perception/entropy masks, TAS, VGR weights; batch statistics (top-p
-   over the batch, TAS min/max, whitening) span every row;
+   the token methods (trainer/methods.py: visual dependency, perception/entropy masks, TAS,
+   VGR weights); batch statistics (top-p over the batch, TAS min/max, whitening) span every
+   row;
 3. the ratio's old log-probs (the sampler's or the recomputed ones) and the rollout
    correction between the two.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,7 @@ from flax import nnx, struct
 from jaxvrl import models, rl
 from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
+from jaxvrl.trainer import methods
 from jaxvrl.trainer.passes import (
     RolloutBatch,
     batch_rows,
@@ -122,12 +126,12 @@ def no_grad_passes(
             # with a perturbed pass, the clean and the perturbed rows run as one batch of
             # interleaved rows: one forward reads each layer's weights once for both
             both = paired_packing(interleave_rows(mb, mb.replace(images=aug_mb))) if paired else mb
-            comp, out = completion_hidden(model, both, pools=cfg.vgr.enable_token_weights)
+            comp, out = completion_hidden(model, both, pools=cfg.needs_attention)
             logp, entropy = comp.logprobs(model, cfg.temperature, entropy="value")
             if paired:
                 (logp, res["aug_logp"]), (entropy, _) = unpair_rows(logp), unpair_rows(entropy)
             res["old_logp"], res["entropy"] = logp, entropy
-            if cfg.vgr.enable_token_weights:
+            if cfg.needs_attention:
                 for name in ("vision_mass", "text_mass"):
                     mass = getattr(out, name)  # [L, rows, N]
                     res[name] = unpair_rows(mass, axis=1)[0] if paired else mass
@@ -217,62 +221,29 @@ def advantages(batch: RolloutBatch, passes: Passes, cfg: StepConfig, kl_coef):
 
 def shaping(batch: RolloutBatch, passes: Passes, cfg: StepConfig, adv):
     """(advantages with TAS, token mask or None, token weights or None, metrics) for the
-    whole batch: visual dependency, perception / entropy masks, TAS, VGR weights."""
-    mask = batch.completion_mask
-    metrics = {}
-    token_mask = None
-    if passes.aug_logp is not None:
-        score = rl.visual_dependency(passes.aug_logp, passes.old_logp, mask)
-        metrics["sensitivity_score_mean"] = jnp.sum(score * mask) / jnp.maximum(mask.sum(), 1)
-        if cfg.tprl.enable_perception_filtering:
-            token_mask = rl.top_p_token_mask(score, mask, cfg.tprl.top_p_perception_tokens)
-        if cfg.tprl.enable_trajectory_reweighting:
-            # rows without an image have no visual dependency: alpha = 1, left out of the mean
-            alpha = rl.trajectory_scaling(
-                score, mask, cfg.tprl.trajectory_scaling_min, row_mask=batch.has_image
-            )
-            metrics["scaling_factor_mean"] = jnp.mean(alpha)
-            adv = adv * (alpha if adv.ndim == 1 else alpha[:, None])
-    if cfg.tprl.enable_entropy_filtering:
-        ent_mask = rl.entropy_token_mask(
-            passes.entropy,
-            mask,
-            cfg.tprl.top_p_entropy_tokens,
-            scope=cfg.tprl.entropy_filter_scope,
-        )
-        token_mask = ent_mask if token_mask is None else jnp.maximum(token_mask, ent_mask)
-    if token_mask is not None:
-        metrics["perception_token_fraction"] = jnp.sum(token_mask * mask) / jnp.maximum(
-            mask.sum(), 1
-        )
-    weights = None
-    if cfg.vgr.enable_token_weights:
-        vgr = rl.per_token_vgr(
-            passes.vision_mass,
-            passes.text_mass,
-            batch.pools["vision"].sum(-1),
-            batch.pools["text"].sum(-1),
-            layer_set=cfg.vgr.layer_set,
-            last_k=cfg.vgr.token_weight_last_k_layers,
-        )
-        weights = rl.vgr_token_weights(
-            vgr,
-            mask,
-            clip=cfg.vgr.token_weight_clip,
-            smooth_sigma=cfg.vgr.token_weight_smooth_sigma,
-            has_image=batch.has_image,
-        )
-        metrics["token_weight_mean"] = jnp.sum(weights * mask) / jnp.maximum(mask.sum(), 1)
-    return adv, token_mask, weights, metrics
+    whole batch: the token methods switched on (`cfg.terms`, trainer/methods.py) over the
+    batch's columns and the passes' outputs."""
+    cols = {
+        "completion_mask": batch.completion_mask,
+        "has_image": batch.has_image,
+        "pools": batch.pools,
+    }
+    for f in dataclasses.fields(passes):  # the outputs of the passes that ran
+        if getattr(passes, f.name) is not None:
+            cols[f.name] = getattr(passes, f.name)
+    return methods.shape(cfg.terms, cols, dict(cfg.options), adv)
 
 
 def _next_kl_coef(kl_coef, kl, rows: int, cfg: StepConfig):
-    """The adaptive controller's beta (1 + clip(KL / target - 1, -0.2, 0.2) n / horizon), with
-    n = rows of the batch (verl's n_steps); the fixed controller keeps beta."""
-    if cfg.algorithm.kl_ctrl.type == "fixed":
-        return kl_coef
-    e = jnp.clip(kl / cfg.algorithm.kl_ctrl.target_kl - 1.0, -0.2, 0.2)
-    return kl_coef * (1.0 + e * rows / cfg.algorithm.kl_ctrl.horizon)
+    """The KL controller's next beta, with n = rows of the batch (verl's n_steps): the
+    adaptive one's beta (1 + clip(KL / target - 1, -0.2, 0.2) n / horizon), the fixed one's
+    beta."""
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "fixed":
+        ctrl = rl.FixedKLController(kl_coef)
+    else:
+        ctrl = rl.AdaptiveKLController(kl_coef, k.target_kl, k.horizon)
+    return ctrl.update(kl, rows)
 
 
 def _old_logprobs(batch: RolloutBatch, passes: Passes, cfg: StepConfig, metrics: dict):

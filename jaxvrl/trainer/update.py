@@ -19,6 +19,7 @@ from flax import nnx, struct
 from jaxvrl import rl
 from jaxvrl.models import lora
 from jaxvrl.trainer import critic as critic_lib
+from jaxvrl.trainer import methods
 from jaxvrl.trainer.experience import Experience, Extras, Passes, Rows, shaping
 from jaxvrl.trainer.passes import (
     RolloutBatch,
@@ -91,12 +92,13 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     if aux.dropout_key is not None:  # LoRA dropout, in the gradient pass only
         lora.set_dropout_key(model, aux.dropout_key)
     in_loss = cfg.shaping_in_loss
-    comp, out = completion_hidden(model, mb, pools=in_loss and cfg.vgr.enable_token_weights)
-    want_entropy = cfg.actor.entropy_coef or not cfg.old_pass
+    comp, out = completion_hidden(model, mb, pools=in_loss and cfg.needs_attention)
+    grad_entropy = cfg.grad_entropy  # a loss term reads it
+    want_entropy = grad_entropy or not cfg.old_pass
     logp, entropy = comp.logprobs(
         model,
         cfg.temperature,
-        entropy=("grad" if cfg.actor.entropy_coef else "value") if want_entropy else "none",
+        entropy=("grad" if grad_entropy else "value") if want_entropy else "none",
     )
     mask = mb.completion_mask
     sg = jax.lax.stop_gradient
@@ -105,8 +107,10 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     adv, token_mask, weights = rows.advantages, rows.token_mask, rows.token_weights
     shaping_metrics = {}
     if in_loss:  # the whole batch is here: shape it from this pass's own quantities
-        local = Passes(old_logp=old_logp, entropy=sg(entropy), aug_logp=rows.aug_logp)
-        if cfg.vgr.enable_token_weights:
+        local = Passes(
+            old_logp=old_logp, entropy=sg(entropy), aug_logp=rows.aug_logp, ref_logp=rows.ref_logp
+        )
+        if cfg.needs_attention:
             local = local.replace(vision_mass=sg(out.vision_mass), text_mass=sg(out.text_mass))
         adv, token_mask, weights, shaping_metrics = shaping(mb, local, cfg, adv)
     if rows.is_weights is not None:  # rollout correction: on the per-token terms, like a mask
@@ -126,18 +130,14 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
         horizon=cfg.rollout.max_new_tokens,  # the completion axis may be cut to the batch
     )
     metrics = {"pg_loss": loss, **metrics}
-    mode, horizon = cfg.actor.loss_agg_mode, cfg.rollout.max_new_tokens
-    agg = lambda x: rl.agg_loss(x, mask, mode, horizon=horizon)  # noqa: E731
-    if cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0:
-        kl = rl.kl_penalty(logp, rows.ref_logp, cfg.actor.kl_loss_type)
-        metrics["kl_loss"] = agg(kl)
-        loss = loss + cfg.actor.kl_loss_coef * metrics["kl_loss"]
-    if cfg.actor.entropy_coef:
-        metrics["entropy_loss"] = agg(entropy)
-        loss = loss - cfg.actor.entropy_coef * metrics["entropy_loss"]
-    if cfg.actor.use_entropy_penalty:
-        metrics["entropy_penalty"] = agg(-logp)
-        loss = loss + cfg.actor.entropy_penalty_coef * metrics["entropy_penalty"]
+    # the loss terms of the token methods (KL loss, entropy bonus and penalty, ...)
+    cols = {"completion_mask": mask, "has_image": mb.has_image, "pools": mb.pools, "logp": logp}
+    if want_entropy:
+        cols["entropy"] = entropy
+    if rows.ref_logp is not None:
+        cols["ref_logp"] = rows.ref_logp
+    loss, term_metrics = methods.loss_terms(cfg.terms, cols, dict(cfg.options), loss)
+    metrics.update(term_metrics)
     scale = aux.share
     loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)

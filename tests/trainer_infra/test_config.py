@@ -366,8 +366,10 @@ def test_every_base_key_has_a_comment():
 
 def test_a_setting_declared_in_one_place_reaches_the_step_with_its_rule(tmp_path):
     """A throwaway key added to a copy of configs/base.py, one line with its rule and nothing
-    else: an override sets it, the step's settings carry it, its rule refuses a bad value."""
+    else: an override sets it, the step's settings carry it once a token method declares it
+    (and not before: the step holds only what it reads), its rule refuses a bad value."""
     from jaxvrl.trainer.build import step_config
+    from jaxvrl.trainer.methods import TOKEN_METHODS, Term, flag
 
     src = open(BASE).read()
     anchor = "    c.actor.entropy_coef = "
@@ -377,7 +379,11 @@ def test_a_setting_declared_in_one_place_reaches_the_step_with_its_rule(tmp_path
     path = tmp_path / "configs" / "base.py"
     path.write_text(src.replace(anchor, line + anchor, 1))
     c = load_config(str(path), ["actor.throwaway_coef=0.25"])
-    assert step_config(c).actor.throwaway_coef == 0.25
+    with pytest.raises(KeyError):
+        step_config(c).option("actor.throwaway_coef")
+    keys = ("actor.throwaway_coef",)
+    term = Term("throwaway", "loss", ("logp",), lambda cols, o: (0.0, {}), keys, flag(keys[0]))
+    assert step_config(c, table=TOKEN_METHODS + (term,)).option("actor.throwaway_coef") == 0.25
     with pytest.raises(ConfigError, match=r"config\.actor\.throwaway_coef=1\.5 .*in \[0, 1\]"):
         load_config(str(path), ["actor.throwaway_coef=1.5"])
 
