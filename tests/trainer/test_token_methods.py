@@ -12,16 +12,16 @@ from flax import nnx
 
 from configs import base
 from jaxvrl.config import set_values
-from jaxvrl.trainer.methods import TOKEN_METHODS, Term, flag
+from jaxvrl.trainer.methods import TOKEN_METHODS, Term
 from jaxvrl.trainer.state import StepConfig
 from jaxvrl.trainer.step import make_train_step
 from tests.helpers import G, init_state, make_batch, metrics_adv
 
 
 def _first_tokens(cols, opts):
-    """tprl.first_tokens_value on the first two completion columns, 0 after."""
-    keep = jnp.zeros_like(cols["completion_mask"]).at[:, :2].set(1.0)
-    return keep * opts["tprl.first_tokens_value"], {}
+    """1 on the first tprl.first_tokens completion columns, 0 after."""
+    k = opts["tprl.first_tokens"]
+    return jnp.zeros_like(cols["completion_mask"]).at[:, :k].set(1.0), {}
 
 
 # what a user adds: one entry ...
@@ -30,17 +30,16 @@ FIRST_TOKENS = Term(
     "mask",
     (),
     _first_tokens,
-    ("tprl.first_tokens_mask", "tprl.first_tokens_value"),
-    flag("tprl.first_tokens_mask"),
+    ("tprl.first_tokens",),
+    lambda opts: opts["tprl.first_tokens"] is not None,
 )
 
 
-def _config(on: bool, value: float = 1.0, values=None) -> StepConfig:
+def _config(first_tokens: int | None, values=None) -> StepConfig:
     c = base.get_config()
     set_values(c, {"rollout.num_generations": G, "actor.loss_agg_mode": "token-mean"})
     set_values(c, values or {})
-    c.tprl.first_tokens_mask = on  # ... and its config keys (configs/base.py in a run)
-    c.tprl.first_tokens_value = value
+    c.tprl.first_tokens = first_tokens  # ... and its config key (in configs/base.py for a run)
     return StepConfig.of(c, table=TOKEN_METHODS + (FIRST_TOKENS,))
 
 
@@ -61,11 +60,11 @@ def _step(model, cfg, batch):
 
 def test_a_token_mask_added_as_one_entry_takes_effect(model):
     batch = make_batch(model, prompts=1, seed=2)  # G = 2 rows of N = 5 and 1 tokens
-    assert [t.name for t in _config(False).terms] == [] and not _config(False).shapes_tokens
+    assert [t.name for t in _config(None).terms] == [] and not _config(None).shapes_tokens
 
     # on, inside the loss pass (one update, one micro-batch): on-policy the ratio is 1 and the
     # token-mean loss is -sum_i A_i (row i's tokens in the mask) / (all completion tokens)
-    on = _config(True)
+    on = _config(2)
     assert [t.name for t in on.terms] == ["first_tokens_mask"] and on.shaping_in_loss
     metrics, moved = _step(model, on, batch)
     m = np.asarray(batch.completion_mask)
@@ -76,9 +75,9 @@ def test_a_token_mask_added_as_one_entry_takes_effect(model):
     assert float(metrics["perception_token_fraction"]) == pytest.approx(kept.sum() / m.sum())
     assert moved > 0
 
-    # a mask of zeros (its value key 0), computed before the updates (two micro-batches): no
+    # a mask of zeros (no first token), computed before the updates (two micro-batches): no
     # token enters the loss, nothing moves
-    zero = _config(True, 0.0, {"optim.micro_batches": 2})
+    zero = _config(0, {"optim.micro_batches": 2})
     assert zero.old_pass and not zero.shaping_in_loss
     metrics, moved = _step(model, zero, batch)
     assert float(metrics["pg_loss"]) == 0.0 and float(metrics["perception_token_fraction"]) == 0
@@ -87,13 +86,13 @@ def test_a_token_mask_added_as_one_entry_takes_effect(model):
 
 def test_the_step_settings_are_the_typed_values_it_reads():
     both = {"tprl.enable_entropy_filtering": True, "vgr.enable_token_weights": True}
-    cfg = _config(True, 0.5, both)
-    assert cfg.option("tprl.first_tokens_value") == 0.5
+    cfg = _config(3, both)
+    assert cfg.option("tprl.first_tokens") == 3
     assert cfg.option("tprl.top_p_entropy_tokens") == 0.2  # a key the table declares
     assert [t.name for t in cfg.terms] == ["entropy_mask", "vgr_weights", "first_tokens_mask"]
     assert cfg.needs_attention and not cfg.needs_perturbed and not cfg.needs_ref
-    assert cfg == _config(True, 0.5, both) and hash(cfg) == hash(_config(True, 0.5, both))
-    two = cfg.with_values({"optim.micro_batches": 2, "tprl.first_tokens_mask": False})
+    assert cfg == _config(3, both) and hash(cfg) == hash(_config(3, both))
+    two = cfg.with_values({"optim.micro_batches": 2, "tprl.first_tokens": None})
     assert two.micro_batches == 2 and "first_tokens_mask" not in [t.name for t in two.terms]
     assert not hasattr(cfg, "config")  # no ConfigDict behind it
     with pytest.raises(AttributeError):
