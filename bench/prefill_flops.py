@@ -26,10 +26,10 @@ import jax
 
 def main(argv: list[str]) -> None:
     jax.config.update("jax_platforms", "cpu")  # the host only traces; the programs are TPU's
-    from jaxvrl import train
     from jaxvrl.aot.plan import Plan
     from jaxvrl.config import load_config, parse_argv
     from jaxvrl.sampling import sampler as S
+    from jaxvrl.trainer import setup
 
     topology = [a.split("=", 1)[1] for a in argv if a.startswith("--topology=")]
     if not topology:
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
             )
         )
         t = time.perf_counter()
-        with jax.set_mesh(sampler.mesh), train.matmul_precision(c.model.matmul_precision):
+        with jax.set_mesh(sampler.mesh), setup.matmul_precision(c.model.matmul_precision):
             args = (p["input_ids"], p["attention_mask"], p["position_ids"], p["deltas"])
             compiled = fn.lower(ready.params, *args, plan._rng(sampler.mesh), images=p["images"])
             compiled = compiled.compile()

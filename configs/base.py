@@ -50,8 +50,8 @@ from jaxvrl.rl.losses import AGG_MODES, KL_CONTROLLERS, KL_KINDS
 from jaxvrl.rl.masks import ENTROPY_SCOPES
 from jaxvrl.rl.rewards import reward_kwargs_error
 from jaxvrl.sampling.layout import DTYPES as ROLLOUT_DTYPES
-from jaxvrl.train import MATMUL_PRECISIONS
 from jaxvrl.trainer.build import SCHEDULES
+from jaxvrl.trainer.setup import MATMUL_PRECISIONS
 from jaxvrl.trainer.state import OLD_LOGPROBS, ROLLOUT_IS
 
 # Rules that several keys share, or that read other keys.

@@ -2,7 +2,7 @@
 
 `Plan.build(config, "v5p-16")` makes what `jaxvrl.train` makes — the model (abstract: no
 weights), the sharded train state (`runtime.abstract_train_state`), the jitted train step
-(`runtime.jit_train_step`), the rollout sampler (`train.sampling_config`, `Sampler`) —
+(`runtime.jit_train_step`), the rollout sampler (`trainer.setup.sampling_config`, `Sampler`) —
 and the run's batch shapes, on a mesh (`config.mesh`) over the slice's abstract devices.
 `Plan.compile(name)` lowers and compiles one program with the XLA TPU compiler.
 """
@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxvrl import models, train
+from jaxvrl import models
 from jaxvrl.aot.report import (
     Report,
     analyse,
@@ -32,12 +32,13 @@ from jaxvrl.aot.report import (
     temporaries_from_dump,
 )
 from jaxvrl.config import ConfigError
+from jaxvrl.data.from_config import builtin_task
 from jaxvrl.data.processor import smart_resize
 from jaxvrl.models.attention import resolve
 from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
 from jaxvrl.sampling import Sampler, static
-from jaxvrl.trainer import packing
+from jaxvrl.trainer import packing, setup
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.rollout import assemble
 from jaxvrl.trainer.step import build_train_step
@@ -55,7 +56,7 @@ def model_config(c) -> tuple[str, object]:
         with open(path) as f:
             return preset, models.config_from_hf(json.load(f), source=path)
     if not c.model.path:
-        return "embedded tiny model", models.load_config(train.builtin_task(c).checkpoint)
+        return "embedded tiny model", models.load_config(builtin_task(c).checkpoint)
     return c.model.path, models.load_config(c.model.path)
 
 
@@ -172,9 +173,9 @@ class Plan:
         distribution (`completion_lengths`), None: every completion max_new_tokens long."""
         s = topology.parse(slice_name)
         mesh = runtime.mesh_from_config(c.mesh, devices=topology.tpu_devices(s))
-        train.check_rows(c, mesh, processes=s.hosts)
+        setup.check_rows(c, mesh, processes=s.hosts)
         name, mcfg = model_config(c)
-        train.check_model_settings(c, mcfg)
+        setup.check_model_settings(c, mcfg)
         dtype, param_dtype = models.DTYPES[c.model.dtype], models.DTYPES[c.model.param_dtype]
         model = nnx.eval_shape(
             lambda: models.Model(
@@ -200,7 +201,7 @@ class Plan:
         """(mesh, dtype) of the samplers: `rollout.mesh` over the slice's devices and
         `rollout.dtype` resolved for them (None: model.dtype), as `jaxvrl.train` makes them."""
         text = self.model.config.text
-        return train.rollout_layout(self.c, self.mesh, text, processes=self.slice.hosts)
+        return setup.rollout_layout(self.c, self.mesh, text, processes=self.slice.hosts)
 
     def sampler(self, cfg=None) -> Sampler:
         """The rollout sampler of the run, in the rollout's layout."""
@@ -339,7 +340,7 @@ class Plan:
         )
 
     def sampling_config(self):
-        return train.sampling_config(self.c, self.model.config)
+        return setup.sampling_config(self.c, self.model.config)
 
     # ------------------------------------------------------------------ programs
     def compile(self, name: str) -> Report:
@@ -360,7 +361,7 @@ class Plan:
             opts = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"}
             t0 = time.perf_counter()
             try:
-                with train.matmul_precision(self.c.model.matmul_precision):  # as the run traces it
+                with setup.matmul_precision(self.c.model.matmul_precision):  # as the run traces it
                     lowered = lower()
                 compiled = lowered.compile(compiler_options=opts)
             except Exception as e:  # jax raises JaxRuntimeError; OOM is RESOURCE_EXHAUSTED

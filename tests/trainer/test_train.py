@@ -434,19 +434,19 @@ def test_matmul_precision_is_a_context_of_the_run_not_a_process_flag():
     import jax
     import jax.numpy as jnp
 
-    import jaxvrl.train as train
     from jaxvrl.config import ConfigError
+    from jaxvrl.trainer import setup
 
     before = jax.config.jax_default_matmul_precision
     x = jnp.ones((4, 4))
     texts = {}
     for name in ("default", "highest"):
-        with train.matmul_precision(name):
+        with setup.matmul_precision(name):
             texts[name] = jax.jit(jnp.matmul).lower(x, x).as_text()
     assert "HIGHEST" in texts["highest"] and "HIGHEST" not in texts["default"]
     assert jax.config.jax_default_matmul_precision == before
     with pytest.raises(ConfigError, match="matmul_precision='fast'"):
-        train.matmul_precision("fast")
+        setup.matmul_precision("fast")
 
 
 FLAKY_REWARD = """

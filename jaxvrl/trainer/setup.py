@@ -1,0 +1,486 @@
+"""What the main job builds before its loop, from the run's config: the model and tokenizer,
+the data, the samplers and the rollout phase, the reward model, validation, the mesh and the
+checks of rows and settings, the resume from a checkpoint (jaxvrl/train.py runs them, then the
+loop; the AOT tool builds the same programs from them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxvrl import hub, models, rl
+from jaxvrl.checkpoint import (
+    Checkpointer,
+)
+from jaxvrl.config import (
+    ConfigError,
+)
+from jaxvrl.data.from_config import (
+    builtin_task,
+    checkpoint_dir,
+    encode_options,
+    row_format,
+    train_source,
+)
+from jaxvrl.data.loader import make_dataset
+from jaxvrl.data.pipeline import collate, encode_rows, read_rows
+from jaxvrl.data.sources import DataNotFound
+from jaxvrl.models import load
+from jaxvrl.parallel import runtime
+from jaxvrl.parallel.sharding import row_shards
+from jaxvrl.remote import is_remote
+from jaxvrl.rl.rewards import (
+    SafeReward,
+    load_reward_fn,
+    reward_kwargs,
+    reward_names,
+)
+from jaxvrl.sampling import (
+    Sampler,
+    SamplingConfig,
+    decode_bytes,
+    generation_config,
+    rollout_dtype,
+    rollout_mesh,
+)
+from jaxvrl.trainer.build import step_config
+from jaxvrl.trainer.counters import RunCounters
+from jaxvrl.trainer.replay_state import load_buffer
+from jaxvrl.trainer.reporting import evaluate
+from jaxvrl.trainer.reward_model import NAME as RM_NAME
+from jaxvrl.trainer.reward_model import RewardModel
+from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
+from jaxvrl.trainer.scoring import RewardScorer
+
+log = logging.getLogger("jaxvrl")
+EMBEDDED = models.EMBEDDED
+
+
+def train_data(c, tokenizer, model_config=None):
+    """-> (iterator, rows, skip stats): a grain iterator of prompts_per_step encoded examples
+    per next() (shuffled per epoch, sharded per process; its state goes into the checkpoint),
+    the number of rows in this process's shard, and the live counts of skipped bad rows."""
+    source = train_source(c)
+    ds, stats = make_dataset(
+        source,
+        tokenizer,
+        encode_options(c, model_config),
+        batch_size=c.prompts_per_step,
+        seed=c.seed,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+        batch_fn=list,  # the rollout phase collates (once for the sampler, G times to train)
+    )
+    return iter(ds), -(-len(source) // jax.process_count()), stats
+
+
+def val_examples(c, tokenizer, model_config=None) -> list:
+    """Encoded held-out examples (val_files, or the built-in task's test split)."""
+    opts = encode_options(c, model_config)
+    if c.data.val_files:
+        examples, stats = [], None
+        for path in c.data.val_files.split(","):
+            try:
+                rows = read_rows(path, fmt=row_format(c))
+            except DataNotFound as e:
+                raise ConfigError(f"config.data.val_files={e.path!r}: {e.reason}") from None
+            ex, stats = encode_rows(rows, tokenizer, opts, source=path, stats=stats)
+            examples += ex
+    elif not c.data.train_files:
+        make = builtin_task(c).make_split
+        rows = make("test", c.val_size, c.seed, kinds=tuple(c.data.synthetic_kinds))
+        examples, stats = encode_rows(rows, tokenizer, opts, source="builtin:val")
+    else:
+        return []
+    if stats.total:
+        log.warning("val: skipped %d rows: %s", stats.total, dict(stats.counts))
+    return examples
+
+
+def model_source(c) -> tuple[str, str | None]:
+    """-> (local directory, Hub commit or None) of model.path: a local directory, a gs:// one
+    (copied into a local cache once) or a Hugging Face Hub name `org/name[@revision]` (fetched
+    into the hub's cache; a local directory of the same name wins); None: the embedded tiny
+    checkpoint of the built-in task. One that cannot be found is a ConfigError."""
+    if c.model.preset and not c.model.path:
+        raise ConfigError(
+            f"config.model.preset={c.model.preset!r} has shapes but no weights (it is for "
+            "python -m jaxvrl.aot); set config.model.path to a checkpoint to train"
+        )
+    return checkpoint_dir(c.model.path or builtin_task(c).checkpoint, "model.path")
+
+
+# settings that read the image: (config key, whether the run turns it on)
+IMAGE_SETTINGS = (
+    ("tprl.enable_perception_filtering", lambda c: c.tprl.enable_perception_filtering),
+    ("tprl.enable_trajectory_reweighting", lambda c: c.tprl.enable_trajectory_reweighting),
+    ("vgr.enable_token_weights", lambda c: c.vgr.enable_token_weights),
+    ("reward.funcs", lambda c: "mdi" in c.reward.funcs),
+)
+
+
+def check_model_settings(c, model_config) -> None:
+    """A text-only model (no vision tower) refuses, at start, a built-in task whose rows hold
+    images and the settings that read the image: the perceptual pass's filtering and
+    shaping, VGR's token weights, the MDI reward."""
+    if getattr(model_config, "num_labels", None):
+        raise ConfigError(
+            f"config.model.path: a {model_config.hf_architecture} is a sequence classifier; "
+            "the policy is a causal LM (a classifier goes in reward.model.path)"
+        )
+    if getattr(model_config, "vision", None) is not None:
+        return
+    if not c.data.train_files and builtin_task(c).has_images:
+        raise ConfigError(
+            f"config.data.builtin_task={c.data.builtin_task!r}: its rows hold images while "
+            f"model type {model_config.model_type!r} is text-only; set data.builtin_task="
+            "'arithmetic' or name a text dataset in data.train_files"
+        )
+    for key, on in IMAGE_SETTINGS:
+        if on(c):
+            what = "the 'mdi' reward" if key == "reward.funcs" else "True"
+            raise ConfigError(
+                f"config.{key}: {what} needs images, and model type "
+                f"{model_config.model_type!r} is text-only; turn it off for this model"
+            )
+
+
+def load_model(c, source: tuple[str, str | None] | None = None):
+    """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one
+    (source: model_source(c), when the caller has it already)."""
+    from transformers import AutoTokenizer
+
+    path, commit = source or model_source(c)
+    with runtime.on_host():  # host memory; sharded_train_state cuts it onto the mesh
+        model = load(
+            path,
+            dtype=models.DTYPES[c.model.dtype],
+            param_dtype=models.DTYPES[c.model.param_dtype],
+            scan_layers=c.model.scan_layers,
+        )
+    model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
+    model.set_attention(c.model.attention)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("%s: the tokenizer has no chat template: prompts are the plain text", path)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    where = f"{c.model.path} at commit {commit} ({path})" if commit else path
+    print(f"{c.name}: model {where} ({n / 1e6:.2f}M params), workdir {c.workdir}", flush=True)
+    return model, tokenizer
+
+
+def run_info(c, commit: str | None = None) -> dict:
+    """What `python -m jaxvrl.export` reads from `<workdir>/run.json`: the base model (None:
+    the embedded one of `builtin_task`; a Hub name as written, with the commit it resolved
+    to), the dtypes and the LoRA settings."""
+    path = c.model.path
+    lc = c.lora
+    named = not path or is_remote(path) or hub.model_name(path)
+    return {
+        "config": c.name,
+        "model_path": path if named else os.path.abspath(path),
+        "model_commit": commit,
+        "builtin_task": None if path else c.data.builtin_task,  # whose embedded checkpoint
+        "dtype": c.model.dtype,
+        "param_dtype": c.model.param_dtype,
+        "scan_layers": c.model.scan_layers,
+        "lora": {
+            "rank": lc.rank,
+            "alpha": lc.alpha,
+            "target_modules": list(lc.target_modules),
+            "quantize": lc.quantize,
+            "train_vision": lc.train_vision,
+        },
+    }
+
+
+def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> SamplingConfig:
+    """The rollout's SamplingConfig for model config `mcfg`: EOS from the model config (else
+    the tokenizer's), pad from the tokenizer (0 without one), vision tokens suppressed;
+    entropies: return each token's entropy (the trainer's token shaping reads them)."""
+    if mcfg.eos_token_id is not None:
+        eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
+    else:
+        eos = (tokenizer.eos_token_id,) if tokenizer is not None else ()
+    r = c.rollout
+    pad = (tokenizer.pad_token_id if tokenizer is not None else 0) or 0
+    cfg = generation_config(
+        mcfg,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+    )
+    return dataclasses.replace(cfg, slots=r.slots, page_size=r.page_size, entropies=entropies)
+
+
+def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
+    """(mesh, dtype) the samplers run with: `rollout.mesh` over the devices of the training
+    mesh `mesh` (tensor 0: the tensor group that reads the fewest bytes per device in a
+    decode step of the model with text config `text_cfg`: `layout.rollout_sizes`) and
+    `rollout.dtype` resolved for them (None: model.dtype). The step's rows (every process's
+    prompts_per_step x num_generations; processes: default this run's) must split over its
+    data groups."""
+    processes = jax.process_count() if processes is None else processes
+    rows = c.prompts_per_step * c.rollout.num_generations
+    dtype = rollout_dtype(c.rollout.dtype, mesh, c.model.dtype)
+    length = c.data.max_prompt_length + c.rollout.max_new_tokens
+    weights, cache = decode_bytes(text_cfg, rows * processes, length, dtype or c.model.dtype)
+    kv = text_cfg.num_key_value_heads
+    try:
+        m = c.rollout.mesh
+        rmesh = rollout_mesh(mesh, m.data, m.tensor, kv, weights, cache)
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.mesh: {e}") from None
+    groups = rmesh.shape["data"]
+    if (rows * processes) % groups:
+        raise ConfigError(
+            f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
+            f"({processes} processes) do not split evenly over the rollout's {groups} data "
+            "groups (rollout.mesh.data): set rollout.mesh.data or rollout.mesh.tensor so "
+            "that they do"
+        )
+    return rmesh, dtype  # the same devices' platform as `mesh`'s
+
+
+def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
+    """-> (sampler, greedy): the rollout sampler and the greedy one for validation, for the
+    model graph `graph` (after init: with LoRA adapters) with config `mcfg`, in the rollout
+    layout over the devices of the training mesh `mesh` (`rollout_layout`; None: one
+    device, the model's dtype)."""
+    cfg = sampling_config(c, mcfg, tokenizer, entropies=step_config(c, mesh).sampler_shaping)
+    greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False)
+    rmesh, dtype = None, None
+    if mesh is not None:
+        rmesh, dtype = rollout_layout(c, mesh, mcfg.text)
+    return Sampler(graph, cfg, rmesh, dtype), Sampler(graph, greedy, rmesh, dtype)
+
+
+def make_rollout_phase(
+    c, sampler, greedy, tokenizer, model_config, step_cfg, mesh=None
+) -> RolloutPhase:
+    # rewards are keyed by the names they are logged under
+    names = reward_names(c.reward.funcs, c.reward.names)
+    kwargs = reward_kwargs(c.reward.kwargs, names, c.reward.funcs)
+    try:  # each function's form is recognised by its signature
+        fns = {
+            n: SafeReward(n, load_reward_fn(f), f, kwargs[n]) for n, f in zip(names, c.reward.funcs)
+        }
+    except TypeError as e:
+        raise ConfigError(f"config.reward.funcs: {e}") from None
+    scorer = RewardScorer(
+        fns,
+        num_workers=c.reward.num_workers,
+        timeout_s=c.reward.timeout_s,
+        image_dir=c.data.image_dir or None,
+        max_failure_fraction=c.reward.max_failure_fraction,
+        failure_window=c.reward.failure_window,
+        constants={"mdi_balance_ratio": c.reward.mdi_balance_ratio},
+    )
+    regular = dict(zip(names, c.reward.weights))
+    early = dict(zip(names, c.reward.early_weights)) if c.reward.early_weights else None
+    by_spec = dict(zip(c.reward.funcs, names))
+
+    def named(key):  # the filters may name a reward by its func spec too
+        return key if key in names else by_spec.get(key, key)
+
+    f, rb = c.filter, c.filter.replay_buffer
+    opts = FilterOptions(
+        group_size=c.rollout.num_generations,
+        prompts_per_step=c.prompts_per_step,
+        max_new_tokens=c.rollout.max_new_tokens,
+        mask_truncated_completions=f.mask_truncated_completions,
+        overlong_buffer_len=f.overlong_buffer_len,
+        overlong_penalty_factor=f.overlong_penalty_factor,
+        dynamic_sampling=f.dynamic_sampling,
+        dynamic_sampling_metric=named(f.dynamic_sampling_metric),
+        max_num_gen_batches=f.max_num_gen_batches,
+        online_filtering=f.online_filtering,
+        filter_key=named(f.filter_key),
+        filter_low=f.filter_low,
+        filter_high=f.filter_high,
+    )
+    stats = "mdi" in c.reward.funcs or step_cfg.needs_attention
+    replay = None
+    if rb.enable:
+        replay = rl.ReplayBuffer(rb.capacity, rb.min_std, rb.min_mean, rb.max_mean)
+    return RolloutPhase(
+        sampler=sampler,
+        tokenizer=tokenizer,
+        collate=functools.partial(
+            collate,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            prompt_bucket=c.data.prompt_bucket,
+            with_pools=True,
+        ),
+        rewards=fns,
+        scorer=scorer,
+        reward_weights=lambda step: rl.stage_reward_weights(
+            step, regular, early, c.reward.early_steps
+        ),
+        opts=opts,
+        attention=(c.vgr.layer_set, c.vgr.token_weight_last_k_layers) if stats else None,
+        with_pools=step_cfg.needs_attention,
+        mdi_balance_ratio=c.reward.mdi_balance_ratio,
+        replay=replay,
+        greedy=greedy if c.algorithm.adv_estimator == "remax" else None,
+        mesh=mesh,
+        accuracy=by_spec.get("mc_idx"),
+        reward_model=reward_model(c, names, mesh),
+    )
+
+
+def reward_model(c, names, mesh=None) -> RewardModel | None:
+    """The reward model of reward.model.path on `mesh` (None: none), in model.dtype; its
+    reward is named `model`, which no function of `names` may be."""
+    if not c.reward.model.path:
+        return None
+    if RM_NAME in names:
+        raise ConfigError(
+            f"config.reward.names: {RM_NAME!r} is the reward model's name "
+            "(reward.model.path); give the function another one"
+        )
+    local, _ = checkpoint_dir(c.reward.model.path, "reward.model.path")
+    dtype = models.DTYPES[c.model.dtype]
+    return RewardModel.load(local, mesh=mesh, dtype=dtype, weight=c.reward.model.weight)
+
+
+def make_validate(
+    c, examples, greedy, model_config, tokenizer, mesh=None, decode=None, scorer=None
+):
+    """-> validate(params): greedy val/accuracy and val/format on the held-out examples, in
+    batches of the rollout's row count (`decode`: where the rollout keeps its decode
+    weights, reused here), and with `scorer` (the rollout's) val/reward/<name>."""
+    val_collate = functools.partial(
+        collate,
+        repeat=1,
+        model_config=model_config,
+        tokenizer=tokenizer,
+        prompt_bucket=c.data.prompt_bucket,
+        with_pools=False,
+    )
+    rows = c.prompts_per_step * c.rollout.num_generations
+    return lambda params: evaluate(
+        examples, greedy, params, val_collate, tokenizer, rows, mesh, decode, scorer
+    )
+
+
+def load_start_params(path: str, state, ref_params, ref_shardings):
+    """config.load_checkpoint_path (`<dir>/<step>`): that checkpoint's parameters with a fresh
+    optimizer at step 0; they are also the reference policy's."""
+    directory, step = os.path.split(path.rstrip("/"))
+    if not step.isdigit():
+        raise ConfigError(f"config.load_checkpoint_path={path!r}: expected <dir>/<step>")
+    ck = Checkpointer(directory)
+    params = ck.restore_step(int(step), {"state": state})["state"].params
+    ck.close()
+    print(f"parameters from {path}", flush=True)
+    ref = None
+    if ref_params is not None:  # distinct buffers (the state is donated), sharded like params
+        ref = runtime.place_state(jax.tree.map(jnp.array, params), ref_shardings)
+    return state.replace(params=params), ref
+
+
+def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, replay=None):
+    """-> (start step, state, rng, meta: the checkpoint's JSON run state, e.g. the
+    consecutive non-finite steps and the step shapes compiled) from the latest checkpoint in
+    workdir, or the fresh ones; the data iterator, the running totals and the replay
+    buffer (`replay`: rl.ReplayBuffer or None) continue from their saved state. The arrays
+    restore into `state`'s shardings, the RNG replicated over the mesh (a global array every
+    process can save)."""
+    rng = runtime.replicate(jax.random.key(c.seed), mesh)
+    if not c.resume or ckpt.latest_step() is None:
+        return 0, state, rng, {}
+    r = ckpt.restore_latest({"state": state, "rng": rng.sharding})
+    data.set_state(r["data_state"] if r["data_state"] is not None else r["meta"]["iterator"])
+    counters.load(r["counters"])
+    if replay is not None and r["replay"] is None:
+        log.warning(
+            "checkpoint step %d holds no replay buffer (written before it was saved, or by a "
+            "run without filter.replay_buffer): the buffer starts empty",
+            r.step,
+        )
+    elif replay is not None:
+        load_buffer(replay, r["replay"])
+    print(f"resumed from step {r.step}", flush=True)
+    return r.step, r["state"], r["rng"], r["meta"]
+
+
+def training_mesh(c):
+    """The mesh of `config.mesh` over this run's devices; a ConfigError when they do not fit."""
+    try:
+        return runtime.mesh_from_config(c.mesh)
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from None
+
+
+def check_rows(c, mesh, processes: int | None = None) -> None:
+    """The batch rows (every process's prompts_per_step x num_generations) are split evenly
+    over the mesh's data x fsdp devices, into mini-batches of actor.global_batch_size
+    prompts (each split evenly over the devices too) and each into optim.micro_batches.
+    processes: the number of hosts (default: this run's)."""
+    processes = jax.process_count() if processes is None else processes
+    shards = row_shards(mesh)
+    rows = c.prompts_per_step * c.rollout.num_generations
+    if (rows * processes) % shards:
+        raise ConfigError(
+            f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
+            f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp "
+            f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
+            "mesh.tensor"
+        )
+    gbs = c.actor.global_batch_size  # a divisor of prompts_per_step (its setting's rule)
+    updates = c.prompts_per_step // (gbs or c.prompts_per_step)
+    m, total = c.optim.micro_batches, rows * processes // updates
+    if total % m:
+        raise ConfigError(
+            f"config.optim.micro_batches = {m} does not divide the {total} rows of a "
+            f"{'mini-batch' if updates > 1 else 'step'} (actor.global_batch_size or "
+            f"prompts_per_step x rollout.num_generations x {processes} processes)"
+        )
+    if updates > 1 and total % shards:
+        raise ConfigError(
+            f"config.actor.global_batch_size = {gbs}: a mini-batch's {total} rows do not "
+            f"split evenly over mesh.data x mesh.fsdp = {shards} devices"
+        )
+
+
+def process0_says(flag: bool) -> bool:
+    """Process 0's flag on every process (a decision from each host's own clock must be the
+    same everywhere: a host that stops alone leaves the others waiting in a collective)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
+
+
+def check_nonfinite(streak: int, limit: int) -> None:
+    if streak >= limit:
+        raise FloatingPointError(
+            f"{streak} consecutive steps with a non-finite loss or gradient (limit "
+            f"config.max_nonfinite_steps={limit}); each was skipped, the parameters are those "
+            "of the last finite step. Lower optim.lr, check the rewards and the data, or resume "
+            "from the last checkpoint"
+        )
+
+
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+def matmul_precision(name: str):
+    """The context under which a run traces its programs: float32 matmuls at `name` (the
+    config's `model.matmul_precision`), for those programs only, not the process."""
+    if name not in MATMUL_PRECISIONS:
+        raise ConfigError(f"model.matmul_precision={name!r}: expected one of {MATMUL_PRECISIONS}")
+    return jax.default_matmul_precision(name)
