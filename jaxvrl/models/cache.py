@@ -98,18 +98,12 @@ class PagedLayer:
     table: jax.Array
     write: jax.Array
 
-    def write_and_read(self, k_new, v_new):
-        """Writes each row's new key/value [B, 1, K, H] at its write slot; returns the
-        updated pages and every row's keys [B, K, H, n * ps] and values [B, K, n * ps, H]
-        gathered from its pages (the dense cache's layouts)."""
+    def store(self, k_new, v_new) -> PagedLayer:
+        """The layer with each row's new key/value [B, 1, K, H] written at its write slot
+        (its attention reads the pages through `cached_attention.attend_cache`)."""
         ps = self.k.shape[-1]
         page = jnp.take_along_axis(self.table, (self.write // ps)[:, None], axis=1)[:, 0]
         off = self.write % ps
         k_pages = self.k.at[page, :, :, off].set(k_new[:, 0].astype(self.k.dtype))
         v_pages = self.v.at[page, :, off, :].set(v_new[:, 0].astype(self.v.dtype))
-        b, n = self.table.shape
-        kk = k_pages[self.table]  # [B, n, K, H, ps]
-        kk = kk.transpose(0, 2, 3, 1, 4).reshape(b, kk.shape[2], kk.shape[3], n * ps)
-        vv = v_pages[self.table]  # [B, n, K, ps, H]
-        vv = vv.transpose(0, 2, 1, 3, 4).reshape(b, vv.shape[2], n * ps, vv.shape[4])
-        return (k_pages, v_pages), kk, vv
+        return self.replace(k=k_pages, v=v_pages)

@@ -8,12 +8,16 @@ heads-averaged attention mass on a vision pool and a text pool of keys
 (docs/algorithms.md#attention-statistics). They are reduced inside each layer, so no
 [L, heads, T, S] tensor outlives its layer.
 
-Two attention paths. Without a cache (training forward passes, scoring) every layer calls
-`jaxvrl.models.attention.attend` with the decoder's implementation (`attention`: auto | xla |
-flash | splash | cudnn), key validity from the attention mask and causality by index, so no
-[B, T, S] mask is built and the blocked implementations never hold a [T, S] block of logits.
-With a cache (prefill and decode steps of the sampler) the layer attends densely over the
-cache in its own layout (see KVCache), or through the caller's `forms`.
+Two attention paths, each behind its own function. Without a cache (training forward passes,
+scoring) every layer calls `jaxvrl.models.attention.attend` with the decoder's implementation
+(`attention`: auto | xla | flash | splash | cudnn), key validity from the attention mask and
+causality by index, so no [B, T, S] mask is built and the blocked implementations never hold
+a [T, S] block of logits. With a cache (prefill and decode steps of the sampler) the layer
+writes its keys and values into the cache and attends over it through
+`jaxvrl.models.cached_attention.attend_cache`, under one bool[B, T, S] mask per call: "dense"
+by default, or the implementation of the caller's decode-step hook (`step`, see
+`TextDecoder.__call__`), which may also run a view of each layer with its projections
+replaced. The layers themselves take no hook.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from flax import nnx, struct
 
 from jaxvrl.models.attention import attend, attend_key_masses
 from jaxvrl.models.cache import KVCache, PagedKVCache, PagedLayer
+from jaxvrl.models.cached_attention import attend_cache
 from jaxvrl.models.config import TextConfig
 from jaxvrl.models.layers import (
     GatedMLP,
@@ -35,8 +40,6 @@ from jaxvrl.models.layers import (
     attention_implementation,
     layer_at,
     linear,
-    masked_softmax,
-    pool_masses,
     remat,
     rope_inv_freq,
     scan_layers,
@@ -139,7 +142,7 @@ class Attention(nnx.Module):
         self.sliding = cfg.sliding_window
 
     def project(self, x):
-        """q [B, T, N*H], k and v [B, T, K*H] (a decode step may fuse the three)."""
+        """q [B, T, N*H], k and v [B, T, K*H] (a decode step's view may fuse the three)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(
@@ -150,34 +153,31 @@ class Attention(nnx.Module):
         mask,
         kv=None,
         pools=None,
-        forms=None,
         *,
         implementation="xla",
         block=512,
         queries=None,
         segmented=False,
     ):
-        """x: [B, T, D]; kv: None or (k_cache, v_cache, index) to write the new keys at `index`
-        and attend over the whole cache (see KVCache); mask: without kv, bool[B, T] key
+        """x: [B, T, D]; kv: None, (k_cache, v_cache, index) to write the new keys at `index`
+        and attend over the whole cache (see KVCache), or a `PagedLayer` (each row writes at
+        its own slot and attends over its pages); mask: without kv, bool[B, T] key
         validity (the T tokens attend causally to each other), with kv, bool[B, T, S] which
-        cached keys each query sees; forms: what a decode step's caller supplies in place of
-        this layer's own projections and cached attention (see `TextDecoder.__call__`), or
-        None; implementation, block: the `attend` implementation of the path without a cache
-        and its block size (queries and keys); queries: None, or bool[B, T] (without kv):
+        cached keys each query sees; implementation: without kv the `attend` implementation
+        (block: its block size, queries and keys), with kv the `attend_cache` one (a name or
+        a callable); queries: None, or bool[B, T] (without kv):
         stats are then the keys' attention masses from those queries, float32[B, T]
         (`attend_key_masses`); segmented: without kv, `mask` is int32[B, T] segment ids of
         packed rows (0: an empty slot), and queries see only keys of their own segment.
         Returns (out, (k, v), stats); k, v are the updated caches when kv is given."""
         b, t, _ = x.shape
-        own = forms is None
-        q, k, v = self.project(x) if own or forms.qkv is None else forms.qkv(x)
+        q, k, v = self.project(x)
         if kv is not None and t == 1:
             # A decode step: the projections keep their own [B, 1, N*H] layout. Left to
             # fuse with the attention, XLA's TPU compiler asked for q_proj's weight in a
             # heads-major layout and copied the whole weight at every step (measured in
             # docs/scaling.md, "Rollouts").
             q, k, v = jax.lax.optimization_barrier((q, k, v))
-        o_proj = self.o_proj if own or forms.o is None else forms.o
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv, self.head_dim)
         v = v.reshape(b, t, self.n_kv, self.head_dim)
@@ -191,7 +191,7 @@ class Attention(nnx.Module):
                 q, k, v, scale=scale, key_valid=mask, queries=queries,
                 implementation=implementation, block=block, sliding=self.sliding,
             )  # fmt: skip
-            return o_proj(out.reshape(b, t, -1)), (k, v), stats
+            return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
         if kv is None:
             valid = mask > 0 if segmented else mask
             segments = dict(q_segments=mask, k_segments=mask) if segmented else {}
@@ -211,11 +211,12 @@ class Attention(nnx.Module):
                 block_q=block,
                 block_k=block,
             )
-            return o_proj(out.reshape(b, t, -1)), (k, v), stats
+            return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
-        if isinstance(kv, PagedLayer):  # write at each row's slot, read its pages densely
-            new_kv, k, v = kv.write_and_read(k, v)
+        if isinstance(kv, PagedLayer):  # each row writes at its own slot, reads its pages
+            kv = kv.store(k, v)
+            new_kv, table = (kv.k, kv.v), kv.table
         else:
             k_cache, v_cache, index = kv
             k = jax.lax.dynamic_update_slice(
@@ -224,21 +225,12 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice(
                 v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
             )  # [B, K, S, H]
-            new_kv = (k, v)
-        # the cache stays split like the rows (and over kv heads with tensor parallelism)
-        k = constrain(k, ("batch", "heads", None, "length"))
-        v = constrain(v, ("batch", "heads", "length", None))
-        if not own and forms.attention is not None:
-            out, stats = forms.attention(qg, k, v, mask, scale, pools, x.dtype)
-            return o_proj(out.reshape(b, t, -1)), new_kv, stats
-        logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(q.dtype))
-        probs = masked_softmax(logits * scale, mask[:, None, None])
-        stats = pool_masses(probs, pools) if pools is not None else None
-        # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU backend
-        # multiplied by the transposed cache, several times slower
-        out = jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(x.dtype), v.astype(x.dtype))
-        out = out.transpose(0, 3, 1, 2, 4)
-        return o_proj(out.reshape(b, t, -1)), new_kv, stats
+            new_kv, table = (k, v), None
+        out, stats = attend_cache(
+            qg, *new_kv, mask, scale=scale, dtype=x.dtype, pools=pools, table=table,
+            implementation=implementation,
+        )  # fmt: skip
+        return self.o_proj(out.reshape(b, t, -1)), new_kv, stats
 
 
 class DecoderLayer(nnx.Module):
@@ -261,7 +253,6 @@ class DecoderLayer(nnx.Module):
         mask,
         kv=None,
         pools=None,
-        forms=None,
         *,
         implementation="xla",
         block=512,
@@ -270,9 +261,9 @@ class DecoderLayer(nnx.Module):
     ):
         x_in = self.input_layernorm(x)
         kw = dict(implementation=implementation, block=block, queries=queries, segmented=segmented)
-        h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, forms, **kw)
+        h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, **kw)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), forms)
+        x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, RESIDUAL), new_kv, stats
 
 
@@ -319,7 +310,7 @@ class TextDecoder(nnx.Module):
         attention_mask,
         cache: KVCache | None = None,
         pools=None,
-        forms=None,
+        step=None,
         deepstack: DeepStack | None = None,
         key_queries=None,
         packing: Packing | None = None,
@@ -332,19 +323,20 @@ class TextDecoder(nnx.Module):
 
         Without a cache, queries attend causally over the T given tokens (through `attend`,
         with the decoder's `attention` implementation). With a cache, the T tokens are written
-        at `cache.index` and attend over every valid cached key up to their own slot (densely,
-        or through `forms`). Returns (hidden [B, T, D], new cache or None, stats or None) where
+        at `cache.index` and attend over every valid cached key up to their own slot (through
+        `attend_cache`). Returns (hidden [B, T, D], new cache or None, stats or None) where
         stats is (A_V, A_X), each float32[L, B, T].
 
         With scan_layers the layers run as a scan, over a stacked cache when there is one; a
-        per-layer (tuple) cache, and `forms`, run a Python loop over the layers instead (the
-        CPU decode steps, see KVCache).
+        per-layer (tuple) cache, and a `step` hook, run a Python loop over the layers instead
+        (the CPU decode steps, see KVCache).
 
-        forms: None, or what a decode step's caller (the sampler) supplies in place of the
-        layers' own modules: `forms.layer(i)` has attributes qkv(x) -> (q, k, v), o(x),
-        gate_up(x) -> (gate, up), down(x) and attention(qg, k, v, mask, scale, pools, dtype)
-        -> (out [B, T, K, G, H], stats) over the cache, each a callable or None (the layer's
-        own). The sampler's CPU forms (packed weights, a CPU kernel) live there, not here.
+        step: None, or a decode step's hook (the sampler's CPU forms, which live there, not
+        here), applied in this one place: `step.attention` is the `attend_cache`
+        implementation of the cached attention (a name or a callable), and
+        `step.layer(i, layer)` the layer to run as layer i: `layer` itself, or a view of it
+        whose projections (`Attention.project`, `o_proj`, `GatedMLP.gate_up`, `down_proj`)
+        are replaced, e.g. by packed weights. The layers' own signatures take no hook.
 
         packing: None, or a `Packing` of the B rows (no cache, no key_queries): the real tokens
         run packed into its K buffers [K, T'] with their own positions, pools and DeepStack
@@ -372,16 +364,20 @@ class TextDecoder(nnx.Module):
             extra["segmented"] = True
         if extra and cache is not None:
             raise ValueError("key_queries needs a forward pass without a cache")
+        if cache is None:
+            implementation = attention_implementation(self.attention)
+        else:
+            implementation = "dense" if step is None else step.attention
         layer_call = functools.partial(
             DecoderLayer.__call__,
-            implementation=attention_implementation(self.attention),
+            implementation=implementation,
             block=self.attention_block,
             **extra,
         )
         if isinstance(cache, PagedKVCache):
             if deepstack is not None:
                 raise ValueError("a paged cache runs decode steps, which have no vision tokens")
-            return self._paged(layer_call, x, cos, sin, valid, cache, pools, forms)
+            return self._paged(layer_call, x, cos, sin, valid, cache, pools, step)
         if cache is None:
             # key validity [B, T] (or the segment ids); `attend` adds causality block by block
             mask = attention_mask if segmented else valid
@@ -391,12 +387,12 @@ class TextDecoder(nnx.Module):
             k_pos = jnp.arange(cache.key_mask.shape[1])
             mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
             mask = self._window(mask, key_mask, q_pos[None])
-        scanned = self.scan_layers and forms is None and (cache is None or cache.stacked)
+        scanned = self.scan_layers and step is None and (cache is None or cache.stacked)
         args = (layer_call, x, cos, sin, mask, cache, pools)
         if scanned:
             x, kv, stats = self._scan(*args, deepstack)
         else:
-            x, kv, stats = self._loop(*args, forms, deepstack)
+            x, kv, stats = self._loop(*args, step, deepstack)
         x = self.norm(x)
         new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
         return x, new_cache, stats
@@ -415,7 +411,7 @@ class TextDecoder(nnx.Module):
         )
         return mask & (rank[:, None, :] > q_rank[:, :, None] - w)
 
-    def _paged(self, layer_call, x, cos, sin, valid, cache: PagedKVCache, pools, forms):
+    def _paged(self, layer_call, x, cos, sin, valid, cache: PagedKVCache, pools, step):
         """One decode step (T = 1) over a paged cache: each row's token is written at its
         own slot and attends over its valid keys (the slots before it hold only its past)."""
         b, t = x.shape[:2]
@@ -423,7 +419,7 @@ class TextDecoder(nnx.Module):
             raise ValueError(f"a paged cache takes one token per row, got {t}")
         keys = cache.valid.at[jnp.arange(b), cache.write].set(valid[:, 0])
         mask = self._window(keys[:, None, :], keys, cache.write[:, None])
-        x, (ks, vs), stats = self._loop(layer_call, x, cos, sin, mask, cache, pools, forms)
+        x, (ks, vs), stats = self._loop(layer_call, x, cos, sin, mask, cache, pools, step)
         new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
         return self.norm(x), new, stats
 
@@ -448,18 +444,18 @@ class TextDecoder(nnx.Module):
         x, (kv, stats) = scan_layers(self.layers, body, x, (kv_xs, index))
         return x, kv, stats
 
-    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, forms, deepstack=None):
-        """The layers one by one (unrolled); a stacked cache gives back a stacked one, a
-        paged one its pages."""
+    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, step, deepstack=None):
+        """The layers one by one (unrolled), each as `step.layer` gives it where there is a
+        hook; a stacked cache gives back a stacked one, a paged one its pages."""
         call = remat(layer_call, self.remat_policy)
         ks, vs, all_stats = [], [], []
         for i in range(self.cfg.num_hidden_layers):
             layer = self.layer(i)
             kv = None if cache is None else cache.layer(i)
-            if forms is None:
+            if step is None:
                 x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
             else:  # decode steps only: nothing to differentiate
-                x, (k, v), stats = layer(x, cos, sin, mask, kv, pools, forms.layer(i))
+                x, (k, v), stats = layer_call(step.layer(i, layer), x, cos, sin, mask, kv, pools)
             if deepstack is not None and i < deepstack.levels:
                 x = deepstack.add(x, i)
             ks.append(k)

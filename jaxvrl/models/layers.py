@@ -108,16 +108,12 @@ class GatedMLP(nnx.Module):
         self.act = activation(act)
 
     def gate_up(self, x):
-        """(gate(x), up(x))."""
+        """(gate(x), up(x)) (a decode step's view may fuse the two)."""
         return self.gate_proj(x), self.up_proj(x)
 
-    def __call__(self, x, forms=None):
-        """forms: None, or a decode step's replacements (attributes gate_up, down: callables
-        or None for this module's own; see `TextDecoder.__call__`)."""
-        own = forms is None
-        gate, up = self.gate_up(x) if own or forms.gate_up is None else forms.gate_up(x)
-        down = self.down_proj if own or forms.down is None else forms.down
-        return down(self.act(gate) * up)
+    def __call__(self, x):
+        gate, up = self.gate_up(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")

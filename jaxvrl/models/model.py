@@ -216,7 +216,7 @@ class Model(nnx.Module):
         cache: KVCache | None = None,
         pools: dict | None = None,
         return_logits: bool = True,
-        forms=None,
+        step=None,
         key_queries=None,
         packing=None,
     ) -> ModelOutput:
@@ -228,8 +228,9 @@ class Model(nnx.Module):
 
         pools: optional {"vision", "text", "prompt"} bool[B, S] key masks (S = T, or the cache
         length with a cache) to return per-layer attention masses (see `attention_pools`).
-        forms: a decode step's replacements for the text layers' projections and cached
-        attention (see `TextDecoder.__call__`), or None. key_queries: None, or bool[B, T]
+        step: a decode step's hook, which chooses the cached attention's implementation and
+        may run views of the text layers with their projections replaced (see
+        `TextDecoder.__call__`), or None. key_queries: None, or bool[B, T]
         (no cache, no pools): a diagnostic pass whose `vision_mass` is then float32[L, B, T],
         each key's attention mass from those queries (heads-averaged probabilities summed
         over the queries, per layer), and text_mass None. packing: None, or a `Packing` of
@@ -243,7 +244,7 @@ class Model(nnx.Module):
             attention_mask,
             cache=cache,
             pools=pools,
-            forms=forms,
+            step=step,
             deepstack=deepstack,
             key_queries=key_queries,
             packing=packing,

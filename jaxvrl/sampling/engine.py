@@ -203,7 +203,7 @@ def decode_slots(
             cache=st["cache"],
             pools=slot_pools,
             return_logits=False,
-            forms=forms,
+            step=forms,
         )
         out_row = jnp.where(live, row, w)
         new = dict(st)

@@ -226,7 +226,7 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
         cache=s["cache"],
         pools=pools,
         return_logits=False,
-        forms=forms,
+        step=forms,
     )
     logits = steps.logits(model, forms, out.hidden[:, 0])
     next_tok, next_lp, next_ent = steps.pick(logits, keys, i + 1, cfg)

@@ -6,9 +6,16 @@ matmul's row operand), or packed into the CPU kernel's panels (`kernels.rows_by_
 with q/k/v and gate/up fused into one weight each. `DecodeWeights` holds those copies: an
 explicit pytree that the sampler's caller prepares once per set of parameters
 (`prepare`, jitted by `Sampler.decode_weights`) and keeps between calls, so the packed buffer
-is reused rather than faulted in afresh. `DecodeForms` hands them to the model's layers
-(the `forms` argument of `Model.forward`) together with the CPU form of the cached
-attention; the model's modules are never changed.
+is reused rather than faulted in afresh.
+
+`DecodeForms` is the decode step's hook that the model applies in one place (the `step`
+argument of `Model.forward`, see `TextDecoder.__call__`); the layers take no argument for it.
+Its `attention` is the CPU form of the cached attention, an implementation of
+`jaxvrl.models.cached_attention.attend_cache` like the dense one; its `layer(i, layer)` gives
+the decoder a view of layer i whose projections (`Attention.project`, `o_proj`,
+`GatedMLP.gate_up`, `down_proj`) multiply by the decode weights. The view is a new module
+over the same parameters: the model's own modules are never changed, and the layers run
+their own code (norms, rotary, cache writes) around the replaced products.
 
 Shapes: B rows, K key/value heads, G query heads per kv head, H head dim, S cache length.
 """
@@ -16,6 +23,7 @@ Shapes: B rows, K key/value heads, G query heads per kv head, H head dim, S cach
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +32,15 @@ from flax import nnx, struct
 
 from jaxvrl.models.layers import masked_softmax, pool_masses
 from jaxvrl.sampling.cpu import kernels
+
+# A decoder layer's fused weights (`_weights`) and what each replaces in a view of the layer:
+# (its module, the attribute), called as the module calls its own.
+_PROJECTIONS = {
+    "qkv": ("self_attn", "project"),
+    "o": ("self_attn", "o_proj"),
+    "gate_up": ("mlp", "gate_up"),
+    "down": ("mlp", "down_proj"),
+}
 
 # The product-and-reduce form is used up to this K: for a 151936-row LM head at B = 8 it beat
 # the matmul at K = 128 and 256 and lost at 512 and 896 (bench/RESULTS.md, sampler section).
@@ -169,10 +186,10 @@ def prepare(model, rows: int, reuse: DecodeWeights | None = None) -> DecodeWeigh
     return DecodeWeights(buf, rows_, bias, slots, packed)
 
 
-def attention(qg, k, v, mask, scale: float, pools, dtype):
-    """A decode step's attention over the cache, the model's masked softmax: qg [B, 1, K, G,
-    H], keys [B, K, H, S], values [B, K, S, H], mask bool[B, 1, S] -> (out [B, 1, K, G, H] in
-    `dtype`, stats (A_V, A_X) float32[B, 1] or None).
+def attention(qg, k, v, mask, *, scale: float, pools, dtype):
+    """A decode step's attention over the cache (an `attend_cache` implementation), the
+    model's masked softmax: qg [B, 1, K, G, H], keys [B, K, H, S], values [B, K, S, H], mask
+    bool[B, 1, S] -> (out [B, 1, K, G, H] in `dtype`, stats (A_V, A_X) float32[B, 1] or None).
 
     Without pools, in float32, the CPU kernel (`kernels.decode_attention`); otherwise
     products and reductions over a middle axis (in float32, like the matmuls'
@@ -193,39 +210,33 @@ def attention(qg, k, v, mask, scale: float, pools, dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerForms:
-    """What one decoder layer takes from `DecodeForms`: each attribute a callable, or None
-    where the layer uses its own module. qkv(x) -> (q, k, v); o(x); gate_up(x) -> (gate,
-    up); down(x); attention(qg, k, v, mask, scale, pools, dtype) -> (out, stats) over the
-    cache."""
-
-    qkv: object = None
-    o: object = None
-    gate_up: object = None
-    down: object = None
-    attention: object = None
-
-
-@dataclasses.dataclass(frozen=True)
 class DecodeForms:
     """The CPU forms of a decode step, built inside the sampler's trace from explicit
     `weights` (None: the model's own matmuls) and, with `cpu_attention`, the CPU form of the
-    cached attention (`attention`)."""
+    cached attention (`attention`); the model takes it as its decode-step hook."""
 
     weights: DecodeWeights | None
     cpu_attention: bool = True  # the CPU form of the cached attention
 
-    def layer(self, i: int) -> LayerForms:
+    @property
+    def attention(self):
+        """The cached attention's `attend_cache` implementation: the CPU form (looked up
+        when traced; None switches it off) or the model's "dense"."""
+        cpu = attention if self.cpu_attention else None
+        return "dense" if cpu is None else cpu
+
+    def layer(self, i: int, layer):
+        """Decoder layer i to run: `layer`, or a view of it whose plain projections multiply
+        by the decode weights (fused q/k/v and gate/up; LoRA or quantized ones stay)."""
         w = self.weights
-
-        def form(name):
-            key = f"{i}.{name}"
-            if w is None or key not in w.slots:
-                return None
-            return lambda x: w.matmul(key, x)
-
-        cached = attention if self.cpu_attention else None
-        return LayerForms(form("qkv"), form("o"), form("gate_up"), form("down"), cached)
+        names = [] if w is None else [n for n in _PROJECTIONS if f"{i}.{n}" in w.slots]
+        if not names:
+            return layer
+        view = nnx.merge(*nnx.split(layer))  # new modules over the same parameters
+        for name in names:
+            module, attr = _PROJECTIONS[name]
+            setattr(getattr(view, module), attr, functools.partial(w.matmul, f"{i}.{name}"))
+        return view
 
     def head(self, hidden: jax.Array) -> jax.Array | None:
         """float32[B, V] logits, or None where the model's own head runs."""

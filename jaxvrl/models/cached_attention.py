@@ -1,0 +1,89 @@
+"""Attention over a KV cache, behind one function, `attend_cache`, with implementations chosen
+by name or given as a callable.
+
+Without a cache the decoder attends through `jaxvrl.models.attention.attend`. With one (the
+sampler's prefill and decode steps) each layer writes its new keys and values into the cache
+(`jaxvrl.models.cache`) and its queries attend over the whole cache here, under the mask
+bool[B, T, S] that the decoder builds once per call (valid keys, causality by slot, the
+sliding window).
+
+The arrays are in the caches' layouts: queries grouped by key/value head qg [B, T, K, G, H],
+keys [B, K, H, S], values [B, K, S, H] (`KVCache`); or, with `table` int32[B, n], pages
+[P, K, H, ps] and [P, K, ps, H] that row b reads in the order table[b] (`PagedKVCache`,
+S = n * ps). Implementations:
+
+- "dense": two einsums around the model's masked softmax, over every row's cache (pages are
+  first gathered into the dense layouts); every platform;
+- a callable impl(qg, k, v, mask, *, scale, pools, dtype) -> (out, stats) over the dense
+  layouts (the sampler's CPU kernel, `jaxvrl.sampling.cpu.decode.attention`).
+
+A paged kernel would be one more implementation, dispatched before the gather so that it reads
+the pages where they lie. Einsum letters: B batch, T query positions, S cache slots, K key/value
+heads, G query heads per key/value head, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxvrl.models.layers import masked_softmax, pool_masses
+from jaxvrl.parallel.sharding import constrain
+
+
+def _dense(qg, k, v, mask, *, scale, pools, dtype):
+    """The reference: out [B, T, K, G, H] in `dtype`, stats (A_V, A_X) or None."""
+    logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(qg.dtype))
+    probs = masked_softmax(logits * scale, mask[:, None, None])
+    stats = pool_masses(probs, pools) if pools is not None else None
+    # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU backend
+    # multiplied by the transposed cache, several times slower
+    out = jnp.einsum("BKGTS,BKSH->BKGTH", probs.astype(dtype), v.astype(dtype))
+    return out.transpose(0, 3, 1, 2, 4), stats
+
+
+IMPLEMENTATIONS = {"dense": _dense}
+
+
+def gather_pages(k_pages, v_pages, table):
+    """Every row's keys [B, K, H, n * ps] and values [B, K, n * ps, H] (the dense cache's
+    layouts) from pages [P, K, H, ps] and [P, K, ps, H] in the order of its table int32[B, n]."""
+    b, n = table.shape
+    kk = k_pages[table]  # [B, n, K, H, ps]
+    kk = kk.transpose(0, 2, 3, 1, 4).reshape(b, kk.shape[2], kk.shape[3], n * kk.shape[4])
+    vv = v_pages[table]  # [B, n, K, ps, H]
+    vv = vv.transpose(0, 2, 1, 3, 4).reshape(b, vv.shape[2], n * vv.shape[3], vv.shape[4])
+    return kk, vv
+
+
+def attend_cache(
+    qg: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float,
+    dtype,
+    pools: dict | None = None,
+    table: jax.Array | None = None,
+    implementation="dense",
+):
+    """Queries qg [B, T, K, G, H] over a layer's cache: keys k [B, K, H, S] and values
+    v [B, K, S, H], or with `table` int32[B, n] pages k [P, K, H, ps] and v [P, K, ps, H];
+    mask bool[B, T, S]: which cache slots each query sees; pools: None or the
+    {"vision", "text", "prompt"} bool[B, S] key pools; implementation: a name of
+    IMPLEMENTATIONS or a callable (see the module docstring).
+
+    Returns (out [B, T, K, G, H] in `dtype`, stats: (A_V, A_X) float32[B, T] with pools, else
+    None)."""
+    if isinstance(implementation, str):
+        if implementation not in IMPLEMENTATIONS:
+            known = ", ".join(IMPLEMENTATIONS)
+            raise ValueError(f"unknown cached attention {implementation!r}; known: {known}")
+        implementation = IMPLEMENTATIONS[implementation]
+    if table is not None:
+        k, v = gather_pages(k, v, table)
+    # the cache stays split like the rows (and over kv heads with tensor parallelism)
+    k = constrain(k, ("batch", "heads", None, "length"))
+    v = constrain(v, ("batch", "heads", "length", None))
+    return implementation(qg, k, v, mask, scale=scale, pools=pools, dtype=dtype)
