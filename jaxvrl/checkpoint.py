@@ -430,7 +430,7 @@ class PreemptionFlag:
 
     def __init__(self, signals=(signal.SIGTERM,)):
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("install_preemption_handler() must be called from the main thread")
+            raise RuntimeError("a PreemptionFlag must be made on the main thread")
         self.requested = False
         self.signal_name: str | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in signals}
@@ -450,11 +450,6 @@ class PreemptionFlag:
 
     def __exit__(self, *exc):
         self.restore()
-
-
-def install_preemption_handler(signals=(signal.SIGTERM,)) -> PreemptionFlag:
-    """Installs handlers for `signals` that only set a flag; returns the flag."""
-    return PreemptionFlag(signals)
 
 
 def stop_requested_everywhere(flag: PreemptionFlag) -> bool:

@@ -22,6 +22,14 @@ N = 5  # completion length
 GRIDS = ([[1, 4, 4]], [[1, 2, 6]], [[1, 2, 4]], [[1, 4, 2]])  # each prompt's image, in turn
 
 
+def batch_sharding(mesh, ndim: int) -> jax.sharding.NamedSharding:
+    """An array of `ndim` axes with its rows (axis 0) split over (data, fsdp), the rest
+    replicated: how the step's batch lies on the mesh."""
+    rows = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+    spec = jax.sharding.PartitionSpec(rows, *([None] * (ndim - 1)))
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
 def step_config(values=None) -> StepConfig:
     """The step settings of configs/base.py with G completions per prompt, token-mean
     aggregation (the tests' reference losses) and `values` (dotted keys) set, rules checked."""

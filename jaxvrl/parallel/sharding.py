@@ -211,9 +211,3 @@ def row_axes(rows: int) -> tuple[str, ...]:
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
     return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
-
-def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
-    """Rows split over (data, fsdp); every other dimension replicated."""
-    spec = [None] * ndim
-    spec[batch_axis] = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
-    return NamedSharding(mesh, PartitionSpec(*spec))

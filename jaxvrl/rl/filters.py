@@ -31,11 +31,6 @@ def online_filter_keep(scores: np.ndarray, group_size: int, low: float, high: fl
     return (mean > low) & (mean < high)
 
 
-def expand_groups(keep: np.ndarray, group_size: int) -> np.ndarray:
-    """bool[num_groups] -> bool[B] row mask."""
-    return np.repeat(np.asarray(keep, bool), group_size)
-
-
 def mask_truncated_completions(mask: np.ndarray, truncated: np.ndarray) -> np.ndarray:
     """DAPO: remove truncated rows (no EOS within the length budget) from the loss.
     mask: [B, T]; truncated: bool[B]. Returns mask with those rows zeroed."""

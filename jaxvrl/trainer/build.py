@@ -95,7 +95,9 @@ def init_train_state(model, c):
     carries the critic (its trained params and optimizer state); with use_kl_in_reward the
     KL coefficient."""
     cfg = step_config(c)
-    apply_lora(model, c)
+    if apply_lora(model, c):
+        n = lora.lora_param_count(model)
+        print(f"LoRA rank {c.lora.rank}: {n / 1e6:.3f}M trainable params", flush=True)
     tx = make_optimizer(c.optim, c.total_steps, cfg.updates)
     graphdef, params = nnx.split(model, nnx.Param)
     ref_params = None
@@ -119,13 +121,3 @@ def init_train_state(model, c):
 def sampling_params(state: TrainState):
     """What the sampler takes with nnx.graphdef(model): the policy's full params."""
     return state.params
-
-
-def export_hf(model, params, path, *, tokenizer_dir=None) -> None:
-    """Write the policy (`params` on `model`'s graph) as an HF checkpoint; LoRA adapters are
-    merged into the base weights first (W + A B alpha / r)."""
-    from jaxvrl.models import save
-
-    graphdef = nnx.graphdef(model)
-    policy = nnx.merge(graphdef, params)
-    save(lora.merge_lora(policy), path, tokenizer_dir=tokenizer_dir)

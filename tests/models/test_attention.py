@@ -421,7 +421,8 @@ def test_precision_wrapper_keeps_values_and_gradients():
 def test_splash_compiles_for_a_tpu_mesh():
     # forward and backward with statistics, compiled for v5e-4 (fsdp 2 x tensor 2) on this host
     from jaxvrl.parallel import topology
-    from jaxvrl.parallel.sharding import batch_sharding, make_mesh
+    from jaxvrl.parallel.sharding import make_mesh
+    from tests.helpers import batch_sharding
 
     mesh = make_mesh(fsdp=2, tensor=2, devices=topology.tpu_devices(topology.parse("v5e-4")))
     b, t, n, kh, h = 4, 1000, 8, 2, 128

@@ -83,16 +83,20 @@ def test_fresh_adapter_and_lora_off_are_the_base_model(ckpt):
     np.testing.assert_array_equal(_logits(off, inputs), want)
 
 
-def test_merged_export_logits_equal_lora_model(ckpt, tmp_path):
-    from jaxvrl.trainer.build import export_hf
+def _export_merged(model, params, path):
+    """The policy (`params` on `model`'s graph) saved as an HF checkpoint with its LoRA
+    adapters merged into the base weights (W + A B alpha / r)."""
+    q.save(lora.merge_lora(nnx.merge(nnx.graphdef(model), params)), path)
 
+
+def test_merged_export_logits_equal_lora_model(ckpt, tmp_path):
     model = q.load(ckpt)
     lora.apply_lora(model, 8, 16.0, 0.05, ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"))
     _randomise_b(model)
     inputs = _inputs(model)
     want = _logits(model, inputs)
     _, params = nnx.split(model, nnx.Param)
-    export_hf(model, params, tmp_path / "merged")
+    _export_merged(model, params, tmp_path / "merged")
     merged = q.load(tmp_path / "merged")
     assert not lora.lora_modules(merged)
     np.testing.assert_allclose(_logits(merged, inputs), want, atol=2e-5, rtol=1e-5)
@@ -112,8 +116,6 @@ def test_targets_by_regex_and_errors(ckpt):
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
 def test_qlora_quantized_base_and_merged_export(ckpt, tmp_path, qtype):
     pytest.importorskip("qwix")
-    from jaxvrl.trainer.build import export_hf
-
     base = q.load(ckpt)
     inputs = _inputs(base)
     model = q.load(ckpt)
@@ -131,6 +133,6 @@ def test_qlora_quantized_base_and_merged_export(ckpt, tmp_path, qtype):
     _randomise_b(model)
     want = _logits(model, inputs)
     _, params = nnx.split(model, nnx.Param)
-    export_hf(model, params, tmp_path / "merged")
+    _export_merged(model, params, tmp_path / "merged")
     merged = q.load(tmp_path / "merged")
     np.testing.assert_allclose(_logits(merged, inputs), want, atol=5e-5, rtol=1e-5)

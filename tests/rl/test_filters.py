@@ -15,7 +15,6 @@ def test_dynamic_sampling_and_online_filter():
     np.testing.assert_array_equal(rl.online_filter_keep(scores, 3, 0.1, 0.9), [0, 1, 0, 1])
     # strict bounds: a mean equal to filter_low is dropped
     np.testing.assert_array_equal(rl.online_filter_keep(scores, 3, 1 / 3, 0.9), [0, 0, 0, 1])
-    np.testing.assert_array_equal(rl.expand_groups([True, False], 2), [1, 1, 0, 0])
     with pytest.raises(ValueError, match="groups"):
         rl.dynamic_sampling_keep(scores, 5)
 

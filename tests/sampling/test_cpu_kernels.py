@@ -53,7 +53,10 @@ def test_pack_from_rows_and_from_columns(n, k):
     want[:n] = w
     want = want.reshape(-1, 8, k).transpose(0, 2, 1).reshape(-1)
     np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.pack)(jnp.asarray(w))), want)
-    cols = jax.jit(cpu_kernels.pack_columns)(jnp.asarray(w.T.copy()))
+    empty = cpu_kernels.empty(cpu_kernels.packed_size(n, k))
+    cols = jax.jit(cpu_kernels.pack_into, static_argnames=("offset", "columns"))(
+        empty, jnp.asarray(w.T.copy()), 0, columns=True
+    )
     np.testing.assert_array_equal(np.asarray(cols), want)
 
 

@@ -94,6 +94,7 @@ def test_chunks_per_device_on_a_mesh_equal_one_device():
         from jaxvrl.models import qwen2_5_vl as q
         from jaxvrl.parallel import sharding as S
         from jaxvrl.trainer.passes import completion_logprobs
+        from tests.helpers import batch_sharding
         from tests.models import hf_tiny as T
 
         jax.config.update("jax_default_matmul_precision", "highest")
@@ -124,7 +125,7 @@ def test_chunks_per_device_on_a_mesh_equal_one_device():
 
                 assert S.row_axes(b) == ()  # no mesh here
                 p = jax.device_put(params, S.param_shardings(params, mesh))
-                h = jax.device_put(hidden, S.batch_sharding(mesh, 3))
+                h = jax.device_put(hidden, batch_sharding(mesh, 3))
                 got = jax.jit(on_mesh)(p, h)
                 for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)

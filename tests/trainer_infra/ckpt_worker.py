@@ -17,9 +17,9 @@ import time
 def sigterm_loop(directory: str) -> None:
     import jax.numpy as jnp
 
-    from jaxvrl.checkpoint import Checkpointer, install_preemption_handler
+    from jaxvrl.checkpoint import Checkpointer, PreemptionFlag
 
-    flag = install_preemption_handler()
+    flag = PreemptionFlag()
     ckpt = Checkpointer(directory, max_to_keep=1)
     state = {"w": jnp.zeros(3)}
     print("ready", flush=True)

@@ -18,8 +18,8 @@ from flax import nnx
 from jaxvrl.checkpoint import (
     Checkpointer,
     CheckpointError,
+    PreemptionFlag,
     ProcessBytesHandler,
-    install_preemption_handler,
     stop_requested_everywhere,
     tree_keys,
 )
@@ -181,7 +181,7 @@ def test_restore_uses_the_target_sharding(tmp_path):
 
 def test_sigterm_sets_the_flag_and_restores_the_handler():
     before = signal.getsignal(signal.SIGTERM)
-    with install_preemption_handler() as flag:
+    with PreemptionFlag() as flag:
         assert not flag.requested and not stop_requested_everywhere(flag)
         os.kill(os.getpid(), signal.SIGTERM)
         assert flag.requested and flag.signal_name == "SIGTERM"

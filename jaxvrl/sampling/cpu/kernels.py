@@ -185,12 +185,6 @@ def pack(w_rows: jax.Array) -> jax.Array:
     return pack_into(empty(packed_size(n, k)), w_rows, 0)
 
 
-def pack_columns(w_cols: jax.Array) -> jax.Array:
-    """`pack(w_cols.T)` for a weight held [K, N] (an nnx.Linear kernel), without the transpose."""
-    k, n = w_cols.shape
-    return pack_into(empty(packed_size(n, k)), w_cols, 0, columns=True)
-
-
 def rows_by_weight(buf: jax.Array, x: jax.Array, n: int, offset: int = 0) -> jax.Array:
     """float32 [M, n] = x [M, K] @ w.T for w [n, K] packed at `offset` of `buf` (`pack_into`;
     check `applies`)."""
