@@ -20,17 +20,23 @@ heads, K key/value heads, G query heads per key/value head (N = K*G), H head dim
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jaxvrl.parallel.sharding import MESH_AXES, logical_to_spec, target_platform
+from jaxvrl.models.attention_kernels import cudnn, splash
+from jaxvrl.models.visibility import (
+    Blocks,
+    Visibility,
+    every_query_sees_itself,
+    make_visibility,
+    pad_axis,
+    round_up,
+    visibility_mask,
+)
+from jaxvrl.parallel.sharding import target_platform
 
 IMPLEMENTATIONS = ("xla", "flash", "splash", "cudnn")
 POOLS = ("vision", "text", "prompt")  # the order of the pool axis P
@@ -57,71 +63,6 @@ def resolve(implementation: str, platform: str) -> str:
             f"known: auto, {', '.join(IMPLEMENTATIONS)}"
         )
     return implementation
-
-
-class Visibility(NamedTuple):
-    """Who may see whom, O(T + S) arrays (see the module docstring). Leading axes are B or 1."""
-
-    key_valid: jax.Array  # bool[B, S]
-    q_positions: jax.Array  # int32[B|1, T]
-    k_positions: jax.Array  # int32[B|1, S]
-    q_segments: jax.Array | None  # int32[B|1, T]
-    k_segments: jax.Array | None  # int32[B|1, S]
-
-
-def visibility_mask(
-    vis: Visibility, causal: bool, t0=0, bq=None, s0=0, bk=None, sliding: int = 0
-) -> jax.Array:
-    """bool[B, bq, bk]: which keys s0..s0+bk each query t0..t0+bq may see (all by default);
-    sliding > 0 (causal): only keys fewer than `sliding` positions back."""
-
-    def cut(x, start, size):
-        if x is None or size is None:
-            return x
-        return lax.dynamic_slice_in_dim(x, start, size, axis=1)
-
-    mask = cut(vis.key_valid, s0, bk)[:, None, :]
-    if causal:
-        qp, kp = cut(vis.q_positions, t0, bq), cut(vis.k_positions, s0, bk)
-        mask = mask & (kp[:, None, :] <= qp[:, :, None])
-        if sliding:
-            mask = mask & (kp[:, None, :] > qp[:, :, None] - sliding)
-    if vis.q_segments is not None:
-        qs, ks = cut(vis.q_segments, t0, bq), cut(vis.k_segments, s0, bk)
-        mask = mask & (qs[:, :, None] == ks[:, None, :])
-    return mask
-
-
-def _rows(x, length: int, name: str) -> jax.Array | None:
-    """[L] or [B, L] -> int32[1 or B, L]."""
-    if x is None:
-        return None
-    x = jnp.asarray(x)
-    if x.ndim == 1:
-        x = x[None]
-    if x.ndim != 2 or x.shape[1] != length:
-        raise ValueError(f"{name} must be [{length}] or [B, {length}], got {x.shape}")
-    return x.astype(jnp.int32)
-
-
-def _visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal):
-    b, t, s = q.shape[0], q.shape[1], k.shape[1]
-    if key_valid is None:
-        key_valid = jnp.ones((b, s), bool)
-    key_valid = jnp.broadcast_to(jnp.asarray(key_valid, bool), (b, s))
-    if causal and (q_positions is None) != (k_positions is None):
-        raise ValueError("give both q_positions and k_positions, or neither")
-    if causal and q_positions is None:
-        if t != s:
-            raise ValueError(f"causal attention of {t} queries over {s} keys needs positions")
-        q_positions = k_positions = jnp.arange(t)
-    if (q_segments is None) != (k_segments is None):
-        raise ValueError("give both q_segments and k_segments, or neither")
-    qp, kp = _rows(q_positions, t, "q_positions"), _rows(k_positions, s, "k_positions")
-    if not causal:  # positions do not matter; keep the pytree's shape fixed
-        qp, kp = jnp.zeros((1, t), jnp.int32), jnp.zeros((1, s), jnp.int32)
-    qs, ks = _rows(q_segments, t, "q_segments"), _rows(k_segments, s, "k_segments")
-    return Visibility(key_valid, qp, kp, qs, ks)
 
 
 def attend(
@@ -173,7 +114,7 @@ def attend(
         or v.shape != k.shape
     ):
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected [B,T,K*G,H], [B,S,K,H]")
-    vis = _visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal)
+    vis = make_visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal)
     pool = None
     if pools is not None:
         pool = jnp.stack([jnp.asarray(pools[name], bool) for name in POOLS], axis=-1)  # [B, S, P]
@@ -184,9 +125,11 @@ def attend(
         raise ValueError(
             f"attention implementation {implementation!r}: one of {IMPLEMENTATIONS}{hint}"
         )
-    sees_self = _sees_self(t, k.shape[1], key_valid, q_positions, q_segments, k_segments, causal)
+    sees_self = every_query_sees_itself(
+        t, k.shape[1], key_valid, q_positions, q_segments, k_segments, causal
+    )
     sliding = int(sliding) if causal else 0
-    blocks = _Blocks(
+    blocks = Blocks(
         float(scale),
         causal,
         max(1, min(block_q, t)),
@@ -203,7 +146,7 @@ def attend(
     if window is not None and implementation != "xla":
         if k.shape[1] != t or window < 1:
             raise ValueError(f"window={window} needs self-attention (T == S), got {t}, {k.shape}")
-        block = _round_up(window, 128) if target_platform() == "tpu" else window
+        block = round_up(window, 128) if target_platform() == "tpu" else window
         out, masses = _banded(q, k, v, vis, pool, scale=scale, causal=causal, block=block)
     elif implementation == "xla":
         out, masses = _xla(q, k, v, vis, pool, scale=scale, causal=causal, sliding=sliding)
@@ -211,10 +154,10 @@ def attend(
         out, masses = _flash(q, k, v, vis, pool, blocks)
     else:
         if implementation == "splash":
-            out = _splash(q, k, v, vis, blocks, interpret=interpret)
+            out = splash(q, k, v, vis, blocks, interpret=interpret)
         else:
             masked = key_valid is not None or q_segments is not None
-            out = _cudnn(q, k, v, vis, blocks, masked=masked)
+            out = cudnn(q, k, v, vis, blocks, masked=masked)
         masses = None if pool is None else _blocked_masses(q, k, vis, pool, blocks)
     return out, (None if masses is None else _pool_ratios(lax.stop_gradient(masses)))
 
@@ -263,15 +206,15 @@ def _banded(q, k, v, vis: Visibility, pool, *, scale, causal, block):
 
     def around(x, fill):
         """[B, T, ...] -> [B, nb, 3c, ...]: each block's keys with its neighbours'."""
-        x = _pad_axis(x, 1, tp, fill)
+        x = pad_axis(x, 1, tp, fill)
         x = jnp.concatenate([jnp.full_like(x[:, :c], fill), x, jnp.full_like(x[:, :c], fill)], 1)
         x = x.reshape(x.shape[0], nb + 2, c, *x.shape[2:])
         return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
 
-    qb = _pad_axis(q, 1, tp, 0).reshape(b, nb, c, kh, n // kh, h)
+    qb = pad_axis(q, 1, tp, 0).reshape(b, nb, c, kh, n // kh, h)
     kb, vb = around(k.astype(q.dtype), 0), around(v.astype(q.dtype), 0)  # [B, nb, 3c, K, H]
     logits = jnp.einsum("BNcKGH,BNsKH->BNKGcs", qb, kb) * scale
-    rows = lambda x: _pad_axis(x, 1, tp, 0).reshape(x.shape[0], nb, c)  # noqa: E731
+    rows = lambda x: pad_axis(x, 1, tp, 0).reshape(x.shape[0], nb, c)  # noqa: E731
     mask = around(vis.key_valid, False)[:, :, None, :]  # [B, nb, 1, 3c]
     if causal:
         qp, kp = rows(vis.q_positions), around(vis.k_positions, 0)
@@ -296,27 +239,7 @@ def _banded(q, k, v, vis: Visibility, pool, *, scale, causal, block):
 # flash: blocked attention with an online softmax and a recomputing backward pass
 
 
-@dataclasses.dataclass(frozen=True)
-class _Blocks:
-    scale: float
-    causal: bool
-    block_q: int
-    block_k: int
-    # every query sees at least its own key (self-attention, no key masked, the same segment
-    # ids on both sides): the kernels' rows are never blind
-    sees_self: bool = False
-    sliding: int = 0  # causal: keys fewer than this many positions back only (0: all)
-
-
-def _pad_axis(x, axis: int, size: int, value):
-    if x is None or x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _to_blocks(q, k, v, vis: Visibility, pool, cfg: _Blocks):
+def _to_blocks(q, k, v, vis: Visibility, pool, cfg: Blocks):
     """Heads first and T, S padded to whole blocks: q [B, K, G, Tp, H], k and v [B, K, Sp, H],
     pool float32[B, Sp, P]. Padded keys are invalid; padded queries are dropped by the caller
     (so their output cotangent is zero)."""
@@ -325,29 +248,29 @@ def _to_blocks(q, k, v, vis: Visibility, pool, cfg: _Blocks):
     tp = -(-t // cfg.block_q) * cfg.block_q
     sp = -(-s // cfg.block_k) * cfg.block_k
     qg = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
-    qg = _pad_axis(qg, 3, tp, 0)
-    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)
-    vt = None if v is None else _pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
+    qg = pad_axis(qg, 3, tp, 0)
+    kt = pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)
+    vt = None if v is None else pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
     vis = Visibility(
-        _pad_axis(vis.key_valid, 1, sp, False),
-        _pad_axis(vis.q_positions, 1, tp, 0),
-        _pad_axis(vis.k_positions, 1, sp, 0),
-        _pad_axis(vis.q_segments, 1, tp, 0),
-        _pad_axis(vis.k_segments, 1, sp, 0),
+        pad_axis(vis.key_valid, 1, sp, False),
+        pad_axis(vis.q_positions, 1, tp, 0),
+        pad_axis(vis.k_positions, 1, sp, 0),
+        pad_axis(vis.q_segments, 1, tp, 0),
+        pad_axis(vis.k_segments, 1, sp, 0),
     )
     if pool is not None:
-        pool = _pad_axis(pool.astype(jnp.float32), 1, sp, 0.0)
+        pool = pad_axis(pool.astype(jnp.float32), 1, sp, 0.0)
     return qg, kt, vt, vis, pool
 
 
-def _flash(q, k, v, vis: Visibility, pool, cfg: _Blocks):
+def _flash(q, k, v, vis: Visibility, pool, cfg: Blocks):
     b, t, n, h = q.shape
     out, masses = _flash_kernel(cfg, *_to_blocks(q, k, v, vis, pool, cfg))
     out = out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
     return out, (None if masses is None else masses[:, :t])
 
 
-def _blocked_masses(q, k, vis: Visibility, pool, cfg: _Blocks):
+def _blocked_masses(q, k, vis: Visibility, pool, cfg: Blocks):
     """Pool masses float32[B, T, P] alone, by the blocked forward pass without values (for
     kernels that return no log-sum-exp per row): a second pass over the logits, no [T, S]."""
     qg, kt, _, vis, pool = _to_blocks(q, k, None, vis, pool, cfg)
@@ -357,7 +280,7 @@ def _blocked_masses(q, k, vis: Visibility, pool, cfg: _Blocks):
     return masses[:, : q.shape[1]]
 
 
-def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
+def _flash_forward(cfg: Blocks, q, k, v, vis: Visibility, pool):
     """q [B, K, G, Tp, H], k and v [B, K, Sp, H], pool float32[B, Sp, P] or None.
     Returns out [B, K, G, Tp, H] (q's dtype; None when v is None), lse float32[B, K, G, Tp]
     (0 on rows that see no key) and heads-averaged pool masses float32[B, Tp, P] or None."""
@@ -424,7 +347,7 @@ def _flash_forward(cfg: _Blocks, q, k, v, vis: Visibility, pool):
     return out, lse, masses
 
 
-def _flash_backward(cfg: _Blocks, q, k, v, vis: Visibility, out, lse, d_out):
+def _flash_backward(cfg: Blocks, q, k, v, vis: Visibility, out, lse, d_out):
     """FlashAttention-2 backward: for each key block, a loop over query blocks recomputes the
     probabilities from lse; dK, dV accumulate per key block, dQ in a carried float32 buffer."""
     b, kh, g, tp, h = q.shape
@@ -474,7 +397,7 @@ def _flash_backward(cfg: _Blocks, q, k, v, vis: Visibility, out, lse, d_out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_kernel(cfg: _Blocks, q, k, v, vis: Visibility, pool):
+def _flash_kernel(cfg: Blocks, q, k, v, vis: Visibility, pool):
     """(out [B, K, G, Tp, H], masses float32[B, Tp, P] or None); masses carry no gradient."""
     out, _, masses = _flash_forward(cfg, q, k, v, vis, pool)
     return out, masses
@@ -499,156 +422,6 @@ _flash_kernel.defvjp(_flash_kernel_fwd, _flash_kernel_bwd)
 # kernels with a static mask: splash (TPU, Pallas) and cuDNN (GPU)
 
 
-def _sees_self(t, s, key_valid, q_positions, q_segments, k_segments, causal) -> bool:
-    """Whether `attend`'s arguments alone promise that every query sees at least its own key:
-    self-attention (T == S) with no key masked, default positions when causal, and the very
-    same segment ids (one array) for queries and keys."""
-    return (
-        key_valid is None
-        and t == s
-        and q_segments is k_segments
-        and (not causal or q_positions is None)
-    )
-
-
-def _sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
-    """bool[B, T]: queries that may see at least one key. The kernels below give the other
-    rows an average of masked values rather than zeros. Without segments in O(T + S): a query
-    sees a key iff the row's first valid key position is at or before its own (causal), or
-    the row has a valid key at all; with segments from the [B, T, S] rule, reduced as fused."""
-    b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
-    if vis.q_segments is None and not sliding:
-        if not causal:
-            return jnp.broadcast_to(jnp.any(vis.key_valid, axis=-1)[:, None], (b, t))
-        never = jnp.iinfo(jnp.int32).max
-        first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
-        return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
-    return jnp.any(visibility_mask(vis, causal, sliding=sliding), axis=-1)
-
-
-def _zero_blind(out, vis: Visibility, cfg: _Blocks):
-    """The kernels' out [B, T, N, H] with rows that see no key set to zero."""
-    if cfg.sees_self:
-        return out
-    return jnp.where(_sees_any(vis, cfg.causal, cfg.sliding)[..., None, None], out, 0)
-
-
-def _splash(q, k, v, vis: Visibility, cfg: _Blocks, *, interpret: bool):
-    """The Pallas TPU splash kernel, one row at a time (vmap). Causality is its static
-    CausalMask (key index <= query index); key validity and segments become its SegmentIds:
-    queries get 2 * segment, valid keys 2 * segment and invalid keys 1, which no query has."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa  # TPU-only module
-
-    b, t, n, h = q.shape
-    s = k.shape[1]
-    bq = _round_up(min(cfg.block_q, t), 128)
-    bk = _round_up(min(cfg.block_k, s), 128)
-    if cfg.causal:  # T == S here: one padded length keeps the causal diagonal
-        tp = sp = _round_up(t, math.lcm(bq, bk))
-    else:
-        tp, sp = _round_up(t, bq), _round_up(s, bk)
-    q_seg = jnp.zeros((b, t), jnp.int32) if vis.q_segments is None else 2 * vis.q_segments
-    k_seg = jnp.zeros((b, s), jnp.int32) if vis.k_segments is None else 2 * vis.k_segments
-    k_seg = jnp.where(vis.key_valid, k_seg, 1)
-    segments = (
-        _pad_axis(jnp.broadcast_to(q_seg, (b, t)), 1, tp, 0),
-        _pad_axis(jnp.broadcast_to(k_seg, (b, s)), 1, sp, 1),
-    )
-    qt = _pad_axis((q * cfg.scale).astype(q.dtype).transpose(0, 2, 1, 3), 2, tp, 0)  # [B, N, T, H]
-    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, sp, 0)  # [B, K, S, H]
-    vt = _pad_axis(v.transpose(0, 2, 1, 3), 2, sp, 0)
-    mask = sa.CausalMask((tp, sp)) if cfg.causal else sa.FullMask((tp, sp))
-    sizes = dict(block_q=bq, block_kv=bk, block_kv_compute=bk)
-    sizes.update(block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk)
-    sizes.update(block_q_dq=bq, block_kv_dq=bk)
-
-    def rows(qt, kt, vt, q_seg, k_seg):  # the rows and heads one device holds
-        kernel = sa.make_splash_mha(
-            sa.MultiHeadMask([mask] * qt.shape[1]),
-            block_sizes=sa.BlockSizes(**sizes),
-            head_shards=1,
-            q_seq_shards=1,
-            interpret=interpret,
-        )
-        return jax.vmap(kernel)(qt, kt, vt, sa.SegmentIds(q_seg, k_seg))
-
-    def kernel(qt, kt, vt, q_seg, k_seg):
-        return _per_device(rows, (qt, kt, vt, q_seg, k_seg), ("qkv", "qkv", "qkv", "seg", "seg"))
-
-    if q.dtype != jnp.float32:
-        # Mosaic rejects bfloat16 products at float32 contract precision (train.py sets
-        # "highest"); products of bfloat16 inputs are exact at the default precision
-        kernel = _at_precision(kernel, "default")
-    out = kernel(qt, kt, vt, *segments)
-    return _zero_blind(out[:, :, :t].transpose(0, 2, 1, 3), vis, cfg).astype(q.dtype)
-
-
-def _at_precision(fn, precision: str):
-    """fn(q, k, v, *ints) with its forward and backward both traced at a matmul precision (a
-    `with` around the call alone leaves the backward to the precision at transpose time)."""
-
-    @jax.custom_vjp
-    def call(*args):
-        with jax.default_matmul_precision(precision):
-            return fn(*args)
-
-    def fwd(*args):
-        with jax.default_matmul_precision(precision):
-            return jax.vjp(fn, *args)
-
-    def bwd(vjp, d_out):
-        with jax.default_matmul_precision(precision):
-            dq, dk, dv, *_ = vjp(d_out)
-        return dq, dk, dv, None, None
-
-    call.defvjp(fwd, bwd)
-    return call
-
-
-def _per_device(fn, args, kinds):
-    """fn(*args) under shard_map over the mesh being traced for (Mosaic kernels are not
-    partitioned automatically): rows split like the batch, heads like the attention heads,
-    by the logical rules; query and key/value heads stay aligned (both split or neither).
-    kinds: "qkv" for [B, heads, L, H], "seg" for [B, L]; the output is shaped like args[0]."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
-        return fn(*args)
-    axes = ("batch", "heads", None, None)
-    specs = [logical_to_spec(axes, x.shape, mesh) for x, kind in zip(args, kinds) if kind == "qkv"]
-    batch = specs[0][0]
-    heads = specs[0][1] if all(spec[1] == specs[0][1] for spec in specs) else None
-    in_specs = [P(batch, heads, None, None) if kind == "qkv" else P(batch, None) for kind in kinds]
-    run = jax.shard_map(
-        fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=in_specs[0], check_vma=False
-    )
-    return run(*args)
-
-
-def _cudnn(q, k, v, vis: Visibility, cfg: _Blocks, *, masked: bool, backend: str = "cudnn"):
-    """`jax.nn.dot_product_attention` (cuDNN flash attention: bfloat16/float16 on a GPU).
-    Causality is its index-causal flag; key validity and segments, when given, a bool
-    [B, 1, T, S] mask, which the kernel turns into a bias of that size. The mask is
-    broadcast to whole T and S: the rule gives [B, 1, S] for key validity alone, and cuDNN
-    takes no bias broadcast over T. With a bias cuDNN's training kernels take even T and S
-    only: odd lengths get one padded query (seeing every real key, its output dropped) and one
-    padded key (seen by no query); T == S when causal, so the causal diagonal is kept."""
-    b, t, s = q.shape[0], q.shape[1], k.shape[1]
-    mask = None
-    if masked:
-        mask = jnp.broadcast_to(visibility_mask(vis, False), (b, t, s))
-        tp, sp = _round_up(t, 2), _round_up(s, 2)
-        mask = _pad_axis(_pad_axis(mask, 2, sp, False), 1, tp, True)[:, None]
-        q, k, v = _pad_axis(q, 1, tp, 0), _pad_axis(k, 1, sp, 0), _pad_axis(v, 1, sp, 0)
-    out = jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=cfg.scale, is_causal=cfg.causal, implementation=backend
-    )
-    return _zero_blind(out[:, :t], vis, cfg).astype(q.dtype)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 # ---------------------------------------------------------------------------------------------
 # key masses: where a set of queries puts its attention (a diagnostic pass, no gradient)
 
@@ -664,7 +437,7 @@ def attend_key_masses(
     so no [T, S] array is built (splash and cudnn take the blocked form too: a diagnostic);
     sliding: as `attend`'s."""
     b, t, n, h = q.shape
-    vis = _visibility(q, k, key_valid, None, None, None, None, True)
+    vis = make_visibility(q, k, key_valid, None, None, None, None, True)
     chosen = jnp.broadcast_to(jnp.asarray(queries, bool), (b, t))
     if implementation == "xla":  # _xla's arithmetic, its probabilities kept
         kh = k.shape[2]
@@ -677,18 +450,18 @@ def attend_key_masses(
         p = lax.stop_gradient(probs)
         masses = jnp.einsum("BKGTS,BT->BS", p, chosen.astype(jnp.float32)) / n
         return out.reshape(b, t, n, h), masses
-    cfg = _Blocks(
+    cfg = Blocks(
         float(scale), True, max(1, min(block, t)), max(1, min(block, k.shape[1])), False, sliding
     )
     qg, kt, vt, vis_b, _ = _to_blocks(q, k, v, vis, None, cfg)
     out, lse, _ = _flash_forward(cfg, qg, kt, vt, vis_b, None)
     out = out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-    chosen = _pad_axis(chosen, 1, qg.shape[3], False)
+    chosen = pad_axis(chosen, 1, qg.shape[3], False)
     q_, k_ = lax.stop_gradient(qg), lax.stop_gradient(kt)
     return out, _blocked_key_masses(cfg, q_, k_, vis_b, lse, chosen)[:, : k.shape[1]]
 
 
-def _blocked_key_masses(cfg: _Blocks, q, k, vis: Visibility, lse, chosen):
+def _blocked_key_masses(cfg: Blocks, q, k, vis: Visibility, lse, chosen):
     """q [B, K, G, Tp, H], k [B, K, Sp, H], lse float32[B, K, G, Tp] from the forward, chosen
     bool[B, Tp] -> float32[B, Sp]: per key block, a loop over the query blocks recomputes
     exp(logits - lse) and sums it over the chosen queries and the heads (mean over heads)."""

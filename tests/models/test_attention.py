@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from jaxvrl.models import attention as A
+from jaxvrl.models import attention_kernels as K
+from jaxvrl.models import visibility as V
 from jaxvrl.models.layers import masked_softmax, pool_masses
 
 H = 8
@@ -328,11 +330,11 @@ def test_cudnn_arguments_through_the_xla_backend(name, monkeypatch):
     kw = {key: val for key, val in kw.items() if key not in ("block_q", "block_k")}
     ref, _ = jax.jit(lambda q, k, v: A.attend(q, k, v, scale=H**-0.5, **kw))(q, k, v)
     causal = kw.get("causal", True)
-    vis = A._visibility(
+    vis = V.make_visibility(
         q, k, kw.get("key_valid"), None, None, kw.get("q_segments"), kw.get("k_segments"), causal
     )
-    blocks = A._Blocks(H**-0.5, causal, 512, 512)
-    out = jax.jit(lambda q, k, v: A._cudnn(q, k, v, vis, blocks, masked=True, backend="xla"))
+    blocks = V.Blocks(H**-0.5, causal, 512, 512)
+    out = jax.jit(lambda q, k, v: K.cudnn(q, k, v, vis, blocks, masked=True, backend="xla"))
     _close(out(q, k, v), ref)
     even = lambda n: n + n % 2
     assert masks == [(q.shape[0], 1, even(q.shape[1]), even(k.shape[1]))]
@@ -383,23 +385,23 @@ def test_which_queries_see_a_key(name):
         q, k, v, _, kw, _ = _case(name)
     causal = kw.get("causal", True)
     positions = kw.get("q_positions"), kw.get("k_positions")
-    vis = A._visibility(
+    vis = V.make_visibility(
         q, k, kw.get("key_valid"), *positions, kw.get("q_segments"), kw.get("k_segments"), causal
     )
     for c in {causal, False}:
         want = np.asarray(A.visibility_mask(vis, c)).any(-1)
         want = np.broadcast_to(want, (q.shape[0], q.shape[1]))
-        np.testing.assert_array_equal(A._sees_any(vis, c), want, err_msg=f"causal={c}")
+        np.testing.assert_array_equal(V.sees_any(vis, c), want, err_msg=f"causal={c}")
         # where the arguments promise that every query sees itself, the kernels skip the rule
         args = kw.get("key_valid"), positions[0], kw.get("q_segments"), kw.get("k_segments"), c
-        if A._sees_self(q.shape[1], k.shape[1], *args):
+        if V.every_query_sees_itself(q.shape[1], k.shape[1], *args):
             assert want.all(), f"causal={c}"
     # the promise holds for the vision tower's calls only: one segment array, no key masked
     seg = np.repeat([0, 1, -1], [3, 2, 1])
-    assert A._sees_self(6, 6, None, None, seg, seg, False)
-    assert not A._sees_self(6, 6, None, None, seg, seg.copy(), False)
-    assert not A._sees_self(6, 6, np.ones(6, bool), None, seg, seg, False)
-    assert not A._sees_self(6, 6, None, np.arange(6), None, None, True)
+    assert V.every_query_sees_itself(6, 6, None, None, seg, seg, False)
+    assert not V.every_query_sees_itself(6, 6, None, None, seg, seg.copy(), False)
+    assert not V.every_query_sees_itself(6, 6, np.ones(6, bool), None, seg, seg, False)
+    assert not V.every_query_sees_itself(6, 6, None, np.arange(6), None, None, True)
 
 
 def test_precision_wrapper_keeps_values_and_gradients():
@@ -410,7 +412,7 @@ def test_precision_wrapper_keeps_values_and_gradients():
     q, k, v, _ = _inputs(8, 1, 3, 4, 1, 1)
     q, k, v = q[0, :, 0], k[0, :, 0], v[0, :, 0]
     i, j = jnp.arange(3), jnp.ones(4, jnp.int32)
-    wrapped = A._at_precision(fn, "default")
+    wrapped = K.at_precision(fn, "default")
     _close(wrapped(q, k, v, i, j), fn(q, k, v, i, j))
     for argnum in range(3):
         got = jax.grad(lambda *a: jnp.sum(wrapped(*a) ** 2), argnums=argnum)(q, k, v, i, j)

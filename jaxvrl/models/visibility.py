@@ -1,0 +1,137 @@
+"""Who may see whom in attention, as O(T + S) arrays (`Visibility`), and what every
+implementation of `jaxvrl.models.attention.attend` shares: the mask of a block
+(`visibility_mask`, with causality, segments and a sliding window), the blocked
+implementations' settings (`Blocks`), padding to whole blocks, and the rows that see no key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class Visibility(NamedTuple):
+    """Who may see whom, O(T + S) arrays (see the module docstring). Leading axes are B or 1."""
+
+    key_valid: jax.Array  # bool[B, S]
+    q_positions: jax.Array  # int32[B|1, T]
+    k_positions: jax.Array  # int32[B|1, S]
+    q_segments: jax.Array | None  # int32[B|1, T]
+    k_segments: jax.Array | None  # int32[B|1, S]
+
+
+def visibility_mask(
+    vis: Visibility, causal: bool, t0=0, bq=None, s0=0, bk=None, sliding: int = 0
+) -> jax.Array:
+    """bool[B, bq, bk]: which keys s0..s0+bk each query t0..t0+bq may see (all by default);
+    sliding > 0 (causal): only keys fewer than `sliding` positions back."""
+
+    def cut(x, start, size):
+        if x is None or size is None:
+            return x
+        return lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+    mask = cut(vis.key_valid, s0, bk)[:, None, :]
+    if causal:
+        qp, kp = cut(vis.q_positions, t0, bq), cut(vis.k_positions, s0, bk)
+        mask = mask & (kp[:, None, :] <= qp[:, :, None])
+        if sliding:
+            mask = mask & (kp[:, None, :] > qp[:, :, None] - sliding)
+    if vis.q_segments is not None:
+        qs, ks = cut(vis.q_segments, t0, bq), cut(vis.k_segments, s0, bk)
+        mask = mask & (qs[:, :, None] == ks[:, None, :])
+    return mask
+
+
+def as_rows(x, length: int, name: str) -> jax.Array | None:
+    """[L] or [B, L] -> int32[1 or B, L]."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.ndim == 1:
+        x = x[None]
+    if x.ndim != 2 or x.shape[1] != length:
+        raise ValueError(f"{name} must be [{length}] or [B, {length}], got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def make_visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal):
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    if key_valid is None:
+        key_valid = jnp.ones((b, s), bool)
+    key_valid = jnp.broadcast_to(jnp.asarray(key_valid, bool), (b, s))
+    if causal and (q_positions is None) != (k_positions is None):
+        raise ValueError("give both q_positions and k_positions, or neither")
+    if causal and q_positions is None:
+        if t != s:
+            raise ValueError(f"causal attention of {t} queries over {s} keys needs positions")
+        q_positions = k_positions = jnp.arange(t)
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("give both q_segments and k_segments, or neither")
+    qp, kp = as_rows(q_positions, t, "q_positions"), as_rows(k_positions, s, "k_positions")
+    if not causal:  # positions do not matter; keep the pytree's shape fixed
+        qp, kp = jnp.zeros((1, t), jnp.int32), jnp.zeros((1, s), jnp.int32)
+    qs, ks = as_rows(q_segments, t, "q_segments"), as_rows(k_segments, s, "k_segments")
+    return Visibility(key_valid, qp, kp, qs, ks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    scale: float
+    causal: bool
+    block_q: int
+    block_k: int
+    # every query sees at least its own key (self-attention, no key masked, the same segment
+    # ids on both sides): the kernels' rows are never blind
+    sees_self: bool = False
+    sliding: int = 0  # causal: keys fewer than this many positions back only (0: all)
+
+
+def pad_axis(x, axis: int, size: int, value):
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def every_query_sees_itself(t, s, key_valid, q_positions, q_segments, k_segments, causal) -> bool:
+    """Whether `attend`'s arguments alone promise that every query sees at least its own key:
+    self-attention (T == S) with no key masked, default positions when causal, and the very
+    same segment ids (one array) for queries and keys."""
+    return (
+        key_valid is None
+        and t == s
+        and q_segments is k_segments
+        and (not causal or q_positions is None)
+    )
+
+
+def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
+    """bool[B, T]: queries that may see at least one key. The kernels below give the other
+    rows an average of masked values rather than zeros. Without segments in O(T + S): a query
+    sees a key iff the row's first valid key position is at or before its own (causal), or
+    the row has a valid key at all; with segments from the [B, T, S] rule, reduced as fused."""
+    b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
+    if vis.q_segments is None and not sliding:
+        if not causal:
+            return jnp.broadcast_to(jnp.any(vis.key_valid, axis=-1)[:, None], (b, t))
+        never = jnp.iinfo(jnp.int32).max
+        first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
+        return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
+    return jnp.any(visibility_mask(vis, causal, sliding=sliding), axis=-1)
+
+
+def zero_blind(out, vis: Visibility, cfg: Blocks):
+    """The kernels' out [B, T, N, H] with rows that see no key set to zero."""
+    if cfg.sees_self:
+        return out
+    return jnp.where(sees_any(vis, cfg.causal, cfg.sliding)[..., None, None], out, 0)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
