@@ -101,7 +101,7 @@ def test_scores_equal_transformers_logits(classifiers, model_type, tmp_path):
 
 def test_the_filters_may_name_the_reward_model_and_no_function_takes_its_name(tmp_path):
     from jaxvrl.config import load_config
-    from jaxvrl.train import reward_model
+    from jaxvrl.trainer.setup import reward_model
     from tests.trainer.test_train import ROOT
 
     base = f"{ROOT}/configs/grpo.py"

@@ -77,8 +77,8 @@ def test_grpo_trains_a_text_model_on_text_rows(llama, tmp_path):
     # the data is encoded as it is drawn: the row with an image is skipped and counted
     from transformers import AutoTokenizer
 
+    from jaxvrl.data.from_config import row_format
     from jaxvrl.data.pipeline import EncodeOptions, encode_rows, read_rows
-    from jaxvrl.train import row_format
 
     rows = read_rows(data, fmt=row_format(_config(llama, tmp_path / "x", data)))
     examples, stats = encode_rows(rows, AutoTokenizer.from_pretrained(llama),
@@ -118,7 +118,7 @@ def test_the_embedded_text_default_is_the_arithmetic_tasks_llama(tmp_path):
     Llama on one-digit sums; held-out accuracy is scored by `accuracy`, and greedy decoding
     answers in the taught format (the think works the sum out)."""
     from jaxvrl.export import _base_model_path
-    from jaxvrl.train import run_info
+    from jaxvrl.trainer.setup import run_info
 
     c = load_config(os.path.join(ROOT, "configs/math_grpo.py"), [f"workdir={tmp_path}"])
     assert models.load_config(models.EMBEDDED_TEXT).model_type == "llama"

@@ -185,7 +185,7 @@ def test_config_overrides_and_errors(tmp_path):
 def test_rows_must_split_over_the_mesh_and_the_micro_batches():
     from types import SimpleNamespace
 
-    from jaxvrl.train import check_rows
+    from jaxvrl.trainer.setup import check_rows
 
     mesh = SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 1})
     c = load_config(os.path.join(ROOT, "configs/grpo.py"), ["prompts_per_step=3"])

@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 from configs import base
 from jaxvrl.config import ConfigError, OneOf, flat_keys, get, set_values, validate
 from jaxvrl.models import EMBEDDED, qwen2_5_vl
-from jaxvrl.train import (
+from jaxvrl.trainer.build import learning_rate, make_optimizer, step_config
+from jaxvrl.trainer.setup import (
     check_rows,
     make_rollout_phase,
     make_samplers,
     sampling_config,
     training_mesh,
 )
-from jaxvrl.trainer.build import learning_rate, make_optimizer, step_config
 
 # Paths, hosts and switches that reach outside the process: their checks are the loaders'.
 SKIP = {
