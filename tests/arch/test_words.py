@@ -55,7 +55,9 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     bad = tmp_path / "jaxvrl_bad.py"
     bad.write_text('"""' + "line\n" * 26 + '"""\nx = 1  # 3.2 ms on the CPU, 1.7x faster\n')
     good = tmp_path / "jaxvrl_good.py"
-    good.write_text('"""Short."""\nx = 2  # two prompts x 8 samples, 3 steps (a setting, not a figure)\n')
+    good.write_text(
+        '"""Short."""\nx = 2  # two prompts x 8 samples, 3 steps (a setting, not a figure)\n'
+    )
     assert len(long_docstrings([bad])) == 1 and len(figures_in_comments([bad])) == 1
     assert not long_docstrings([good]) and not figures_in_comments([good])
     assert (
