@@ -6,8 +6,6 @@ and reads and writes their parts of `config.json` itself."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, ClassVar
 
 from jaxvrl.config import ConfigError
@@ -64,18 +62,6 @@ class VLConfig:
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json"):
         raise NotImplementedError
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike):
-        file = os.path.join(os.fspath(path), "config.json")
-        if not os.path.exists(file):
-            raise ConfigError(f"{file}: not found (an HF checkpoint directory needs config.json)")
-        with open(file) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{file}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(d, source=file)
 
     @property
     def eos_json(self):

@@ -14,14 +14,13 @@ from jaxvrl.data import synthetic
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows, read_rows
 from jaxvrl.data.processor import process_images, process_video
-from jaxvrl.models.qwen2_5_vl import Qwen2_5_VLConfig
-from jaxvrl.train import EMBEDDED
+from jaxvrl.models import EMBEDDED, load_config
 from tests.data.conftest import png
 
 
 @pytest.fixture(scope="module")
 def model_config():
-    return Qwen2_5_VLConfig.from_pretrained(EMBEDDED)
+    return load_config(EMBEDDED)
 
 
 @pytest.mark.parametrize(
