@@ -148,6 +148,14 @@ ROPE_SCALING_FIELDS = (
 )
 
 
+def text_sizes(t: TextConfig) -> dict:
+    """The text decoder's sizes, activation, norm epsilon and length as config.json names
+    them (every family writes these the same way; head_dim and the rope are its own)."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    keys += ("num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps")
+    return {k: getattr(t, k) for k in (*keys, "max_position_embeddings")}
+
+
 def fields_of(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 

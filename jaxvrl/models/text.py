@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxvrl.config import ConfigError
-from jaxvrl.models.config import TextConfig, fields_of, freeze, jsonable, thaw
+from jaxvrl.models.config import TextConfig, fields_of, freeze, jsonable, text_sizes, thaw
 from jaxvrl.models.layers import ROPE_TYPES, activation
 from jaxvrl.models.weights import KeyTable
 
@@ -311,16 +311,8 @@ class CausalLMConfig:
             {
                 "architectures": [self.hf_architecture],
                 "model_type": self.model_type,
-                "vocab_size": t.vocab_size,
-                "hidden_size": t.hidden_size,
-                "intermediate_size": t.intermediate_size,
-                "num_hidden_layers": t.num_hidden_layers,
-                "num_attention_heads": t.num_attention_heads,
-                "num_key_value_heads": t.num_key_value_heads,
+                **text_sizes(t),
                 "head_dim": t.head_dim,
-                "hidden_act": t.hidden_act,
-                "rms_norm_eps": t.rms_norm_eps,
-                "max_position_embeddings": t.max_position_embeddings,
                 "rope_parameters": _rope_parameters(t),
                 "tie_word_embeddings": self.tie_word_embeddings,
                 "bos_token_id": self.bos_token_id,

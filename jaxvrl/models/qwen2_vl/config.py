@@ -22,6 +22,7 @@ from jaxvrl.models.config import (
     VisionConfig,
     fields_of,
     text_from_dict,
+    text_sizes,
 )
 from jaxvrl.models.family_config import VLConfig
 
@@ -95,15 +96,7 @@ class Qwen2VLConfig(VLConfig):
             {
                 "text_config": {
                     "model_type": "qwen2_vl_text",
-                    "vocab_size": t.vocab_size,
-                    "hidden_size": t.hidden_size,
-                    "intermediate_size": t.intermediate_size,
-                    "num_hidden_layers": t.num_hidden_layers,
-                    "num_attention_heads": t.num_attention_heads,
-                    "num_key_value_heads": t.num_key_value_heads,
-                    "hidden_act": t.hidden_act,
-                    "rms_norm_eps": t.rms_norm_eps,
-                    "max_position_embeddings": t.max_position_embeddings,
+                    **text_sizes(t),
                     "rope_parameters": {
                         "rope_type": "default",
                         "rope_theta": t.rope_theta,

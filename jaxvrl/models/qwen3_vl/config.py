@@ -20,6 +20,7 @@ from jaxvrl.models.config import (
     TextConfig,
     VisionConfig,
     text_from_dict,
+    text_sizes,
     vision_from_dict,
 )
 from jaxvrl.models.family_config import VLConfig
@@ -98,16 +99,8 @@ class Qwen3VLConfig(VLConfig):
             {
                 "text_config": {
                     "model_type": "qwen3_vl_text",
-                    "vocab_size": t.vocab_size,
-                    "hidden_size": t.hidden_size,
-                    "intermediate_size": t.intermediate_size,
-                    "num_hidden_layers": t.num_hidden_layers,
-                    "num_attention_heads": t.num_attention_heads,
-                    "num_key_value_heads": t.num_key_value_heads,
+                    **text_sizes(t),
                     "head_dim": t.head_dim,
-                    "hidden_act": t.hidden_act,
-                    "rms_norm_eps": t.rms_norm_eps,
-                    "max_position_embeddings": t.max_position_embeddings,
                     "attention_bias": t.attention_bias,
                     "rope_parameters": {
                         "rope_type": "default",
