@@ -64,6 +64,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # cycle; tests that need a collection at a given point call gc.collect().
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
+# the processes the tests start collect as seldom (tests/subprocess_site/sitecustomize.py)
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "subprocess_site")
+if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_SITE, os.environ.get("PYTHONPATH")) if p
+    )
 
 
 # The files that take longest (a quarter of a minute to two minutes each on the 2-core CI

@@ -42,7 +42,8 @@ def test_two_processes_match_one_device(tmp_path):
     ckpt = tmp_path / "model"
     T.build(ckpt, seed=3)
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env["XLA_FLAGS"] = device_flags(4)
     procs = [
         subprocess.Popen(
