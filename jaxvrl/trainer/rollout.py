@@ -200,6 +200,11 @@ def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     return out.replace(position_ids=positions.take_rows(np.asarray(batch.position_ids), rows))
 
 
+def reward_constants(mdi_balance_ratio: float) -> dict:
+    """Batch-wide keywords of TRL-form rewards (the built-in mdi's balance ratio)."""
+    return {"mdi_balance_ratio": mdi_balance_ratio}
+
+
 @dataclasses.dataclass
 class PhaseWeights:
     """What the samplers make from the policy's parameters once per rollout phase and share
@@ -364,11 +369,9 @@ class RolloutPhase:
 
     def __post_init__(self):
         if self.scorer is None:
-            self.scorer = RewardScorer(self.rewards, constants=self.reward_constants())
-
-    def reward_constants(self) -> dict:
-        """Batch-wide keywords of TRL-form rewards (the built-in mdi's balance ratio)."""
-        return {"mdi_balance_ratio": self.mdi_balance_ratio}
+            self.scorer = RewardScorer(
+                self.rewards, constants=reward_constants(self.mdi_balance_ratio)
+            )
 
     def close(self) -> None:
         """Stop the reward workers."""

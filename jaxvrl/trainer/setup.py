@@ -56,7 +56,7 @@ from jaxvrl.trainer.replay_state import load_buffer
 from jaxvrl.trainer.reporting import evaluate
 from jaxvrl.trainer.reward_model import NAME as RM_NAME
 from jaxvrl.trainer.reward_model import RewardModel
-from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase
+from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase, reward_constants
 from jaxvrl.trainer.scoring import RewardScorer
 
 log = logging.getLogger("jaxvrl")
@@ -284,7 +284,7 @@ def make_rollout_phase(
         image_dir=c.data.image_dir or None,
         max_failure_fraction=c.reward.max_failure_fraction,
         failure_window=c.reward.failure_window,
-        constants={"mdi_balance_ratio": c.reward.mdi_balance_ratio},
+        constants=reward_constants(c.reward.mdi_balance_ratio),
     )
     regular = dict(zip(names, c.reward.weights))
     early = dict(zip(names, c.reward.early_weights)) if c.reward.early_weights else None
