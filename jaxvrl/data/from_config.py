@@ -54,7 +54,7 @@ def encode_options(c, model_config=None) -> EncodeOptions:
         model_config = models.load_config(builtin_task(c).checkpoint)
     task_prompt = builtin_task(c).system_prompt if builtin else None
     return EncodeOptions(
-        processor=models.processor(model_config) if model_config.vision is not None else None,
+        processor=models.processor(model_config),
         image_dir=c.data.image_dir or None,
         max_prompt_length=c.data.max_prompt_length,
         max_image_side=c.data.max_image_side,

@@ -64,8 +64,8 @@ def collate(
         )
     pools = None
     if with_pools:
-        tokens = processor(model_config) if model_config.vision is not None else None
-        pools = attention_pools(ids, mask, p, **pool_token_ids(tokenizer, tokens))
+        tokens = pool_token_ids(tokenizer, processor(model_config))
+        pools = attention_pools(ids, mask, p, **tokens)
     return dict(
         input_ids=ids,
         attention_mask=mask,

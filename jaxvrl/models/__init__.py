@@ -87,9 +87,11 @@ def vision_token_ids(cfg) -> tuple[int, ...]:
     return tuple(getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None)
 
 
-def processor(cfg) -> ProcessorSettings:
-    """The image/video processor settings of the model of `cfg` (a vision-language one)."""
-    return _vision_family(cfg).processor(cfg)
+def processor(cfg) -> ProcessorSettings | None:
+    """The image/video processor settings of the model of `cfg`; None for a text-only model
+    (no vision tower reads pixels)."""
+    fam = family_of(cfg)
+    return None if fam.processor is None else fam.processor(cfg)
 
 
 __all__ = [

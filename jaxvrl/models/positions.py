@@ -13,6 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _xp(x):
+    """numpy for numpy arrays, jax.numpy for the rest (traced or device arrays)."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
 def row_axis(positions) -> int:
     """The axis of the rows in a family's positions [..., B, T]."""
     return positions.ndim - 2
@@ -23,7 +28,7 @@ def continue_positions(like, start, n: int):
     `like` [..., B, T] (only its rank is read; or the rank itself, `Model.position_rank`):
     token i of row b sits at start[b] + i on every leading axis (M-RoPE's three alike).
     numpy in, numpy out; jax arrays give jax arrays."""
-    xp = np if isinstance(start, np.ndarray) else jnp
+    xp = _xp(start)
     steps = (xp.asarray(start)[:, None] + xp.arange(n)).astype(np.int32)  # [B, n]
     # M-RoPE's three axes (temporal, height, width) hold the same text positions
     lead = ((3,) if like == 3 else ()) if isinstance(like, int) else like.shape[:-2]
@@ -32,27 +37,27 @@ def continue_positions(like, start, n: int):
 
 def take_rows(positions, rows):
     """The rows `rows` int[b] of a family's positions (numpy or jax)."""
-    xp = np if isinstance(positions, np.ndarray) else jnp
+    xp = _xp(positions)
     return xp.take(positions, rows, axis=row_axis(positions))
 
 
 def repeat_rows(positions, g: int):
     """Each row of a family's positions repeated g times in a row (numpy or jax)."""
-    xp = np if isinstance(positions, np.ndarray) else jnp
+    xp = _xp(positions)
     return xp.repeat(positions, g, axis=row_axis(positions))
 
 
 def rows_first(positions):
     """A family's positions with the rows moved to axis 0 ([B, ..., T]), as every other
     array of a batch holds them; `rows_back` undoes it (numpy or jax)."""
-    xp = np if isinstance(positions, np.ndarray) else jnp
+    xp = _xp(positions)
     return xp.moveaxis(positions, row_axis(positions), 0)
 
 
 def rows_back(positions, lead: int = 0):
     """`rows_first` undone for positions whose rows are at axis `lead` (after `lead` axes of
     micro-batches or devices): [m.., B, ..., T] -> [m.., ..., B, T]."""
-    xp = np if isinstance(positions, np.ndarray) else jnp
+    xp = _xp(positions)
     return xp.moveaxis(positions, lead, positions.ndim - 2)
 
 

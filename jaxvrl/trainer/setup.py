@@ -60,7 +60,6 @@ from jaxvrl.trainer.rollout import FilterOptions, RolloutPhase, reward_constants
 from jaxvrl.trainer.scoring import RewardScorer
 
 log = logging.getLogger("jaxvrl")
-EMBEDDED = models.EMBEDDED
 
 
 def train_data(c, tokenizer, model_config=None):
