@@ -133,6 +133,18 @@ class TextConfig:
     # every layer's queries see only the keys fewer than this many positions back (Mistral);
     # 0: no window
     sliding_window: int = 0
+    # a sparse mixture of experts in place of the gated MLP (Qwen3-MoE, `moe.py`): experts
+    # (0: every layer dense) of width moe_intermediate_size, num_experts_per_tok of them per
+    # token, their weights renormalised to sum 1 where norm_topk_prob; layer i is sparse
+    # where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers; the
+    # auxiliary load-balancing loss's coefficient
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if not self.head_dim:

@@ -1,0 +1,188 @@
+"""A sparse mixture-of-experts feed-forward block (Qwen3-MoE), as transformers computes it.
+
+A router Linear(D, E) (no bias) scores the E experts of each token; their softmax, in
+float32, keeps the top k, renormalised to sum 1 where `norm_topk_prob`; each kept expert is a
+gated MLP down(act(gate(x)) * up(x)) of width F, and the token's output is the weighted sum
+of its k experts' outputs. Decoder layer i is sparse where `(i + 1) % decoder_sparse_step ==
+0` and i is not in `mlp_only_layers` (`sparse_layers`); the other layers keep the dense gated
+MLP of `intermediate_size`.
+
+The experts run behind one seam, `EXPERTS[name](x, weights, experts, kernels, act)`:
+"ragged" (the default) sorts the N * k (token, expert) pairs by expert and runs each
+projection as one grouped matmul over all experts (`jax.lax.ragged_dot`, group sizes the
+experts' counts); "dense" (the reference for tests) runs every expert on every token and
+weights the outputs by the sparse routing weights.
+
+The block also gives its router logits float32[N, E], from which `load_balancing_loss`
+computes transformers' auxiliary loss (scaled by `router_aux_loss_coef` where a loss adds it).
+
+Letters: N tokens (B * T), D model dim, E experts, F expert width, k experts per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxvrl.config import ConfigError
+from jaxvrl.models.config import TextConfig
+from jaxvrl.models.layers import GatedMLP, activation, linear
+
+
+def sparse_layers(cfg: TextConfig) -> tuple[bool, ...]:
+    """For each decoder layer, whether its feed-forward is the sparse MoE block (transformers'
+    rule: experts exist, (i + 1) % decoder_sparse_step == 0, i not in mlp_only_layers)."""
+    step, dense = cfg.decoder_sparse_step, set(cfg.mlp_only_layers)
+    return tuple(
+        cfg.num_experts > 0 and (i + 1) % step == 0 and i not in dense
+        for i in range(cfg.num_hidden_layers)
+    )
+
+
+def scanned_layer_kind(cfg: TextConfig) -> bool:
+    """Whether the one stacked layer of a scanned decoder (`model.scan_layers`) is sparse; a
+    config that mixes dense and sparse layers is refused (their params differ)."""
+    kinds = set(sparse_layers(cfg))
+    if len(kinds) > 1:
+        raise ConfigError(
+            "model.scan_layers=true needs decoder layers alike: this config mixes dense and "
+            "sparse (mixture-of-experts) layers (mlp_only_layers / decoder_sparse_step); set "
+            "model.scan_layers=false"
+        )
+    return kinds == {True}
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool, selected: jax.Array | None = None):
+    """Routing of N tokens over E experts from the router's logits [N, E]: (weights
+    float32[N, k], experts int32[N, k]). The softmax over the experts is taken in float32; the
+    top k are kept (or `selected` int[N, k], a recorded selection, whose weights are then the
+    live router's) and, with `normalize`, divided by their sum."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if selected is None:
+        weights, experts = jax.lax.top_k(probs, top_k)
+    else:
+        experts = selected
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def ragged_experts(x, weights, experts, kernels, act):
+    """sum_j weights[n, j] * expert_{experts[n, j]}(x[n]) for x [N, D] -> [N, D], each
+    projection one grouped matmul (`jax.lax.ragged_dot`) over the N * k (token, expert)
+    pairs sorted by expert. kernels: (gate [E, D, F], up [E, D, F], down [E, F, D]);
+    weights [N, k] (x's dtype); experts int[N, k]."""
+    gate, up, down = kernels
+    n, k = experts.shape
+    flat = experts.reshape(-1)  # [N*k], pair p = n * k + j
+    order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # [E]
+    xs = x[order // k]  # [N*k, D]
+    h = act(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    ys = jax.lax.ragged_dot(h, down, sizes)  # [N*k, D], sorted
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to pair order
+    return jnp.einsum("NKD,NK->ND", y, weights.astype(y.dtype))
+
+
+def dense_experts(x, weights, experts, kernels, act):
+    """The reference of `ragged_experts`: every expert on every token [E, N, D], summed under
+    the sparse routing weights (zero for the experts a token did not pick)."""
+    gate, up, down = kernels
+    h = act(jnp.einsum("ND,EDF->ENF", x, gate)) * jnp.einsum("ND,EDF->ENF", x, up)
+    y = jnp.einsum("ENF,EFD->END", h, down)
+    n = x.shape[0]
+    dense = jnp.zeros((n, gate.shape[0]), y.dtype)
+    dense = dense.at[jnp.arange(n)[:, None], experts].add(weights.astype(y.dtype))  # [N, E]
+    return jnp.einsum("END,NE->ND", y, dense)
+
+
+# name -> experts(x [N, D], weights [N, k], experts int[N, k], kernels, act) -> [N, D]
+EXPERTS = {"ragged": ragged_experts, "dense": dense_experts}
+
+
+class ExpertKernel(nnx.Module):
+    """One projection of every expert: kernel [E, in, out] (HF's per-expert
+    `experts.{e}.<proj>.weight` [out, in] is index e, transposed)."""
+
+    def __init__(self, experts: int, din: int, dout: int, *, param_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (experts, din, dout), param_dtype))
+
+
+class Experts(nnx.Module):
+    """Every expert's gated MLP: gate_proj, up_proj [E, D, F] and down_proj [E, F, D]."""
+
+    def __init__(self, experts: int, dim: int, width: int, *, param_dtype, rngs: nnx.Rngs):
+        kw = dict(param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = ExpertKernel(experts, dim, width, **kw)
+        self.up_proj = ExpertKernel(experts, dim, width, **kw)
+        self.down_proj = ExpertKernel(experts, width, dim, **kw)
+
+
+class SparseMoE(nnx.Module):
+    """The sparse MoE feed-forward of a decoder layer: router `gate` (Linear(D, E), no
+    bias) and `experts` (gate_proj, up_proj [E, D, F], down_proj [E, F, D]).
+    `implementation`: a name of EXPERTS (part of the graphdef)."""
+
+    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.gate = linear(d, e, bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(e, d, f, param_dtype=param_dtype, rngs=rngs)
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.act_name = cfg.hidden_act
+        self.dtype = dtype
+        self.implementation = "ragged"
+
+    def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate [E, D, F], up [E, D, F], down [E, F, D]) in the compute dtype."""
+        ex = self.experts
+        projections = (ex.gate_proj, ex.up_proj, ex.down_proj)
+        return tuple(p.kernel[...].astype(self.dtype) for p in projections)
+
+    def apply(self, x: jax.Array, selected: jax.Array | None = None):
+        """x [B, T, D] -> (out [B, T, D], router logits [B*T, E] in x's dtype); selected:
+        None, or a recorded top-k selection int[B*T, k] (see `route`)."""
+        b, t, d = x.shape
+        xf = x.reshape(b * t, d).astype(self.dtype)
+        logits = self.gate(xf)  # [N, E]
+        weights, experts = route(logits, self.top_k, self.normalize, selected)
+        weights = weights.astype(logits.dtype)  # as transformers casts them back
+        run = EXPERTS[self.implementation]
+        out = run(xf, weights, experts, self.kernels(), activation(self.act_name))
+        return out.reshape(b, t, d), logits
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.apply(x)[0]
+
+
+def feed_forward(cfg: TextConfig, sparse: bool, *, dtype, param_dtype, rngs) -> nnx.Module:
+    """A decoder layer's feed-forward: the sparse MoE block, or the dense gated MLP."""
+    if sparse:
+        return SparseMoE(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    return GatedMLP(
+        cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False,
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )  # fmt: skip
+
+
+def load_balancing_loss(
+    router_logits: jax.Array, top_k: int, mask: jax.Array | None = None
+) -> jax.Array:
+    """transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss):
+    E * sum_e f_e * P_e, where over the L layers' tokens f_e is the mean number of top-k
+    assignments to expert e per token (the f_e sum to k) and P_e the mean router
+    probability of e.
+
+    router_logits: [L, N, E] (each layer's, tokens N = B * T); mask: None or [N] (the
+    attention mask flattened; padding counts for neither). Returns float32[]."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [L, N, E]
+    e = probs.shape[-1]
+    _, picked = jax.lax.top_k(probs, top_k)  # [L, N, k]
+    counts = jnp.sum(jax.nn.one_hot(picked, e, dtype=jnp.float32), axis=-2)  # [L, N, E]
+    w = jnp.broadcast_to(1.0 if mask is None else jnp.asarray(mask, jnp.float32), probs.shape[:-1])
+    rows = jnp.sum(w)
+    tokens_per_expert = jnp.einsum("LNE,LN->E", counts, w) / rows
+    prob_per_expert = jnp.einsum("LNE,LN->E", probs, w) / rows
+    return e * jnp.sum(tokens_per_expert * prob_per_expert)
