@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
+
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OP = re.compile(r"\s*([\w\-]+)\((.*)$")
@@ -100,19 +102,56 @@ def _dot_flops(result: str, op: str, rest: str, shapes: dict) -> float:
         idx = _attr(rest, "lhs_contracting_dims")
         contract = [int(i) for i in re.findall(r"\d+", idx or "")]
         k = math.prod(lhs[i] for i in contract if i < len(lhs))
-    else:  # convolution: contracting = the lhs feature dimension(s) times the window
-        labels = _attr(rest, "dim_labels") or ""
-        lhs_labels = labels.split("_")[0] if "_" in labels else ""
-        k = math.prod(lhs[i] for i, c in enumerate(lhs_labels) if c == "f" and i < len(lhs))
-        window = re.search(r"window=\{([^}]*)\}", rest)
-        if window:  # taps that meet the input: a dilated lhs (how XLA writes a batched
-            # matmul's batch dimension, or a gradient) leaves one in `lhs_dilate`
-            size = re.search(r"size=([\dx]+)", window.group(1))
-            dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
-            sizes = [int(x) for x in size.group(1).split("x")] if size else [1]
-            dil = [int(x) for x in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
-            k *= math.prod(-(-s // d) for s, d in zip(sizes, dil))
-    return 2.0 * math.prod(out) * k
+        return 2.0 * math.prod(out) * k
+    return _conv_flops(out, lhs, rest)
+
+
+def _window_field(window: str, key: str, n: int) -> list[int]:
+    m = re.search(key + r"=([\dx]+)", window)
+    return [int(v) for v in m.group(1).split("x")] if m else [1] * n
+
+
+def _conv_flops(out: list[int], lhs: list[int], rest: str) -> float:
+    """A convolution's FLOPs: 2 x the output's batch and feature elements x the lhs features
+    per group x, for each spatial dimension, the (output position, window tap) pairs that
+    meet the input. Taps that fall on padding or on the holes of a dilated lhs do nothing:
+    XLA's TPU compiler writes some matmuls as convolutions whose output dimension is a
+    padded window over an input of size 1 (`size=32 pad=31_31`: one tap in 32 meets it; a
+    projection to 32 heads), and some gradients and batched matmuls with a dilated lhs."""
+    parts = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+    if not parts:
+        return 0.0
+    lhs_labels, out_labels = parts.group(1), parts.group(3)
+    k = math.prod(lhs[i] for i, c in enumerate(lhs_labels) if c == "f" and i < len(lhs))
+    groups = int(_attr(rest, "feature_group_count") or 1)
+    k //= max(groups, 1)
+    flat = math.prod(d for d, c in zip(out, out_labels) if not c.isdigit())
+    spatial = sorted(int(c) for c in lhs_labels if c.isdigit())
+    if not spatial:
+        return 2.0 * flat * k
+    window = re.search(r"window=\{([^}]*)\}", rest)
+    window = window.group(1) if window else ""
+    n = len(spatial)
+    size = _window_field(window, "size", n)
+    stride = _window_field(window, "stride", n)
+    lhs_dilate = _window_field(window, "lhs_dilate", n)
+    rhs_dilate = _window_field(window, "rhs_dilate", n)
+    pad_m = re.search(r"pad=([\d_x-]+)", window)
+    pads = [tuple(int(v) for v in p.split("_")) for p in pad_m.group(1).split("x")] if pad_m else []
+    pads = pads or [(0, 0)] * n
+    pairs = 1
+    for d in spatial:
+        size_in = lhs[lhs_labels.index(str(d))]
+        size_out = out[out_labels.index(str(d))]
+        lo = pads[d][0] if d < len(pads) else 0
+        pos = (
+            np.arange(size_out)[:, None] * stride[d]
+            + np.arange(size[d])[None, :] * rhs_dilate[d]
+            - lo
+        )
+        hit = (pos >= 0) & (pos <= (size_in - 1) * lhs_dilate[d]) & (pos % lhs_dilate[d] == 0)
+        pairs *= int(hit.sum())
+    return 2.0 * flat * k * pairs
 
 
 def _step(comps, body: str, index: int) -> int | None:

@@ -307,6 +307,23 @@ def test_matmul_flops_count_loop_bodies_per_iteration(i):
     assert once < 1.01 * cost_model.matmul_flops(text, loops=False) + 1e7  # what XLA prices
 
 
+# a q projection to 32 heads of 128 as the TPU compiler wrote it in a Qwen3-VL-8B train step:
+# the heads are a window of 32 over an input of size 1 padded by 31 on each side, so one tap in
+# 32 meets the input; the contraction is the 2 x 512 features
+_PADDED_CONV = """HloModule m
+ENTRY %main (a: bf16[2,2048,2,512,1], b: bf16[32,128,2,512,1]) -> bf16[2,2048,32,128,1] {
+  %a = bf16[2,2048,2,512,1]{4,3,2,1,0} parameter(0)
+  %b = bf16[32,128,2,512,1]{4,3,2,1,0} parameter(1)
+  ROOT %c = bf16[2,2048,32,128,1]{3,1,4,2,0} convolution(%a, %b), \
+window={size=1x32x2 pad=0_0x31_31x0_0 rhs_reversal=0x1x0}, dim_labels=0b2f1_1o2i0->0b1f2
+}
+"""
+
+
+def test_matmul_flops_leave_out_the_taps_on_padding():
+    assert cost_model.matmul_flops(_PADDED_CONV) == 2 * (2 * 2048 * 32 * 128) * (2 * 512)
+
+
 def test_loop_factor_prices_work_outside_loops_once():
     """A scan over stacked weights beside a large elementwise update (an optimizer's shape of
     work): the cost model's time for the scanned program times the loop factor is the cost
