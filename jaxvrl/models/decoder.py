@@ -34,7 +34,6 @@ from jaxvrl.models.cache import KVCache, PagedKVCache, PagedLayer
 from jaxvrl.models.cached_attention import attend_cache
 from jaxvrl.models.config import TextConfig
 from jaxvrl.models.layers import (
-    GatedMLP,
     RMSNorm,
     apply_rope,
     attention_implementation,
@@ -45,6 +44,7 @@ from jaxvrl.models.layers import (
     scan_layers,
     stacked,
 )
+from jaxvrl.models.moe import feed_forward, scanned_layer_kind, sparse_layers
 from jaxvrl.models.packing import Packing
 from jaxvrl.parallel.sharding import constrain
 
@@ -234,16 +234,16 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs):
+    """sparse: the feed-forward is the mixture-of-experts block (`moe.feed_forward`)."""
+
+    def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs, sparse: bool = False):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype
         )
         self.self_attn = Attention(cfg, **kw)
-        self.mlp = GatedMLP(
-            cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, **kw
-        )
+        self.mlp = feed_forward(cfg, sparse, **kw)
 
     def __call__(
         self,
@@ -289,9 +289,12 @@ class TextDecoder(nnx.Module):
         )
         n = cfg.num_hidden_layers
         if scan_layers:
-            self.layers = stacked(lambda r: DecoderLayer(cfg, rngs=r, **kw), n, rngs)
+            sparse = scanned_layer_kind(cfg)
+            self.layers = stacked(lambda r: DecoderLayer(cfg, rngs=r, sparse=sparse, **kw), n, rngs)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, **kw) for _ in range(n)])
+            self.layers = nnx.List(
+                [DecoderLayer(cfg, rngs=rngs, sparse=s, **kw) for s in sparse_layers(cfg)]
+            )
         self.scan_layers = scan_layers
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.dtype = dtype

@@ -1,8 +1,8 @@
 """Text-only causal language models as entries of one table (`TEXT_FAMILIES`).
 
 A text family differs from another only in settings: transformers' config defaults, whether
-q/k/v and o carry biases, per-head q/k RMSNorm, and whether config.json's `sliding_window`
-applies. Each is a `TextFamily` entry; the module is the shared `Model` (the text decoder
+q/k/v and o carry biases, per-head q/k RMSNorm, whether config.json's `sliding_window`
+applies, and whether its layers may be sparse mixtures of experts (`moe.py`). Each is a `TextFamily` entry; the module is the shared `Model` (the text decoder
 with an LM head or tied embeddings, no vision encoder), the HF key table is the one below,
 and positions are 1-D RoPE positions int32[B, T]. Adding a Llama-like family is one entry:
 
@@ -31,7 +31,8 @@ class TextFamily:
     config.json leaves out); bias: (q/k/v, o) biases fixed by the architecture, or None where
     config.json's attention_bias sets all four; qk_norm: per-head q/k RMSNorm before the
     rotary; sliding_window: config.json's `sliding_window` bounds every layer's attention
-    (Mistral), else a sliding window is refused at load."""
+    (Mistral), else a sliding window is refused at load; moe: config.json's mixture-of-experts
+    keys (MOE_KEYS) are read, and its sparse layers run `moe.SparseMoE` (Qwen3-MoE)."""
 
     model_type: str
     architecture: str
@@ -39,6 +40,7 @@ class TextFamily:
     bias: tuple[bool, bool] | None = None
     qk_norm: bool = False
     sliding_window: bool = False
+    moe: bool = False
 
     @property
     def classifier_architecture(self) -> str:
@@ -127,6 +129,32 @@ TEXT_FAMILIES: dict[str, TextFamily] = {
         bias=(False, False),
         sliding_window=True,
     ),  # fmt: skip
+    # Qwen3-MoE: Qwen3's attention, sparse mixture-of-experts feed-forwards
+    "qwen3_moe": TextFamily(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        _defaults(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=24,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            hidden_act="silu",
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            router_aux_loss_coef=0.001,
+        ),
+        qk_norm=True,
+        moe=True,
+    ),  # fmt: skip
 }
 
 # config.json keys read into the config (the rest is kept in `extra` and written back)
@@ -152,6 +180,18 @@ TEXT_KEYS = {
     "architectures",
     "num_labels",
 }
+
+# config.json keys of a mixture-of-experts family (TextFamily.moe); transformers writes
+# num_experts as num_local_experts
+MOE_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+)
 
 
 def text_family(model_type: str, source: str = "config.json") -> TextFamily:
@@ -197,6 +237,23 @@ def _rope_parameters(t: TextConfig) -> dict:
         out["high_freq_factor"] = t.rope_high_freq_factor
         out["original_max_position_embeddings"] = t.rope_original_max_position_embeddings
     return out
+
+
+def _moe(d: dict, source: str) -> dict:
+    """TextConfig's mixture-of-experts fields from config.json `d` (defaults applied)."""
+    d = d | ({"num_experts": d["num_local_experts"]} if "num_local_experts" in d else {})
+    kw = {k: d[k] for k in MOE_KEYS}
+    kw["mlp_only_layers"] = tuple(int(i) for i in kw["mlp_only_layers"] or ())
+    kw["norm_topk_prob"] = bool(kw["norm_topk_prob"])
+    kw["router_aux_loss_coef"] = float(kw["router_aux_loss_coef"])
+    if kw["num_experts"] and not 1 <= kw["num_experts_per_tok"] <= kw["num_experts"]:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok {kw['num_experts_per_tok']} must be in "
+            f"[1, num_experts = {kw['num_experts']}]"
+        )
+    if kw["decoder_sparse_step"] < 1:
+        raise ConfigError(f"{source}: decoder_sparse_step must be positive")
+    return kw
 
 
 def _sliding_window(d: dict, entry: TextFamily, source: str) -> int:
@@ -277,6 +334,8 @@ class CausalLMConfig:
         bias = bool(d.get("attention_bias", False))
         kw["attention_bias"], kw["output_bias"] = (bias, bias) if entry.bias is None else entry.bias
         kw |= _rope(d, source, dict(entry.defaults).get("rope_theta", 10000.0))
+        if entry.moe:
+            kw |= _moe(d, source)
         text = TextConfig(**kw, qk_norm=entry.qk_norm, mrope_section=(), sliding_window=window)
         if heads % text.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads not divisible by num_key_value_heads")
@@ -287,6 +346,7 @@ class CausalLMConfig:
         except ValueError as e:
             raise ConfigError(f"{source}: {e}") from None
         read = TEXT_KEYS | ({"sliding_window"} if entry.sliding_window else set())
+        read |= {*MOE_KEYS, "num_local_experts"} if entry.moe else set()
         extra = tuple(sorted((k, v) for k, v in d.items() if k not in read and jsonable(v)))
         eos = d.get("eos_token_id")
         num_labels = None
@@ -323,6 +383,9 @@ class CausalLMConfig:
             d["attention_bias"] = t.attention_bias
         if entry.sliding_window:
             d["sliding_window"] = t.sliding_window or None
+        if entry.moe:
+            d.update({k: getattr(t, k) for k in MOE_KEYS})
+            d["mlp_only_layers"] = list(t.mlp_only_layers)
         if self.num_labels and len(d.get("id2label") or ()) != self.num_labels:
             d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
             d["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
@@ -369,6 +432,13 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
         "copy",
     ),
     ("model.layers.{i}.mlp.{proj}.weight", "model.layers.{i}.mlp.{proj}.kernel", "linear"),
+    # a sparse layer: its router is `mlp.gate` (the row above); expert e's projections are
+    # index e of the experts' stacked kernels (`weights.expert_path`)
+    (
+        "model.layers.{i}.mlp.experts.{e}.{proj}.weight",
+        "model.layers.{i}.mlp.experts.{e}.{proj}.kernel",
+        "linear",
+    ),
     ("model.norm.weight", "model.norm.weight", "copy"),
     ("lm_head.weight", "lm_head.kernel", "linear"),
     ("score.weight", "score.kernel", "linear"),  # a sequence classifier's head

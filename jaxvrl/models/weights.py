@@ -10,7 +10,11 @@ A family's table is a `KeyTable` (`jaxvrl/models/<family>/weights.py`).
 The table names per-layer params (`model.layers.{i}...`, `visual.blocks.{i}...`). A scanned
 model (`scan_layers`) holds each of them once, stacked on a leading layer axis
 (`model.layers.mlp.up_proj.kernel` [L, D, F]): `stacked_path` and `layer_path` map between
-the two, and tensor i of the HF checkpoint is index i of the stacked array, both ways.
+the two, and tensor i of the HF checkpoint is index i of the stacked array, both ways. The
+experts of a mixture-of-experts layer are always stacked on an axis of their own: HF's
+`model.layers.3.mlp.experts.{e}.gate_proj.weight` is index e of
+`model.layers.3.mlp.experts.gate_proj.kernel` [E, D, F] (`expert_path`), after the layer
+axis where layers are stacked too ([L, E, D, F]).
 
 Export writes safetensors shards tensor by tensor (`write_shards`): the header is planned from
 shapes and dtypes, then each tensor is produced, written and dropped, so host memory holds one
@@ -106,6 +110,29 @@ def stacked_path(path: str) -> tuple[str, int | None]:
     return f"{m['prefix']}.{m['rest']}", int(m["i"])
 
 
+# a param of stacked experts (no expert index after `experts`), and one expert's
+_EXPERTS = re.compile(r"\.experts\.(?!\d+\.)")
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+
+
+def expert_path(path: str) -> tuple[str, int | None]:
+    """One expert's param path -> (the experts' stacked param, expert index), other paths ->
+    (path, None): `model.layers.3.mlp.experts.5.up_proj.kernel` ->
+    (`model.layers.3.mlp.experts.up_proj.kernel`, 5)."""
+    m = _EXPERT.match(path)
+    if m is None:
+        return path, None
+    return f"{m['prefix']}.{m['rest']}", int(m["e"])
+
+
+def param_index(path: str, scan_layers: bool) -> tuple[str, tuple[int, ...]]:
+    """An HF tensor's param path (per layer, per expert) -> (the model's param path, the
+    index of the tensor in it): the layer where layers are stacked, then the expert."""
+    target, i = stacked_path(path) if scan_layers else (path, None)
+    target, e = expert_path(target)
+    return target, tuple(j for j in (i, e) if j is not None)
+
+
 def is_stacked(path: str) -> bool:
     """Whether `path` is a stacked param of a scanned model (a layer module without index)."""
     return any(
@@ -123,18 +150,32 @@ def layer_path(path: str, i: int) -> str:
     raise KeyError(f"{path} is not a param of {' or '.join(STACKED_MODULES)}")
 
 
-def per_layer(shapes) -> list[tuple[str, str, int | None, tuple[int, ...]]]:
+def per_layer(shapes) -> list[tuple[str, str, int | tuple | None, tuple[int, ...]]]:
     """(path, shape) pairs of a model's params, scanned or not -> (per-layer path, the path,
-    layer index or None, per-layer shape) for every HF tensor. A stacked param gives its L
-    layers one after the other (param-major), so a reader of stacked arrays reads each once."""
+    index, per-layer shape) for every HF tensor; index: None, the layer or expert (an int),
+    or (layer, expert), so that `param[index]` is the tensor. A stacked param gives its
+    tensors one after the other (param-major), so a reader of stacked arrays reads each
+    once."""
     out = []
     for path, shape in shapes:
         shape = tuple(shape)
+        rows = [(path, ())]
         if is_stacked(path):
-            out += [(layer_path(path, i), path, i, shape[1:]) for i in range(shape[0])]
-        else:
-            out.append((path, path, None, shape))
+            rows = [(layer_path(path, i), (i,)) for i in range(shape[0])]
+        if _EXPERTS.search(path):
+            n = shape[len(rows[0][1])]
+            rows = [(_one_expert(p, e), ix + (e,)) for p, ix in rows for e in range(n)]
+        lead = len(rows[0][1])
+        out += [(p, path, _index(ix), shape[lead:]) for p, ix in rows]
     return out
+
+
+def _one_expert(path: str, e: int) -> str:
+    return _EXPERTS.sub(f".experts.{e}.", path, count=1)
+
+
+def _index(ix: tuple[int, ...]) -> int | tuple | None:
+    return None if not ix else ix[0] if len(ix) == 1 else ix
 
 
 def _regex(template: str) -> re.Pattern:
@@ -351,25 +392,25 @@ def load(
                 p, kind = mapped
                 if p == "lm_head.kernel" and cfg.tie_word_embeddings:
                     continue
-                target, i = stacked_path(p) if scan_layers else (p, None)
+                target, ix = param_index(p, scan_layers)
                 want = wanted.get(target)
-                if want is None or (i is not None and i >= want.shape[0]):
+                if want is None or any(j >= n for j, n in zip(ix, want.shape)):
                     unknown.append(f"{key} ({os.path.basename(file)})")
                     continue
                 arr = _from_hf(f.get_tensor(key), kind)
-                shape = want.shape if i is None else want.shape[1:]
+                shape = want.shape[len(ix) :]
                 if tuple(arr.shape) != tuple(shape):
                     raise ConfigError(
                         f"{file}: tensor {key} has shape {tuple(f.get_slice(key).get_shape())}, "
                         f"config.json implies {tuple(_to_hf_shape(shape, kind))}"
                     )
-                if i is None:
+                if not ix:
                     loaded[target] = arr
                     continue
                 if target not in loaded:
                     loaded[target] = np.empty(want.shape, want.dtype)
-                loaded[target][i] = arr
-                filled.setdefault(target, set()).add(i)
+                loaded[target][ix] = arr
+                filled.setdefault(target, set()).add(_index(ix))
     if unknown:
         raise ConfigError(
             f"{path}: tensors not part of {family.architecture}: {', '.join(unknown[:10])}"

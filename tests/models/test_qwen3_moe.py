@@ -1,19 +1,96 @@
-"""The sparse mixture-of-experts block's functions (`jaxvrl.models.moe`): routing as
-transformers computes it, the grouped-matmul experts against the dense reference (outputs and
-gradients), and the load-balancing loss against a numpy formula and transformers'."""
+"""Qwen3-MoE (sparse mixture-of-experts layers) against transformers on tiny random
+checkpoints saved with save_pretrained (per-expert tensors, as the published checkpoints hold
+them) and read by our loader: float32 logits of left-padded rows (all layers sparse, and
+dense layers mixed in), greedy tokens of HF `generate`, the grouped-matmul experts against
+the dense reference, scanned against unrolled layers, an export transformers loads to the
+same logits, the load-balancing loss against a numpy formula and transformers'."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
 
+from jaxvrl import models as M
+from jaxvrl.config import ConfigError
 from jaxvrl.models import moe
+from jaxvrl.models.layers import GatedMLP
+from jaxvrl.sampling import generate
+from tests.models import hf_tiny_text as T
+from tests.models.test_qwen2_5_vl_parity import assert_close
+from tests.models.test_text_families import hf_logits, ours
 from tests.tolerance import assert_reduction_close, term_scale
 
 EXPERTS, TOP_K = 8, 2
+
+
+def build(path, seed=0, **kw):
+    """A tiny Qwen3MoeForCausalLM (hidden 32, head_dim 16, 8 experts of width 16, top 2)
+    saved at `path`, its expert weights spread so that each expert's output counts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = T.make_config(
+        "qwen3_moe", head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        moe_intermediate_size=16, norm_topk_prob=True, **kw,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    T._spread(hf)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory):
+    """(HF model, our model (scanned layers), path): two layers, both sparse."""
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    hf = build(path)
+    return hf, M.load(path), path
+
+
+def set_experts(model, name: str) -> None:
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, moe.SparseMoE):
+            node.implementation = name
+
+
+def test_logits_and_config(sparse):
+    """Left-padded rows; the checkpoint's per-expert tensors fill the stacked experts."""
+    hf, model, path = sparse
+    cfg = model.config
+    t = cfg.text
+    assert (t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size) == (EXPERTS, TOP_K, 16)
+    assert t.norm_topk_prob and t.qk_norm and moe.sparse_layers(t) == (True, True)
+    assert model.model.layers.mlp.experts.gate_proj.kernel.shape == (2, EXPERTS, 32, 16)
+    assert M.load_config(path) == cfg and type(cfg).from_hf_dict(cfg.to_hf_dict()) == cfg
+    with open(path / "config.json") as f:
+        assert "num_local_experts" in json.load(f)  # what transformers writes for num_experts
+    ids, mask = T.prompts(seed=1)
+    assert_close(ours(model, ids, mask).logits, hf_logits(hf, ids, mask), mask)
+
+
+def test_dense_layers_mixed_in(tmp_path):
+    """mlp_only_layers: layer 1 of 3 keeps the dense MLP (unrolled layers); a scanned model
+    of mixed layers is refused in one line."""
+    hf = build(tmp_path, seed=1, layers=3, mlp_only_layers=[1])
+    model = M.load(tmp_path, scan_layers=False)
+    assert moe.sparse_layers(model.config.text) == (True, False, True)
+    assert isinstance(model.model.layers[1].mlp, GatedMLP)
+    ids, mask = T.prompts(seed=2)
+    assert_close(ours(model, ids, mask).logits, hf_logits(hf, ids, mask), mask)
+    with pytest.raises(ConfigError, match="scan_layers=true needs decoder layers alike"):
+        M.load(tmp_path)
 
 
 def test_ragged_experts_equal_the_dense_reference():
@@ -44,6 +121,19 @@ def test_ragged_experts_equal_the_dense_reference():
         np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-5 * float(np.abs(gb).max()))
 
 
+def test_model_with_dense_experts(sparse):
+    """The model's logits with the experts' grouped matmuls and with the dense reference."""
+    _, model, _ = sparse
+    ids, mask = T.prompts(seed=3)
+    ragged = np.asarray(ours(model, ids, mask).logits)
+    set_experts(model, "dense")
+    try:
+        dense = np.asarray(ours(model, ids, mask).logits)
+    finally:
+        set_experts(model, "ragged")
+    np.testing.assert_allclose(ragged, dense, rtol=1e-5, atol=1e-5 * np.abs(dense).max())
+
+
 def test_route_as_transformers():
     """Softmax over the experts in float32, top k, renormalised where asked; a recorded
     selection takes the live router's weights."""
@@ -57,6 +147,54 @@ def test_route_as_transformers():
     w, e = moe.route(logits, 2, False, selected=jnp.asarray([[0, 3]]))
     assert e.tolist() == [[0, 3]]
     np.testing.assert_allclose(w, [[p[0], p[3]]], rtol=1e-6)
+
+
+def test_scanned_and_unrolled_layers_agree(sparse):
+    _, scanned, path = sparse
+    unrolled = M.load(path, scan_layers=False)
+    assert unrolled.model.layers[0].mlp.experts.up_proj.kernel.shape == (EXPERTS, 32, 16)
+    ids, mask = T.prompts(seed=4)
+    a, b = ours(scanned, ids, mask).logits, ours(unrolled, ids, mask).logits
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_export_loads_in_transformers(sparse, tmp_path):
+    """The export's tensors are the checkpoint's (per expert), its config names the experts,
+    and transformers computes the same logits from it."""
+    from transformers import AutoModelForCausalLM
+
+    hf, model, path = sparse
+    M.save(model, tmp_path)
+    original = load_file(path / "model.safetensors")
+    exported = load_file(tmp_path / "model.safetensors")
+    assert set(original) == set(exported)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
+    for k in original:
+        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(back) is type(hf) and back.config.num_experts == EXPERTS
+    assert back.config.norm_topk_prob and back.config.num_experts_per_tok == TOP_K
+    ids, mask = T.prompts(seed=1)
+    np.testing.assert_array_equal(hf_logits(back, ids, mask), hf_logits(hf, ids, mask))
+
+
+def test_greedy_tokens_match_hf_generate(sparse):
+    import torch
+
+    hf, model, _ = sparse
+    ids, mask = T.prompts(seed=2)
+    n = 6
+    out = generate(model, ids, mask, max_new_tokens=n, temperature=0.0)
+    with torch.no_grad():
+        ref = hf.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, ids.shape[1] :].numpy())
 
 
 def _numpy_balance_loss(logits, top_k, mask):
@@ -101,3 +239,16 @@ def test_load_balancing_loss():
         assert_reduction_close(got, float(hf), EXPERTS * scale)
     uniform = moe.load_balancing_loss(jnp.zeros((1, 4, EXPERTS)), TOP_K)
     np.testing.assert_allclose(uniform, TOP_K, rtol=1e-6)  # balanced: E * E * (k/E) * (1/E)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 must be in"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be positive"),
+    ],
+)
+def test_unsupported_configs_are_refused(change, message):
+    d = {"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 8} | change
+    with pytest.raises(ConfigError, match=message):
+        M.config_from_hf(d)

@@ -138,8 +138,9 @@ def _weights(model) -> dict:
         groups = {
             "qkv": (a.q_proj, a.k_proj, a.v_proj),
             "o": (a.o_proj,),
-            "gate_up": (m.gate_proj, m.up_proj),
-            "down": (m.down_proj,),
+            # a mixture-of-experts feed-forward (no gate_proj) runs its own code
+            "gate_up": (getattr(m, "gate_proj", None), getattr(m, "up_proj", None)),
+            "down": (getattr(m, "down_proj", None),),
         }
         for name, lins in groups.items():
             if _plain(*lins):
