@@ -3,7 +3,8 @@ checkpoints saved with save_pretrained (per-expert tensors, as the published che
 them) and read by our loader: float32 logits of left-padded rows (all layers sparse, and
 dense layers mixed in), greedy tokens of HF `generate`, the grouped-matmul experts against
 the dense reference, scanned against unrolled layers, an export transformers loads to the
-same logits, the load-balancing loss against a numpy formula and transformers'."""
+same logits, the load-balancing loss against a numpy formula and transformers', and the
+Qwen3-30B-A3B preset's parameter count."""
 
 from __future__ import annotations
 
@@ -252,3 +253,24 @@ def test_unsupported_configs_are_refused(change, message):
     d = {"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 8} | change
     with pytest.raises(ConfigError, match=message):
         M.config_from_hf(d)
+
+
+def test_preset_has_the_published_parameter_count():
+    """Qwen3-30B-A3B: 30.5B parameters (the model card's), as transformers counts them on
+    the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert "qwen3-30b-a3b" in M.preset_names()
+    with open(f"{M.PRESETS}/qwen3-30b-a3b.json") as f:
+        d = json.load(f)
+    cfg = M.config_from_hf(d, "qwen3-30b-a3b")
+    t = cfg.text
+    assert (t.num_experts, t.num_experts_per_tok, t.num_hidden_layers) == (128, 8, 48)
+    assert all(moe.sparse_layers(t))
+    model = nnx.eval_shape(lambda: M.Model(cfg, rngs=nnx.Rngs(0)))
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d))
+    assert count == sum(p.numel() for p in hf.parameters())
+    assert abs(count / 1e9 - 30.5) <= 0.01 * 30.5, count
