@@ -28,6 +28,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     # the leading layer axis of scanned layers' params (`model.scan_layers`): never split, so
     # a scan step reads one layer's slice as the unscanned layer would read its own params
     "layers": None,
+    # the experts of a mixture-of-experts layer: replicated (no expert parallelism yet), their
+    # kernels split like a dense MLP's
+    "experts": None,
     # activations only
     "length": None,
     "act_embed": None,
@@ -67,6 +70,10 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (_DOWN + _S, (None, "embed")),
     (_DOWN + r"\.lora_a$", ("mlp", None)),
     (_DOWN + r"\.lora_b$", (None, "embed")),
+    # a mixture-of-experts layer (`models/moe.py`): experts' kernels [E, D_in, D_out], router
+    (_UP + r"\.kernel$", ("experts", "embed", "mlp")),
+    (_DOWN + r"\.kernel$", ("experts", "mlp", "embed")),
+    (r"mlp\.gate\.kernel$", ("embed", None)),
     (r"patch_embed\.kernel$", (None, "embed")),
     (r"\.(bias|weight)$", ("norm",)),
 )
