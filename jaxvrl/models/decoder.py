@@ -101,25 +101,22 @@ def rope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
 @struct.dataclass
 class DeepStack:
     """Vision features added to the residual stream after the first K decoder layers
-    (Qwen3-VL's DeepStack): after layer k < K, position (b, t) gains `features[k, slot[b, t]]`
-    where `valid[b, t]` (an image or video pad token).
+    (Qwen3-VL's DeepStack): after layer k < K, the stream gains `features[k]`.
 
-    features: [K, M, D] (every image's and video's merged tokens, flattened); slot: int32[B, T];
-    valid: bool[B, T].
+    features: [K, B, T, D], each level's merged vision tokens at their image and video pad
+    tokens and zeros elsewhere, laid out like the residual stream (`Model.embed` places them
+    once per forward pass: no gather inside the layers, and in the scan no branch).
     """
 
     features: jax.Array
-    slot: jax.Array
-    valid: jax.Array
 
     @property
     def levels(self) -> int:
         return self.features.shape[0]
 
     def add(self, x: jax.Array, k) -> jax.Array:
-        """x [B, T, D] plus level k's features at the vision positions (k may be traced)."""
-        picked = self.features[k][self.slot].astype(x.dtype)
-        return x + jnp.where(self.valid[..., None], picked, jnp.zeros((), x.dtype))
+        """x [B, T, D] plus level k's features (k may be traced)."""
+        return x + self.features[k].astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -354,9 +351,7 @@ class TextDecoder(nnx.Module):
             position_ids = packing.pack(position_ids, axis=position_ids.ndim - 2)
             pools = None if pools is None else {k: packing.pack(v) for k, v in pools.items()}
             if deepstack is not None:
-                deepstack = deepstack.replace(
-                    slot=packing.pack(deepstack.slot), valid=packing.pack(deepstack.valid)
-                )
+                deepstack = deepstack.replace(features=packing.pack(deepstack.features, axis=1))
             attention_mask = packing.segments
         t = x.shape[1]
         cos, sin = rope_cos_sin(position_ids, self.cfg, self.dtype)
@@ -429,17 +424,21 @@ class TextDecoder(nnx.Module):
     def _scan(self, layer_call, x, cos, sin, mask, cache, pools, deepstack=None):
         """The layers as one scan: remat inside the body, the stacked cache's layers as xs,
         the new caches and the statistics as ys. With DeepStack, each layer's index rides
-        along as xs too, and the layers below `deepstack.levels` add their level under a
-        `lax.cond` (one layer program; the other layers skip the gather and its backward)."""
+        along as xs too, and every layer adds its level times 1 (layers below
+        `deepstack.levels`) or 0 (the others: x + 0 = x exactly): one layer program and no
+        branch (a `lax.cond` there was priced, and its collectives counted, at its costlier
+        branch in every layer by the aot cost model)."""
         call = remat(layer_call, self.remat_policy, prevent_cse=False)
+        if deepstack is not None:
+            features = constrain(deepstack.features, (None, *RESIDUAL))
 
         def body(layer, x, xs):
             kv_xs, i = xs
             kv = None if cache is None else (*kv_xs, cache.index)
             x, kv, stats = call(layer, x, cos, sin, mask, kv, pools)
             if deepstack is not None:
-                k = jnp.minimum(i, deepstack.levels - 1)
-                x = jax.lax.cond(i < deepstack.levels, deepstack.add, lambda x, k: x, x, k)
+                level = features[jnp.minimum(i, deepstack.levels - 1)].astype(x.dtype)
+                x = x + level * (i < deepstack.levels).astype(x.dtype)
             return x, (kv if cache is not None else None, stats)
 
         kv_xs = None if cache is None else (cache.k, cache.v)

@@ -167,7 +167,7 @@ class Model(nnx.Module):
         media = [(m, t) for m, t in ((images, "image"), (videos, "video")) if m is not None]
         if media and self.visual is None:
             raise ValueError(f"{cfg.architecture} takes no images or videos")
-        levels, slots, valid, offset = [], jnp.zeros(input_ids.shape, jnp.int32), None, 0
+        levels = None
         for inputs, kind in media:
             is_pad = input_ids == getattr(cfg, f"{kind}_token_id")
             # the encoder's features in window order; the k-th pad takes the processor's
@@ -176,14 +176,13 @@ class Model(nnx.Module):
             feats = feats.reshape(-1, feats.shape[-1])  # [M, D], window order
             slot = _slots(inputs, is_pad, feats.shape[0])
             x = jnp.where(is_pad[..., None], feats[slot].astype(x.dtype), x)
-            if deep is not None:
-                levels.append(deep.reshape(deep.shape[0], -1, deep.shape[-1]))
-                slots = jnp.where(is_pad, slot + offset, slots)
-                valid = is_pad if valid is None else valid | is_pad
-                offset += feats.shape[0]
-        if not levels:
+            if deep is not None:  # the DeepStack levels at the same tokens: [K, B, T, D]
+                deep = deep.reshape(deep.shape[0], -1, deep.shape[-1])[:, slot].astype(x.dtype)
+                placed = jnp.where(is_pad[..., None], deep, jnp.zeros((), x.dtype))
+                levels = placed if levels is None else jnp.where(is_pad[..., None], deep, levels)
+        if levels is None:
             return x, None
-        return x, DeepStack(jnp.concatenate(levels, axis=1), slots, valid)
+        return x, DeepStack(levels)
 
     @property
     def head(self) -> nnx.Module:

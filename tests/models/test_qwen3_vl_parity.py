@@ -168,8 +168,8 @@ def unrolled(tiny):
 
 def test_scanned_and_unrolled_layers_and_a_stacked_cache_agree(tiny, unrolled, mixed):
     """The unrolled model's logits equal the scanned one's, and so do the hidden states of a
-    prefill over a stacked cache (the scan, DeepStack under its cond; the sampler's per-layer
-    cache runs the loop, `test_greedy_tokens_match_hf_generate`)."""
+    prefill over a stacked cache (the scan, DeepStack's level times 1 or 0 in every layer; the
+    sampler's per-layer cache runs the loop, `test_greedy_tokens_match_hf_generate`)."""
     scanned = tiny[1]
     m = dict(mixed)
     ids, mask = m.pop("ids"), m.pop("mask")
@@ -185,8 +185,8 @@ def test_scanned_and_unrolled_layers_and_a_stacked_cache_agree(tiny, unrolled, m
 
 
 def test_gradients_equal_scanned_and_unrolled_with_remat(tiny, unrolled):
-    """Remat inside the scans and DeepStack's cond: the scanned model's gradients equal the
-    unrolled one's, the DeepStack mergers' and the position table's included."""
+    """Remat inside the scans and DeepStack in the scan: the scanned model's gradients equal
+    the unrolled one's, the DeepStack mergers' and the position table's included."""
     scanned = tiny[1]
     cfg = scanned.config
     ids, mask, vision = _generation_batch()
