@@ -132,9 +132,18 @@ def _run(c) -> dict:
     state, ref_params = s.state, s.ref_params
     step_cfg = step_config(c, mesh)
     # state donated, metrics replicated (build_train_step is looked up here, so that tests can
-    # wrap the step function)
-    step_fn = build_train_step(s.graphdef, s.tx, step_cfg)
-    train_step = runtime.jit_train_step(step_fn, mesh, s.state_shardings, s.ref_shardings)
+    # wrap the step function); an earlier run of this process with the same step lends its
+    # program, and this run counts the programs and batch shapes it adds
+    program = runtime.kept_program(
+        (build_train_step, s.graphdef, s.tx, step_cfg, mesh)
+        + (runtime.tree_key(s.state_shardings), runtime.tree_key(s.ref_shardings)),
+        lambda: runtime.jit_train_step(
+            build_train_step(s.graphdef, s.tx, step_cfg),
+            *(mesh, s.state_shardings, s.ref_shardings),
+        ),
+    )
+    train_step, known_shapes = program.fn, set(program.shapes)
+    programs_before = runtime.compiles(train_step)
     sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh)
     rmesh = sampler.mesh  # the rollout's layout: the prompts go there
     phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh)
@@ -213,6 +222,7 @@ def _run(c) -> dict:
             # each process passes its own rows; they join into the global batch
             batch = fit_batch(rollout.batch, k_step, step_cfg, mesh, step_shapes)  # its real tokens
             shapes.add(runtime.shape_key(batch))
+            program.shapes.add(runtime.shape_key(batch))
             batch = runtime.place_batch(batch, mesh)
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
@@ -221,7 +231,7 @@ def _run(c) -> dict:
             metrics["train/completion_columns"] = float(batch.completion_length)
             metrics["train/pack_buffers"] = float(batch.pack_buffers)
             metrics["train/micro_batches"] = float(batch.micro_batches or c.optim.micro_batches)
-            metrics["compiles/train_step"] = float(runtime.compiles(train_step))
+            metrics["compiles/train_step"] = float(runtime.compiles(train_step) - programs_before)
             metrics.update(counters.update(metrics))
             if (c.val_freq and done % c.val_freq == 0) or done == c.total_steps:
                 metrics.update(validate(sampling_params(state)))
@@ -264,8 +274,10 @@ def _run(c) -> dict:
         logs.close()
         if mirror:
             mirror.push(force=True)
-    metrics["compiles/train_step"] = runtime.compiles(train_step)
-    metrics["compiles/train_step_shapes"] = len(shapes)  # distinct batch shapes trained on
+    # the step's programs this run compiled, and the batch shapes new to it: equal when no
+    # step recompiles
+    metrics["compiles/train_step"] = runtime.compiles(train_step) - programs_before
+    metrics["compiles/train_step_shapes"] = len(shapes - known_shapes)
     metrics["compiles/sampler"] = sampler.compiles()
     metrics["compiles/greedy_sampler"] = greedy.compiles()
     return metrics

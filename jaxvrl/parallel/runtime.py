@@ -16,9 +16,11 @@ replicated, batch rows are split over (data, fsdp).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+from collections.abc import Callable, Hashable
 
 import jax
 import numpy as np
@@ -348,6 +350,45 @@ def jit_train_step(step, mesh: Mesh, state_shardings, ref_shardings=None):
         out_shardings=(state_shardings, rep, None),
         donate_argnums=(0,),
     )
+
+
+@dataclasses.dataclass(eq=False)
+class KeptProgram:
+    """A jitted program kept for later runs of this process, and the batch shapes it has run
+    (`shape_key`s): a run counts the programs and shapes it added itself."""
+
+    fn: Callable
+    shapes: set = dataclasses.field(default_factory=set)
+
+
+_KEPT: collections.OrderedDict[Hashable, KeptProgram] = collections.OrderedDict()
+KEEP_PROGRAMS = 4  # the programs kept, least recently used first out
+
+
+def kept_program(key: Hashable, build: Callable[[], Callable]) -> KeptProgram:
+    """The program that `build()` made for an equal `key` earlier in this process, else a new
+    one, kept. `key` must hold everything the program is traced from (the function that
+    builds the step, the model's graph, the optimizer, the step's settings, the mesh and
+    the shardings): a second run with the same settings in one process (a notebook, a sweep,
+    a test session) then reuses the traced and compiled step instead of tracing it again.
+    jax's own cache still tells apart what the key leaves out (argument shapes, shardings of
+    the batch, the matmul precision in effect)."""
+    try:
+        kept = _KEPT.pop(key)
+    except KeyError:
+        kept = KeptProgram(build())
+    except TypeError:  # an unhashable part: nothing to share
+        return KeptProgram(build())
+    _KEPT[key] = kept
+    while len(_KEPT) > KEEP_PROGRAMS:
+        _KEPT.popitem(last=False)
+    return kept
+
+
+def tree_key(tree) -> tuple:
+    """A pytree of hashable leaves (shardings, None) as one hashable value."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+    return treedef, tuple(leaves)
 
 
 def shape_key(tree) -> tuple:

@@ -3,6 +3,9 @@ initial TrainState (PPO critic and LoRA plug in here). train.py calls these."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -58,9 +61,43 @@ def _schedule(o, total_steps: int, warm: int):
 def make_optimizer(
     o, total_steps: int = 1, updates_per_step: int = 1
 ) -> optax.GradientTransformation:
-    """o: the `optim` ConfigDict group: clip by global norm, then AdamW with `betas`."""
-    b1, b2 = (float(b) for b in o.betas)
-    lr = learning_rate(o, total_steps, updates_per_step)
+    """o: the `optim` ConfigDict group: clip by global norm, then AdamW with `betas`. Equal
+    settings give the same object (a pure function of them), so that a later run in this
+    process with the same optimizer reuses its compiled step (`runtime.kept_program`)."""
+    cosine = o.schedule == "cosine"  # the only schedule that reads total_steps
+    settings = _OptimSettings(
+        str(o.schedule),
+        float(o.lr),
+        int(o.warmup_steps),
+        float(o.min_lr_ratio) if cosine else None,
+        int(total_steps) if cosine else None,
+        tuple(float(b) for b in o.betas),
+        o.grad_clip if o.grad_clip is None else float(o.grad_clip),
+        float(o.weight_decay),
+        int(updates_per_step),
+    )
+    return _optimizer(settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OptimSettings:
+    """Every value `make_optimizer` reads."""
+
+    schedule: str
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float | None
+    total_steps: int | None
+    betas: tuple[float, ...]
+    grad_clip: float | None
+    weight_decay: float
+    updates_per_step: int
+
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(o: _OptimSettings) -> optax.GradientTransformation:
+    b1, b2 = o.betas
+    lr = learning_rate(o, o.total_steps or 1, o.updates_per_step)
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip),
         optax.adamw(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),

@@ -86,6 +86,9 @@ print("REPORT" + json.dumps(report))
 """
 
 TIMING = ("_s", "tokens_per_s")
+# what depends on the process's history: a run reuses the step program an earlier run of its
+# process compiled
+HISTORY = ("compiles/",)
 
 
 def _run(runs, n, compare=()):
@@ -198,5 +201,5 @@ def test_resume_on_the_mesh_equals_an_uninterrupted_run(runs):
     assert sorted(b) == [0, 1, 2]
     for step in (2,):
         for k in a[step]:
-            if not k.endswith(TIMING) and k != "time":
+            if not k.endswith(TIMING) and not k.startswith(HISTORY) and k != "time":
                 assert a[step][k] == b[step][k], (step, k)

@@ -103,11 +103,22 @@ def _final_params(workdir):
     return step, {k: np.asarray(v) for k, v in arrays.items()}
 
 
-def test_resume_equals_uninterrupted_run(tmp_path):
+def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+    import collections
+
+    from jaxvrl.parallel import runtime
+
+    # no step program kept from earlier tests: the first run compiles its own, and the two
+    # runs after it (the same step settings) reuse that one
+    monkeypatch.setattr(runtime, "_KEPT", collections.OrderedDict())
     a, b = tmp_path / "a", tmp_path / "b"
     whole = run(tiny_config("configs/tprl.py", a, "total_steps=4", "save_freq=0", "val_freq=100"))
-    run(tiny_config("configs/tprl.py", b, "total_steps=2", "save_freq=0", "val_freq=100"))
-    run(tiny_config("configs/tprl.py", b, "total_steps=4", "save_freq=0", "val_freq=100"))
+    (kept,) = runtime._KEPT.values()
+    half = run(tiny_config("configs/tprl.py", b, "total_steps=2", "save_freq=0", "val_freq=100"))
+    rest = run(tiny_config("configs/tprl.py", b, "total_steps=4", "save_freq=0", "val_freq=100"))
+    assert [p is kept for p in runtime._KEPT.values()] == [True]  # one program for the three
+    for m in (half, rest):  # programs only for shapes the first run did not train
+        assert m["compiles/train_step"] == m["compiles/train_step_shapes"], m
     sa, pa = _final_params(a)
     sb, pb = _final_params(b)
     assert sa == sb == 4
