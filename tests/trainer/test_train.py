@@ -149,6 +149,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         "--config.total_steps=500",
         "--config.val_freq=1000",
         "--config.save_freq=0",
+        "--config.val_before_train=false",
         f"--config.workdir={tmp_path}",
     ]
     proc = subprocess.Popen(
@@ -156,16 +157,16 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     )
     deadline = time.time() + 300
     metrics = tmp_path / "metrics.jsonl"
-    while time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+    while time.time() < deadline:  # a step trained: the run is in its loop
+        if metrics.exists() and metrics.read_text().splitlines():
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert "SIGTERM" in out
     step, _ = _final_params(tmp_path)
-    assert 2 <= step < 500
+    assert 1 <= step < 500
 
 
 def test_config_overrides_and_errors(tmp_path):
@@ -697,12 +698,13 @@ def test_a_reward_failing_every_call_ends_the_run_and_sigterm_during_one_saves(t
     sleeper.write_text("import time\n\ndef compute_score(data_source, solution_str, "
                        "ground_truth, extra_info=None):\n    time.sleep(3600)\n")  # fmt: skip
     t0 = time.time()
-    run(config(tmp_path / "c", sleeper, "reward.timeout_s=0.5", "reward.max_failure_fraction=1"))
+    run(config(tmp_path / "c", sleeper, "reward.timeout_s=0.25", "reward.max_failure_fraction=1",
+               "total_steps=2", "val_size=0"))  # fmt: skip
     assert time.time() - t0 < 60
     rows = _rows(tmp_path / "c")
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     # a verl function is called per row: 4 rows a step, each call timed out (a running count)
-    assert [r["reward/compute_score_timeouts"] for r in rows] == [4.0, 8.0, 12.0], rows
+    assert [r["reward/compute_score_timeouts"] for r in rows] == [4.0, 8.0], rows
     assert all(r["reward/total"] == 0.0 for r in rows)
 
     t0 = time.time()
