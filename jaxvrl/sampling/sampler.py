@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -342,6 +343,37 @@ def generation_config(
     )
 
 
+# The decode weights of the last `generate` call per model structure, config and rows, with
+# weak references to the parameter arrays they were packed from: a later call with the same
+# arrays (the same model, not updated since) takes them instead of packing afresh; the entry
+# goes when one of those arrays does.
+_GENERATE_WEIGHTS: dict = {}
+
+
+def _kept_decode_weights(sampler: Sampler, params, rows: int) -> DecodeWeights | None:
+    key = (sampler.graphdef, sampler.cfg, sampler.mesh, rows)
+    leaves = jax.tree.leaves(params)
+    kept = _GENERATE_WEIGHTS.get(key)
+    if kept is not None:
+        refs, weights = kept
+        if len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
+            return weights
+    weights = sampler.decode_weights(params, rows)
+    if weights is None:  # decode steps use the model's own weights (accelerator layouts)
+        return None
+
+    def forget(_ref, key=key):
+        if _GENERATE_WEIGHTS.get(key, (None,))[0] is refs:
+            del _GENERATE_WEIGHTS[key]
+
+    try:
+        refs = [weakref.ref(x, forget) for x in leaves]
+    except TypeError:  # a leaf without weak references (a numpy array): nothing is kept
+        return weights
+    _GENERATE_WEIGHTS[key] = (refs, weights)
+    return weights
+
+
 def generate(
     model,
     input_ids,
@@ -415,6 +447,9 @@ def generate(
         )
     rng = jax.random.key(0) if rng is None else rng
     pools = None if pools is None else {k: jnp.asarray(v) for k, v in pools.items()}
+    if decode_weights is None:
+        rows = sampler.decode_rows(len(ids) * (num_samples if prefill_once else 1), prefill_once)
+        decode_weights = _kept_decode_weights(sampler, params, rows)
     return sampler(
         params,
         jnp.asarray(ids),

@@ -269,6 +269,41 @@ def test_generate_calls_share_their_programs(models):
     assert _programs() == (before[0] + 2, before[1] + 2)
 
 
+def test_generate_packs_the_decode_weights_once_per_parameters(models, monkeypatch):
+    """Repeated `generate` calls on a model (or on a merged copy holding the same arrays) take
+    the decode weights the first call packed; once its parameters are updated, a call packs
+    them afresh and samples what a model holding copies of the new arrays samples."""
+    from flax import nnx
+
+    _, model = models
+    packs = []
+    real = Sampler.decode_weights
+
+    def counted(self, *args, **kwargs):
+        packs.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "decode_weights", counted)
+    rng = np.random.default_rng(13)
+    ids, mask = hf_tiny.left_pad([hf_tiny.prompt(rng, text_len=(3, 6)) for _ in range(3)])
+    kw = dict(max_new_tokens=6, temperature=0.0)
+    first = generate(model, ids, mask, **kw)
+    again = generate(nnx.merge(*nnx.split(model)), ids, mask, **kw)
+    assert len(packs) == 1 and sampler_lib._GENERATE_WEIGHTS  # transposed decode weights kept
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(first.tokens))
+
+    changed = nnx.merge(*nnx.split(model))
+    params = nnx.state(changed, nnx.Param)
+    nnx.update(changed, jax.tree.map(lambda x: -x, params))
+    got = generate(changed, ids, mask, **kw)
+    assert len(packs) == 2
+    copied = nnx.merge(*jax.tree.map(lambda x: jax.numpy.array(x, copy=True), nnx.split(changed)))
+    want = generate(copied, ids, mask, **kw)
+    assert len(packs) == 3
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert not np.array_equal(np.asarray(got.tokens), np.asarray(first.tokens))
+
+
 def test_a_legacy_key_samples_what_a_typed_key_samples(models):
     """A uint32[2] key (`jax.random.PRNGKey`) is the typed key of the same seed: the same
     tokens and log-probs, sampled at temperature 1 with top-k and top-p."""
