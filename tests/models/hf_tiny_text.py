@@ -121,3 +121,20 @@ def prompts(seed=0, lengths=(7, 11, 4)):
         ids[i, n - k :] = rng.integers(4, VOCAB, k)
         mask[i, n - k :] = 1
     return ids, mask
+
+
+def hf_greedy(hf, ids, mask, n: int) -> np.ndarray:
+    """transformers' greedy `generate` of exactly n new tokens after left-padded prompts
+    int[B, P] (pad 0): int[B, n]."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, ids.shape[1] :].numpy()

@@ -190,19 +190,10 @@ def test_greedy_tokens_match_hf_generate(checkpoints, case):
     HF's generate does)."""
     hf, model, _ = checkpoints(case)
     ids, mask = T.prompts(seed=2)
-    n = 6
-    out = generate(model, ids, mask, max_new_tokens=n, temperature=0.0)
+    out = generate(model, ids, mask, max_new_tokens=6, temperature=0.0)
     with torch.no_grad():
         hf(input_ids=torch.tensor(ids[:, :1]))  # a dynamic rope's cached length reset
-        ref = hf.generate(
-            input_ids=torch.tensor(ids),
-            attention_mask=torch.tensor(mask),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, ids.shape[1] :].numpy())
+    np.testing.assert_array_equal(np.asarray(out.tokens), T.hf_greedy(hf, ids, mask, 6))
 
 
 @pytest.mark.parametrize("case", [CASES[6], CASES[8]], ids=["qwen3", "mistral"])
