@@ -51,17 +51,27 @@ class ModelOutput:
 
 
 def _slots(inputs: VisionInputs, is_pad: jax.Array, count: int) -> jax.Array:
-    """int32[B, T]: for each pad token, the row of the encoder's flattened window-order output
-    [count, D] it takes (the k-th pad of a row, or of the batch when packed, takes the
-    processor's k-th merged token)."""
+    """int32[B, T]: for each pad token, the encoder output it takes (the k-th pad of a row,
+    or of the batch when packed, takes the processor's k-th merged token): per row, its
+    index in the row's window-order outputs [U]; packed, its row of the flattened outputs
+    [count, D]."""
     reverse = jnp.asarray(inputs.reverse_index)
     if inputs.pixel_values.ndim == 3:  # per row: [B, U] outputs
         units = reverse.shape[1]
         rank = jnp.clip(jnp.cumsum(is_pad, axis=1) - 1, 0, units - 1)
-        rows = jnp.arange(is_pad.shape[0])[:, None] * units
-        return rows + jnp.take_along_axis(reverse, rank, axis=1)
+        return jnp.take_along_axis(reverse, rank, axis=1)
     rank = jnp.cumsum(is_pad.reshape(-1)).reshape(is_pad.shape) - 1
     return reverse[jnp.clip(rank, 0, count - 1)]
+
+
+def _place(feats: jax.Array, slot: jax.Array, rows: bool) -> jax.Array:
+    """[..., B, T, D]: the encoder outputs `_slots` names, from feats [..., B, U, D] (per row:
+    a gather within each row, which stays on the devices holding the row) or [..., U, D]
+    (packed)."""
+    if rows:
+        index = slot.reshape((1,) * (feats.ndim - 3) + slot.shape + (1,))
+        return jnp.take_along_axis(feats, index, axis=-2)
+    return feats[..., slot, :]
 
 
 class Model(nnx.Module):
@@ -172,12 +182,12 @@ class Model(nnx.Module):
             is_pad = input_ids == getattr(cfg, f"{kind}_token_id")
             # the encoder's features in window order; the k-th pad takes the processor's
             # k-th, found through reverse_index: one gather (and one backward scatter)
-            feats, deep = self.visual.features(inputs)
-            feats = feats.reshape(-1, feats.shape[-1])  # [M, D], window order
-            slot = _slots(inputs, is_pad, feats.shape[0])
-            x = jnp.where(is_pad[..., None], feats[slot].astype(x.dtype), x)
+            feats, deep = self.visual.features(inputs)  # [(B,) U, D], window order
+            rows = inputs.pixel_values.ndim == 3
+            slot = _slots(inputs, is_pad, feats.shape[-2])
+            x = jnp.where(is_pad[..., None], _place(feats, slot, rows).astype(x.dtype), x)
             if deep is not None:  # the DeepStack levels at the same tokens: [K, B, T, D]
-                deep = deep.reshape(deep.shape[0], -1, deep.shape[-1])[:, slot].astype(x.dtype)
+                deep = _place(deep, slot, rows).astype(x.dtype)
                 placed = jnp.where(is_pad[..., None], deep, jnp.zeros((), x.dtype))
                 levels = placed if levels is None else jnp.where(is_pad[..., None], deep, levels)
         if levels is None:
