@@ -54,7 +54,12 @@ from jaxvrl.rl.reward_pool import RewardsInterrupted
 from jaxvrl.rl.rewards import (
     RewardFailing,
 )
-from jaxvrl.trainer.build import init_train_state, sampling_params, step_config
+from jaxvrl.trainer.build import (
+    init_train_state,
+    optimizer_settings,
+    sampling_params,
+    step_config,
+)
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.diagnostics import AttentionMaps
 from jaxvrl.trainer.packing import StepShapes, fit_batch
@@ -134,8 +139,9 @@ def _run(c) -> dict:
     # state donated, metrics replicated (build_train_step is looked up here, so that tests can
     # wrap the step function); an earlier run of this process with the same step lends its
     # program, and this run counts the programs and batch shapes it adds
+    optimizer = optimizer_settings(c.optim, c.total_steps, step_cfg.updates)
     program = runtime.kept_program(
-        (build_train_step, s.graphdef, s.tx, step_cfg, mesh)
+        (build_train_step, s.graphdef, optimizer, step_cfg, mesh)
         + (runtime.tree_key(s.state_shardings), runtime.tree_key(s.ref_shardings)),
         lambda: runtime.jit_train_step(
             build_train_step(s.graphdef, s.tx, step_cfg),

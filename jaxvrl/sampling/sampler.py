@@ -356,7 +356,8 @@ def _kept_decode_weights(sampler: Sampler, params, rows: int) -> DecodeWeights |
     kept = _GENERATE_WEIGHTS.get(key)
     if kept is not None:
         refs, weights = kept
-        if len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
+        same = len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves))
+        if same and weights.packed == _packs(weights, rows):
             return weights
     weights = sampler.decode_weights(params, rows)
     if weights is None:  # decode steps use the model's own weights (accelerator layouts)
@@ -372,6 +373,13 @@ def _kept_decode_weights(sampler: Sampler, params, rows: int) -> DecodeWeights |
         return weights
     _GENERATE_WEIGHTS[key] = (refs, weights)
     return weights
+
+
+def _packs(weights: DecodeWeights, rows: int) -> bool:
+    """Whether weights like these are packed for the CPU kernel now (it may have been
+    switched off since they were packed)."""
+    dtypes = [slot.dtype for slot in weights.slots.values()]
+    return bool(dtypes) and cpu_decode.uses_kernel(rows, jnp.dtype(dtypes[0]))
 
 
 def generate(

@@ -4,7 +4,6 @@ initial TrainState (PPO critic and LoRA plug in here). train.py calls these."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +60,22 @@ def _schedule(o, total_steps: int, warm: int):
 def make_optimizer(
     o, total_steps: int = 1, updates_per_step: int = 1
 ) -> optax.GradientTransformation:
-    """o: the `optim` ConfigDict group: clip by global norm, then AdamW with `betas`. Equal
-    settings give the same object (a pure function of them), so that a later run in this
-    process with the same optimizer reuses its compiled step (`runtime.kept_program`)."""
+    """o: the `optim` ConfigDict group: clip by global norm, then AdamW with `betas`."""
+    s = optimizer_settings(o, total_steps, updates_per_step)
+    b1, b2 = s.betas
+    lr = learning_rate(s, s.total_steps or 1, s.updates_per_step)
+    return optax.chain(
+        optax.clip_by_global_norm(s.grad_clip),
+        optax.adamw(lr, b1=b1, b2=b2, weight_decay=s.weight_decay),
+    )
+
+
+def optimizer_settings(o, total_steps: int = 1, updates_per_step: int = 1) -> OptimizerSettings:
+    """Every value `make_optimizer(o, total_steps, updates_per_step)` reads, hashable: equal
+    settings make optimizers that compute the same (a later run's step program may be an
+    earlier run's, `runtime.kept_program`)."""
     cosine = o.schedule == "cosine"  # the only schedule that reads total_steps
-    settings = _OptimSettings(
+    return OptimizerSettings(
         str(o.schedule),
         float(o.lr),
         int(o.warmup_steps),
@@ -76,12 +86,11 @@ def make_optimizer(
         float(o.weight_decay),
         int(updates_per_step),
     )
-    return _optimizer(settings)
 
 
 @dataclasses.dataclass(frozen=True)
-class _OptimSettings:
-    """Every value `make_optimizer` reads."""
+class OptimizerSettings:
+    """The values an optimizer is made from (`optimizer_settings`)."""
 
     schedule: str
     lr: float
@@ -92,16 +101,6 @@ class _OptimSettings:
     grad_clip: float | None
     weight_decay: float
     updates_per_step: int
-
-
-@functools.lru_cache(maxsize=16)
-def _optimizer(o: _OptimSettings) -> optax.GradientTransformation:
-    b1, b2 = o.betas
-    lr = learning_rate(o, o.total_steps or 1, o.updates_per_step)
-    return optax.chain(
-        optax.clip_by_global_norm(o.grad_clip),
-        optax.adamw(lr, b1=b1, b2=b2, weight_decay=o.weight_decay),
-    )
 
 
 def apply_lora(model, c) -> list[str]:
