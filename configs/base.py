@@ -31,6 +31,7 @@ from jaxvrl.config import (
     Range,
     agree,
     at_least,
+    increasing,
     one_of,
     ordered,
     parse_arg,
@@ -244,6 +245,13 @@ def get_config(arg=None):
     # null | token | sequence
     c.algorithm.rollout_is = setting(None, one_of(*ROLLOUT_IS), RECOMPUTED, type=str)
     c.algorithm.rollout_is_threshold = setting(2.0, POSITIVE)  # cap of the rollout_is weights
+    # IcePop's band (lo, hi), with actor.old_logprobs=recompute: tokens whose ratio
+    # exp(recomputed - sampler) (the row's at rollout_is=sequence, else the token's) lies
+    # outside [lo, hi] get weight 0 in the loss, the rest keep their rollout_is weight (1 with
+    # rollout_is null); null = off
+    c.algorithm.rollout_is_band = setting(
+        None, Each(POSITIVE, length=2), increasing, RECOMPUTED, type=tuple
+    )
 
     c.actor = ml_collections.ConfigDict()
     # Policy updates per rollout batch: each of ppo_epochs epochs walks the batch in

@@ -132,6 +132,13 @@ def ordered(value, config=None):
     return "(low, high) with low <= high"
 
 
+def increasing(value, config=None):
+    """A (low, high) pair with low < high."""
+    if len(value) == 2 and value[0] < value[1]:
+        return None
+    return "(low, high) with low < high"
+
+
 @dataclasses.dataclass(frozen=True)
 class Agree:
     """`test(value, config)` is true; `text` says what it asks."""

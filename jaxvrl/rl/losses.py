@@ -130,32 +130,49 @@ def rollout_correction(
     mask: jax.Array,
     level: str | None = None,
     threshold: float = 2.0,
+    band: tuple[float, float] | None = None,
 ) -> tuple[jax.Array | None, dict]:
     """Truncated importance weights for sampling in other numerics than training (verl's
-    rollout_is). old_logp: the recomputed old policy's log-probs, sampler_logp: the sampler's,
-    mask: [B, T]. With d = old - sampler: level "token" w_t = min(exp(d_t), threshold);
-    "sequence" w = min(exp(sum_t m d_t), threshold) on every token of the row; None: no
-    weights. Exponents are clamped to +-20.
+    rollout_is), with IcePop's band. old_logp: the recomputed old policy's log-probs,
+    sampler_logp: the sampler's, mask: [B, T]. With d = old - sampler, the ratio r_t =
+    exp(d_t) at level "token" (and with level None), exp(sum_t m d_t) on every token of the
+    row at "sequence"; exponents clamped to +-20. The weight: min(r, threshold) ("token",
+    "sequence") or 1 (None), times 0 where `band` = (lo, hi) is set and r lies outside
+    [lo, hi]. None with neither a level nor a band.
 
     Returns (weights float32[B, T] or None (the loss multiplies its per-token terms by them),
-    metrics): logprob_abs_diff_mean / _max of |d| over the mask, is_weight_mean (token mean
-    of w, with weights)."""
+    metrics): logprob_abs_diff_mean / _max of |d| over the mask; with weights is_weight_mean
+    and rollout_is_mean (token mean of the weights), rollout_is_clip_frac (share of tokens
+    whose ratio exceeds the threshold, truncated; 0 with level None), and with a band
+    rollout_is_band_frac (share of tokens the band masks)."""
     m = (mask > 0).astype(jnp.float32)
     d = (old_logp.astype(jnp.float32) - sampler_logp.astype(jnp.float32)) * m
     metrics = {
         "logprob_abs_diff_mean": agg_loss(jnp.abs(d), m, "token-mean"),
         "logprob_abs_diff_max": jnp.max(jnp.abs(d)),
     }
-    if level is None:
+    if level is None and band is None:
         return None, metrics
-    if level == "token":
-        log_w = d
+    if level in (None, "token"):
+        log_r = d
     elif level == "sequence":
-        log_w = jnp.broadcast_to(jnp.sum(d, axis=-1, keepdims=True), d.shape)
+        log_r = jnp.broadcast_to(jnp.sum(d, axis=-1, keepdims=True), d.shape)
     else:
         raise ValueError(f"unknown rollout_is level {level!r} (token | sequence | None)")
-    w = jnp.minimum(jnp.exp(jnp.clip(log_w, -20.0, 20.0)), threshold) * m
+    r = jnp.exp(jnp.clip(log_r, -20.0, 20.0))
+    if level is None:
+        w, truncated = jnp.ones_like(r), jnp.zeros_like(r)
+    else:
+        w, truncated = jnp.minimum(r, threshold), (r > threshold).astype(jnp.float32)
+    if band is not None:
+        lo, hi = band
+        outside = ((r < lo) | (r > hi)).astype(jnp.float32)
+        w = w * (1.0 - outside)
+        metrics["rollout_is_band_frac"] = agg_loss(outside, m, "token-mean")
+    w = w * m
     metrics["is_weight_mean"] = agg_loss(w, m, "token-mean")
+    metrics["rollout_is_mean"] = metrics["is_weight_mean"]
+    metrics["rollout_is_clip_frac"] = agg_loss(truncated, m, "token-mean")
     return jax.lax.stop_gradient(w), metrics
 
 

@@ -248,13 +248,16 @@ def _next_kl_coef(kl_coef, kl, rows: int, cfg: StepConfig):
 
 def _old_logprobs(batch: RolloutBatch, passes: Passes, cfg: StepConfig, metrics: dict):
     """(the ratio's old log-probs or None, is_weights or None) from the sampler or the
-    recompute pass; metrics of the two's difference when both exist (logged under rollout/)."""
+    recompute pass; metrics of the two's difference when both exist (logged under rollout/),
+    and of the weights applied (rollout_is, rollout_is_band; logged under train/)."""
     sampler = batch.old_logprobs
-    if (cfg.sampler_old or cfg.algorithm.rollout_is) and sampler is None:
+    corrects = cfg.algorithm.rollout_is or cfg.algorithm.rollout_is_band is not None
+    if (cfg.sampler_old or corrects) and sampler is None:
         raise ValueError(
             "the batch carries no sampler log-probs (RolloutBatch.old_logprobs): several "
-            "updates per batch read them as the old log-probs, and rollout_is weighs them; "
-            "assemble the batch with the sampler's log-probs or set old_logprobs='recompute'"
+            "updates per batch read them as the old log-probs, and rollout_is (and "
+            "rollout_is_band) weighs them; assemble the batch with the sampler's log-probs "
+            "or set old_logprobs='recompute'"
         )
     recomputed = cfg.old_pass and not cfg.sampler_shaping  # else the loss pass's own, exact
     old = sampler if cfg.sampler_old else passes.old_logp if recomputed else None
@@ -266,8 +269,11 @@ def _old_logprobs(batch: RolloutBatch, passes: Passes, cfg: StepConfig, metrics:
         batch.completion_mask,
         cfg.algorithm.rollout_is,
         cfg.algorithm.rollout_is_threshold,
+        cfg.algorithm.rollout_is_band,
     )
-    metrics.update({f"rollout/{k}": v for k, v in m.items()})
+    # the applied weights' metrics are the train step's (train/rollout_is_*), the rest the
+    # two log-probs' difference (rollout/)
+    metrics.update({k if k.startswith("rollout_is_") else f"rollout/{k}": v for k, v in m.items()})
     return old, w
 
 

@@ -70,6 +70,7 @@ class AlgorithmSettings:
     kl_ctrl: KLControlSettings
     rollout_is: str | None
     rollout_is_threshold: float
+    rollout_is_band: tuple[float, float] | None
 
 
 @dataclasses.dataclass(frozen=True)

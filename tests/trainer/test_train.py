@@ -227,6 +227,27 @@ def test_rows_must_split_over_the_mesh_and_the_micro_batches():
         load_config(os.path.join(ROOT, "configs/grpo.py"), ["algorithm.rollout_is=token"])
 
 
+def test_rollout_correction_with_a_band_logs_its_metrics(tmp_path):
+    """old_logprobs=recompute, rollout_is=token and an IcePop band: the step row of
+    metrics.jsonl carries the applied weights' mean, the truncated and the masked shares."""
+    cfg = tiny_config(
+        "configs/grpo.py",
+        tmp_path,
+        "total_steps=1",
+        "val_size=0",
+        "actor.old_logprobs=recompute",
+        "algorithm.rollout_is=token",
+        "algorithm.rollout_is_band=(0.5, 2.0)",
+    )
+    run(cfg)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    row = rows[-1]
+    assert row["step"] == 1 and np.isfinite(row["rollout/logprob_abs_diff_mean"])
+    assert 0 < row["train/rollout_is_mean"] <= 2.0  # the threshold
+    for key in ("train/rollout_is_clip_frac", "train/rollout_is_band_frac"):
+        assert 0 <= row[key] <= 1, key
+
+
 LABEL_REWARD = '''
 import json
 
