@@ -440,7 +440,7 @@ def export(
         fs, root = _prepare_out(out)
         names = {}
         specs = []
-        for layer, path, i, shape in weights.per_layer(shapes.items()):
+        for layer, path, i, shape in weights.per_layer(shapes.items(), table.per_expert):
             name, hf_shape = weights.hf_shape(layer, shape, cfg, table)
             names[name] = (layer, path, i, shape)
             specs.append(weights.TensorSpec(name, hf_shape, np_dtype))

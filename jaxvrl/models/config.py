@@ -145,6 +145,9 @@ class TextConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    # the experts' gate and up projections held as one kernel [E, D, 2F], gate's F columns
+    # first, as Qwen3-VL-MoE's checkpoints hold them (`moe.Experts`)
+    fused_gate_up: bool = False
 
     def __post_init__(self):
         if not self.head_dim:

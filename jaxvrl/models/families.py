@@ -28,6 +28,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "jaxvrl.models.qwen2_5_vl",
     "qwen2_vl": "jaxvrl.models.qwen2_vl",
     "qwen3_vl": "jaxvrl.models.qwen3_vl",
+    "qwen3_vl_moe": "jaxvrl.models.qwen3_vl_moe",
 }
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -13,6 +13,10 @@ projection as one grouped matmul over all experts (`jax.lax.ragged_dot`, group s
 experts' counts); "dense" (the reference for tests) runs every expert on every token and
 weights the outputs by the sparse routing weights.
 
+Qwen3-VL-MoE's checkpoints hold each layer's experts fused, `experts.gate_up_proj` (gate's F
+columns, then up's) and `experts.down_proj`; a config with `fused_gate_up` keeps the same one
+kernel [E, D, 2F] (`Experts.gate_up_proj`), split into gate and up where the experts run.
+
 The block also gives its router logits float32[N, E], from which `load_balancing_loss`
 computes transformers' auxiliary loss (scaled by `router_aux_loss_coef` where a loss adds it).
 
@@ -28,6 +32,35 @@ from flax import nnx
 from jaxvrl.config import ConfigError
 from jaxvrl.models.config import TextConfig
 from jaxvrl.models.layers import GatedMLP, activation, linear
+
+# config.json keys of a mixture-of-experts decoder (a text family's with `moe`, Qwen3-VL-MoE's
+# text_config); transformers writes num_experts as num_local_experts
+MOE_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+)
+
+
+def config_fields(d: dict, source: str) -> dict:
+    """TextConfig's mixture-of-experts fields from config.json `d` (defaults applied)."""
+    d = d | ({"num_experts": d["num_local_experts"]} if "num_local_experts" in d else {})
+    kw = {k: d[k] for k in MOE_KEYS}
+    kw["mlp_only_layers"] = tuple(int(i) for i in kw["mlp_only_layers"] or ())
+    kw["norm_topk_prob"] = bool(kw["norm_topk_prob"])
+    kw["router_aux_loss_coef"] = float(kw["router_aux_loss_coef"])
+    if kw["num_experts"] and not 1 <= kw["num_experts_per_tok"] <= kw["num_experts"]:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok {kw['num_experts_per_tok']} must be in "
+            f"[1, num_experts = {kw['num_experts']}]"
+        )
+    if kw["decoder_sparse_step"] < 1:
+        raise ConfigError(f"{source}: decoder_sparse_step must be positive")
+    return kw
 
 
 def sparse_layers(cfg: TextConfig) -> tuple[bool, ...]:
@@ -104,7 +137,8 @@ EXPERTS = {"ragged": ragged_experts, "dense": dense_experts}
 
 class ExpertKernel(nnx.Module):
     """One projection of every expert: kernel [E, in, out] (HF's per-expert
-    `experts.{e}.<proj>.weight` [out, in] is index e, transposed)."""
+    `experts.{e}.<proj>.weight` [out, in] is index e, transposed; a fused checkpoint's
+    `experts.<proj>` [E, out, in] is the kernel with its last two axes swapped)."""
 
     def __init__(self, experts: int, din: int, dout: int, *, param_dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.02)
@@ -112,13 +146,30 @@ class ExpertKernel(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Every expert's gated MLP: gate_proj, up_proj [E, D, F] and down_proj [E, F, D]."""
+    """Every expert's gated MLP: gate_proj, up_proj [E, D, F] (or, `fused`, gate_up_proj
+    [E, D, 2F], gate's F columns first) and down_proj [E, F, D]."""
 
-    def __init__(self, experts: int, dim: int, width: int, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, experts: int, dim: int, width: int, *, fused: bool = False, param_dtype, rngs
+    ):
         kw = dict(param_dtype=param_dtype, rngs=rngs)
-        self.gate_proj = ExpertKernel(experts, dim, width, **kw)
-        self.up_proj = ExpertKernel(experts, dim, width, **kw)
+        if fused:
+            self.gate_up_proj = ExpertKernel(experts, dim, 2 * width, **kw)
+        else:
+            self.gate_proj = ExpertKernel(experts, dim, width, **kw)
+            self.up_proj = ExpertKernel(experts, dim, width, **kw)
         self.down_proj = ExpertKernel(experts, width, dim, **kw)
+        self.fused = fused
+
+    def kernels(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate [E, D, F], up [E, D, F], down [E, F, D]) in `dtype`."""
+        down = self.down_proj.kernel[...].astype(dtype)
+        if self.fused:
+            gate_up = self.gate_up_proj.kernel[...].astype(dtype)
+            width = down.shape[-2]
+            return gate_up[..., :width], gate_up[..., width:], down
+        gate, up = (p.kernel[...].astype(dtype) for p in (self.gate_proj, self.up_proj))
+        return gate, up, down
 
 
 class SparseMoE(nnx.Module):
@@ -129,7 +180,7 @@ class SparseMoE(nnx.Module):
     def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.gate = linear(d, e, bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.experts = Experts(e, d, f, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(e, d, f, fused=cfg.fused_gate_up, param_dtype=param_dtype, rngs=rngs)
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act_name = cfg.hidden_act
         self.dtype = dtype
@@ -137,9 +188,7 @@ class SparseMoE(nnx.Module):
 
     def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(gate [E, D, F], up [E, D, F], down [E, F, D]) in the compute dtype."""
-        ex = self.experts
-        projections = (ex.gate_proj, ex.up_proj, ex.down_proj)
-        return tuple(p.kernel[...].astype(self.dtype) for p in projections)
+        return self.experts.kernels(self.dtype)
 
     def apply(self, x: jax.Array, selected: jax.Array | None = None):
         """x [B, T, D] -> (out [B, T, D], router logits [B*T, E] in x's dtype); selected:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxvrl.config import ConfigError
+from jaxvrl.models import moe
 from jaxvrl.models.config import TextConfig, fields_of, freeze, jsonable, text_sizes, thaw
 from jaxvrl.models.layers import ROPE_TYPES, activation
 from jaxvrl.models.weights import KeyTable
@@ -32,7 +33,7 @@ class TextFamily:
     config.json's attention_bias sets all four; qk_norm: per-head q/k RMSNorm before the
     rotary; sliding_window: config.json's `sliding_window` bounds every layer's attention
     (Mistral), else a sliding window is refused at load; moe: config.json's mixture-of-experts
-    keys (MOE_KEYS) are read, and its sparse layers run `moe.SparseMoE` (Qwen3-MoE)."""
+    keys (moe.MOE_KEYS) are read, and its sparse layers run `moe.SparseMoE` (Qwen3-MoE)."""
 
     model_type: str
     architecture: str
@@ -181,18 +182,6 @@ TEXT_KEYS = {
     "num_labels",
 }
 
-# config.json keys of a mixture-of-experts family (TextFamily.moe); transformers writes
-# num_experts as num_local_experts
-MOE_KEYS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "router_aux_loss_coef",
-)
-
 
 def text_family(model_type: str, source: str = "config.json") -> TextFamily:
     if model_type not in TEXT_FAMILIES:
@@ -237,23 +226,6 @@ def _rope_parameters(t: TextConfig) -> dict:
         out["high_freq_factor"] = t.rope_high_freq_factor
         out["original_max_position_embeddings"] = t.rope_original_max_position_embeddings
     return out
-
-
-def _moe(d: dict, source: str) -> dict:
-    """TextConfig's mixture-of-experts fields from config.json `d` (defaults applied)."""
-    d = d | ({"num_experts": d["num_local_experts"]} if "num_local_experts" in d else {})
-    kw = {k: d[k] for k in MOE_KEYS}
-    kw["mlp_only_layers"] = tuple(int(i) for i in kw["mlp_only_layers"] or ())
-    kw["norm_topk_prob"] = bool(kw["norm_topk_prob"])
-    kw["router_aux_loss_coef"] = float(kw["router_aux_loss_coef"])
-    if kw["num_experts"] and not 1 <= kw["num_experts_per_tok"] <= kw["num_experts"]:
-        raise ConfigError(
-            f"{source}: num_experts_per_tok {kw['num_experts_per_tok']} must be in "
-            f"[1, num_experts = {kw['num_experts']}]"
-        )
-    if kw["decoder_sparse_step"] < 1:
-        raise ConfigError(f"{source}: decoder_sparse_step must be positive")
-    return kw
 
 
 def _sliding_window(d: dict, entry: TextFamily, source: str) -> int:
@@ -335,7 +307,7 @@ class CausalLMConfig:
         kw["attention_bias"], kw["output_bias"] = (bias, bias) if entry.bias is None else entry.bias
         kw |= _rope(d, source, dict(entry.defaults).get("rope_theta", 10000.0))
         if entry.moe:
-            kw |= _moe(d, source)
+            kw |= moe.config_fields(d, source)
         text = TextConfig(**kw, qk_norm=entry.qk_norm, mrope_section=(), sliding_window=window)
         if heads % text.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads not divisible by num_key_value_heads")
@@ -346,7 +318,7 @@ class CausalLMConfig:
         except ValueError as e:
             raise ConfigError(f"{source}: {e}") from None
         read = TEXT_KEYS | ({"sliding_window"} if entry.sliding_window else set())
-        read |= {*MOE_KEYS, "num_local_experts"} if entry.moe else set()
+        read |= {*moe.MOE_KEYS, "num_local_experts"} if entry.moe else set()
         extra = tuple(sorted((k, v) for k, v in d.items() if k not in read and jsonable(v)))
         eos = d.get("eos_token_id")
         num_labels = None
@@ -384,7 +356,7 @@ class CausalLMConfig:
         if entry.sliding_window:
             d["sliding_window"] = t.sliding_window or None
         if entry.moe:
-            d.update({k: getattr(t, k) for k in MOE_KEYS})
+            d.update({k: getattr(t, k) for k in moe.MOE_KEYS})
             d["mlp_only_layers"] = list(t.mlp_only_layers)
         if self.num_labels and len(d.get("id2label") or ()) != self.num_labels:
             d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}

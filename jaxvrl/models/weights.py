@@ -4,7 +4,11 @@ Each row of `KEY_TABLE` maps an HF tensor name to a param path, both as template
 `{name}` fields match one dotted component, plus how the tensor is transformed:
 - "linear": torch Linear weight [out, in] <-> Flax kernel [in, out] (transpose);
 - "patch":  Conv3d weight [E, C, T, P, P] <-> kernel [C*T*P*P, E] (a linear map on patches);
-- "copy":   unchanged.
+- "copy":   unchanged;
+- "experts": all experts' weights at once, [E, out, in] as transformers' save_pretrained writes
+  them <-> kernel [E, in, out] (the last two axes swapped); a tensor already [E, in, out] (the
+  published Qwen3-VL-MoE checkpoints) is read as it is, one square in both is read as
+  transformers reads it (swapped).
 A family's table is a `KeyTable` (`jaxvrl/models/<family>/weights.py`).
 
 The table names per-layer params (`model.layers.{i}...`, `visual.blocks.{i}...`). A scanned
@@ -14,7 +18,9 @@ the two, and tensor i of the HF checkpoint is index i of the stacked array, both
 experts of a mixture-of-experts layer are always stacked on an axis of their own: HF's
 `model.layers.3.mlp.experts.{e}.gate_proj.weight` is index e of
 `model.layers.3.mlp.experts.gate_proj.kernel` [E, D, F] (`expert_path`), after the layer
-axis where layers are stacked too ([L, E, D, F]).
+axis where layers are stacked too ([L, E, D, F]). A table whose rows name all experts'
+tensors at once (`KeyTable.per_expert` false: Qwen3-VL-MoE's fused `experts.gate_up_proj`)
+maps each stacked kernel to one tensor.
 
 Export writes safetensors shards tensor by tensor (`write_shards`): the header is planned from
 shapes and dtypes, then each tensor is produced, written and dropped, so host memory holds one
@@ -56,6 +62,12 @@ class KeyTable:
             [(_regex(hf), path, kind) for hf, path, kind in self.rows],
             [(_regex(path), hf, kind) for hf, path, kind in self.rows],
         )
+
+    @functools.cached_property
+    def per_expert(self) -> bool:
+        """Whether the table names each expert's tensors (`experts.{e}.`) rather than all
+        experts' at once (rows of kind "experts")."""
+        return not any(kind == "experts" for *_, kind in self.rows)
 
     def hf_to_path(self, key: str) -> tuple[str, str] | None:
         """HF tensor name -> (dotted param path, transform), or None if unknown."""
@@ -150,19 +162,21 @@ def layer_path(path: str, i: int) -> str:
     raise KeyError(f"{path} is not a param of {' or '.join(STACKED_MODULES)}")
 
 
-def per_layer(shapes) -> list[tuple[str, str, int | tuple | None, tuple[int, ...]]]:
+def per_layer(
+    shapes, per_expert: bool = True
+) -> list[tuple[str, str, int | tuple | None, tuple[int, ...]]]:
     """(path, shape) pairs of a model's params, scanned or not -> (per-layer path, the path,
     index, per-layer shape) for every HF tensor; index: None, the layer or expert (an int),
     or (layer, expert), so that `param[index]` is the tensor. A stacked param gives its
     tensors one after the other (param-major), so a reader of stacked arrays reads each
-    once."""
+    once. per_expert: experts' kernels give one tensor per expert (`KeyTable.per_expert`)."""
     out = []
     for path, shape in shapes:
         shape = tuple(shape)
         rows = [(path, ())]
         if is_stacked(path):
             rows = [(layer_path(path, i), (i,)) for i in range(shape[0])]
-        if _EXPERTS.search(path):
+        if per_expert and _EXPERTS.search(path):
             n = shape[len(rows[0][1])]
             rows = [(_one_expert(p, e), ix + (e,)) for p, ix in rows for e in range(n)]
         lead = len(rows[0][1])
@@ -184,9 +198,12 @@ def _regex(template: str) -> re.Pattern:
     return re.compile(f"^{body}$")
 
 
-def _from_hf(x: np.ndarray, kind: str) -> np.ndarray:
+def _from_hf(x: np.ndarray, kind: str, shape=None) -> np.ndarray:
+    """An HF tensor -> the param's layout (shape: the param's, which "experts" reads)."""
     if kind == "linear":
         return x.T
+    if kind == "experts" and x.shape == _to_hf_shape(shape, kind):
+        return x.swapaxes(-1, -2)
     if kind == "patch":
         return x.reshape(x.shape[0], -1).T
     return x
@@ -195,6 +212,8 @@ def _from_hf(x: np.ndarray, kind: str) -> np.ndarray:
 def _to_hf(x: np.ndarray, kind: str, target_shape=None) -> np.ndarray:
     if kind == "linear":
         return x.T
+    if kind == "experts":
+        return x.swapaxes(-1, -2)
     if kind == "patch":
         return x.T.reshape(target_shape)
     return x
@@ -397,8 +416,8 @@ def load(
                 if want is None or any(j >= n for j, n in zip(ix, want.shape)):
                     unknown.append(f"{key} ({os.path.basename(file)})")
                     continue
-                arr = _from_hf(f.get_tensor(key), kind)
                 shape = want.shape[len(ix) :]
+                arr = _from_hf(f.get_tensor(key), kind, tuple(shape))
                 if tuple(arr.shape) != tuple(shape):
                     raise ConfigError(
                         f"{file}: tensor {key} has shape {tuple(f.get_slice(key).get_shape())}, "
@@ -417,7 +436,7 @@ def load(
         )
     missing = [
         layer
-        for layer, p, i, _ in per_layer((p, v.shape) for p, v in wanted.items())
+        for layer, p, i, _ in per_layer(((p, v.shape) for p, v in wanted.items()), table.per_expert)
         if p not in loaded or (i is not None and i not in filled[p])
     ]
     if missing:
@@ -429,6 +448,8 @@ def load(
 
 
 def _to_hf_shape(shape, kind):
+    if kind == "experts":
+        return (*shape[:-2], shape[-1], shape[-2])
     return tuple(reversed(shape)) if kind == "linear" else tuple(shape)
 
 
@@ -447,7 +468,8 @@ def save(
     flat = {_dotted(p): var for p, var in nnx.to_flat_state(state)}
     variables = {}
     specs = []
-    for layer, dotted, i, shape in per_layer((p, v.get_value().shape) for p, v in flat.items()):
+    shapes = ((p, v.get_value().shape) for p, v in flat.items())
+    for layer, dotted, i, shape in per_layer(shapes, keys.per_expert):
         key, hf = hf_shape(layer, shape, cfg, keys)
         out_dtype = np.dtype(dtype if dtype is not None else flat[dotted].get_value().dtype)
         variables[key] = (layer, dotted, i)

@@ -60,6 +60,8 @@ MROPE_SECTION = [24, 20, 20]
 class Qwen3VLConfig(VLConfig):
     model_type: ClassVar[str] = "qwen3_vl"
     architecture: ClassVar[str] = "Qwen3VLForConditionalGeneration"
+    # transformers' text config defaults (Qwen3-VL-MoE has its own)
+    text_defaults: ClassVar[dict] = TEXT_DEFAULTS
     text: TextConfig = TextConfig(
         **TEXT_DEFAULTS,
         num_key_value_heads=32,
@@ -75,21 +77,32 @@ class Qwen3VLConfig(VLConfig):
         cls.check_type(d, source)
         text_d = dict(d.get("text_config") or {})
         rope = dict(text_d.get("rope_parameters") or text_d.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", text_d.get("rope_theta", TEXT_DEFAULTS["rope_theta"]))
+        defaults = cls.text_defaults
+        rope.setdefault("rope_theta", text_d.get("rope_theta", defaults["rope_theta"]))
         rope.setdefault("mrope_section", MROPE_SECTION)
         rope["mrope_interleaved"] = True
-        text_d = {k: v for k, v in TEXT_DEFAULTS.items() if k != "rope_theta"} | text_d
+        text_d = {k: v for k, v in defaults.items() if k != "rope_theta"} | text_d
         text_d["rope_parameters"] = rope
         if text_d.get("num_key_value_heads") is None:
             text_d["num_key_value_heads"] = text_d.get("num_attention_heads")
         bias = bool(text_d.get("attention_bias", False))
-        text = text_from_dict(text_d, source, output_bias=bias, qk_norm=True)
+        more = cls.text_fields(text_d, source)
+        text = text_from_dict(text_d, source, output_bias=bias, qk_norm=True, **more)
         vision_d = VISION_DEFAULTS | dict(d.get("vision_config") or {}) | VISION_FIXED
         vision = vision_from_dict(vision_d, source)
         # the top level's tie_word_embeddings wins over the text part's (transformers' rule)
         tie = d.get("tie_word_embeddings", text_d.get("tie_word_embeddings", False))
         shared = cls.shared_from_hf(d, text_d, set())
         return cls(text=text, vision=vision, **dict(shared, tie_word_embeddings=bool(tie)))
+
+    @classmethod
+    def text_fields(cls, text_d: dict, source: str) -> dict:
+        """TextConfig fields read from text_config besides the dense decoder's (none)."""
+        return {}
+
+    def text_hf(self) -> dict:
+        """text_config's keys besides the dense decoder's (none)."""
+        return {}
 
     def to_hf_dict(self) -> dict:
         t, v = self.text, self.vision
@@ -98,7 +111,7 @@ class Qwen3VLConfig(VLConfig):
         d.update(
             {
                 "text_config": {
-                    "model_type": "qwen3_vl_text",
+                    "model_type": f"{self.model_type}_text",
                     **text_sizes(t),
                     "head_dim": t.head_dim,
                     "attention_bias": t.attention_bias,
@@ -111,9 +124,10 @@ class Qwen3VLConfig(VLConfig):
                     "bos_token_id": self.bos_token_id,
                     "eos_token_id": eos,
                     "tie_word_embeddings": self.tie_word_embeddings,
+                    **self.text_hf(),
                 },
                 "vision_config": {
-                    "model_type": "qwen3_vl_vision",
+                    "model_type": f"{self.model_type}_vision",
                     "depth": v.depth,
                     "hidden_size": v.hidden_size,
                     "hidden_act": v.hidden_act,
