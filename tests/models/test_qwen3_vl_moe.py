@@ -1,0 +1,171 @@
+"""Qwen3-VL-MoE against transformers on one tiny random checkpoint saved with save_pretrained
+(2 sparse layers of 4 experts, top 2; a 2-block vision tower with DeepStack at block 0) and
+read by our loader: float32 logits of a left-padded batch with an image, a video and text
+only, greedy tokens of HF `generate` on an image prompt, an export transformers loads to the
+same logits, and the published checkpoints' expert layout."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxvrl import models as M
+from jaxvrl.models import moe
+from jaxvrl.parallel.sharding import param_axes
+from jaxvrl.sampling import generate
+from tests.models import hf_tiny_qwen3_vl as T
+from tests.models.hf_tiny import IM_END, IMAGE, VEND, VIDEO, VSTART, left_pad
+from tests.models.test_qwen2_5_vl_parity import assert_close
+from tests.models.test_qwen3_vl_parity import hf_inputs, hf_logits, ours
+
+EXPERTS, TOP_K, WIDTH, HIDDEN = 4, 2, 48, 64
+GATE_UP = "model.language_model.layers.{}.mlp.experts.gate_up_proj"
+DOWN = "model.language_model.layers.{}.mlp.experts.down_proj"
+
+
+def build(path, seed=0):
+    """A tiny Qwen3VLMoeForConditionalGeneration saved at `path` (the shapes of
+    tests/trainer/test_families.py's Qwen3-VL with experts), its weights spread so that each
+    expert's output counts."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True}  # fmt: skip
+    text = dict(
+        vocab_size=300, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_parameters=rope,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=WIDTH,
+        bos_token_id=None, eos_token_id=IM_END,
+    )  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=T.PATCH, num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
+    cfg = Qwen3VLMoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False, image_token_id=IMAGE,
+        video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    hf = Qwen3VLMoeForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, 0.3)
+            elif name.endswith("weight") and p.ndim >= 2:
+                p.mul_(3.0)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(HF model, our model (scanned layers), path)."""
+    path = tmp_path_factory.mktemp("qwen3_vl_moe")
+    hf = build(path)
+    return hf, M.load(path), path
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Left-padded rows: an image (6 x 8 patches); a video of 2 frame groups; text only."""
+    rng = np.random.default_rng(0)
+    images, videos = [[1, 6, 8]], [[2, 4, 4]]
+    rows = [T.prompt(rng, images=images), T.prompt(rng, videos=videos), T.prompt(rng)]
+    ids, mask = left_pad(rows)
+    vision = dict(
+        images=images, videos=videos, pv=T.patches(rng, images), pvv=T.patches(rng, videos)
+    )
+    return ids, mask, vision
+
+
+def test_config_and_checkpoint_layout(tiny):
+    """The expert keys are read (num_local_experts as transformers writes num_experts), the
+    router renormalises, and save_pretrained's experts are fused [E, 2F, D] and [E, D, F]."""
+    _, model, path = tiny
+    cfg = model.config
+    t, v = cfg.text, cfg.vision
+    sizes = (t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size)
+    assert sizes == (EXPERTS, TOP_K, WIDTH)
+    assert t.norm_topk_prob and t.fused_gate_up and moe.sparse_layers(t) == (True, True)
+    assert v.deepstack_visual_indexes == (0,) and t.mrope_interleaved
+    assert M.load_config(path) == cfg and type(cfg).from_hf_dict(cfg.to_hf_dict()) == cfg
+    with open(path / "config.json") as f:
+        assert "num_local_experts" in json.load(f)["text_config"]
+    tensors = load_file(path / "model.safetensors")
+    assert tensors[GATE_UP.format(0)].shape == (EXPERTS, 2 * WIDTH, HIDDEN)
+    assert tensors[DOWN.format(1)].shape == (EXPERTS, HIDDEN, WIDTH)
+    experts = model.model.layers.mlp.experts
+    assert experts.gate_up_proj.kernel.shape == (2, EXPERTS, HIDDEN, 2 * WIDTH)
+    assert experts.down_proj.kernel.shape == (2, EXPERTS, WIDTH, HIDDEN)
+    # the fused kernel is split like a dense MLP's up projection
+    fused = "model.layers.mlp.experts.gate_up_proj.kernel"
+    assert param_axes(fused, 4) == ("layers", "experts", "embed", "mlp")
+
+
+def test_logits_with_an_image_a_video_and_left_padding(tiny, batch):
+    hf, model, _ = tiny
+    ids, mask, vision = batch
+    got, ref = ours(model, ids, mask, **vision).logits, hf_logits(hf, ids, mask, **vision)
+    for row in range(len(ids)):  # an image; a video; text
+        assert_close(got[row : row + 1], ref[row : row + 1], mask[row : row + 1])
+
+
+def test_greedy_tokens_match_hf_generate(tiny, batch):
+    """The sampler's prefill (per-layer cache, DeepStack) and decode steps on an image prompt."""
+    hf, model, _ = tiny
+    ids, mask, vision = batch
+    ids, mask, n = ids[:1], mask[:1], 6
+    pv, grid = vision["pv"], np.array(vision["images"])
+    out = generate(
+        model, ids, mask, pixel_values=pv, image_grid_thw=grid, max_new_tokens=n,
+        temperature=0.0,
+    )  # fmt: skip
+    with torch.no_grad():
+        ref = hf.generate(
+            **hf_inputs(ids, mask, images=vision["images"], pv=pv),
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref[:, ids.shape[1] :].numpy())
+
+
+def test_export_loads_in_transformers(tiny, batch, tmp_path):
+    """The export's tensors are the checkpoint's (the fused experts as save_pretrained writes
+    them), and transformers computes the same logits from it."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    hf, model, path = tiny
+    M.save(model, tmp_path)
+    original = load_file(path / "model.safetensors")
+    exported = load_file(tmp_path / "model.safetensors")
+    assert set(original) == set(exported)
+    for k in original:
+        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
+    back = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path).eval()
+    assert back.config.text_config.num_experts == EXPERTS
+    ids, mask, vision = batch
+    np.testing.assert_array_equal(
+        hf_logits(back, ids, mask, **vision), hf_logits(hf, ids, mask, **vision)
+    )
+
+
+def test_published_expert_layout_loads(tiny, tmp_path):
+    """The published checkpoints hold the experts [E, D, 2F] and [E, F, D]: the same params."""
+    _, model, path = tiny
+    tensors = load_file(path / "model.safetensors")
+    for i in range(2):
+        for key in (GATE_UP.format(i), DOWN.format(i)):
+            tensors[key] = np.ascontiguousarray(tensors[key].swapaxes(1, 2))
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    published = M.load(tmp_path)
+    a, b = nnx.state(model, nnx.Param), nnx.state(published, nnx.Param)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
