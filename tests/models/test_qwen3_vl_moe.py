@@ -2,11 +2,13 @@
 (2 sparse layers of 4 experts, top 2; a 2-block vision tower with DeepStack at block 0) and
 read by our loader: float32 logits of a left-padded batch with an image, a video and text
 only, greedy tokens of HF `generate` on an image prompt, an export transformers loads to the
-same logits, and the published checkpoints' expert layout."""
+same logits, the published checkpoints' expert layout, and the Qwen3-VL-30B-A3B preset's
+parameter count."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import jax
 import numpy as np
@@ -169,3 +171,31 @@ def test_published_expert_layout_loads(tiny, tmp_path):
     a, b = nnx.state(model, nnx.Param), nnx.state(published, nnx.Param)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_preset_has_the_published_parameter_count():
+    """Qwen3-VL-30B-A3B: 31.07B parameters, as transformers counts them on the meta device;
+    its vision tower is transformers' Qwen3VLMoeConfig default (27 blocks of 1152, DeepStack
+    at 8, 16, 24)."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    assert "qwen3-vl-30b-a3b" in M.preset_names()
+    with open(f"{M.PRESETS}/qwen3-vl-30b-a3b.json") as f:
+        d = json.load(f)
+    cfg = M.config_from_hf(d, "qwen3-vl-30b-a3b")
+    t, v = cfg.text, cfg.vision
+    assert (t.hidden_size, t.num_hidden_layers, t.num_experts, t.num_experts_per_tok) == (
+        2048, 48, 128, 8,
+    )  # fmt: skip
+    assert (t.moe_intermediate_size, t.num_attention_heads, t.num_key_value_heads) == (768, 32, 4)
+    assert (t.head_dim, t.vocab_size) == (128, 151936) and all(moe.sparse_layers(t))
+    default = Qwen3VLMoeConfig().vision_config
+    assert (v.depth, v.hidden_size, v.deepstack_visual_indexes) == (
+        default.depth, default.hidden_size, tuple(default.deepstack_visual_indexes),
+    )  # fmt: skip
+    model = nnx.eval_shape(lambda: M.Model(cfg, rngs=nnx.Rngs(0)))
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    with torch.device("meta"):
+        hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d))
+    assert count == sum(p.numel() for p in hf.parameters())
+    assert abs(count / 1e9 - 31.07) <= 0.01 * 31.07, count
