@@ -5,22 +5,15 @@ Each row of `KEY_TABLE` maps an HF tensor name to a param path, both as template
 - "linear": torch Linear weight [out, in] <-> Flax kernel [in, out] (transpose);
 - "patch":  Conv3d weight [E, C, T, P, P] <-> kernel [C*T*P*P, E] (a linear map on patches);
 - "copy":   unchanged;
-- "experts": all experts' weights at once, [E, out, in] as transformers' save_pretrained writes
-  them <-> kernel [E, in, out] (the last two axes swapped); a tensor already [E, in, out] (the
-  published Qwen3-VL-MoE checkpoints) is read as it is, one square in both is read as
-  transformers reads it (swapped).
+- "experts": all experts at once, [E, out, in] (save_pretrained) <-> kernel [E, in, out];
+  a tensor already [E, in, out] (published Qwen3-VL-MoE files) is read as it is (`_from_hf`).
 A family's table is a `KeyTable` (`jaxvrl/models/<family>/weights.py`).
 
-The table names per-layer params (`model.layers.{i}...`, `visual.blocks.{i}...`). A scanned
-model (`scan_layers`) holds each of them once, stacked on a leading layer axis
-(`model.layers.mlp.up_proj.kernel` [L, D, F]): `stacked_path` and `layer_path` map between
-the two, and tensor i of the HF checkpoint is index i of the stacked array, both ways. The
-experts of a mixture-of-experts layer are always stacked on an axis of their own: HF's
-`model.layers.3.mlp.experts.{e}.gate_proj.weight` is index e of
-`model.layers.3.mlp.experts.gate_proj.kernel` [E, D, F] (`expert_path`), after the layer
-axis where layers are stacked too ([L, E, D, F]). A table whose rows name all experts'
-tensors at once (`KeyTable.per_expert` false: Qwen3-VL-MoE's fused `experts.gate_up_proj`)
-maps each stacked kernel to one tensor.
+Per-layer params (`model.layers.{i}...`) of a scanned model are stacked on a leading layer
+axis ([L, D, F]; `stacked_path`, `layer_path`). Experts are stacked on an axis of their own:
+HF's `...mlp.experts.{e}.gate_proj.weight` is index e of `...mlp.experts.gate_proj.kernel`
+[E, D, F] (`expert_path`; [L, E, D, F] when layers are stacked), or one tensor for all
+(`KeyTable.per_expert` false: Qwen3-VL-MoE's fused `experts.gate_up_proj`).
 
 Export writes safetensors shards tensor by tensor (`write_shards`): the header is planned from
 shapes and dtypes, then each tensor is produced, written and dropped, so host memory holds one
