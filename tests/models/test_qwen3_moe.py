@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
 
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError
@@ -24,6 +23,7 @@ from jaxvrl.models import moe
 from jaxvrl.models.layers import GatedMLP
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny_text as T
+from tests.models.export_check import export_equals_checkpoint
 from tests.models.test_qwen2_5_vl_parity import assert_close
 from tests.models.test_text_families import hf_logits, ours
 from tests.tolerance import assert_reduction_close, term_scale
@@ -165,13 +165,8 @@ def test_export_loads_in_transformers(sparse, tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf, model, path = sparse
-    M.save(model, tmp_path)
-    original = load_file(path / "model.safetensors")
-    exported = load_file(tmp_path / "model.safetensors")
-    assert set(original) == set(exported)
+    exported = export_equals_checkpoint(model, path, tmp_path)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
-    for k in original:
-        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
     back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(back) is type(hf) and back.config.num_experts == EXPERTS
     assert back.config.norm_topk_prob and back.config.num_experts_per_tok == TOP_K

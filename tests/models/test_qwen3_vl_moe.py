@@ -22,6 +22,7 @@ from jaxvrl.models import moe
 from jaxvrl.parallel.sharding import param_axes
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny_qwen3_vl as T
+from tests.models.export_check import export_equals_checkpoint
 from tests.models.hf_tiny import IM_END, IMAGE, VEND, VIDEO, VSTART, left_pad
 from tests.models.test_qwen2_5_vl_parity import assert_close
 from tests.models.test_qwen3_vl_parity import hf_inputs, hf_logits, ours
@@ -144,12 +145,7 @@ def test_export_loads_in_transformers(tiny, batch, tmp_path):
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     hf, model, path = tiny
-    M.save(model, tmp_path)
-    original = load_file(path / "model.safetensors")
-    exported = load_file(tmp_path / "model.safetensors")
-    assert set(original) == set(exported)
-    for k in original:
-        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
+    export_equals_checkpoint(model, path, tmp_path)
     back = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path).eval()
     assert back.config.text_config.num_experts == EXPERTS
     ids, mask, vision = batch

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from safetensors.numpy import load_file
 
 from jaxvrl import models as M
 from jaxvrl.models import qwen3_vl as q3
 from jaxvrl.models.weights import stacked_path
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny_qwen3_vl as T
+from tests.models.export_check import export_equals_checkpoint
 from tests.models.hf_tiny import IM_END, POOL_IDS, left_pad, token_types
 from tests.models.test_qwen2_5_vl_parity import assert_close
 from tests.models.test_qwen2_5_vl_stats_io import _masses_from_hf
@@ -147,12 +147,7 @@ def test_untied_export_round_trip(tiny, mixed, tmp_path):
     from transformers import Qwen3VLForConditionalGeneration
 
     hf, model, path = tiny
-    M.save(model, tmp_path / "export")
-    original = load_file(path / "model.safetensors")
-    exported = load_file(tmp_path / "export" / "model.safetensors")
-    assert set(original) == set(exported)
-    for k in original:
-        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
+    export_equals_checkpoint(model, path, tmp_path / "export")
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert cfg["text_config"]["rope_parameters"]["mrope_interleaved"] is True
     back = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "export").eval()

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from safetensors.numpy import load_file
 
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError
@@ -24,6 +23,7 @@ from jaxvrl.models import text
 from jaxvrl.sampling import Sampler, generate
 from jaxvrl.sampling.sampler import generation_config
 from tests.models import hf_tiny_text as T
+from tests.models.export_check import export_equals_checkpoint
 from tests.models.test_qwen2_5_vl_parity import assert_close
 
 # (model_type, rope, kv heads of 4, tied head): every family with GQA and MHA, tied and
@@ -117,12 +117,7 @@ def test_export_loads_in_transformers(checkpoints, case, tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf, model, path = checkpoints(case)
-    M.save(model, tmp_path)
-    original = load_file(path / "model.safetensors")
-    exported = load_file(tmp_path / "model.safetensors")
-    assert set(original) == set(exported)
-    for k in original:
-        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
+    export_equals_checkpoint(model, path, tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(back) is type(hf)
     assert back.config.rope_parameters == hf.config.rope_parameters
