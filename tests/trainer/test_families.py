@@ -59,7 +59,20 @@ def _qwen3_vl():
     return Qwen3VLForConditionalGeneration, cfg, processor
 
 
-FAMILIES = {"qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl}
+def _qwen3_vl_moe():
+    """_qwen3_vl's shapes with every text layer sparse: 4 experts of width 48, top 2."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    _, dense, processor = _qwen3_vl()
+    text = dict(dense.text_config.to_dict(), num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=48, decoder_sparse_step=1)  # fmt: skip
+    vision = dense.vision_config.to_dict()
+    cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                           **IDS)  # fmt: skip
+    return Qwen3VLMoeForConditionalGeneration, cfg, processor
+
+
+FAMILIES = {"qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl_moe}
 
 
 def _landed(name: str) -> bool:
