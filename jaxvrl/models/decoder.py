@@ -44,7 +44,7 @@ from jaxvrl.models.layers import (
     scan_layers,
     stacked,
 )
-from jaxvrl.models.moe import feed_forward, scanned_layer_kind, sparse_layers
+from jaxvrl.models.moe import SparseMoE, feed_forward, scanned_layer_kind, sparse_layers
 from jaxvrl.models.packing import Packing
 from jaxvrl.parallel.sharding import constrain
 
@@ -231,7 +231,10 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """sparse: the feed-forward is the mixture-of-experts block (`moe.feed_forward`)."""
+    """sparse: the feed-forward is the mixture-of-experts block (`moe.feed_forward`).
+
+    router: the layer also returns its router logits [B*T, E] as a fourth output (None for a
+    dense layer)."""
 
     def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs, sparse: bool = False):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -255,12 +258,18 @@ class DecoderLayer(nnx.Module):
         block=512,
         queries=None,
         segmented=False,
+        router=False,
     ):
         x_in = self.input_layernorm(x)
         kw = dict(implementation=implementation, block=block, queries=queries, segmented=segmented)
         h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, **kw)
         x = x + h
+        if router and isinstance(self.mlp, SparseMoE):
+            h, logits = self.mlp.apply(self.post_attention_layernorm(x))
+            return constrain(x + h, RESIDUAL), new_kv, stats, logits
         x = x + self.mlp(self.post_attention_layernorm(x))
+        if router:
+            return constrain(x, RESIDUAL), new_kv, stats, None
         return constrain(x, RESIDUAL), new_kv, stats
 
 
@@ -314,6 +323,7 @@ class TextDecoder(nnx.Module):
         deepstack: DeepStack | None = None,
         key_queries=None,
         packing: Packing | None = None,
+        router_logits: bool = False,
     ):
         """x: input embeddings [B, T, D]; position_ids the family's positions (int[B, T] or int[3, B, T]); attention_mask [B, T];
         deepstack: vision features added after the first layers (prompts with vision tokens:
@@ -342,6 +352,10 @@ class TextDecoder(nnx.Module):
         run packed into its K buffers [K, T'] with their own positions, pools and DeepStack
         slots, attention inside each row's segment; hidden [K, T', D] and stats [L, K, T']
         come back packed (`Packing.take` reads them per row).
+
+        router_logits (no cache): a fourth output, the sparse layers' router logits [L', N, E]
+        (N = B * T, or the packed slots; the dense layers give none: None where no layer is
+        sparse). Without it no router logits leave the layers.
         """
         segmented = packing is not None
         if segmented:
@@ -360,6 +374,8 @@ class TextDecoder(nnx.Module):
         extra = {} if key_queries is None else {"queries": jnp.asarray(key_queries, bool)}
         if segmented:
             extra["segmented"] = True
+        if router_logits:
+            extra["router"] = True
         if extra and cache is not None:
             raise ValueError("key_queries needs a forward pass without a cache")
         if cache is None:
@@ -388,12 +404,12 @@ class TextDecoder(nnx.Module):
         scanned = self.scan_layers and step is None and (cache is None or cache.stacked)
         args = (layer_call, x, cos, sin, mask, cache, pools)
         if scanned:
-            x, kv, stats = self._scan(*args, deepstack)
+            x, kv, stats, *router = self._scan(*args, deepstack)
         else:
-            x, kv, stats = self._loop(*args, step, deepstack)
+            x, kv, stats, *router = self._loop(*args, step, deepstack)
         x = self.norm(x)
         new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
-        return x, new_cache, stats
+        return (x, new_cache, stats, *router)
 
     def _window(self, mask, key_mask, q_slot):
         """With a sliding window, mask bool[B, T, S] (queries at cache slots q_slot int[B|1, T]
@@ -435,29 +451,31 @@ class TextDecoder(nnx.Module):
         def body(layer, x, xs):
             kv_xs, i = xs
             kv = None if cache is None else (*kv_xs, cache.index)
-            x, kv, stats = call(layer, x, cos, sin, mask, kv, pools)
+            x, kv, stats, *router = call(layer, x, cos, sin, mask, kv, pools)
             if deepstack is not None:
                 level = features[jnp.minimum(i, deepstack.levels - 1)].astype(x.dtype)
                 x = x + level * (i < deepstack.levels).astype(x.dtype)
-            return x, (kv if cache is not None else None, stats)
+            return x, (kv if cache is not None else None, stats, *router)
 
         kv_xs = None if cache is None else (cache.k, cache.v)
         index = None if deepstack is None else jnp.arange(self.cfg.num_hidden_layers)
-        x, (kv, stats) = scan_layers(self.layers, body, x, (kv_xs, index))
-        return x, kv, stats
+        x, (kv, stats, *router) = scan_layers(self.layers, body, x, (kv_xs, index))
+        return (x, kv, stats, *router)  # router logits (when asked) stacked [L, N, E]
 
     def _loop(self, layer_call, x, cos, sin, mask, cache, pools, step, deepstack=None):
         """The layers one by one (unrolled), each as `step.layer` gives it where there is a
         hook; a stacked cache gives back a stacked one, a paged one its pages."""
         call = remat(layer_call, self.remat_policy)
-        ks, vs, all_stats = [], [], []
+        ks, vs, all_stats, routers = [], [], [], []
         for i in range(self.cfg.num_hidden_layers):
             layer = self.layer(i)
             kv = None if cache is None else cache.layer(i)
             if step is None:
-                x, (k, v), stats = call(layer, x, cos, sin, mask, kv, pools)
+                x, (k, v), stats, *router = call(layer, x, cos, sin, mask, kv, pools)
             else:  # decode steps only: nothing to differentiate
                 x, (k, v), stats = layer_call(step.layer(i, layer), x, cos, sin, mask, kv, pools)
+                router = []
+            routers += [r for r in router if r is not None]  # the sparse layers'
             if deepstack is not None and i < deepstack.levels:
                 x = deepstack.add(x, i)
             ks.append(k)
@@ -468,4 +486,6 @@ class TextDecoder(nnx.Module):
         if cache is not None:
             kv = (jnp.stack(ks), jnp.stack(vs)) if cache.stacked else (tuple(ks), tuple(vs))
         stats = jax.tree.map(lambda *s: jnp.stack(s), *all_stats) if all_stats else None
-        return x, kv, stats
+        if "router" not in layer_call.keywords:
+            return x, kv, stats
+        return x, kv, stats, jnp.stack(routers) if routers else None

@@ -33,13 +33,16 @@ from jaxvrl.models.patches import VisionInputs
 @struct.dataclass
 class ModelOutput:
     """logits: float32[B, T, V] (None if not asked); hidden: [B, T, D] final-norm states;
-    cache: the updated KV cache or None; vision_mass / text_mass: float32[L, B, T] or None."""
+    cache: the updated KV cache or None; vision_mass / text_mass: float32[L, B, T] or None;
+    router_logits: the sparse layers' router logits [L', N, E] where the pass asked for them
+    (`forward(router_logits=True)`), else None."""
 
     logits: jax.Array | None
     hidden: jax.Array
     cache: Any = None
     vision_mass: jax.Array | None = None
     text_mass: jax.Array | None = None
+    router_logits: jax.Array | None = None
 
     @classmethod
     def of(cls, logits, hidden, cache, stats, per_key: bool) -> ModelOutput:
@@ -228,6 +231,7 @@ class Model(nnx.Module):
         step=None,
         key_queries=None,
         packing=None,
+        router_logits: bool = False,
     ) -> ModelOutput:
         """input_ids int[B, T]; attention_mask int[B, T]; position_ids: the family's
         positions of the tokens (`Family.rope_index`: int[B, T] for RoPE, int[3, B, T] for
@@ -245,9 +249,11 @@ class Model(nnx.Module):
         over the queries, per layer), and text_mass None. packing: None, or a `Packing` of
         the rows (no cache): the decoder runs on its packed buffers, and hidden [K, T', D] and
         the masses [L, K, T'] come back packed (`Packing.take` reads them per row).
+        router_logits (no cache): the output also carries the sparse layers' router logits
+        [L', N, E] over the decoder's tokens (N = B * T, or the packed slots).
         """
         x, deepstack = self.embed(input_ids, images, videos)
-        hidden, cache, stats = self.model(
+        hidden, cache, stats, *router = self.model(
             x,
             position_ids,
             attention_mask,
@@ -257,9 +263,11 @@ class Model(nnx.Module):
             deepstack=deepstack,
             key_queries=key_queries,
             packing=packing,
+            router_logits=router_logits,
         )
         logits = self.logits(hidden) if return_logits else None
-        return ModelOutput.of(logits, hidden, cache, stats, key_queries is not None)
+        out = ModelOutput.of(logits, hidden, cache, stats, key_queries is not None)
+        return out.replace(router_logits=router[0]) if router else out
 
     def classify(self, input_ids, attention_mask, position_ids) -> jax.Array:
         """A sequence classifier's logits float32[B, num_labels] at each row's last real token
