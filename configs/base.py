@@ -285,6 +285,9 @@ def get_config(arg=None):
     c.actor.use_entropy_penalty = False  # VPPO: + coef * agg(-logp)
     # the entropy penalty's weight (with use_entropy_penalty)
     c.actor.entropy_penalty_coef = setting(0.06, NON_NEGATIVE)
+    # a mixture-of-experts policy's load-balancing loss (moe.load_balancing_loss) added to
+    # the loss at this weight (0 = off; a model without experts refuses it)
+    c.actor.router_aux_loss_coef = setting(0.0, NON_NEGATIVE)
     # every pass computes real tokens only: each micro-batch's rows (their prompt's and
     # completion's real tokens) packed into buffers of the padded row's length, attention
     # inside each row (false: padded rows [rows, prompt + completion]). Either way the

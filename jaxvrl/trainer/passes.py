@@ -160,12 +160,14 @@ class Completions:
         return self.per_row(logp), None if ent is None else self.per_row(ent)
 
 
-def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
+def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False, router=False):
     """Forward the whole sequence; returns (`Completions`: the hidden states whose logits
     predict each completion token, out with the attention masses of those positions
     [L, B, N]). Position t predicts token t+1, so the completion's are [P-1, L-1). With the
     batch's packing the forward runs on the packed real tokens, and the head reads the real
-    completion tokens only (`pack_completions` slots per device group)."""
+    completion tokens only (`pack_completions` slots per device group). router: out also
+    carries the sparse layers' router logits [L', N, E] over the forward's tokens (the
+    rows' [B * L], or the packed slots), which `router_tokens` marks real."""
     packing = batch.packing()
     out = model.forward(
         batch.input_ids,
@@ -176,6 +178,7 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
         pools=batch.pools if pools else None,
         return_logits=False,
         packing=packing,
+        router_logits=router,
     )
     n, t = batch.completion_length, batch.input_ids.shape[1]
     tokens = batch.input_ids[:, -n:]
@@ -205,6 +208,14 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False):
     hidden = gather_rows(flat, at, reader)
     tokens = gather_rows(tokens.reshape(g, -1), source, index)
     return Completions(hidden, tokens, index, source, b), out.replace(**masses)
+
+
+def router_tokens(batch: RolloutBatch) -> jax.Array:
+    """bool[N]: the real tokens among those `completion_hidden`'s forward ran on (its router
+    logits' N): the rows' attention mask, or the packed slots that hold a token."""
+    packing = batch.packing()
+    valid = batch.attention_mask if packing is None else packing.segments
+    return valid.reshape(-1) > 0
 
 
 def paired_packing(both: RolloutBatch) -> RolloutBatch:

@@ -33,6 +33,7 @@ from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import collate, encode_rows, read_rows
 from jaxvrl.data.sources import DataNotFound
 from jaxvrl.models import load
+from jaxvrl.models.moe import sparse_layers
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.remote import is_remote
@@ -128,11 +129,17 @@ IMAGE_SETTINGS = (
 def check_model_settings(c, model_config) -> None:
     """A text-only model (no vision tower) refuses, at start, a built-in task whose rows hold
     images and the settings that read the image: the perceptual pass's filtering and
-    shaping, VGR's token weights, the MDI reward."""
+    shaping, VGR's token weights, the MDI reward. A model without sparse layers refuses the
+    load-balancing loss."""
     if getattr(model_config, "num_labels", None):
         raise ConfigError(
             f"config.model.path: a {model_config.hf_architecture} is a sequence classifier; "
             "the policy is a causal LM (a classifier goes in reward.model.path)"
+        )
+    if c.actor.router_aux_loss_coef > 0 and not any(sparse_layers(model_config.text)):
+        raise ConfigError(
+            f"config.actor.router_aux_loss_coef={c.actor.router_aux_loss_coef}: model type "
+            f"{model_config.model_type!r} has no mixture-of-experts layers; set it to 0"
         )
     if getattr(model_config, "vision", None) is not None:
         return

@@ -50,6 +50,7 @@ class ActorSettings:
     padding_free: bool
     dynamic_batching: bool
     max_token_len_per_device: int | None
+    router_aux_loss_coef: float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import optax
 from flax import nnx, struct
 
 from jaxvrl import rl
-from jaxvrl.models import lora
+from jaxvrl.models import lora, moe
 from jaxvrl.trainer import critic as critic_lib
 from jaxvrl.trainer import methods
 from jaxvrl.trainer.experience import Experience, Extras, Passes, Rows, shaping
@@ -26,6 +26,7 @@ from jaxvrl.trainer.passes import (
     batch_rows,
     completion_hidden,
     micro_split,
+    router_tokens,
     split_rows,
     take_rows,
 )
@@ -86,13 +87,20 @@ def _denominator(mode: str, mask, weights):
 def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, head=None):
     """(loss of one micro-batch, already scaled by its share of the mini-batch's
     denominator, LossMetrics). With `head` (critic on the shared backbone) plus
-    value_loss_coef * the clipped value loss."""
+    value_loss_coef * the clipped value loss. With actor.router_aux_loss_coef > 0 (a model
+    with sparse layers) plus coef * the experts' load-balancing loss over the micro-batch's
+    real tokens (`moe.load_balancing_loss`, metric `router_aux_loss`), scaled by the share
+    like the policy loss terms: the micro-batches' losses add up to the share-weighted mean
+    of theirs, not to one loss over the mini-batch's tokens (its expert counts and
+    probabilities are token means, whose product does not split over micro-batches)."""
     model = nnx.merge(graphdef, join(trainable, frozen))
     rows = aux.rows
     if aux.dropout_key is not None:  # LoRA dropout, in the gradient pass only
         lora.set_dropout_key(model, aux.dropout_key)
     in_loss = cfg.shaping_in_loss
-    comp, out = completion_hidden(model, mb, pools=in_loss and cfg.needs_attention)
+    router_coef = cfg.actor.router_aux_loss_coef
+    pools = in_loss and cfg.needs_attention
+    comp, out = completion_hidden(model, mb, pools=pools, router=router_coef > 0)
     grad_entropy = cfg.grad_entropy  # a loss term reads it
     want_entropy = grad_entropy or not cfg.old_pass
     logp, entropy = comp.logprobs(
@@ -138,6 +146,11 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
         cols["ref_logp"] = rows.ref_logp
     loss, term_metrics = methods.loss_terms(cfg.terms, cols, dict(cfg.options), loss)
     metrics.update(term_metrics)
+    if out.router_logits is not None:
+        top_k = model.config.text.num_experts_per_tok
+        router = moe.load_balancing_loss(out.router_logits, top_k, router_tokens(mb))
+        loss = loss + router_coef * router
+        metrics["router_aux_loss"] = router
     scale = aux.share
     loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
