@@ -377,7 +377,9 @@ class TextDecoder(nnx.Module):
         if router_logits:
             extra["router"] = True
         if extra and cache is not None:
-            raise ValueError("key_queries needs a forward pass without a cache")
+            names = {"queries": "key_queries", "segmented": "segmented", "router": "router_logits"}
+            asked = ", ".join(v for k, v in names.items() if k in extra)
+            raise ValueError(f"{asked}: only for a forward pass without a cache")
         if cache is None:
             implementation = attention_implementation(self.attention)
         else:

@@ -70,6 +70,15 @@ def test_the_loss_pass_gives_transformers_router_logits(tiny):
     np.testing.assert_array_equal(router_tokens(batch), real)
     _, plain = completion_hidden(model, jax.tree.map(jnp.asarray, batch))
     assert plain.router_logits is None
+    from jaxvrl.models import KVCache
+
+    cache = KVCache.init(model.config.text, *batch.input_ids.shape, stacked=True)
+    with pytest.raises(ValueError, match=r"^router_logits: only for a forward pass without a"):
+        model.forward(
+            *(batch.input_ids, batch.attention_mask, batch.position_ids),
+            cache=cache,
+            router_logits=True,
+        )
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
