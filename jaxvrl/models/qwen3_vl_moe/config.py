@@ -42,8 +42,7 @@ class Qwen3VLMoeConfig(Qwen3VLConfig):
     architecture: ClassVar[str] = "Qwen3VLMoeForConditionalGeneration"
     text_defaults: ClassVar[dict] = TEXT_DEFAULTS
     text: TextConfig = TextConfig(
-        **{k: v for k, v in TEXT_DEFAULTS.items() if k != "rope_theta"},
-        rope_theta=TEXT_DEFAULTS["rope_theta"],
+        **TEXT_DEFAULTS,
         num_key_value_heads=16,
         mrope_section=tuple(MROPE_SECTION),
         attention_bias=False,
