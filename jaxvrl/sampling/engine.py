@@ -43,7 +43,9 @@ class SlotsCarry:
     key mask; `pools` {name: bool[R, width]} or None; `start` int32[R] each prompt's next
     position; `keys` key[W] (`steps.row_keys`); `first_tok` int32[W], `first_lp` float32[W]
     each work row's first token and its log-prob (`first_ent` its entropy, with
-    cfg.entropies); `limits` int[W] or None. width = (pp + pc) * ps."""
+    cfg.entropies); `limits` int[W] or None; `groups` int32[W] each work row's group (-1:
+    none) and `need` int32[], or None: the loop stops once `need` groups have ended whole
+    (`decode_slots`). width = (pp + pc) * ps."""
 
     pages: tuple
     prompt_valid: jax.Array
@@ -54,6 +56,8 @@ class SlotsCarry:
     first_lp: jax.Array
     limits: jax.Array | None = None
     first_ent: jax.Array | None = None
+    groups: jax.Array | None = None
+    need: jax.Array | None = None
 
 
 def _check(cfg: SamplingConfig):
@@ -76,9 +80,14 @@ def prefill_slots(
     pools=None,
     num_samples: int = 1,
     limits=None,
+    groups=None,
+    need=None,
 ) -> SlotsCarry:
     """Traceable: the R prompts' prefill (once each) into pages, and every work row's first
-    token: the carry `decode_slots` starts from."""
+    token: the carry `decode_slots` starts from. groups int[W] (-1: a row of no group) and
+    need int[]: stop once `need` of the groups have ended whole (all their rows), leaving the
+    other rows where they are (partial rollouts; `SampleOutput.ended` tells which ended);
+    None: every row runs to its end."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     r, p_len = input_ids.shape
@@ -133,6 +142,8 @@ def prefill_slots(
         first_lp=first_lp,
         limits=limits,
         first_ent=first_ent,
+        groups=None if groups is None else jnp.asarray(groups, jnp.int32),
+        need=None if need is None else jnp.asarray(need, jnp.int32),
     )
 
 
@@ -179,7 +190,13 @@ def decode_slots(
         logprobs=jnp.zeros((w + 1, n), jnp.float32),
         mask=jnp.zeros((w + 1, n), jnp.float32),
         truncated=jnp.zeros((w + 1,), bool),
+        ended=jnp.zeros((w + 1,), bool),
     )
+    stops = carry.groups is not None
+    if stops:  # rows of each group not ended yet (the last entry: rows of no group)
+        grp = jnp.where(carry.groups < 0, w, jnp.minimum(carry.groups, w))
+        state["left"] = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)
+        grouped = state["left"][:w] > 0  # the groups that have rows
     if layers:
         state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
         state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
@@ -223,6 +240,9 @@ def decode_slots(
         last = t + 1 == n if limits is None else (t + 1 == n) | (t + 1 >= limits[safe])
         ended = live & (is_eos | last)
         new["truncated"] = st["truncated"].at[out_row].set(ended & ~is_eos)
+        new["ended"] = st["ended"].at[out_row].set(ended)
+        if stops:
+            new["left"] = st["left"].at[jnp.where(ended, grp[safe], w)].add(-1)
         # ended slots take the next waiting rows, in slot order
         order = jnp.cumsum(ended) - 1
         take = st["queue"] + order
@@ -247,9 +267,15 @@ def decode_slots(
         new["steps"] = st["steps"] + jnp.any(live).astype(jnp.int32)
         return new
 
+    def running(st):
+        if not stops:
+            return jnp.any(st["row"] < w)
+        whole = jnp.sum(grouped & (st["left"][:w] == 0))
+        return jnp.any(st["row"] < w) & (whole < carry.need)
+
     k = max(1, cfg.check_every)
     st = jax.lax.while_loop(
-        lambda st: jnp.any(st["row"] < w),
+        running,
         lambda st: jax.lax.fori_loop(0, k, lambda _, x: step(x), st),
         state,
     )
@@ -262,5 +288,6 @@ def decode_slots(
         vision_mass=st["vmass"][:, :w] if layers else None,
         text_mass=st["xmass"][:, :w] if layers else None,
         entropies=st["entropies"][:w] if cfg.entropies else None,
+        ended=st["ended"][:w],
     )
     return out, carry.replace(pages=(st["cache"].k, st["cache"].v))

@@ -67,6 +67,8 @@ def sample(
     num_samples: int = 1,
     prefill_once: bool = True,
     limits=None,
+    groups=None,
+    need=None,
 ) -> SampleOutput:
     """Traceable sampling core: `prefill`, then `decode` (jit it with `cfg`, `num_samples`,
     `prefill_once` static: `sample_program`; `Sampler` runs the two as programs of their
@@ -88,6 +90,10 @@ def sample(
 
     limits: optional int[B], the most tokens each output row may have (default: every row
     max_new_tokens); a row that reaches its limit without EOS ends truncated.
+
+    groups int[B] (each output row's group, -1: none) and need int[]: the call stops once
+    `need` groups have ended whole, the other rows part-way (`SampleOutput.ended`; partial
+    rollouts continue them later). The slots engine only.
     """
     carry = prefill(
         graphdef,
@@ -104,6 +110,8 @@ def sample(
         num_samples=num_samples,
         prefill_once=prefill_once,
         limits=limits,
+        groups=groups,
+        need=need,
     )
     return decode(graphdef, params, carry, decode_weights, cfg=cfg, prefill_once=prefill_once)[0]
 
@@ -124,6 +132,8 @@ def prefill(
     num_samples: int = 1,
     prefill_once: bool = True,
     limits=None,
+    groups=None,
+    need=None,
 ) -> Carry:
     """A rollout's first program (traceable; the arguments are `sample`'s): the vision tower
     and the prompts' prefill, as the carry `decode` starts from: the static sampler's
@@ -131,7 +141,9 @@ def prefill(
     args = (graphdef, params, input_ids, attention_mask, position_ids, deltas, rng)
     kw = dict(cfg=cfg, images=images, videos=videos, pools=pools, limits=limits)
     if uses_slots(cfg, prefill_once):
-        return engine.prefill_slots(*args, num_samples=num_samples, **kw)
+        return engine.prefill_slots(*args, num_samples=num_samples, groups=groups, need=need, **kw)
+    if groups is not None:
+        raise ValueError("sampling: a call that stops by groups needs slots (SamplingConfig.slots)")
     return static.prefill(*args, num_samples=num_samples, prefill_once=prefill_once, **kw)
 
 

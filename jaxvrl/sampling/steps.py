@@ -76,7 +76,9 @@ class SampleOutput:
     EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given; steps
     int32[]: decode steps run (< N when every row ended early); entropies float32[B, N] of
     the distributions the tokens were drawn from (under logits / temperature, 0 on padding)
-    with `SamplingConfig.entropies`."""
+    with `SamplingConfig.entropies`; ended bool[B] the rows that ended (EOS or their last
+    token), or None (every row did): a slots call stopped by its groups leaves the others
+    part-way, their tokens so far under `mask`."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -86,6 +88,7 @@ class SampleOutput:
     vision_mass: jax.Array | None = None
     text_mass: jax.Array | None = None
     entropies: jax.Array | None = None
+    ended: jax.Array | None = None
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:

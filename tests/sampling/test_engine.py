@@ -114,3 +114,27 @@ def test_row_limits_end_rows_truncated_in_both_samplers(model):
     for b in range(len(limits)):
         k = int(got[0].mask[b].sum())
         np.testing.assert_array_equal(got[0].tokens[b, :k], want.tokens[b, :k])
+
+
+@pytest.mark.parametrize(
+    "groups,need",
+    [((0, 0, 0, 1, 1, 1), 1), ((-1, 1, 0, 1, 0, -1), 1)],  # prompt-major; any rows, any order
+)
+def test_a_call_stopped_by_its_groups_leaves_the_rest_part_way(model, groups, need):
+    ids, mask, vis = prompts("image", np.random.default_rng(15))
+    args, kw = inputs(model, ids, mask, **vis)
+    cfg = _cfg(model, slots=2, page_size=4)
+    want = _run(model, cfg, args, kw)  # every row to its end
+    groups = np.asarray(groups, np.int32)
+    got = _run(model, cfg, args, dict(kw, groups=groups, need=np.int32(need)))
+    ended = got.ended
+    whole = [gid for gid in set(groups.tolist()) - {-1} if ended[groups == gid].all()]
+    assert len(whole) >= need and not ended.all(), (ended, groups)
+    # ended rows are the full run's; the others a prefix of it, their log-probs the same
+    for b in range(len(groups)):
+        k = int(got.mask[b].sum())
+        assert (k == want.mask[b].sum()) if ended[b] else (k < want.mask[b].sum())
+        np.testing.assert_array_equal(got.tokens[b, :k], want.tokens[b, :k])
+        np.testing.assert_allclose(got.logprobs[b, :k], want.logprobs[b, :k], atol=1e-5)
+        assert got.truncated[b] == (ended[b] and want.truncated[b])
+    assert want.ended.all()
