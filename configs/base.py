@@ -221,6 +221,17 @@ def get_config(arg=None):
     c.rollout.slots = setting(0, NON_NEGATIVE)
     # positions per KV-cache page (with rollout.slots > 0)
     c.rollout.page_size = setting(16, at_least(1))
+    # Partial rollouts (docs/algorithms.md#partial-rollouts): a step's rollout starts
+    # oversample x prompts_per_step prompts, stops once prompts_per_step groups are complete
+    # and carries the unfinished rows (their tokens and log-probs so far) into the next step's
+    # rollout, where they continue first. Needs rollout.slots > 0.
+    c.rollout.partial = setting(
+        False, agree(lambda v, c: not v or c.rollout.slots > 0, "needs rollout.slots > 0")
+    )
+    c.rollout.oversample = setting(2.0, at_least(1))  # prompts a step starts, x prompts_per_step
+    # with rollout.partial: the policy versions (steps) a row may span; a group with an older
+    # row is dropped whole and counted (rollout/dropped_stale_rows)
+    c.rollout.max_staleness = setting(1, NON_NEGATIVE)
 
     c.algorithm = ml_collections.ConfigDict()
     # grpo | rloo | remax | reinforce_plus_plus | gae
@@ -304,7 +315,8 @@ def get_config(arg=None):
             "needs actor.max_token_len_per_device (tokens per device per micro-batch)",
         ),
     )
-    c.actor.max_token_len_per_device = setting(None, at_least(1), type=int)  # dynamic_batching budget
+    # dynamic_batching budget
+    c.actor.max_token_len_per_device = setting(None, at_least(1), type=int)
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
     # the critic's AdamW learning rate (constant, no weight decay)

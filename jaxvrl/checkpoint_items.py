@@ -345,6 +345,8 @@ ITEMS = (
     Item("state", Arrays()),  # the train state: params, optimizer state, counters
     Item("rng", Key(), optional=True),
     Item("replay", Bytes(), optional=True, per_process=True, what="replay buffers"),
+    # partial rollouts' rows in flight (trainer/partial.py), in the replay buffer's format
+    Item("carried", Bytes(), optional=True, per_process=True, what="carried rollout rows"),
 )
 NAMES = tuple(item.name for item in ITEMS)
 

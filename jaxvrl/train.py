@@ -63,7 +63,7 @@ from jaxvrl.trainer.build import (
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.diagnostics import AttentionMaps
 from jaxvrl.trainer.packing import StepShapes, fit_batch
-from jaxvrl.trainer.replay_state import save_buffer
+from jaxvrl.trainer.replay_state import encode_items, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, step_scalars
 from jaxvrl.trainer.setup import (
     check_model_settings,
@@ -160,7 +160,9 @@ def _run(c) -> dict:
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.rewards)
-    start, state, rng, meta = resume(c, ckpt, state, data, mesh, counters, phase.replay)
+    start, state, rng, meta = resume(
+        c, ckpt, state, data, mesh, counters, phase.replay, phase.partial
+    )
     nonfinite = int(meta.get("nonfinite_streak", 0))
     # the step shapes compiled so far, for later batches to reuse (a resumed run takes the
     # shapes the uninterrupted run would)
@@ -202,6 +204,7 @@ def _run(c) -> dict:
             "data_state": data.get_state(),
             "counters": counters.state(),
             "replay": None if phase.replay is None else save_buffer(phase.replay),
+            "carried": None if phase.partial is None else encode_items(phase.partial.flights),
         }
         ckpt.save(n, items)
 

@@ -217,4 +217,3 @@ def row_axes(rows: int) -> tuple[str, ...]:
         return ()
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
     return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-

@@ -46,7 +46,9 @@ class Group:
     the overlong punishment; parts {reward name: float64[G]} unweighted; texts G strings;
     att {name: float32[G]} per-row attention metrics (empty without statistics); baseline
     float64[G] the prompt's greedy-completion reward (remax), else zeros; entropies
-    float32[G, N] the sampler's entropies of the distributions it drew from, or None.
+    float32[G, N] the sampler's entropies of the distributions it drew from, or None;
+    versions int32[G, N] the step whose policy sampled each token (-1: none) where rows were
+    carried across steps (partial rollouts), else None (all this step's).
     """
 
     example: dict
@@ -60,6 +62,7 @@ class Group:
     baseline: np.ndarray | None = None
     logprobs: np.ndarray | None = None
     entropies: np.ndarray | None = None
+    versions: np.ndarray | None = None
 
     def __post_init__(self):
         if self.baseline is None:

@@ -217,6 +217,7 @@ def plan_batch(
     rows) whose micro-batches hold at most actor.max_token_len_per_device slots per device
     (the most: one row per device, with a warning, where a row alone is over the budget)."""
     free = cfg.actor.padding_free
+
     def plan(m):
         return plan_packing(lengths, length, rng, cfg, mesh, completions, m, head_room=head_room)
 

@@ -17,10 +17,12 @@ import numpy as np
 from PIL import Image
 
 from jaxvrl import rl
+from jaxvrl.trainer.partial import Flight
 from jaxvrl.trainer.rollout import Group
 
 FORMAT = 1
-_DATACLASSES = {"Group": Group}  # the payload types a buffer may hold, by name
+# the payload types a buffer (or partial rollouts' carried rows) may hold, by name
+_DATACLASSES = {"Group": Group, "Flight": Flight}
 
 
 class _Writer:

@@ -193,6 +193,11 @@ def _finite_mean(vals: np.ndarray) -> float:
     return float(np.mean(vals[finite])) if finite.any() else float("nan")
 
 
+def _decode_work(info: dict) -> float:
+    """The rows x decode steps a generation batch's sampler calls ran."""
+    return info.get("decode_work", info["decode_rows"] * info["decode_steps"])
+
+
 def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     """Rows of a host batch (the positions' rows are their own axis)."""
     take = lambda x: None if x is None else np.asarray(x)[rows]  # noqa: E731
@@ -274,6 +279,9 @@ def sample_completions(
     decode: PhaseWeights | None = None,
     num_samples: int = 1,
     timed: bool = False,
+    limits=None,
+    groups=None,
+    need=None,
 ):
     """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays
     (with `timed`, and the seconds of its prefill and decode programs: `Sampler.timed`).
@@ -288,18 +296,26 @@ def sample_completions(
     process passes its own rows), the key is replicated, and the outputs come back as this
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
     phase keeps `params` in the sampler's layout and their decode weights (None: the
-    sampler prepares its own each call)."""
+    sampler prepares its own each call). limits int[rows], groups int[rows] and need (the
+    sampler's: `sampling.sample`) are passed on, None: not given."""
     prefill_once = prefills_once(len(batch["input_ids"]), mesh)
     if not prefill_once:
         batch = repeat_prompts(dict(batch, pools=pools), num_samples)
         pools = batch["pools"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")}
     inputs.update(images=batch["images"], pools=pools)
+    stop = {k: v for k, v in dict(limits=limits, groups=groups).items() if v is not None}
+    if stop and not prefill_once:  # per output row: repeated with the prompts' rows
+        raise ValueError("sample_completions: limits and groups need one prefill per prompt")
     if mesh is None:
         inputs = jax.tree.map(jnp.asarray, inputs)
+        stop = jax.tree.map(jnp.asarray, stop)
     else:
         inputs = runtime.place_batch(inputs, mesh)
+        stop = runtime.place_batch(stop, mesh) if stop else stop
         key = runtime.replicate(key, mesh)
+    if need is not None:
+        stop["need"] = np.int32(need) if mesh is None else runtime.replicate(np.int32(need), mesh)
     weights = None
     rows = int(inputs["input_ids"].shape[0]) * (num_samples if prefill_once else 1)
     rows = sampler.decode_rows(rows, prefill_once)
@@ -318,6 +334,7 @@ def sample_completions(
         decode_weights=weights,
         num_samples=num_samples,
         prefill_once=prefill_once,
+        **stop,
     )
     out = runtime.host_local(out)
     return (out, times) if timed else out
@@ -366,6 +383,9 @@ class RolloutPhase:
     # timeout); stop() -> whether to abandon them (SIGTERM), set by `run`
     scorer: RewardScorer | None = None
     stop: Callable[[], bool] | None = None
+    # partial rollouts (trainer/partial.py: PartialRollouts, the rows carried between steps);
+    # None: every row of a step is sampled to its end within the step
+    partial: object = None
 
     def __post_init__(self):
         if self.scorer is None:
@@ -398,14 +418,30 @@ class RolloutPhase:
         )
         t_sample = time.time() - t0
         batch = repeat_prompts(prompts, g)  # the completions' rows: G per prompt
-        texts = decode_completions(self.tokenizer, out.tokens, out.mask)
         att = self._attention(out, batch)
-        rows = batch["rows"]
+        groups = self.make_groups(params, examples, batch["rows"], out, step, att, batch)
+        lengths = out.mask.sum(1)
+        info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(lengths)}
+        info.update(times)  # prefill_s, decode_s
+        info["decode_steps"] = float(out.steps)
+        # the rows each decode step ran: every row, or the sampler's slots
+        once = prefills_once(len(examples), self.mesh)
+        info["decode_rows"] = self.sampler.decode_rows(len(lengths), once)
+        return groups, info
+
+    def make_groups(
+        self, params, examples: list, rows: list, out, step: int, att=None, batch=None
+    ) -> list[Group]:
+        """The groups of ended completions: G rows per example (`rows` the examples per row,
+        `out` their tokens, mask, truncated, logprobs and entropies as numpy arrays), decoded,
+        scored, with the greedy baseline (needs the collated `batch`) and the truncation rule.
+        att: per-row attention metrics {name: float32[B]} (None: none)."""
+        g, att = self.opts.group_size, att or {}
+        texts = decode_completions(self.tokenizer, out.tokens, out.mask)
         # per-row rollout statistics the rewards may read besides the rows' columns
         extra = {"mdi": list(att["mdi"])} if "mdi" in att else {}
-        mask = out.mask.astype(np.float32)
-        lengths = mask.sum(1)
-        totals, parts = self._score(step, rows, texts, lengths, extra)
+        mask = np.asarray(out.mask, np.float32)
+        totals, parts = self._score(step, rows, texts, mask.sum(1), extra)
         totals, parts = self._score_model(totals, parts, rows, texts)
         baseline = np.zeros(len(texts))
         if self.greedy is not None:
@@ -418,7 +454,7 @@ class RolloutPhase:
             groups.append(
                 Group(
                     example=ex,
-                    tokens=out.tokens[s],
+                    tokens=np.asarray(out.tokens[s], np.int32),
                     mask=mask[s],
                     truncated=np.asarray(out.truncated[s], bool),
                     totals=totals[s],
@@ -432,13 +468,7 @@ class RolloutPhase:
                     else np.asarray(out.entropies[s], np.float32),
                 )
             )
-        info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(texts)}
-        info.update(times)  # prefill_s, decode_s
-        info["decode_steps"] = float(out.steps)
-        # the rows each decode step ran: every row, or the sampler's slots
-        once = prefills_once(len(examples), self.mesh)
-        info["decode_rows"] = self.sampler.decode_rows(len(texts), once)
-        return groups, info
+        return groups
 
     def _score(self, step: int, rows: list, texts: list, lengths: np.ndarray, extra: dict):
         """-> (totals float64[B] incl. the soft overlong punishment, {name: float64[B]} and
@@ -506,7 +536,11 @@ class RolloutPhase:
         self.stop = stop
 
         def generate(i):
-            groups, info = self.generate(params, next(examples), jax.random.fold_in(key, i), step)
+            k = jax.random.fold_in(key, i)
+            if self.partial is not None:  # carried rows first; stops once P groups are whole
+                groups, info = self.partial.generate(self, params, examples, k, step)
+            else:
+                groups, info = self.generate(params, next(examples), k, step)
             infos.append(info)
             return groups
 
@@ -584,12 +618,14 @@ class RolloutPhase:
                 # generated tokens over the rows x decode steps the sampler ran: the share
                 # of its decode work that produced tokens (finished rows idle until the end)
                 "rollout/slot_utilization": sum(i["tokens"] for i in infos)
-                / max(sum(i["decode_rows"] * i["decode_steps"] for i in infos), 1.0),
+                / max(sum(_decode_work(i) for i in infos), 1.0),
             }
         )
         m["rollout/tokens_per_s"] = m["tokens_per_s"]
         if self.greedy is not None:
             m["reward/greedy_baseline"] = float(np.mean([x.baseline for x in sampled]))
+        if self.partial is not None:
+            m.update(self.partial.take_metrics())
         if self.replay is not None:
             m["replay/replaced"] = float(got.replaced)
             m["replay/buffer_size"] = float(len(self.replay))

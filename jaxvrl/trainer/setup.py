@@ -53,7 +53,8 @@ from jaxvrl.sampling import (
 )
 from jaxvrl.trainer.build import step_config
 from jaxvrl.trainer.counters import RunCounters
-from jaxvrl.trainer.replay_state import load_buffer
+from jaxvrl.trainer.partial import PartialRollouts
+from jaxvrl.trainer.replay_state import decode_items, load_buffer
 from jaxvrl.trainer.reporting import evaluate
 from jaxvrl.trainer.reward_model import NAME as RM_NAME
 from jaxvrl.trainer.reward_model import RewardModel
@@ -343,6 +344,31 @@ def make_rollout_phase(
         mesh=mesh,
         accuracy=by_spec.get("mc_idx"),
         reward_model=reward_model(c, names, mesh),
+        partial=partial_rollouts(c, stats, sampler.cfg.entropies),
+    )
+
+
+def partial_rollouts(c, stats: bool, entropies: bool) -> PartialRollouts | None:
+    """The rows carried between steps with rollout.partial (None: off); refused in one line
+    where a part of the run cannot follow a row across steps."""
+    if not c.rollout.partial:
+        return None
+    why = None
+    if stats:
+        why = "the sampler's attention masses (reward mdi, attention token methods)"
+    elif c.algorithm.adv_estimator == "remax":
+        why = "remax's greedy baseline"
+    elif jax.process_count() > 1:
+        why = "several processes"
+    if why:
+        raise ConfigError(f"config.rollout.partial: partial rollouts do not carry {why} yet")
+    return PartialRollouts(
+        prompts_per_step=c.prompts_per_step,
+        group_size=c.rollout.num_generations,
+        max_new_tokens=c.rollout.max_new_tokens,
+        oversample=c.rollout.oversample,
+        max_staleness=c.rollout.max_staleness,
+        entropies=entropies,
     )
 
 
@@ -397,11 +423,14 @@ def load_start_params(path: str, state, ref_params, ref_shardings):
     return state.replace(params=params), ref
 
 
-def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, replay=None):
+def resume(
+    c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, replay=None, partial=None
+):
     """-> (start step, state, rng, meta: the checkpoint's JSON run state, e.g. the
     consecutive non-finite steps and the step shapes compiled) from the latest checkpoint in
     workdir, or the fresh ones; the data iterator, the running totals and the replay
-    buffer (`replay`: rl.ReplayBuffer or None) continue from their saved state. The arrays
+    buffer (`replay`: rl.ReplayBuffer or None) and the rows partial rollouts carry (`partial`:
+    PartialRollouts or None) continue from their saved state. The arrays
     restore into `state`'s shardings, the RNG replicated over the mesh (a global array every
     process can save)."""
     rng = runtime.replicate(jax.random.key(c.seed), mesh)
@@ -418,6 +447,14 @@ def resume(c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, repl
         )
     elif replay is not None:
         load_buffer(replay, r["replay"])
+    if partial is not None and r["carried"] is None:
+        log.warning(
+            "checkpoint step %d holds no carried rollout rows (written by a run without "
+            "rollout.partial): the next rollout starts afresh",
+            r.step,
+        )
+    elif partial is not None:
+        partial.flights = decode_items(r["carried"])
     print(f"resumed from step {r.step}", flush=True)
     return r.step, r["state"], r["rng"], r["meta"]
 

@@ -1,0 +1,292 @@
+"""Partial rollouts (`rollout.partial`): a step's rollout stops once its groups are complete
+and carries the unfinished rows into the next step's rollout, so that no step waits for its
+longest completion (docs/algorithms.md, partial rollouts).
+
+A step's rollout (`PartialRollouts.generate`, one generation batch of the filters' loop):
+
+1. Groups carried from earlier steps whose oldest token is more than `max_staleness` policy
+   versions behind are dropped whole (their rows counted).
+2. The carried rows that have not ended continue, each as a prompt of its own (its prompt and
+   its tokens so far, prefilled), with the tokens it has left; the call stops once the step's
+   groups are complete (the slots engine's group stop).
+3. If groups are still missing, fresh prompts (those carried before any of their rows
+   started first, then new ones) fill `oversample` x the step's prompts, G rows each,
+   stopped the same way.
+4. The complete groups, oldest first, are scored and handed to the filters; the rest are
+   carried (in the checkpoint: `Flight`s in the replay item's format).
+
+Every token keeps the log-prob and the version (step) of the policy that sampled it: the
+loss's behaviour log-probs are the sampler's, off-policy tokens corrected by
+`algorithm.rollout_is` / `rollout_is_band`. Shapes: G rows per group, N = max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxvrl.trainer.groups import Group
+
+
+@dataclasses.dataclass
+class Flight:
+    """One prompt's G rows in flight (host numpy): tokens int32[G, N] and the sampler's
+    logprobs float32[G, N] so far; versions int32[G, N] the step whose policy sampled each
+    token (-1: none yet); length int32[G] the tokens so far; ended / truncated bool[G];
+    entropies float32[G, N] or None."""
+
+    example: dict
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    length: np.ndarray
+    ended: np.ndarray
+    truncated: np.ndarray
+    entropies: np.ndarray | None = None
+
+    @staticmethod
+    def fresh(example: dict, g: int, n: int, entropies: bool) -> Flight:
+        return Flight(
+            example=example,
+            tokens=np.zeros((g, n), np.int32),
+            logprobs=np.zeros((g, n), np.float32),
+            versions=np.full((g, n), -1, np.int32),
+            length=np.zeros(g, np.int32),
+            ended=np.zeros(g, bool),
+            truncated=np.zeros(g, bool),
+            entropies=np.zeros((g, n), np.float32) if entropies else None,
+        )
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.ended.all())
+
+    @property
+    def started(self) -> bool:
+        return bool((self.length > 0).any())
+
+    def staleness(self, step: int) -> np.ndarray:
+        """int[G]: the policy versions between each row's first token and `step` (0 for a row
+        with no token yet)."""
+        first = np.where(self.versions >= 0, self.versions, step).min(axis=1)
+        return step - first
+
+    def extend(self, j: int, out, b: int, version: int) -> int:
+        """Appends output row `b` of a sampler call (numpy SampleOutput) to row `j`, sampled
+        by the policy of `version`; -> the tokens added."""
+        k0, m = int(self.length[j]), int(np.asarray(out.mask[b]).sum())
+        end = k0 + m
+        self.tokens[j, k0:end] = out.tokens[b, :m]
+        self.logprobs[j, k0:end] = out.logprobs[b, :m]
+        self.versions[j, k0:end] = version
+        if self.entropies is not None and out.entropies is not None:
+            self.entropies[j, k0:end] = out.entropies[b, :m]
+        self.length[j] = end
+        self.ended[j] = bool(out.ended[b])
+        self.truncated[j] = bool(out.ended[b]) and bool(out.truncated[b])
+        return m
+
+    def output(self):
+        """The rows as a numpy SampleOutput-like record (tokens, mask, truncated, logprobs,
+        entropies): what `RolloutPhase.make_groups` reads."""
+        n = self.tokens.shape[1]
+        mask = (np.arange(n)[None, :] < self.length[:, None]).astype(np.float32)
+        return _Rows(self.tokens, mask, self.truncated, self.logprobs, self.entropies)
+
+
+@dataclasses.dataclass
+class _Rows:
+    tokens: np.ndarray
+    mask: np.ndarray
+    truncated: np.ndarray
+    logprobs: np.ndarray
+    entropies: np.ndarray | None
+
+
+def _stack_rows(rows: list[_Rows]) -> _Rows:
+    cat = lambda xs: np.concatenate(xs)  # noqa: E731
+    ent = None if rows[0].entropies is None else cat([r.entropies for r in rows])
+    return _Rows(
+        cat([r.tokens for r in rows]),
+        cat([r.mask for r in rows]),
+        cat([r.truncated for r in rows]),
+        cat([r.logprobs for r in rows]),
+        ent,
+    )
+
+
+@dataclasses.dataclass
+class PartialRollouts:
+    """The rows carried between steps and the rules that carry them. `flights`: the groups in
+    flight, oldest first (restored from the checkpoint on resume)."""
+
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    oversample: float = 1.0
+    max_staleness: int = 1
+    entropies: bool = False
+    # (example, j) -> the most tokens row j of the example may have (at most max_new_tokens;
+    # a benchmark's forced lengths), None: max_new_tokens for every row
+    row_limit: Callable[[dict, int], int] | None = None
+    flights: list[Flight] = dataclasses.field(default_factory=list)
+    # this step's counts, read and reset by `take_metrics`
+    dropped: int = 0
+    staleness: list = dataclasses.field(default_factory=list)
+
+    @property
+    def width(self) -> int:
+        """Prompts a fresh call samples: oversample x the step's prompts."""
+        return max(self.prompts_per_step, math.ceil(self.oversample * self.prompts_per_step))
+
+    def drop_stale(self, step: int) -> int:
+        """Drops the flights with a row more than max_staleness versions behind `step`;
+        -> the rows dropped."""
+        keep, dropped = [], 0
+        for f in self.flights:
+            if f.staleness(step).max() > self.max_staleness:
+                dropped += len(f.length)
+            else:
+                keep.append(f)
+        self.flights = keep
+        self.dropped += dropped
+        return dropped
+
+    def generate(self, phase, params, examples, key, step: int) -> tuple[list[Group], dict]:
+        """One generation batch of the step (see the module's docstring): its complete
+        groups, oldest first, at most the step's prompts, and the sampler's info.
+        `phase`: the RolloutPhase (its collate, sampler, mesh, decode weights and scoring);
+        examples: the iterator of P-example lists."""
+        t0 = time.time()
+        self.drop_stale(step)
+        p, g = self.prompts_per_step, self.group_size
+        infos = []
+        need = p - sum(f.complete for f in self.flights)
+        moving = [f for f in self.flights if f.started and not f.complete]
+        if need > 0 and moving:
+            infos.append(
+                self._continue(phase, params, moving, jax.random.fold_in(key, 0), need, step)
+            )
+            need = p - sum(f.complete for f in self.flights)
+        if need > 0:
+            waiting = [f for f in self.flights if not f.started]
+            while len(waiting) < self.width:
+                fresh = [
+                    Flight.fresh(ex, g, self.max_new_tokens, self.entropies)
+                    for ex in next(examples)
+                ]
+                self.flights += fresh
+                waiting += fresh
+            infos.append(
+                self._start(
+                    phase, params, waiting[: self.width], jax.random.fold_in(key, 1), need, step
+                )
+            )
+        done = [f for f in self.flights if f.complete][:p]
+        chosen = {id(f) for f in done}
+        self.flights = [f for f in self.flights if id(f) not in chosen]
+        groups = []
+        if done:
+            out = _stack_rows([f.output() for f in done])
+            rows = [f.example for f in done for _ in range(g)]
+            groups = phase.make_groups(params, [f.example for f in done], rows, out, step)
+            for x, f in zip(groups, done):
+                x.versions = f.versions
+                self.staleness.append(f.staleness(step))
+        return groups, _merge(infos, time.time() - t0)
+
+    def _continue(self, phase, params, moving: list[Flight], key, need: int, step: int) -> dict:
+        """The carried rows that have not ended, each prefilled with its tokens so far and
+        decoded with the tokens it has left, until `need` groups are complete. The call has
+        width x G rows (padding rows: a copy of the first, one token, no group)."""
+        g = self.group_size
+        places = [(i, j) for i, f in enumerate(moving) for j in range(g) if not f.ended[j]]
+        rows = self.width * g
+        examples, limits, groups = [], np.ones(rows, np.int32), np.full(rows, -1, np.int32)
+        for b, (i, j) in enumerate(places):
+            f = moving[i]
+            k = int(f.length[j])
+            ids = list(f.example["prompt_ids"]) + f.tokens[j, :k].tolist()
+            examples.append(dict(f.example, prompt_ids=ids))
+            limits[b], groups[b] = self._limit(f.example, j) - k, i
+        examples += [examples[0]] * (rows - len(places))
+        # the group stop counts groups whose rows in this call all ended: a group with rows
+        # that ended earlier is complete once its moving rows have
+        out, info = self._sample(phase, params, examples, key, 1, limits, groups, need)
+        for b, (i, j) in enumerate(places):
+            moving[i].extend(j, out, b, step)
+        return info
+
+    def _start(self, phase, params, flights: list[Flight], key, need: int, step: int) -> dict:
+        """Fresh prompts, G rows each, until `need` groups are complete."""
+        g = self.group_size
+        groups = np.repeat(np.arange(len(flights), dtype=np.int32), g)
+        examples = [f.example for f in flights]
+        limits = None
+        if self.row_limit is not None:
+            limits = np.asarray([self._limit(ex, j) for ex in examples for j in range(g)], np.int32)
+        out, info = self._sample(phase, params, examples, key, g, limits, groups, need)
+        for i, f in enumerate(flights):
+            for j in range(g):
+                f.extend(j, out, i * g + j, step)
+        return info
+
+    def _limit(self, example: dict, j: int) -> int:
+        n = self.max_new_tokens
+        return n if self.row_limit is None else min(n, int(self.row_limit(example, j)))
+
+    def _sample(self, phase, params, examples, key, samples, limits, groups, need):
+        from jaxvrl.trainer.rollout import prefills_once, sample_completions
+
+        prompts = phase.collate(examples, 1)
+        out, times = sample_completions(
+            phase.sampler,
+            params,
+            prompts,
+            key,
+            None,
+            phase.mesh,
+            phase.decode,
+            num_samples=samples,
+            timed=True,
+            limits=limits,
+            groups=groups,
+            need=need,
+        )
+        out = jax.tree.map(np.asarray, out)
+        rows = len(out.tokens)
+        decode_rows = phase.sampler.decode_rows(rows, prefills_once(len(examples), phase.mesh))
+        info = dict(times, tokens=float(out.mask.sum()), rows=rows)
+        info["decode_steps"] = float(out.steps)
+        info["decode_rows"] = decode_rows
+        return out, info
+
+    def take_metrics(self) -> dict:
+        """This step's partial-rollout metrics (then reset): rows carried into the next step,
+        rows dropped as stale, and the staleness of the rows handed to the filters."""
+        stale = np.concatenate(self.staleness) if self.staleness else np.zeros(1)
+        m = {
+            "rollout/carried_rows": float(sum((f.length > 0).sum() for f in self.flights)),
+            "rollout/carried_groups": float(len(self.flights)),
+            "rollout/dropped_stale_rows": float(self.dropped),
+            "rollout/staleness_mean": float(stale.mean()),
+            "rollout/staleness_max": float(stale.max()),
+        }
+        self.dropped, self.staleness = 0, []
+        return m
+
+
+def _merge(infos: list[dict], seconds: float) -> dict:
+    """One info for a generation batch of several sampler calls: summed tokens, rows and
+    times; decode work (rows x steps) summed, decode steps their sum."""
+    out = {"sample_s": seconds}
+    for k in ("tokens", "rows", "prefill_s", "decode_s", "decode_steps"):
+        out[k] = float(sum(i[k] for i in infos))
+    out["decode_work"] = float(sum(i["decode_rows"] * i["decode_steps"] for i in infos))
+    out["decode_rows"] = out["decode_work"] / max(out["decode_steps"], 1.0)
+    return out

@@ -1,0 +1,171 @@
+"""Partial rollouts (`rollout.partial`, jaxvrl/trainer/partial.py): rows carried across steps
+keep each token's sampler log-prob, equal to a teacher-forced pass of the policy version
+that sampled it; the staleness bound drops whole groups and counts their rows; the main job
+resumed with rows in flight equals an uninterrupted run.
+
+The policy of version v is the tiny model's weights scaled by (1 + 0.1 v), so that tokens
+of different versions have clearly different log-probs. Rows end when a token id is a
+multiple of 9 (or after N tokens): their lengths spread, so some rows outlive their step.
+
+Tolerance: a carried row's continuation is a prefill of its prompt and tokens so far, the
+teacher-forced pass one forward over the whole row: float32 sums in another order, log-probs
+agree to 1e-4 (observed ~1e-6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxvrl.data.pipeline import collate
+from jaxvrl.models import qwen2_5_vl
+from jaxvrl.sampling import Sampler
+from jaxvrl.sampling.sampler import generation_config
+from jaxvrl.train import run
+from jaxvrl.trainer.partial import PartialRollouts
+from tests.models import hf_tiny
+from tests.trainer.test_train import _final_params, tiny_config
+
+N = 10
+G = 2
+EOS = tuple(range(9, 290, 9))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("partial_model")
+    hf_tiny.build(path, seed=5)
+    model = qwen2_5_vl.load(path)
+    cfg = generation_config(model.config, max_new_tokens=N, temperature=1.0)
+    cfg = dataclasses.replace(cfg, eos_token_ids=EOS, check_every=2, slots=2, page_size=4)
+    graphdef, params = nnx.split(model)
+    versions = [
+        jax.tree.map(lambda x, v=v: x * (1 + 0.1 * v), params) for v in range(6)
+    ]  # the policy after each step
+
+    def make_groups(params, examples, rows, out, step):  # what the filters would get
+        return [
+            types.SimpleNamespace(example=ex, tokens=out.tokens[i * G : (i + 1) * G],
+                                  mask=out.mask[i * G : (i + 1) * G],
+                                  logprobs=out.logprobs[i * G : (i + 1) * G])
+            for i, ex in enumerate(examples)
+        ]  # fmt: skip
+
+    tokenizer = types.SimpleNamespace(pad_token_id=0)
+    phase = types.SimpleNamespace(
+        collate=functools.partial(
+            collate,
+            model_config=model.config,
+            tokenizer=tokenizer,
+            prompt_bucket=8,
+            with_pools=False,
+        ),  # fmt: skip
+        sampler=Sampler(graphdef, cfg),
+        mesh=None,
+        decode=None,
+        make_groups=make_groups,
+    )
+    return model, graphdef, versions, phase
+
+
+def _examples(seed: int):
+    """An endless stream of one-example lists: text prompts and prompts with an image."""
+    rng = np.random.default_rng(seed)
+    while True:
+        if rng.random() < 0.5:
+            grids = np.array([[1, 4, 4]])
+            yield [dict(prompt_ids=hf_tiny.prompt(rng, images=grids), image_grid_thw=grids,
+                        pixel_values=hf_tiny.patches(rng, grids))]  # fmt: skip
+        else:
+            yield [dict(prompt_ids=hf_tiny.prompt(rng), image_grid_thw=np.zeros((0, 3), int),
+                        pixel_values=np.zeros((0, 1176), np.float32))]  # fmt: skip
+
+
+def _steps(setup, steps: int, max_staleness: int, seed: int = 0):
+    """`steps` rollouts of one group each (2 prompts started per step): per step the groups
+    handed to the filters and the step's metrics."""
+    _, _, versions, phase = setup
+    partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=max_staleness)
+    examples, out = _examples(seed), []
+    for step in range(steps):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        groups, _ = partial.generate(phase, versions[step], examples, key, step)
+        out.append((groups, partial.take_metrics()))
+    return out
+
+
+def _teacher_forced(model, graphdef, params, example, tokens):
+    """float32[n]: the log-probs of `tokens` after the example's prompt under `params`."""
+    m = nnx.merge(graphdef, params)
+    ids = np.asarray([list(example["prompt_ids"]) + list(tokens)])
+    grids = example["image_grid_thw"]
+    vision = dict(pixel_values=example["pixel_values"], image_grid_thw=grids) if len(grids) else {}
+    logits = np.asarray(m(ids, np.ones_like(ids), **vision).logits[0], np.float32)
+    p = len(example["prompt_ids"])
+    logp = jax.nn.log_softmax(logits[p - 1 : -1], -1)
+    return np.asarray(logp)[np.arange(len(tokens)), tokens]
+
+
+def test_carried_rows_keep_each_tokens_log_prob_under_the_version_that_sampled_it(setup):
+    model, graphdef, versions, _ = setup
+    runs = _steps(setup, 5, max_staleness=5)
+    mixed = 0
+    for step, (groups, m) in enumerate(runs):
+        assert len(groups) == 1, step  # one whole group a step
+        for x in groups:
+            assert m["rollout/staleness_max"] == (step - x.versions[x.versions >= 0].min())
+            for j in range(G):
+                n = int(x.mask[j].sum())
+                v = x.versions[j, :n]
+                assert n > 0 and (v >= 0).all() and (x.versions[j, n:] == -1).all()
+                assert (np.diff(v) >= 0).all() and v.max() <= step
+                mixed += len(set(v.tolist())) > 1
+                want = np.zeros(n, np.float32)
+                for ver in set(v.tolist()):  # each token under its own version's policy
+                    ref = _teacher_forced(
+                        model, graphdef, versions[ver], x.example, x.tokens[j, :n]
+                    )
+                    want[v == ver] = ref[v == ver]
+                np.testing.assert_allclose(x.logprobs[j, :n], want, atol=1e-4)
+    assert mixed > 0  # some row spanned two versions
+    assert sum(m["rollout/carried_rows"] for _, m in runs) > 0
+
+
+def test_groups_past_the_staleness_bound_are_dropped_whole_and_counted(setup):
+    runs = _steps(setup, 5, max_staleness=0)
+    dropped = sum(m["rollout/dropped_stale_rows"] for _, m in runs)
+    assert dropped > 0 and dropped % G == 0  # whole groups
+    for step, (groups, m) in enumerate(runs):
+        for x in groups:  # nothing trained spans two versions
+            assert (x.versions[x.versions >= 0] == step).all()
+        assert m["rollout/staleness_max"] == 0
+
+
+def _rows(workdir):
+    return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+
+
+def test_a_run_resumed_with_rows_in_flight_equals_an_uninterrupted_one(tmp_path):
+    keys = ["save_freq=0", "val_freq=100", "rollout.slots=2", "rollout.partial=true"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run(tiny_config("configs/tprl.py", a, "total_steps=3", *keys))
+    run(tiny_config("configs/tprl.py", b, "total_steps=2", *keys))
+    rest = _rows(b)
+    assert rest[-1]["rollout/carried_rows"] > 0  # the checkpoint holds rows in flight
+    run(tiny_config("configs/tprl.py", b, "total_steps=3", *keys))
+    sa, pa = _final_params(a)
+    sb, pb = _final_params(b)
+    assert sa == sb == 3
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    last_a, last_b = _rows(a)[-1], _rows(b)[-1]
+    for k, v in last_a.items():
+        if k.startswith(("rollout/carried", "rollout/staleness", "reward/", "loss")):
+            assert last_b[k] == v, k
