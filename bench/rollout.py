@@ -14,6 +14,14 @@ lengths in reasoning RL are. Both engines sample the same completions (checked);
     python bench/rollout.py                        # the embedded tiny model, 32 prompts x 8
     python bench/rollout.py --slots 16,32,64 --new-tokens 512
     python bench/rollout.py --model /path/to/hf/checkpoint --dtype bfloat16   # e.g. on a GPU
+
+With --partial STEPS: STEPS rollouts of --prompts groups each, with slots alone (every row of
+a step to its end) against partial rollouts (`rollout.partial`: --oversample x the prompts
+started, the step stops once its groups are whole, the rest carried; one row per
+--max-staleness value), rows forced to the same log-normal lengths; the figure is the decode
+work (slot-steps) per trained group, the rows still in flight at the end counted as spent.
+
+    python bench/rollout.py --partial 12 --slots 16 --max-staleness 1,4
 """
 
 from __future__ import annotations
@@ -44,7 +52,12 @@ def main() -> None:
     ap.add_argument("--slots", default="16,32")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--partial", type=int, default=0, help="steps of the partial-rollout mix")
+    ap.add_argument("--oversample", type=float, default=2.0)
+    ap.add_argument("--max-staleness", default="1,4")
     args = ap.parse_args()
+    if args.partial:
+        return partial_mix(args)
 
     import jax
     import jax.numpy as jnp
@@ -118,6 +131,119 @@ def main() -> None:
         np.testing.assert_array_equal(out.tokens, static.tokens)  # the same completions
         np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-4)
         row(f"slots={slots}", min(slots, r * g), out, secs)
+
+
+def partial_mix(args) -> None:
+    """Slot-steps per trained group over `args.partial` steps: slots alone vs partial rollouts."""
+    import functools
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxvrl import train
+    from jaxvrl.data.pipeline import collate
+    from jaxvrl.models import qwen2_5_vl as q
+    from jaxvrl.sampling import Sampler
+    from jaxvrl.sampling.sampler import generation_config
+    from jaxvrl.trainer.partial import PartialRollouts
+    from jaxvrl.trainer.rollout import sample_completions
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    model = q.load(args.model or train.EMBEDDED, dtype=dtype)
+    cfg_m = model.config
+    r, g, p, n, slots = (
+        args.prompts,
+        args.samples,
+        args.prompt_len,
+        args.new_tokens,
+        int(args.slots.split(",")[0]),
+    )
+    hi = min(cfg_m.image_token_id, cfg_m.vision_start_token_id, cfg_m.text.vocab_size)
+
+    def stream(seed):  # one-example lists: a text prompt and its rows' forced lengths
+        rng = np.random.default_rng(seed)
+        while True:
+            lengths = np.exp(np.log(args.median) + args.sigma * rng.standard_normal(g))
+            yield [dict(prompt_ids=rng.integers(1, hi, size=rng.integers(p // 2, p + 1)).tolist(),
+                        image_grid_thw=np.zeros((0, 3), int), pixel_values=np.zeros((0, 1)),
+                        lengths=np.clip(np.round(lengths), 1, n).astype(np.int32))]  # fmt: skip
+
+    graphdef, params = nnx.split(model)
+    cfg = generation_config(cfg_m, max_new_tokens=n, temperature=1.0, eos_token_ids=())
+    cfg = dataclasses.replace(cfg, slots=slots, page_size=args.page_size)
+    tokenizer = types.SimpleNamespace(pad_token_id=0)
+    phase = types.SimpleNamespace(
+        collate=functools.partial(
+            collate, model_config=cfg_m, tokenizer=tokenizer, with_pools=False
+        ),  # fmt: skip
+        sampler=Sampler(graphdef, cfg),
+        mesh=None,
+        decode=None,
+        make_groups=lambda params, examples, *_: [types.SimpleNamespace() for _ in examples],
+    )
+    print(
+        f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"{platform.processor() or platform.machine()}, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}; {args.model or 'embedded tiny model'} {args.dtype}; "
+        f"{args.partial} steps of {r} groups x {g} rows, prompts of {p // 2}-{p} tokens, "
+        f"max_new_tokens {n}, lengths log-normal (median {args.median:g}, sigma {args.sigma:g}); "
+        f"{slots} slots, page size {args.page_size}"
+    )
+    print("| mode | groups trained | slot-steps | per group | vs slots alone | tokens/slot-step "
+          "| rows carried at the end | rows dropped stale | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def sync():  # slots alone: every step's rows to their end
+        examples, work, tokens, t0 = stream(args.seed), 0, 0.0, time.perf_counter()
+        for step in range(args.partial):
+            exs = [next(examples)[0] for _ in range(r)]
+            limits = np.concatenate([ex["lengths"] for ex in exs])
+            out = sample_completions(
+                phase.sampler, params, phase.collate(exs, 1), jax.random.key(step),
+                num_samples=g, limits=limits,
+            )  # fmt: skip
+            work += int(out.steps) * min(slots, r * g)
+            tokens += float(out.mask.sum())
+        return r * args.partial, work, tokens, 0, 0, time.perf_counter() - t0
+
+    def partial(staleness):
+        pr = PartialRollouts(r, g, n, oversample=args.oversample, max_staleness=staleness,
+                             row_limit=lambda ex, j: ex["lengths"][j])  # fmt: skip
+        examples = stream(args.seed)
+
+        def lists():  # the data loader's lists of `r` examples
+            while True:
+                yield [next(examples)[0] for _ in range(r)]
+
+        it, trained, work, tokens, dropped = lists(), 0, 0.0, 0.0, 0
+        t0 = time.perf_counter()
+        for step in range(args.partial):
+            groups, info = pr.generate(phase, params, it, jax.random.key(step), step)
+            trained, work, tokens = (
+                trained + len(groups),
+                work + info["decode_work"],
+                tokens + info["tokens"],
+            )
+            dropped += pr.take_metrics()["rollout/dropped_stale_rows"]
+        carried = sum(int((f.length > 0).sum()) for f in pr.flights)
+        return trained, work, tokens, carried, dropped, time.perf_counter() - t0
+
+    sync()  # compile
+    base = None
+    for name, fn in [("slots alone", sync)] + [
+        (
+            f"partial, oversample {args.oversample:g}, max_staleness {s}",
+            functools.partial(partial, int(s)),
+        )
+        for s in args.max_staleness.split(",")
+    ]:
+        trained, work, tokens, carried, dropped, secs = fn()
+        per = work / trained
+        base = base or per
+        print(f"| {name} | {trained} | {work:,.0f} | {per:.1f} | {per / base:.2f}x | "
+              f"{tokens / work:.3f} | {carried} | {dropped:.0f} | {secs:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ class SlotsCarry:
     each work row's first token and its log-prob (`first_ent` its entropy, with
     cfg.entropies); `limits` int[W] or None; `groups` int32[W] each work row's group (-1:
     none) and `need` int32[], or None: the loop stops once `need` groups have ended whole
-    (`decode_slots`). width = (pp + pc) * ps."""
+    (`decode_slots`); `prompt_of` int32[W] the prompt each work row continues. width =
+    (pp + pc) * ps."""
 
     pages: tuple
     prompt_valid: jax.Array
@@ -58,6 +59,7 @@ class SlotsCarry:
     first_ent: jax.Array | None = None
     groups: jax.Array | None = None
     need: jax.Array | None = None
+    prompt_of: jax.Array | None = None
 
 
 def _check(cfg: SamplingConfig):
@@ -82,17 +84,27 @@ def prefill_slots(
     limits=None,
     groups=None,
     need=None,
+    prompt_of=None,
 ) -> SlotsCarry:
     """Traceable: the R prompts' prefill (once each) into pages, and every work row's first
     token: the carry `decode_slots` starts from. groups int[W] (-1: a row of no group) and
     need int[]: stop once `need` of the groups have ended whole (all their rows), leaving the
     other rows where they are (partial rollouts; `SampleOutput.ended` tells which ended);
-    None: every row runs to its end."""
+    None: every row runs to its end. prompt_of int[W]: the prompt each work row samples, in
+    queue order (any number of rows per prompt, each with the key `steps.row_keys(rng, W,
+    1)` gives it); None: num_samples rows per prompt, prompt-major."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     r, p_len = input_ids.shape
-    g, n, ps = num_samples, cfg.max_new_tokens, cfg.page_size
-    s = min(cfg.slots, r * g)
+    n, ps = cfg.max_new_tokens, cfg.page_size
+    if prompt_of is None:
+        g = num_samples
+        prompt_of = jnp.arange(r * g, dtype=jnp.int32) // g
+        keys = steps.row_keys(rng, r, g)  # [W]
+    else:
+        prompt_of = jnp.asarray(prompt_of, jnp.int32)
+        keys = steps.row_keys(rng, prompt_of.shape[0], 1)
+    s = min(cfg.slots, prompt_of.shape[0])
     pp, pc = -(-p_len // ps), -(-n // ps)
     width = (pp + pc) * ps  # a row's logical slots: its prompt's pages, then its own
     tcfg = model.config.text
@@ -107,8 +119,7 @@ def prefill_slots(
         cache=KVCache.init(tcfg, r, p_len, model.dtype),
         return_logits=False,
     )
-    keys = steps.row_keys(rng, r, g)  # [W]
-    last = jnp.repeat(steps.logits(model, None, out.hidden[:, -1]), g, axis=0)  # [W, V]
+    last = steps.logits(model, None, out.hidden[:, -1])[prompt_of]  # [W, V]
     first_tok, first_lp, first_ent = steps.pick(last, keys, 0, cfg)
 
     kv, hd = tcfg.num_key_value_heads, tcfg.head_dim
@@ -144,6 +155,7 @@ def prefill_slots(
         first_ent=first_ent,
         groups=None if groups is None else jnp.asarray(groups, jnp.int32),
         need=None if need is None else jnp.asarray(need, jnp.int32),
+        prompt_of=prompt_of,
     )
 
 
@@ -157,10 +169,10 @@ def decode_slots(
     keys, pools, limits = carry.keys, carry.pools, carry.limits
     first_tok, first_lp, start = carry.first_tok, carry.first_lp, carry.start
     first_ent = carry.first_ent
-    prompt_valid = carry.prompt_valid
+    prompt_valid, prompt_of = carry.prompt_valid, carry.prompt_of
     k_pages, v_pages = carry.pages
     (r, width), w = prompt_valid.shape, keys.shape[0]
-    g, n, ps = w // r, cfg.max_new_tokens, cfg.page_size
+    n, ps = cfg.max_new_tokens, cfg.page_size
     s, pc = min(cfg.slots, w), -(-n // ps)
     pp = width // ps - pc
     tcfg = model.config.text
@@ -168,12 +180,12 @@ def decode_slots(
     slot_ids = jnp.arange(s)
 
     def table(rows):  # the page tables of slots running work rows `rows` [S]
-        prompt = jnp.minimum(rows, w - 1) // g
+        prompt = prompt_of[jnp.minimum(rows, w - 1)]
         mine = r * pp + slot_ids[:, None] * pc + jnp.arange(pc)[None, :]
         return jnp.concatenate([prompt[:, None] * pp + jnp.arange(pp)[None, :], mine], axis=1)
 
     def valid(rows):
-        return prompt_valid[jnp.minimum(rows, w - 1) // g]
+        return prompt_valid[prompt_of[jnp.minimum(rows, w - 1)]]
 
     rows0 = slot_ids  # the first S work rows
     layers = tcfg.num_hidden_layers if pools is not None else 0
@@ -209,7 +221,7 @@ def decode_slots(
         row, t = st["row"], st["t"]
         live = row < w
         safe = jnp.minimum(row, w - 1)
-        prompt = safe // g
+        prompt = prompt_of[safe]
         tok = jnp.where(live, st["next_tok"], cfg.pad_token_id)
         pos = continue_positions(model.position_rank, start[prompt] + t, 1)
         slot_pools = None if pools is None else {k: v[prompt] for k, v in pools.items()}

@@ -6,13 +6,12 @@ A step's rollout (`PartialRollouts.generate`, one generation batch of the filter
 
 1. Groups carried from earlier steps whose oldest token is more than `max_staleness` policy
    versions behind are dropped whole (their rows counted).
-2. The carried rows that have not ended continue, each as a prompt of its own (its prompt and
-   its tokens so far, prefilled), with the tokens it has left; the call stops once the step's
-   groups are complete (the slots engine's group stop).
-3. If groups are still missing, fresh prompts (those carried before any of their rows
-   started first, then new ones) fill `oversample` x the step's prompts, G rows each,
-   stopped the same way.
-4. The complete groups, oldest first, are scored and handed to the filters; the rest are
+2. One sampler call of `oversample` x the step's prompts places, G rows each (the slots
+   engine): the carried rows that have not ended first, oldest first, each as a prompt of its
+   own (its prompt and tokens so far, prefilled) with the tokens it has left; then fresh
+   prompts (those carried before any of their rows started, then new ones). The call stops
+   once the step's groups are complete: the slots never idle in a long row's tail.
+3. The complete groups, oldest first, are scored and handed to the filters; the rest are
    carried (in the checkpoint: `Flight`s in the replay item's format).
 
 Every token keeps the log-prob and the version (step) of the policy that sampled it: the
@@ -164,84 +163,87 @@ class PartialRollouts:
         examples: the iterator of P-example lists."""
         t0 = time.time()
         self.drop_stale(step)
-        p, g = self.prompts_per_step, self.group_size
-        infos = []
-        need = p - sum(f.complete for f in self.flights)
-        moving = [f for f in self.flights if f.started and not f.complete]
-        if need > 0 and moving:
-            infos.append(
-                self._continue(phase, params, moving, jax.random.fold_in(key, 0), need, step)
-            )
+        p = self.prompts_per_step
+        need, infos = p - sum(f.complete for f in self.flights), []
+        while need > 0:  # a call whose rows all end completes all its groups: few calls
+            k = jax.random.fold_in(key, len(infos))
+            infos.append(self._call(phase, params, examples, k, need, step))
             need = p - sum(f.complete for f in self.flights)
-        if need > 0:
-            waiting = [f for f in self.flights if not f.started]
-            while len(waiting) < self.width:
-                fresh = [
-                    Flight.fresh(ex, g, self.max_new_tokens, self.entropies)
-                    for ex in next(examples)
-                ]
-                self.flights += fresh
-                waiting += fresh
-            infos.append(
-                self._start(
-                    phase, params, waiting[: self.width], jax.random.fold_in(key, 1), need, step
-                )
-            )
         done = [f for f in self.flights if f.complete][:p]
         chosen = {id(f) for f in done}
         self.flights = [f for f in self.flights if id(f) not in chosen]
         groups = []
         if done:
             out = _stack_rows([f.output() for f in done])
-            rows = [f.example for f in done for _ in range(g)]
+            rows = [f.example for f in done for _ in range(self.group_size)]
             groups = phase.make_groups(params, [f.example for f in done], rows, out, step)
             for x, f in zip(groups, done):
                 x.versions = f.versions
                 self.staleness.append(f.staleness(step))
         return groups, _merge(infos, time.time() - t0)
 
-    def _continue(self, phase, params, moving: list[Flight], key, need: int, step: int) -> dict:
-        """The carried rows that have not ended, each prefilled with its tokens so far and
-        decoded with the tokens it has left, until `need` groups are complete. The call has
-        width x G rows (padding rows: a copy of the first, one token, no group)."""
-        g = self.group_size
-        places = [(i, j) for i, f in enumerate(moving) for j in range(g) if not f.ended[j]]
-        rows = self.width * g
-        examples, limits, groups = [], np.ones(rows, np.int32), np.full(rows, -1, np.int32)
-        for b, (i, j) in enumerate(places):
-            f = moving[i]
+    def _call(self, phase, params, examples, key, need: int, step: int) -> dict:
+        """One sampler call of width x G work rows until `need` groups are complete. The
+        carried groups' rows that have not ended go first, oldest group first (whole groups,
+        while they fit), each row a prompt of its own (its prompt and tokens so far, prefilled)
+        with the tokens it has left; fresh prompts (those carried before any row started, then
+        new ones) take the rows left, G each; spare rows (one token, no group) fill the rest,
+        queued last. The prompts are padded to width x 2^i (copies: a few prefill shapes)."""
+        g, rows = self.group_size, self.width * self.group_size
+        moving, c = [], 0
+        for f in self.flights:
+            left = int((~f.ended).sum())
+            if f.started and not f.complete and c + left <= rows:
+                moving += [(f, j) for j in range(g) if not f.ended[j]]
+                c += left
+        waiting = [f for f in self.flights if not f.started]
+        while len(waiting) < (rows - c) // g:
+            fresh = [
+                Flight.fresh(ex, g, self.max_new_tokens, self.entropies) for ex in next(examples)
+            ]
+            self.flights += fresh
+            waiting += fresh
+        waiting = waiting[: (rows - c) // g]
+        ids = {}  # each flight's group id in the call
+        for f in [f for f, _ in moving] + waiting:
+            ids.setdefault(id(f), len(ids))
+        prompts, order = [], []  # order: (flight, row, prompt, limit, group) in queue order
+        for f, j in moving:
             k = int(f.length[j])
-            ids = list(f.example["prompt_ids"]) + f.tokens[j, :k].tolist()
-            examples.append(dict(f.example, prompt_ids=ids))
-            limits[b], groups[b] = self._limit(f.example, j) - k, i
-        examples += [examples[0]] * (rows - len(places))
-        # the group stop counts groups whose rows in this call all ended: a group with rows
-        # that ended earlier is complete once its moving rows have
-        out, info = self._sample(phase, params, examples, key, 1, limits, groups, need)
-        for b, (i, j) in enumerate(places):
-            moving[i].extend(j, out, b, step)
-        return info
-
-    def _start(self, phase, params, flights: list[Flight], key, need: int, step: int) -> dict:
-        """Fresh prompts, G rows each, until `need` groups are complete."""
-        g = self.group_size
-        groups = np.repeat(np.arange(len(flights), dtype=np.int32), g)
-        examples = [f.example for f in flights]
-        limits = None
-        if self.row_limit is not None:
-            limits = np.asarray([self._limit(ex, j) for ex in examples for j in range(g)], np.int32)
-        out, info = self._sample(phase, params, examples, key, g, limits, groups, need)
-        for i, f in enumerate(flights):
-            for j in range(g):
-                f.extend(j, out, i * g + j, step)
+            prompts.append(
+                dict(f.example, prompt_ids=list(f.example["prompt_ids"]) + f.tokens[j, :k].tolist())
+            )
+            order.append((f, j, len(prompts) - 1, self._limit(f.example, j) - k, ids[id(f)]))
+        for f in waiting:
+            prompts.append(f.example)
+            order += [
+                (f, j, len(prompts) - 1, self._limit(f.example, j), ids[id(f)]) for j in range(g)
+            ]
+        queue = order + [(None, -1, 0, 1, -1)] * (rows - len(order))
+        places = self.width
+        while places < len(prompts):
+            places *= 2
+        prompts += [prompts[0]] * (places - len(prompts))
+        out, info = self._sample(
+            phase,
+            params,
+            prompts,
+            key,
+            prompt_of=np.asarray([q[2] for q in queue], np.int32),
+            limits=np.asarray([q[3] for q in queue], np.int32),
+            groups=np.asarray([q[4] for q in queue], np.int32),
+            need=need,
+        )
+        for b, (f, j, *_) in enumerate(order):
+            f.extend(j, out, b, step)
         return info
 
     def _limit(self, example: dict, j: int) -> int:
         n = self.max_new_tokens
         return n if self.row_limit is None else min(n, int(self.row_limit(example, j)))
 
-    def _sample(self, phase, params, examples, key, samples, limits, groups, need):
-        from jaxvrl.trainer.rollout import prefills_once, sample_completions
+    def _sample(self, phase, params, examples, key, **rows):
+        from jaxvrl.trainer.rollout import sample_completions
 
         prompts = phase.collate(examples, 1)
         out, times = sample_completions(
@@ -252,18 +254,13 @@ class PartialRollouts:
             None,
             phase.mesh,
             phase.decode,
-            num_samples=samples,
             timed=True,
-            limits=limits,
-            groups=groups,
-            need=need,
+            **rows,
         )
         out = jax.tree.map(np.asarray, out)
-        rows = len(out.tokens)
-        decode_rows = phase.sampler.decode_rows(rows, prefills_once(len(examples), phase.mesh))
-        info = dict(times, tokens=float(out.mask.sum()), rows=rows)
+        info = dict(times, tokens=float(out.mask.sum()), rows=len(out.tokens))
         info["decode_steps"] = float(out.steps)
-        info["decode_rows"] = decode_rows
+        info["decode_rows"] = phase.sampler.decode_rows(len(out.tokens))
         return out, info
 
     def take_metrics(self) -> dict:
@@ -282,8 +279,9 @@ class PartialRollouts:
 
 
 def _merge(infos: list[dict], seconds: float) -> dict:
-    """One info for a generation batch of several sampler calls: summed tokens, rows and
-    times; decode work (rows x steps) summed, decode steps their sum."""
+    """One info for a generation batch of several sampler calls (`_sample`'s; none where the
+    carried groups were complete): tokens, rows, times and decode steps summed, with the
+    decode work (rows x steps) and the wall time."""
     out = {"sample_s": seconds}
     for k in ("tokens", "rows", "prefill_s", "decode_s", "decode_steps"):
         out[k] = float(sum(i[k] for i in infos))

@@ -282,6 +282,7 @@ def sample_completions(
     limits=None,
     groups=None,
     need=None,
+    prompt_of=None,
 ):
     """Runs the jitted sampler on a collated prompt batch; a SampleOutput of numpy arrays
     (with `timed`, and the seconds of its prefill and decode programs: `Sampler.timed`).
@@ -296,15 +297,16 @@ def sample_completions(
     process passes its own rows), the key is replicated, and the outputs come back as this
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
     phase keeps `params` in the sampler's layout and their decode weights (None: the
-    sampler prepares its own each call). limits int[rows], groups int[rows] and need (the
-    sampler's: `sampling.sample`) are passed on, None: not given."""
+    sampler prepares its own each call). limits int[rows], groups int[rows], need and
+    prompt_of int[rows] (the sampler's: `sampling.sample`) are passed on, None: not given."""
     prefill_once = prefills_once(len(batch["input_ids"]), mesh)
     if not prefill_once:
         batch = repeat_prompts(dict(batch, pools=pools), num_samples)
         pools = batch["pools"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")}
     inputs.update(images=batch["images"], pools=pools)
-    stop = {k: v for k, v in dict(limits=limits, groups=groups).items() if v is not None}
+    given = dict(limits=limits, groups=groups, prompt_of=prompt_of)
+    stop = {k: v for k, v in given.items() if v is not None}
     if stop and not prefill_once:  # per output row: repeated with the prompts' rows
         raise ValueError("sample_completions: limits and groups need one prefill per prompt")
     if mesh is None:
@@ -318,6 +320,7 @@ def sample_completions(
         stop["need"] = np.int32(need) if mesh is None else runtime.replicate(np.int32(need), mesh)
     weights = None
     rows = int(inputs["input_ids"].shape[0]) * (num_samples if prefill_once else 1)
+    rows = rows if prompt_of is None else len(prompt_of)
     rows = sampler.decode_rows(rows, prefill_once)
     if decode is not None:
         params = decode.params(sampler, params)

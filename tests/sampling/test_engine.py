@@ -138,3 +138,23 @@ def test_a_call_stopped_by_its_groups_leaves_the_rest_part_way(model, groups, ne
         np.testing.assert_allclose(got.logprobs[b, :k], want.logprobs[b, :k], atol=1e-5)
         assert got.truncated[b] == (ended[b] and want.truncated[b])
     assert want.ended.all()
+
+
+def test_work_rows_may_take_their_prompts_in_any_order_and_number(model):
+    """prompt_of: 5 work rows over 2 prompts, unevenly and out of order; greedy, each row is
+    its prompt's greedy completion (the static sampler's, one row per prompt)."""
+    ids, mask, vis = prompts("image", np.random.default_rng(16))
+    args, kw = inputs(model, ids, mask, **vis)
+    one = Sampler(nnx.graphdef(model), _cfg(model, 0.0))
+    want = jax.tree.map(np.asarray, one(nnx.state(model), *args, jax.random.key(0), **kw))
+    prompt_of = np.array([1, 0, 1, 1, 0], np.int32)
+    cfg = _cfg(model, 0.0, slots=2, page_size=4)
+    got = Sampler(nnx.graphdef(model), cfg)(
+        nnx.state(model), *args, jax.random.key(0), prompt_of=prompt_of, **kw
+    )
+    got = jax.tree.map(np.asarray, got)
+    assert got.tokens.shape == (5, N) and (want.tokens[0] != want.tokens[1]).any()
+    for w, p in enumerate(prompt_of):
+        np.testing.assert_array_equal(got.tokens[w], want.tokens[p])
+        np.testing.assert_array_equal(got.mask[w], want.mask[p])
+        np.testing.assert_allclose(got.logprobs[w], want.logprobs[p], atol=1e-5)
