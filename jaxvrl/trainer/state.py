@@ -29,6 +29,7 @@ class RolloutSettings:
     num_generations: int
     temperature: float
     max_new_tokens: int
+    partial: bool  # rows carried across steps: tokens of earlier policies in the batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +292,11 @@ class StepConfig:
     @property
     def sampler_old(self) -> bool:
         """Whether the ratio's old log-probs are the sampler's (RolloutBatch.old_logprobs):
-        several updates read them, fixed; one update uses the current policy's, exact."""
-        return self.updates > 1 and self.actor.old_logprobs == "sampler"
+        several updates read them, fixed, and so does a batch of rows carried across steps
+        (rollout.partial: each token's behaviour policy is the one that sampled it); one
+        update of a batch sampled by the current policy uses its own, exact."""
+        off_policy = self.updates > 1 or self.rollout.partial
+        return off_policy and self.actor.old_logprobs == "sampler"
 
     @property
     def sampler_shaping(self) -> bool:
@@ -302,7 +306,7 @@ class StepConfig:
         drew the batch from the old policy), actor.shaping_source sampler ("auto" is
         resolved when a run starts, else counts as recompute) and nothing else reading the
         clean pass (VGR masses, the critic, the KL in the reward, groups replayed from an
-        earlier policy). With one update the ratio still takes the loss pass's own
+        earlier policy, rows carried across steps). With one update the ratio still takes the loss pass's own
         log-probs."""
         return (
             self.old_pass
@@ -312,6 +316,7 @@ class StepConfig:
             and not self.has_critic
             and not self.algorithm.use_kl_in_reward
             and not self.filter.replay_buffer.enable
+            and not self.rollout.partial
         )
 
     @property

@@ -169,3 +169,13 @@ def test_a_run_resumed_with_rows_in_flight_equals_an_uninterrupted_one(tmp_path)
     for k, v in last_a.items():
         if k.startswith(("rollout/carried", "rollout/staleness", "reward/", "loss")):
             assert last_b[k] == v, k
+
+
+def test_carried_rows_take_the_samplers_log_probs_as_the_ratios_old_ones():
+    from jaxvrl.trainer.state import StepConfig
+
+    keys = ["rollout.slots=2", "rollout.partial=true", "actor.global_batch_size=2"]
+    partial = StepConfig.of(tiny_config("configs/tprl.py", "/tmp/unused", *keys))
+    plain = StepConfig.of(tiny_config("configs/tprl.py", "/tmp/unused", keys[0], keys[2]))
+    assert plain.updates == 1 and not plain.sampler_old
+    assert partial.sampler_old and not partial.sampler_shaping
