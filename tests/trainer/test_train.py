@@ -1,5 +1,5 @@
 """The main job end to end on the embedded default: every config runs, resume equals an
-uninterrupted run, SIGTERM saves and exits, one compilation per shape, config errors."""
+uninterrupted run (with partial rollouts: rows in flight at the checkpoint), SIGTERM saves and exits, one compilation per shape, config errors."""
 
 from __future__ import annotations
 
@@ -112,10 +112,14 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     # runs after it (the same step settings) reuse that one
     monkeypatch.setattr(runtime, "_KEPT", collections.OrderedDict())
     a, b = tmp_path / "a", tmp_path / "b"
-    whole = run(tiny_config("configs/tprl.py", a, "total_steps=4", "save_freq=0", "val_freq=100"))
+    # partial rollouts: the checkpoint also holds the rows in flight (and the data drawn for
+    # them), which the resumed run continues
+    keys = ["save_freq=0", "val_freq=100", "rollout.slots=2", "rollout.partial=true"]
+    whole = run(tiny_config("configs/tprl.py", a, "total_steps=4", *keys))
     (kept,) = runtime._KEPT.values()
-    half = run(tiny_config("configs/tprl.py", b, "total_steps=2", "save_freq=0", "val_freq=100"))
-    rest = run(tiny_config("configs/tprl.py", b, "total_steps=4", "save_freq=0", "val_freq=100"))
+    half = run(tiny_config("configs/tprl.py", b, "total_steps=2", *keys))
+    assert half["rollout/carried_rows"] > 0
+    rest = run(tiny_config("configs/tprl.py", b, "total_steps=4", *keys))
     assert [p is kept for p in runtime._KEPT.values()] == [True]  # one program for the three
     for m in (half, rest):  # programs only for shapes the first run did not train
         assert m["compiles/train_step"] == m["compiles/train_step_shapes"], m
@@ -136,6 +140,13 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
         for r in map(json.loads, open(d / "metrics.jsonl"))
     ]
     assert shape(a) == shape(b)
+    # the last step's metrics, all but times and compile counts
+    rows = [list(map(json.loads, open(d / "metrics.jsonl")))[-1] for d in (a, b)]
+    timeless = [
+        {k: v for k, v in r.items() if not k.endswith("_s") and not k.startswith("compiles/")}
+        for r in rows
+    ]
+    assert timeless[0] == timeless[1] and "rollout/staleness_mean" in timeless[0]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
