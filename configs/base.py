@@ -232,6 +232,12 @@ def get_config(arg=None):
     # with rollout.partial: the policy versions (steps) a row may span; a group with an older
     # row is dropped whole and counted (rollout/dropped_stale_rows)
     c.rollout.max_staleness = setting(1, NON_NEGATIVE)
+    # One-step-off training (docs/scaling.md#one-step-off-training): K > 0 gives the sampler K
+    # devices of its own (K / hosts on each host) and the train step the rest (config.mesh
+    # lays those out); while step k trains, the sampler generates step k+1's batch with the
+    # weights before step k's update (staleness 1), copied to its devices once per step
+    # (rollout/weight_sync_s). 0: the sampler and the train step share every device in turn.
+    c.rollout.devices = setting(0, NON_NEGATIVE)
 
     c.algorithm = ml_collections.ConfigDict()
     # grpo | rloo | remax | reinforce_plus_plus | gae

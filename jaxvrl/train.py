@@ -54,6 +54,7 @@ from jaxvrl.rl.reward_pool import RewardsInterrupted
 from jaxvrl.rl.rewards import (
     RewardFailing,
 )
+from jaxvrl.trainer.ahead import decode_ahead, encode_ahead
 from jaxvrl.trainer.build import (
     init_train_state,
     optimizer_settings,
@@ -160,7 +161,7 @@ def _run(c) -> dict:
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.rewards)
-    start, state, rng, meta = resume(
+    start, state, rng, meta, carried = resume(
         c, ckpt, state, data, mesh, counters, phase.replay, phase.partial
     )
     nonfinite = int(meta.get("nonfinite_streak", 0))
@@ -195,8 +196,18 @@ def _run(c) -> dict:
     flag = PreemptionFlag()
     shapes = set()  # the train step's batch shapes (each compiles a program)
 
+    # one-step-off training: (the next step's rollout, its train key, its policy version),
+    # sampled on the sampler's own devices while a step trains
+    off = bool(c.rollout.devices)
+    ahead = None
+    if carried is not None and carried.get("ahead") is not None:
+        rollout_, key_, version_ = decode_ahead(carried["ahead"], phase)
+        ahead = (rollout_, runtime.replicate(key_, mesh), version_)
+
     def save(n: int, step_rng) -> None:
         meta = {"nonfinite_streak": nonfinite, "step_shapes": step_shapes.to_json()}
+        flights = None if phase.partial is None else phase.partial.flights
+        kept = None if ahead is None else encode_ahead(*ahead)
         items = {
             "state": state,
             "rng": step_rng,
@@ -204,26 +215,37 @@ def _run(c) -> dict:
             "data_state": data.get_state(),
             "counters": counters.state(),
             "replay": None if phase.replay is None else save_buffer(phase.replay),
-            "carried": None if phase.partial is None else encode_items(phase.partial.flights),
+            "carried": None
+            if flights is None and not off
+            else encode_items([{"flights": flights, "ahead": kept}]),
         }
         ckpt.save(n, items)
+
+    def sample(step: int, params, key, version: int | None = None):
+        return phase.run(
+            params, step, key, data, train_rows, stop=lambda: flag.requested, version=version
+        )
 
     try:
         for step in range(start, 0 if c.val_only else c.total_steps):
             t0 = time.time()
             done = step + 1
             step_rng = rng
-            rng, k_sample, k_step = jax.random.split(rng, 3)
             params = sampling_params(state)
-            try:
-                rollout = phase.run(
-                    params, step, k_sample, data, train_rows, stop=lambda: flag.requested
-                )
-            except RewardsInterrupted:  # SIGTERM while the rewards ran: the last step saved
-                if ckpt.latest_step() != step:
-                    save(step, step_rng)
-                print(f"stopping at step {step} (SIGTERM during the rewards); saved", flush=True)
-                break
+            if ahead is not None:  # sampled while the last step trained
+                rollout, k_step, _ = ahead
+                ahead = None
+            else:
+                rng, k_sample, k_step = jax.random.split(rng, 3)
+                try:
+                    rollout = sample(step, params, k_sample, step if off else None)
+                except RewardsInterrupted:  # SIGTERM while the rewards ran: the last step saved
+                    if ckpt.latest_step() != step:
+                        save(step, step_rng)
+                    print(
+                        f"stopping at step {step} (SIGTERM during the rewards); saved", flush=True
+                    )
+                    break
             logged = bool(c.log_rollouts_every) and step % c.log_rollouts_every == 0
             pictures = logged and maps is not None
             if pictures:  # the diagnostic pass compiles beside the train step
@@ -233,9 +255,24 @@ def _run(c) -> dict:
             shapes.add(runtime.shape_key(batch))
             program.shapes.add(runtime.shape_key(batch))
             batch = runtime.place_batch(batch, mesh)
+            sync_s, behind = 0.0, None
+            if off and done < c.total_steps:  # this step's weights onto the sampler's devices
+                t_sync = time.time()
+                behind = jax.block_until_ready(sampler.prepare(params))
+                sync_s = time.time() - t_sync
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
+            interrupted = False
+            if behind is not None:  # the next step's rollout while this one trains
+                rng, k_sample, k_next = jax.random.split(rng, 3)
+                try:
+                    ahead = (sample(done, behind, k_sample, step), k_next, step)
+                except RewardsInterrupted:  # saved after this step, without the next batch
+                    interrupted = True
+                del behind
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
+            if off:
+                metrics["rollout/weight_sync_s"] = sync_s
             # the step's shape: completion columns kept, packed buffers per device group
             metrics["train/completion_columns"] = float(batch.completion_length)
             metrics["train/pack_buffers"] = float(batch.pack_buffers)
@@ -266,7 +303,7 @@ def _run(c) -> dict:
                 time.time() - t_start > c.time_budget_s
             )
             failed = runtime.any_process(failing is not None)
-            stop = stop_requested_everywhere(flag) or over_budget or failed
+            stop = stop_requested_everywhere(flag) or over_budget or failed or interrupted
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
                 save(done, rng)
             if failed:  # after the checkpoint: one `error:` line, exit 2

@@ -249,6 +249,9 @@ class Preparer:
         # shards then move to their devices
         order = _device_order(params)
         mesh = self.layout.mesh
+        if set(order) != set(mesh.devices.flat):  # the sampler's own devices: cast, then copy
+            out = jax.jit(_sampling_params, static_argnums=(0, 1))(*how, params)
+            return jax.device_put(out, shardings)
         staging = mesh
         if order != list(mesh.devices.flat):
             staging = Mesh(np.asarray(order).reshape(mesh.devices.shape), mesh.axis_names)

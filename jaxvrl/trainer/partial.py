@@ -156,18 +156,23 @@ class PartialRollouts:
         self.dropped += dropped
         return dropped
 
-    def generate(self, phase, params, examples, key, step: int) -> tuple[list[Group], dict]:
+    def generate(
+        self, phase, params, examples, key, step: int, version: int | None = None
+    ) -> tuple[list[Group], dict]:
         """One generation batch of the step (see the module's docstring): its complete
         groups, oldest first, at most the step's prompts, and the sampler's info.
         `phase`: the RolloutPhase (its collate, sampler, mesh, decode weights and scoring);
-        examples: the iterator of P-example lists."""
+        examples: the iterator of P-example lists; the batch trains at `step`, sampled by the
+        policy of `version` (default: `step`; one-step-off training samples a step ahead)."""
         t0 = time.time()
         self.drop_stale(step)
         p = self.prompts_per_step
         need, infos = p - sum(f.complete for f in self.flights), []
         while need > 0:  # a call whose rows all end completes all its groups: few calls
             k = jax.random.fold_in(key, len(infos))
-            infos.append(self._call(phase, params, examples, k, need, step))
+            infos.append(
+                self._call(phase, params, examples, k, need, step if version is None else version)
+            )
             need = p - sum(f.complete for f in self.flights)
         done = [f for f in self.flights if f.complete][:p]
         chosen = {id(f) for f in done}
@@ -182,7 +187,7 @@ class PartialRollouts:
                 self.staleness.append(f.staleness(step))
         return groups, _merge(infos, time.time() - t0)
 
-    def _call(self, phase, params, examples, key, need: int, step: int) -> dict:
+    def _call(self, phase, params, examples, key, need: int, version: int) -> dict:
         """One sampler call of width x G work rows until `need` groups are complete. The
         carried groups' rows that have not ended go first, oldest group first (whole groups,
         while they fit), each row a prompt of its own (its prompt and tokens so far, prefilled)
@@ -235,7 +240,7 @@ class PartialRollouts:
             need=need,
         )
         for b, (f, j, *_) in enumerate(order):
-            f.extend(j, out, b, step)
+            f.extend(j, out, b, version)
         return info
 
     def _limit(self, example: dict, j: int) -> int:

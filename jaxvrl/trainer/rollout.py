@@ -531,17 +531,19 @@ class RolloutPhase:
         examples: Iterator[list],
         max_prompts: int | None = None,
         stop: Callable[[], bool] | None = None,
+        version: int | None = None,
     ) -> Rollout:
         """Generation batches from `examples` (an iterator of P-example lists) until the
-        filters are satisfied, then the fixed-shape batch of P groups. stop() -> true
-        abandons the running reward calls (RewardsInterrupted)."""
+        filters are satisfied, then the fixed-shape batch of P groups for train step `step`,
+        sampled by the policy of `version` (None: `step`'s). stop() -> true abandons the
+        running reward calls (RewardsInterrupted)."""
         infos = []
         self.stop = stop
 
         def generate(i):
             k = jax.random.fold_in(key, i)
             if self.partial is not None:  # carried rows first; stops once P groups are whole
-                groups, info = self.partial.generate(self, params, examples, k, step)
+                groups, info = self.partial.generate(self, params, examples, k, step, version)
             else:
                 groups, info = self.generate(params, next(examples), k, step)
             infos.append(info)
@@ -559,6 +561,9 @@ class RolloutPhase:
         ]
         batch = self._assemble(groups)
         metrics = self._metrics(got, infos, real)
+        if version is not None and self.partial is None:  # a batch sampled a step ahead
+            lag = float(step - version)
+            metrics.update({"rollout/staleness_mean": lag, "rollout/staleness_max": lag})
         return Rollout(batch, groups, real, metrics, got.sampled, self._assemble_rows)
 
     def _assemble(self, groups: list[Group]) -> RolloutBatch:

@@ -262,13 +262,14 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
 def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     """-> (sampler, greedy): the rollout sampler and the greedy one for validation, for the
     model graph `graph` (after init: with LoRA adapters) with config `mcfg`, in the rollout
-    layout over the devices of the training mesh `mesh` (`rollout_layout`; None: one
-    device, the model's dtype)."""
+    layout over the devices of the training mesh `mesh`, or the sampler's own with
+    rollout.devices (`rollout_layout`, `sampling_devices`; None: one device, the model's
+    dtype)."""
     cfg = sampling_config(c, mcfg, tokenizer, entropies=step_config(c, mesh).sampler_shaping)
     greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False)
     rmesh, dtype = None, None
     if mesh is not None:
-        rmesh, dtype = rollout_layout(c, mesh, mcfg.text)
+        rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
     return Sampler(graph, cfg, rmesh, dtype), Sampler(graph, greedy, rmesh, dtype)
 
 
@@ -427,7 +428,9 @@ def resume(
     c, ckpt: Checkpointer, state, data, mesh, counters: RunCounters, replay=None, partial=None
 ):
     """-> (start step, state, rng, meta: the checkpoint's JSON run state, e.g. the
-    consecutive non-finite steps and the step shapes compiled) from the latest checkpoint in
+    consecutive non-finite steps and the step shapes compiled, carried: the rollout state
+    carried between steps, {"flights": partial rollouts' rows or None, "ahead": one-step-off
+    training's batch in flight (`ahead.encode_ahead`) or None}, or None) from the latest checkpoint in
     workdir, or the fresh ones; the data iterator, the running totals and the replay
     buffer (`replay`: rl.ReplayBuffer or None) and the rows partial rollouts carry (`partial`:
     PartialRollouts or None) continue from their saved state. The arrays
@@ -435,7 +438,7 @@ def resume(
     process can save)."""
     rng = runtime.replicate(jax.random.key(c.seed), mesh)
     if not c.resume or ckpt.latest_step() is None:
-        return 0, state, rng, {}
+        return 0, state, rng, {}, None
     r = ckpt.restore_latest({"state": state, "rng": rng.sharding})
     data.set_state(r["data_state"] if r["data_state"] is not None else r["meta"]["iterator"])
     counters.load(r["counters"])
@@ -447,24 +450,58 @@ def resume(
         )
     elif replay is not None:
         load_buffer(replay, r["replay"])
-    if partial is not None and r["carried"] is None:
+    carried = None if r["carried"] is None else decode_items(r["carried"])[0]
+    flights = None if carried is None else carried["flights"]
+    if partial is not None and flights is None:
         log.warning(
             "checkpoint step %d holds no carried rollout rows (written by a run without "
             "rollout.partial): the next rollout starts afresh",
             r.step,
         )
     elif partial is not None:
-        partial.flights = decode_items(r["carried"])
+        partial.flights = flights
     print(f"resumed from step {r.step}", flush=True)
-    return r.step, r["state"], r["rng"], r["meta"]
+    return r.step, r["state"], r["rng"], r["meta"], carried
 
 
-def training_mesh(c):
-    """The mesh of `config.mesh` over this run's devices; a ConfigError when they do not fit."""
+def device_split(c, devices=None) -> tuple[list, list]:
+    """(the train step's devices, the sampler's devices) of this run (`devices`: default
+    jax.devices()): every device for both, or with rollout.devices = K, K / hosts of each
+    host's devices (the first, in order) for the sampler and the rest for the train step."""
+    devices = list(jax.devices() if devices is None else devices)
+    k = c.rollout.devices
+    if not k:
+        return devices, devices
+    hosts = sorted({d.process_index for d in devices})
+    if k % len(hosts) or k >= len(devices):
+        raise ConfigError(
+            f"config.rollout.devices={k}: the sampler's devices must be a multiple of the "
+            f"{len(hosts)} host(s) and leave the train step at least one of the "
+            f"{len(devices)} devices"
+        )
+    per = k // len(hosts)
+    mine = [[d for d in devices if d.process_index == h] for h in hosts]
+    return [d for m in mine for d in m[per:]], [d for m in mine for d in m[:per]]
+
+
+def training_mesh(c, devices=None):
+    """The mesh of `config.mesh` over the train step's devices (`device_split`); a
+    ConfigError when they do not fit."""
     try:
-        return runtime.mesh_from_config(c.mesh)
+        return runtime.mesh_from_config(c.mesh, device_split(c, devices)[0])
     except ValueError as e:
-        raise ConfigError(f"config.mesh: {e}") from None
+        what = (
+            f"the {c.rollout.devices} devices rollout.devices leaves" if c.rollout.devices else ""
+        )
+        raise ConfigError(f"config.mesh: {e}{' (' + what + ')' if what else ''}") from None
+
+
+def sampling_devices(c, mesh, devices=None):
+    """The devices the samplers lay their mesh over: the training mesh `mesh`, or with
+    rollout.devices a mesh of the sampler's own devices (`device_split`)."""
+    if not c.rollout.devices:
+        return mesh
+    return runtime.make_mesh(1, -1, 1, devices=device_split(c, devices)[1])
 
 
 def check_rows(c, mesh, processes: int | None = None) -> None:
