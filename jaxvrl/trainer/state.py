@@ -30,6 +30,7 @@ class RolloutSettings:
     temperature: float
     max_new_tokens: int
     partial: bool  # rows carried across steps: tokens of earlier policies in the batch
+    devices: int  # > 0: one-step-off training, every batch sampled one update behind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,10 +293,10 @@ class StepConfig:
     @property
     def sampler_old(self) -> bool:
         """Whether the ratio's old log-probs are the sampler's (RolloutBatch.old_logprobs):
-        several updates read them, fixed, and so does a batch of rows carried across steps
-        (rollout.partial: each token's behaviour policy is the one that sampled it); one
-        update of a batch sampled by the current policy uses its own, exact."""
-        off_policy = self.updates > 1 or self.rollout.partial
+        several updates read them, fixed, and so does a batch sampled by an earlier policy
+        (`behind`: each token's behaviour policy is the one that sampled it); one update of a
+        batch sampled by the current policy uses its own, exact."""
+        off_policy = self.updates > 1 or self.behind
         return off_policy and self.actor.old_logprobs == "sampler"
 
     @property
@@ -306,7 +307,7 @@ class StepConfig:
         drew the batch from the old policy), actor.shaping_source sampler ("auto" is
         resolved when a run starts, else counts as recompute) and nothing else reading the
         clean pass (VGR masses, the critic, the KL in the reward, groups replayed from an
-        earlier policy, rows carried across steps). With one update the ratio still takes the loss pass's own
+        earlier policy, batches sampled behind the policy they train). With one update the ratio still takes the loss pass's own
         log-probs."""
         return (
             self.old_pass
@@ -316,8 +317,15 @@ class StepConfig:
             and not self.has_critic
             and not self.algorithm.use_kl_in_reward
             and not self.filter.replay_buffer.enable
-            and not self.rollout.partial
+            and not self.behind
         )
+
+    @property
+    def behind(self) -> bool:
+        """Whether batches hold tokens sampled by an earlier policy than the one they train:
+        rows carried across steps (rollout.partial) or one-step-off training
+        (rollout.devices)."""
+        return self.rollout.partial or self.rollout.devices > 0
 
     @property
     def has_critic(self) -> bool:

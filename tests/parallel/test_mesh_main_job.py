@@ -1,7 +1,9 @@
 """`python -m jaxvrl.train` on a device mesh: on 8 simulated CPU devices the main job (GRPO
 with a KL loss, so the reference copy is sharded too) trains on the mesh (data=2, fsdp=4),
 samples on the rollout's own mesh (data=4, tensor=2), and matches the same run on one device; a run resumed on the mesh equals an uninterrupted one bit
-for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
+for bit. One-step-off training (rollout.devices=4: the sampler on 4 devices, the train step
+on the other 4) equals a synchronous run whose sampler is one update behind, and resumes
+with its next batch in flight bit for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
 sampler in test_mesh_step.py.)
 
 Tolerance: the mesh changes only the order of float32 reductions. Before the first update the
@@ -35,8 +37,13 @@ from jaxvrl.config import load_config
 from jaxvrl.parallel import runtime as R
 from jaxvrl.train import run
 
-seen = []
+import jax.numpy as jnp
+import jaxvrl.train as T
+
+seen, on = [], []
 place_batch = R.place_batch
+sampling_params = T.sampling_params
+versions = {}
 
 
 def spy(batch, mesh):  # what the train loop and the sampler put on the mesh
@@ -46,17 +53,27 @@ def spy(batch, mesh):  # what the train loop and the sampler put on the mesh
              ids.addressable_shards[0].data.shape[0], ids.shape[0]]
     if entry not in seen:
         seen.append(entry)
+    where = [isinstance(batch, dict), sorted(d.id for d in ids.sharding.device_set)]
+    if where not in on:
+        on.append(where)
     return out
+
+
+def stale(state):  # the weights before the last update: the batch one-step-off samples
+    versions[int(jax.device_get(state.step))] = jax.tree.map(jnp.copy, sampling_params(state))
+    return versions[max(int(jax.device_get(state.step)) - 1, 0)]
 
 
 R.place_batch = spy
 report = {}
 for name, overrides in RUNS:
     c = load_config("configs/grpo.py:runlocal", OVERRIDES + overrides)
-    seen.clear()
+    seen.clear(), on.clear(), versions.clear()
+    T.sampling_params = stale if name == "stale" else sampling_params
     m = run(c)
     report[name] = {"compiles": {k: v for k, v in m.items() if k.startswith("compiles/")},
-                    "placed": list(seen), "devices": jax.device_count()}
+                    "placed": list(seen), "devices": jax.device_count(), "on": list(on)}
+T.sampling_params = sampling_params
 if COMPARE:  # 3 x 2 rows do not split over data x fsdp = 8: a clear error before any work
     from jaxvrl.config import ConfigError
 
@@ -70,18 +87,20 @@ if COMPARE:  # checkpoints saved on 8 devices restore on 8 devices (orbax checks
     import numpy as np
     from jaxvrl.checkpoint import Checkpointer
 
-    final = []
-    for workdir in COMPARE:
+    def final(workdir):
         ck = Checkpointer(workdir + "/checkpoints")
         step = ck.latest_step()
         arrays = ck.manager.restore(step)["state"]
-        final.append((step, {k: np.asarray(v) for k, v in arrays.items()}))
         ck.close()
-    (sa, pa), (sb, pb) = final
-    report["final_params"] = {
-        "steps": [sa, sb], "keys": len(pa), "same_keys": pa.keys() == pb.keys(),
-        "differ": [k for k in pa if k not in pb or not np.array_equal(pa[k], pb[k])],
-    }
+        return step, {k: np.asarray(v) for k, v in arrays.items()}
+
+    report["final_params"] = []
+    for a, b in zip(COMPARE[::2], COMPARE[1::2]):  # (uninterrupted, resumed) pairs
+        (sa, pa), (sb, pb) = final(a), final(b)
+        report["final_params"].append({
+            "steps": [sa, sb], "keys": len(pa), "same_keys": pa.keys() == pb.keys(),
+            "differ": [k for k in pa if k not in pb or not np.array_equal(pa[k], pb[k])],
+        })
 print("REPORT" + json.dumps(report))
 """
 
@@ -106,16 +125,32 @@ def _rows(workdir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("train_mesh")
-    w = {k: str(d / k) for k in ("one", "mesh", "resumed")}
+    w = {k: str(d / k) for k in ("one", "mesh", "resumed", "off", "off_resumed", "stale")}
     mesh = ["mesh.data=2", "mesh.fsdp=4"]
+    # one-step-off: the sampler on devices 0-3, the train step on 4-7 (fsdp); two steps, the
+    # resumed run stopped after one (its 1 s time budget spent) with the second step's batch in
+    # flight. Two epochs per
+    # batch: the synchronous reference takes the sampler's log-probs as the ratio's old ones
+    # too (one-step-off always does)
+    off = ["rollout.devices=4", "mesh.data=1", "mesh.fsdp=4", "actor.ppo_epochs=2"]
+    off.append("logging.attention_samples=0")
     report = _run(
         [
             ("mesh", [f"workdir={w['mesh']}", "total_steps=2", *mesh]),
             ("resumed_a", [f"workdir={w['resumed']}", "total_steps=1", *mesh]),
             ("resumed", [f"workdir={w['resumed']}", "total_steps=2", *mesh]),
+            ("off", [f"workdir={w['off']}", "total_steps=2", *off]),
+            (
+                "off_resumed_a",
+                [f"workdir={w['off_resumed']}", "total_steps=2", "time_budget_s=1", *off],
+            ),
+            ("off_resumed", [f"workdir={w['off_resumed']}", "total_steps=2", *off]),
+            # synchronous on all 8 devices, each step sampled with the weights before the
+            # last update (the batch one-step-off training samples)
+            ("stale", [f"workdir={w['stale']}", "total_steps=2", *mesh, *off[-2:]]),
         ],
         n=8,
-        compare=(w["mesh"], w["resumed"]),
+        compare=(w["mesh"], w["resumed"], w["off"], w["off_resumed"]),
     )
     report["one"] = _run_here([f"workdir={w['one']}", "total_steps=2"])
     return report, w
@@ -194,7 +229,7 @@ def test_mesh_run_matches_one_device(runs):
 
 def test_resume_on_the_mesh_equals_an_uninterrupted_run(runs):
     report, w = runs
-    final = report["final_params"]
+    final = report["final_params"][0]
     assert final["steps"] == [2, 2] and final["same_keys"] and final["keys"] > 30, final
     assert final["differ"] == [], final  # bit for bit
     a, b = _rows(w["mesh"]), _rows(w["resumed"])
@@ -203,3 +238,45 @@ def test_resume_on_the_mesh_equals_an_uninterrupted_run(runs):
         for k in a[step]:
             if not k.endswith(TIMING) and not k.startswith(HISTORY) and k != "time":
                 assert a[step][k] == b[step][k], (step, k)
+
+
+def test_one_step_off_samples_on_its_own_devices_and_trains_on_the_rest(runs):
+    report, _ = runs
+    on = report["off"]["on"]  # (a prompt batch for the sampler?, the devices its rows are on)
+    sampler = {d for is_prompts, ids in on if is_prompts for d in ids}
+    train = {d for is_prompts, ids in on if not is_prompts for d in ids}
+    assert sampler == {0, 1, 2, 3} and train == {4, 5, 6, 7}, on
+
+
+def test_one_step_off_equals_a_synchronous_run_fed_the_stale_batch(runs):
+    """Step 1's batch is sampled before any update (as a synchronous run's); every later
+    step's with the weights before the last update, while that update runs. The reference:
+    a synchronous run on 8 devices whose sampler gets the weights one update behind. The
+    sampled completions and rewards are the same; the losses differ by the meshes' float32
+    reduction orders (test_mesh_run_matches_one_device's tolerance)."""
+    _, w = runs
+    got, ref = _rows(w["off"]), _rows(w["stale"])
+    assert sorted(got) == sorted(ref) == [0, 1, 2]
+    for step in (1, 2):
+        a, b = ref[step], got[step]
+        assert b["rollout/staleness_mean"] == b["rollout/staleness_max"] == min(step - 1, 1)
+        assert b["rollout/weight_sync_s"] >= 0 and "rollout/staleness_mean" not in a
+        for k in sorted(a.keys() & b.keys()):
+            if k.endswith(TIMING) or k.startswith(("compiles/", "val/")) or k in ("step", "time"):
+                continue
+            if k.startswith(("reward", "accuracy", "response_length", "rollout/")):
+                assert a[k] == b[k], (step, k, a[k], b[k])  # the same sampled tokens
+            elif k in ("loss", "kl", "entropy", "train/grad_norm", "train/kl_loss"):
+                tol = 1e-5 if step == 1 else 2e-2
+                assert b[k] == pytest.approx(a[k], rel=tol, abs=1e-6), (step, k, a[k], b[k])
+
+
+def test_one_step_off_resumes_with_its_batch_in_flight(runs):
+    report, w = runs
+    final = report["final_params"][1]
+    assert final["steps"] == [2, 2] and final["differ"] == [], final  # bit for bit
+    a, b = _rows(w["off"]), _rows(w["off_resumed"])
+    assert sorted(b) == [0, 1, 2]
+    for k in a[2]:
+        if not k.endswith(TIMING) and not k.startswith(HISTORY) and k != "time":
+            assert a[2][k] == b[2][k], k

@@ -155,3 +155,5 @@ def test_carried_rows_take_the_samplers_log_probs_as_the_ratios_old_ones():
     plain = StepConfig.of(tiny_config("configs/tprl.py", "/tmp/unused", keys[0], keys[2]))
     assert plain.updates == 1 and not plain.sampler_old
     assert partial.sampler_old and not partial.sampler_shaping
+    off = StepConfig.of(tiny_config("configs/tprl.py", "/tmp/unused", "rollout.devices=1", keys[2]))
+    assert off.sampler_old and not off.sampler_shaping  # one-step-off: one update behind

@@ -158,7 +158,7 @@ def resume(directory: str) -> None:
     c = SimpleNamespace(resume=True, seed=0)
     ckpt = Checkpointer(directory, max_to_keep=3)
     state = jax.eval_shape(lambda: many_arrays(0))
-    start, state, _, meta = train.resume(c, ckpt, state, data, mesh, counters)
+    start, state, _, meta, _ = train.resume(c, ckpt, state, data, mesh, counters)
     ckpt.close()
     ok = bool(np.array_equal(state["params"]["embed"], many_arrays(start)["params"]["embed"]))
     gc.collect()
