@@ -100,22 +100,32 @@ def _steps(setup, steps: int, max_staleness: int, seed: int = 0):
     return out
 
 
-def _teacher_forced(model, graphdef, params, example, tokens):
-    """float32[n]: the log-probs of `tokens` after the example's prompt under `params`."""
+def _teacher_forced(graphdef, params, rows):
+    """float32[R, 64]: each row's log-probs of its `tokens` after its example's prompt under
+    `params`, at completion positions (rows: [(example, tokens)], one batch, right-padded to
+    64 columns; the images packed in row order)."""
     m = nnx.merge(graphdef, params)
-    ids = np.asarray([list(example["prompt_ids"]) + list(tokens)])
-    grids = example["image_grid_thw"]
-    vision = dict(pixel_values=example["pixel_values"], image_grid_thw=grids) if len(grids) else {}
-    logits = np.asarray(m(ids, np.ones_like(ids), **vision).logits[0], np.float32)
-    p = len(example["prompt_ids"])
-    logp = jax.nn.log_softmax(logits[p - 1 : -1], -1)
-    return np.asarray(logp)[np.arange(len(tokens)), tokens]
+    ids, mask = np.zeros((len(rows), 64), np.int64), np.zeros((len(rows), 64), np.int64)
+    for r, (ex, toks) in enumerate(rows):
+        row = list(ex["prompt_ids"]) + list(toks)
+        ids[r, : len(row)], mask[r, : len(row)] = row, 1
+    images = [ex for ex, _ in rows if len(ex["image_grid_thw"])]
+    vision = {}
+    if images:
+        vision["pixel_values"] = np.concatenate([ex["pixel_values"] for ex in images])
+        vision["image_grid_thw"] = np.concatenate([ex["image_grid_thw"] for ex in images])
+    logp = np.asarray(jax.nn.log_softmax(m(ids, mask, **vision).logits.astype("float32"), -1))
+    out = np.zeros((len(rows), 64), np.float32)
+    for r, (ex, toks) in enumerate(rows):
+        p = len(ex["prompt_ids"])
+        out[r, : len(toks)] = logp[r, np.arange(p - 1, p - 1 + len(toks)), toks]
+    return out
 
 
 def test_carried_rows_keep_each_tokens_log_prob_under_the_version_that_sampled_it(setup):
-    model, graphdef, versions, _ = setup
+    _, graphdef, versions, _ = setup
     runs = _steps(setup, 5, max_staleness=5)
-    mixed = 0
+    rows, mixed = [], 0  # (example, tokens, their versions, the sampler's log-probs)
     for step, (groups, m) in enumerate(runs):
         assert len(groups) == 1, step  # one whole group a step
         for x in groups:
@@ -126,15 +136,15 @@ def test_carried_rows_keep_each_tokens_log_prob_under_the_version_that_sampled_i
                 assert n > 0 and (v >= 0).all() and (x.versions[j, n:] == -1).all()
                 assert (np.diff(v) >= 0).all() and v.max() <= step
                 mixed += len(set(v.tolist())) > 1
-                want = np.zeros(n, np.float32)
-                for ver in set(v.tolist()):  # each token under its own version's policy
-                    ref = _teacher_forced(
-                        model, graphdef, versions[ver], x.example, x.tokens[j, :n]
-                    )
-                    want[v == ver] = ref[v == ver]
-                np.testing.assert_allclose(x.logprobs[j, :n], want, atol=1e-4)
+                rows.append((x.example, x.tokens[j, :n], v, x.logprobs[j, :n]))
     assert mixed > 0  # some row spanned two versions
     assert sum(m["rollout/carried_rows"] for _, m in runs) > 0
+    # every token under its own version's policy: one teacher-forced batch per version
+    for ver in sorted({int(u) for *_, v, _ in rows for u in v}):
+        ref = _teacher_forced(graphdef, versions[ver], [(ex, t) for ex, t, _, _ in rows])
+        for r, (_, toks, v, lp) in enumerate(rows):
+            at = v == ver
+            np.testing.assert_allclose(lp[at], ref[r, : len(toks)][at], atol=1e-4)
 
 
 def test_groups_past_the_staleness_bound_are_dropped_whole_and_counted(setup):
