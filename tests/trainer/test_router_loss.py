@@ -89,21 +89,34 @@ def test_the_loss_adds_coef_times_the_load_balancing_loss(tiny, padding_free):
     graphdef, params = nnx.split(model)
     aux = update.MicroInputs(Rows(jnp.asarray([1.0, -0.5, 0.3, -1.0])), jnp.float32(1.0))
 
-    def loss(coef, params):
+    def loss(coef, params):  # jitted: the gradients below are taken in one program each
         cfg = step_config({
             "actor.router_aux_loss_coef": coef, "actor.padding_free": padding_free,
             "rollout.max_new_tokens": N, "rollout.num_generations": 4,
         })  # fmt: skip
         mb = packing.fit_batch(batch, jax.random.key(0), cfg)
         assert (mb.pack_start is not None) == padding_free
-        return update._loss(params, None, graphdef, jax.tree.map(jnp.asarray, mb), aux, cfg)
+        mb = jax.tree.map(jnp.asarray, mb)
+        return jax.jit(lambda p: update._loss(p, None, graphdef, mb, aux, cfg))(params)
 
     off, on = loss(0.0, params), loss(0.25, params)
     assert "router_aux_loss" not in off[1].sums
     np.testing.assert_allclose(on[1].sums["router_aux_loss"], want, rtol=1e-5)
     np.testing.assert_allclose(on[0] - off[0], 0.25 * want, rtol=1e-4, atol=1e-7)
     if padding_free:  # the gradients differ by coef times the auxiliary loss's own
-        grad = lambda coef: jax.grad(lambda p: loss(coef, p)[0])(params)  # noqa: E731
+
+        def grad(coef):
+            cfg = step_config({
+                "actor.router_aux_loss_coef": coef, "actor.padding_free": True,
+                "rollout.max_new_tokens": N, "rollout.num_generations": 4,
+            })  # fmt: skip
+            mb = jax.tree.map(jnp.asarray, packing.fit_batch(batch, jax.random.key(0), cfg))
+            fn = lambda p: update._loss(p, None, graphdef, mb, aux, cfg)[0]  # noqa: E731
+            return jax.jit(jax.grad(fn))(params)
+
+        @jax.jit
+        def balance_grad(p):
+            return jax.grad(balance)(p)
 
         def balance(p):
             out = nnx.merge(graphdef, p).forward(
@@ -113,7 +126,7 @@ def test_the_loss_adds_coef_times_the_load_balancing_loss(tiny, padding_free):
             return moe.load_balancing_loss(out.router_logits, TOP_K, jnp.asarray(real))
 
         diff = jax.tree.map(jnp.subtract, grad(0.25), grad(0.0))
-        expected = jax.tree.map(lambda g: 0.25 * g, jax.grad(balance)(params))
+        expected = jax.tree.map(lambda g: 0.25 * g, balance_grad(params))
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), diff, expected)
         gate = diff["model"]["layers"]["mlp"]["gate"]["kernel"][...]
         assert np.abs(np.asarray(gate)).max() > 1e-4  # the routers do get a gradient
