@@ -116,8 +116,10 @@ def init_state(model, tx):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))  # compiled once per shape (gradients too)
+@functools.partial(jax.jit, static_argnums=(1, 3))
 def reference_logp(params, graphdef, batch, temperature):
-    """(log-probs of the completion tokens [B, N], entropies [B, N]) from full logits."""
+    """(log-probs of the completion tokens [B, N], entropies [B, N]) from full logits (one
+    program per model structure, batch shape and temperature)."""
     model = nnx.merge(graphdef, params)
     out = model.forward(
         batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images

@@ -1,7 +1,7 @@
 """The main job on every vision-language family: a tiny random checkpoint saved by transformers
 (over the embedded tokenizer) trains 2 steps of tprl with the perturbed-image pass, VGR token
 weights and the MDI reward, resumes for a third, and its export loads in transformers with our
-logits; PPO with LoRA and DAPO with QLoRA run a step. (That a resumed run equals an
+logits; PPO with LoRA or DAPO with QLoRA runs a step (each family one of the two). (That a resumed run equals an
 uninterrupted one does not depend on the family: tests/trainer_infra tests it.)"""
 
 from __future__ import annotations
@@ -156,16 +156,16 @@ def test_tprl_with_vgr_and_mdi_runs_resumes_and_exports(checkpoint, tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max())
 
 
-@pytest.mark.parametrize(
-    "config, extra",
-    [
-        ("configs/ppo.py", ("lora.rank=4", "lora.alpha=8.0")),
-        ("configs/dapo.py", ("lora.rank=4", "lora.alpha=8.0", "lora.quantize=int8")),
-    ],
-    ids=["ppo-lora", "dapo-qlora"],
-)
-def test_ppo_with_lora_and_dapo_with_qlora_run(checkpoint, tmp_path, config, extra):
-    _, path = checkpoint
+LORA_RUNS = {  # each family one of the two (the LoRA code is the families' shared decoder's)
+    "qwen2_vl": ("configs/dapo.py", ("lora.rank=4", "lora.alpha=8.0", "lora.quantize=int8")),
+    "qwen3_vl": ("configs/ppo.py", ("lora.rank=4", "lora.alpha=8.0")),
+    "qwen3_vl_moe": ("configs/dapo.py", ("lora.rank=4", "lora.alpha=8.0", "lora.quantize=int8")),
+}
+
+
+def test_ppo_with_lora_or_dapo_with_qlora_runs(checkpoint, tmp_path):
+    family, path = checkpoint
+    config, extra = LORA_RUNS[family]
     overrides = TINY + [f"workdir={tmp_path}", f"model.path={path}", "total_steps=1",
                         "val_before_train=False", "val_size=0", *extra]  # fmt: skip
     metrics = run(load_config(os.path.join(ROOT, config), overrides))
