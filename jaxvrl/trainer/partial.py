@@ -37,7 +37,8 @@ class Flight:
     """One prompt's G rows in flight (host numpy): tokens int32[G, N] and the sampler's
     logprobs float32[G, N] so far; versions int32[G, N] the step whose policy sampled each
     token (-1: none yet); length int32[G] the tokens so far; ended / truncated bool[G];
-    entropies float32[G, N] or None."""
+    entropies float32[G, N] or None; vision_mass / text_mass float32[L, G, N], the sampler's
+    per-layer attention masses of each token (`attention_pools`), or None."""
 
     example: dict
     tokens: np.ndarray
@@ -47,9 +48,13 @@ class Flight:
     ended: np.ndarray
     truncated: np.ndarray
     entropies: np.ndarray | None = None
+    vision_mass: np.ndarray | None = None
+    text_mass: np.ndarray | None = None
 
     @staticmethod
-    def fresh(example: dict, g: int, n: int, entropies: bool) -> Flight:
+    def fresh(example: dict, g: int, n: int, entropies: bool, layers: int = 0) -> Flight:
+        """A prompt whose G rows have no token yet (layers > 0: with attention masses)."""
+        mass = (lambda: np.zeros((layers, g, n), np.float32)) if layers else (lambda: None)
         return Flight(
             example=example,
             tokens=np.zeros((g, n), np.int32),
@@ -59,6 +64,8 @@ class Flight:
             ended=np.zeros(g, bool),
             truncated=np.zeros(g, bool),
             entropies=np.zeros((g, n), np.float32) if entropies else None,
+            vision_mass=mass(),
+            text_mass=mass(),
         )
 
     @property
@@ -85,6 +92,9 @@ class Flight:
         self.versions[j, k0:end] = version
         if self.entropies is not None and out.entropies is not None:
             self.entropies[j, k0:end] = out.entropies[b, :m]
+        if self.vision_mass is not None:
+            self.vision_mass[:, j, k0:end] = out.vision_mass[:, b, :m]
+            self.text_mass[:, j, k0:end] = out.text_mass[:, b, :m]
         self.length[j] = end
         self.ended[j] = bool(out.ended[b])
         self.truncated[j] = bool(out.ended[b]) and bool(out.truncated[b])
@@ -92,10 +102,13 @@ class Flight:
 
     def output(self):
         """The rows as a numpy SampleOutput-like record (tokens, mask, truncated, logprobs,
-        entropies): what `RolloutPhase.make_groups` reads."""
+        entropies, the attention masses): what `RolloutPhase.make_groups` reads."""
         n = self.tokens.shape[1]
         mask = (np.arange(n)[None, :] < self.length[:, None]).astype(np.float32)
-        return _Rows(self.tokens, mask, self.truncated, self.logprobs, self.entropies)
+        return _Rows(
+            self.tokens, mask, self.truncated, self.logprobs, self.entropies,
+            self.vision_mass, self.text_mass,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -105,17 +118,19 @@ class _Rows:
     truncated: np.ndarray
     logprobs: np.ndarray
     entropies: np.ndarray | None
+    vision_mass: np.ndarray | None = None  # [L, rows, N]
+    text_mass: np.ndarray | None = None
 
 
 def _stack_rows(rows: list[_Rows]) -> _Rows:
-    cat = lambda xs: np.concatenate(xs)  # noqa: E731
-    ent = None if rows[0].entropies is None else cat([r.entropies for r in rows])
+    def cat(name, axis=0):
+        xs = [getattr(r, name) for r in rows]
+        return None if xs[0] is None else np.concatenate(xs, axis=axis)
+
     return _Rows(
-        cat([r.tokens for r in rows]),
-        cat([r.mask for r in rows]),
-        cat([r.truncated for r in rows]),
-        cat([r.logprobs for r in rows]),
-        ent,
+        *(cat(k) for k in ("tokens", "mask", "truncated", "logprobs", "entropies")),
+        cat("vision_mass", 1),
+        cat("text_mass", 1),
     )
 
 
@@ -130,6 +145,9 @@ class PartialRollouts:
     oversample: float = 1.0
     max_staleness: int = 1
     entropies: bool = False
+    # the text decoder's layers where the rollout keeps each token's attention masses (the
+    # MDI reward, attention token methods, the attention log); 0: none
+    layers: int = 0
     # (example, j) -> the most tokens row j of the example may have (at most max_new_tokens;
     # a benchmark's forced lengths), None: max_new_tokens for every row
     row_limit: Callable[[dict, int], int] | None = None
@@ -180,8 +198,13 @@ class PartialRollouts:
         groups = []
         if done:
             out = _stack_rows([f.output() for f in done])
+            examples = [f.example for f in done]
             rows = [f.example for f in done for _ in range(self.group_size)]
-            groups = phase.make_groups(params, [f.example for f in done], rows, out, step)
+            att = None
+            if self.layers:  # the masses over the prompts' own pools
+                batch = phase.collate(examples, self.group_size)
+                att = phase.attention_metrics(out, batch)
+            groups = phase.make_groups(params, examples, rows, out, step, att)
             for x, f in zip(groups, done):
                 x.versions = f.versions
                 self.staleness.append(f.staleness(step))
@@ -204,7 +227,8 @@ class PartialRollouts:
         waiting = [f for f in self.flights if not f.started]
         while len(waiting) < (rows - c) // g:
             fresh = [
-                Flight.fresh(ex, g, self.max_new_tokens, self.entropies) for ex in next(examples)
+                Flight.fresh(ex, g, self.max_new_tokens, self.entropies, self.layers)
+                for ex in next(examples)
             ]
             self.flights += fresh
             waiting += fresh
@@ -213,13 +237,16 @@ class PartialRollouts:
         for f in [f for f, _ in moving] + waiting:
             ids.setdefault(id(f), len(ids))
         prompts, order = [], []  # order: (flight, row, prompt, limit, group) in queue order
+        prefixes = []  # each prompt's tokens that are a carried row's own (its last ones)
         for f, j in moving:
             k = int(f.length[j])
+            prefixes.append(k)
             prompts.append(
                 dict(f.example, prompt_ids=list(f.example["prompt_ids"]) + f.tokens[j, :k].tolist())
             )
             order.append((f, j, len(prompts) - 1, self._limit(f.example, j) - k, ids[id(f)]))
         for f in waiting:
+            prefixes.append(0)
             prompts.append(f.example)
             order += [
                 (f, j, len(prompts) - 1, self._limit(f.example, j), ids[id(f)]) for j in range(g)
@@ -228,12 +255,14 @@ class PartialRollouts:
         places = self.width
         while places < len(prompts):
             places *= 2
+        prefixes += [prefixes[0]] * (places - len(prompts))
         prompts += [prompts[0]] * (places - len(prompts))
         out, info = self._sample(
             phase,
             params,
             prompts,
             key,
+            prefixes,
             prompt_of=np.asarray([q[2] for q in queue], np.int32),
             limits=np.asarray([q[3] for q in queue], np.int32),
             groups=np.asarray([q[4] for q in queue], np.int32),
@@ -247,16 +276,22 @@ class PartialRollouts:
         n = self.max_new_tokens
         return n if self.row_limit is None else min(n, int(self.row_limit(example, j)))
 
-    def _sample(self, phase, params, examples, key, **rows):
+    def _sample(self, phase, params, examples, key, prefixes, **rows):
         from jaxvrl.trainer.rollout import sample_completions
 
         prompts = phase.collate(examples, 1)
+        pools = None
+        if self.layers:  # a carried row's own tokens are its completion's, in no pool
+            own = np.arange(prompts["input_ids"].shape[1])[None, :] >= (
+                prompts["input_ids"].shape[1] - np.asarray(prefixes)[:, None]
+            )
+            pools = {k: v & ~own for k, v in prompts["pools"].items()}
         out, times = sample_completions(
             phase.sampler,
             params,
             prompts,
             key,
-            None,
+            pools,
             phase.mesh,
             phase.decode,
             timed=True,

@@ -421,7 +421,7 @@ class RolloutPhase:
         )
         t_sample = time.time() - t0
         batch = repeat_prompts(prompts, g)  # the completions' rows: G per prompt
-        att = self._attention(out, batch)
+        att = self.attention_metrics(out, batch)
         groups = self.make_groups(params, examples, batch["rows"], out, step, att, batch)
         lengths = out.mask.sum(1)
         info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(lengths)}
@@ -506,8 +506,10 @@ class RolloutPhase:
         totals, _ = self._score_model(totals, {}, batch["rows"][::g], texts)
         return np.repeat(totals, g)
 
-    def _attention(self, out, batch) -> dict:
-        """Per-row rollout attention metrics {mdi, mdi_early, ..., aei_*: float32[B]}."""
+    def attention_metrics(self, out, batch) -> dict:
+        """Per-row rollout attention metrics {mdi, mdi_early, ..., aei_*: float32[B]} from the
+        sampler's masses (`out`: vision_mass, text_mass, mask) over the pools of `batch` (the
+        collated rows' own prompts); {} without masses."""
         if self.attention is None or out.vision_mass is None:
             return {}
         layer_set, last_k = self.attention

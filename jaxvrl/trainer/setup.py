@@ -345,19 +345,20 @@ def make_rollout_phase(
         mesh=mesh,
         accuracy=by_spec.get("mc_idx"),
         reward_model=reward_model(c, names, mesh),
-        partial=partial_rollouts(c, stats, sampler.cfg.entropies),
+        partial=partial_rollouts(
+            c, model_config.text.num_hidden_layers if stats else 0, sampler.cfg.entropies
+        ),
     )
 
 
-def partial_rollouts(c, stats: bool, entropies: bool) -> PartialRollouts | None:
-    """The rows carried between steps with rollout.partial (None: off); refused in one line
-    where a part of the run cannot follow a row across steps."""
+def partial_rollouts(c, layers: int, entropies: bool) -> PartialRollouts | None:
+    """The rows carried between steps with rollout.partial (None: off), keeping each token's
+    attention masses over `layers` text layers (0: none); refused in one line where a part of
+    the run cannot follow a row across steps."""
     if not c.rollout.partial:
         return None
     why = None
-    if stats:
-        why = "the sampler's attention masses (reward mdi, attention token methods)"
-    elif c.algorithm.adv_estimator == "remax":
+    if c.algorithm.adv_estimator == "remax":
         why = "remax's greedy baseline"
     elif jax.process_count() > 1:
         why = "several processes"
@@ -370,6 +371,7 @@ def partial_rollouts(c, stats: bool, entropies: bool) -> PartialRollouts | None:
         oversample=c.rollout.oversample,
         max_staleness=c.rollout.max_staleness,
         entropies=entropies,
+        layers=layers,
     )
 
 

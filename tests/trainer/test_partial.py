@@ -167,3 +167,68 @@ def test_carried_rows_take_the_samplers_log_probs_as_the_ratios_old_ones():
     assert partial.sampler_old and not partial.sampler_shaping
     off = StepConfig.of(tiny_config("configs/tprl.py", "/tmp/unused", "rollout.devices=1", keys[2]))
     assert off.sampler_old and not off.sampler_shaping  # one-step-off: one update behind
+
+
+def test_carried_rows_keep_each_tokens_attention_masses(setup):
+    """With attention masses (the MDI reward's, VGR's): a carried row's prefilled tokens so far
+    are in no key pool, so each token's masses equal a teacher-forced pass's under the policy
+    that sampled it, over the prompt's own pools."""
+    from jaxvrl.models import attention_pools
+
+    model, graphdef, versions, phase = setup
+    layers = model.config.text.num_hidden_layers
+
+    def collate_with_pools(examples, repeat):
+        batch = phase.collate(examples, repeat)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        return dict(batch, pools=attention_pools(ids, mask, ids.shape[1], **hf_tiny.POOL_IDS))
+
+    rows = []
+
+    def make_groups(params, examples, _, out, step, att):
+        for i, ex in enumerate(examples):
+            for j in range(i * G, (i + 1) * G):
+                n = int(out.mask[j].sum())
+                rows.append(
+                    (ex, out.tokens[j, :n], out.vision_mass[:, j, :n], out.text_mass[:, j, :n])
+                )
+        return [types.SimpleNamespace() for _ in examples]
+
+    looked = types.SimpleNamespace(**vars(phase))
+    looked.collate, looked.make_groups = collate_with_pools, make_groups
+    looked.attention_metrics = lambda out, batch: {}
+    partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5, layers=layers)
+    versions_of = []
+    examples = _examples(0)
+    for step in range(4):
+        key = jax.random.fold_in(jax.random.key(0), step)
+        groups, _ = partial.generate(looked, versions[step], examples, key, step)
+        versions_of += [
+            x.versions[j, : int((x.versions[j] >= 0).sum())] for x in groups for j in range(G)
+        ]
+    assert any(len(set(v.tolist())) > 1 for v in versions_of)  # some row spanned two versions
+    # every row teacher-forced in one batch per version, right-padded to 64 columns, each row
+    # with its prompt's pools
+    ids, mask = np.zeros((len(rows), 64), np.int64), np.zeros((len(rows), 64), np.int64)
+    pools = {k: np.zeros((len(rows), 64), bool) for k in ("vision", "text", "prompt")}
+    for r, (ex, toks, _, _) in enumerate(rows):
+        row = list(ex["prompt_ids"]) + list(toks)
+        ids[r, : len(row)], mask[r, : len(row)] = row, 1
+        own = attention_pools(
+            ids[r : r + 1], mask[r : r + 1], len(ex["prompt_ids"]), **hf_tiny.POOL_IDS
+        )
+        for k in pools:
+            pools[k][r] = own[k][0]
+    images = [ex for ex, *_ in rows if len(ex["image_grid_thw"])]
+    vision = dict(
+        pixel_values=np.concatenate([ex["pixel_values"] for ex in images]),
+        image_grid_thw=np.concatenate([ex["image_grid_thw"] for ex in images]),
+    )
+    for ver in sorted({int(u) for v in versions_of for u in v}):
+        out = nnx.merge(graphdef, versions[ver])(ids, mask, **vision, pools=pools)
+        vm, tm = np.asarray(out.vision_mass), np.asarray(out.text_mass)
+        for r, ((ex, toks, vmass, tmass), v) in enumerate(zip(rows, versions_of)):
+            at = v == ver
+            q = len(ex["prompt_ids"]) + np.arange(len(toks))[at]  # token i's query: p + i
+            np.testing.assert_allclose(vmass[:, at], vm[:, r, q], atol=1e-5)
+            np.testing.assert_allclose(tmass[:, at], tm[:, r, q], atol=1e-5)
