@@ -364,6 +364,13 @@ def partial_rollouts(c, layers: int, entropies: bool) -> PartialRollouts | None:
         why = "several processes"
     if why:
         raise ConfigError(f"config.rollout.partial: partial rollouts do not carry {why} yet")
+    if c.rollout.devices and c.rollout.max_staleness < 2:
+        log.warning(
+            "rollout.partial with rollout.devices: a batch trains one update after its policy, "
+            "so a carried row is at least 2 versions behind; with rollout.max_staleness=%d "
+            "every carried group is dropped (set it to 2 or more)",
+            c.rollout.max_staleness,
+        )
     return PartialRollouts(
         prompts_per_step=c.prompts_per_step,
         group_size=c.rollout.num_generations,
