@@ -21,6 +21,9 @@ v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compil
 --suggest (more micro-batches until the step fits), --lengths=lognormal:median=M,sigma=S or
 --lengths=FILE of integers (completion lengths for the step's rows: compiled for the
 completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
+--iteration=K prices one RL iteration for the --lengths mix (`jaxvrl/aot/iteration.py`):
+synchronous, partial rollouts, one-step-off training with the rollout on K chips, and both;
+it compiles the three programs on the whole slice and again on the split.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _split_args(argv: list[str]) -> tuple[dict, list[str]]:
     while i < len(argv):
         a = argv[i]
         name = a.split("=", 1)[0]
-        if name in ("--topology", "--programs", "--jobs", "--lengths"):
+        if name in ("--topology", "--programs", "--jobs", "--lengths", "--iteration"):
             if "=" in a:
                 ours[name[2:]] = a.split("=", 1)[1]
             elif i + 1 < len(argv):
@@ -108,6 +111,10 @@ def main(argv=None) -> int:
                 print(f"suggest: --config.optim.micro_batches={suggestion} fits")
             else:
                 print("suggest: no micro-batch count fits on this mesh")
+    if "iteration" in ours and not failed:
+        out_iteration = _iteration(plan, by_name, int(ours["iteration"]), ours, jobs)
+        if out_iteration is None:
+            return 1
     out = {
         "topology": plan.slice.name,
         "mesh": dict(plan.mesh.shape),
@@ -118,8 +125,77 @@ def main(argv=None) -> int:
     }
     if suggestion:
         out["suggest"] = {"optim.micro_batches": suggestion}
+    if "iteration" in ours and not failed:
+        out["iteration"] = out_iteration
     print(json.dumps(out), flush=True)
     return 1 if failed else 0
+
+
+def _iteration(plan, reports: dict, k: int, ours: dict, jobs: int) -> dict | None:
+    """Compiles the programs again with the rollout on `k` chips of their own and prints one
+    iteration's price in each mode (`iteration.price`); None when the split does not fit."""
+    import concurrent.futures as futures
+
+    from jaxvrl.aot import iteration
+    from jaxvrl.aot.plan import Plan, completion_lengths
+    from jaxvrl.config import set_values
+
+    if not {"train_step", "sampler", "decode_step"} <= set(reports):
+        raise SystemExit("--iteration needs --programs=train_step,sampler,decode_step")
+    c = plan.c.copy_and_resolve_references()
+    set_values(c, {"rollout.devices": k})
+    split = Plan.build(c, plan.slice.name, lengths=ours.get("lengths"))
+    print(f"the split: the rollout on {k} chips, the train step on the rest", flush=True)
+    print(split.describe(), flush=True)
+    with futures.ThreadPoolExecutor(jobs) as pool:
+        parts = {
+            r.name: r for r in pool.map(split.compile, ("train_step", "sampler", "decode_step"))
+        }
+    for r in parts.values():
+        print(format_report(r), flush=True)
+    if not all(r.fits for r in parts.values()):
+        print("the split does not fit: no one-step-off price")
+        return None
+    g, n = plan.c.rollout.num_generations, plan.c.rollout.max_new_tokens
+    prompts = plan.rows // g
+    lengths = completion_lengths(
+        ours.get("lengths") or f"lognormal:median={n},sigma=0", plan.rows * 24, n
+    )
+    work = {
+        "synchronous": iteration.rollout_work(lengths, prompts, g, plan.prompt_len, n, partial=False),
+        "partial": iteration.rollout_work(
+            lengths, prompts, g, plan.prompt_len, n, partial=True,
+            oversample=plan.c.rollout.oversample, max_staleness=max(plan.c.rollout.max_staleness, 2),
+        ),
+    }  # fmt: skip
+
+    def per_token(sampler):  # the prefill's seconds per prompt token
+        return sampler.fixed_s / (plan.sampler_prompts * plan.prompt_len)
+
+    ici = iteration.ICI_GBPS.get(plan.slice.chip.name, 0.0) * 1e9 / 2
+    copy_s = parts["sampler"].breakdown["params"] / ici if ici else 0.0
+    whole = dict(decode_s=reports["decode_step"].estimate_s,
+                 prefill_s_per_token=per_token(reports["sampler"]),
+                 train_s=reports["train_step"].estimate_s)  # fmt: skip
+    off = dict(split_train_s=parts["train_step"].estimate_s,
+               split_decode_s=parts["decode_step"].estimate_s,
+               split_prefill_s_per_token=per_token(parts["sampler"]), copy_s=copy_s)  # fmt: skip
+    modes = {
+        "synchronous": iteration.price(**whole, work=work["synchronous"]),
+        "partial": iteration.price(**whole, work=work["partial"]),
+        f"one-step-off ({k} + {plan.slice.chips - k} chips)": iteration.price(
+            **whole, **off, work=work["synchronous"]),
+        "both": iteration.price(**whole, **off, work=work["partial"]),
+    }  # fmt: skip
+    base = modes["synchronous"]["iteration_s"]
+    print("| mode | decode steps | prefill tokens | rollout ms | train ms | weight copy ms | "
+          "iteration ms | vs synchronous |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for name, m in modes.items():
+        w = work["partial" if name in ("partial", "both") else "synchronous"]
+        print(f"| {name} | {w['decode_steps']:,.0f} | {w['prefill_tokens']:,.0f} | "
+              f"{m['rollout_s'] * 1e3:,.0f} | {m['train_s'] * 1e3:,.0f} | {m['copy_s'] * 1e3:,.1f} | "
+              f"{m['iteration_s'] * 1e3:,.0f} | {m['iteration_s'] / base:.2f}x |")  # fmt: skip
+    return {"modes": modes, "work": work, "rollout_chips": k}
 
 
 if __name__ == "__main__":

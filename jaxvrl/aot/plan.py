@@ -172,7 +172,9 @@ class Plan:
         """The plan of config `c` on slice `slice_name`; lengths: a completion-length
         distribution (`completion_lengths`), None: every completion max_new_tokens long."""
         s = topology.parse(slice_name)
-        mesh = runtime.mesh_from_config(c.mesh, devices=topology.tpu_devices(s))
+        # the train step's chips: all of them, or those rollout.devices leaves it
+        train, _ = setup.device_split(c, topology.tpu_devices(s))
+        mesh = runtime.mesh_from_config(c.mesh, devices=train)
         setup.check_rows(c, mesh, processes=s.hosts)
         name, mcfg = model_config(c)
         setup.check_model_settings(c, mcfg)
@@ -201,7 +203,8 @@ class Plan:
         """(mesh, dtype) of the samplers: `rollout.mesh` over the slice's devices and
         `rollout.dtype` resolved for them (None: model.dtype), as `jaxvrl.train` makes them."""
         text = self.model.config.text
-        return setup.rollout_layout(self.c, self.mesh, text, processes=self.slice.hosts)
+        chips = setup.sampling_devices(self.c, self.mesh, topology.tpu_devices(self.slice))
+        return setup.rollout_layout(self.c, chips, text, processes=self.slice.hosts)
 
     def sampler(self, cfg=None) -> Sampler:
         """The rollout sampler of the run, in the rollout's layout."""

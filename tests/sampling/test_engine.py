@@ -158,3 +158,22 @@ def test_work_rows_may_take_their_prompts_in_any_order_and_number(model):
         np.testing.assert_array_equal(got.tokens[w], want.tokens[p])
         np.testing.assert_array_equal(got.mask[w], want.mask[p])
         np.testing.assert_allclose(got.logprobs[w], want.logprobs[p], atol=1e-5)
+
+
+def test_the_aot_tools_queue_model_counts_the_engines_steps(model):
+    """`jaxvrl.aot.iteration.engine_run` (which prices rollouts ahead of time) runs the queue
+    as the engine does: the same decode steps, tokens per row and ended rows, with and
+    without a group stop (rows end by their limits only)."""
+    from jaxvrl.aot.iteration import engine_run
+
+    ids, mask, vis = prompts("text", np.random.default_rng(17))
+    args, kw = inputs(model, ids, mask, **vis)
+    cfg = dataclasses.replace(_cfg(model, slots=2, page_size=4), eos_token_ids=())
+    limits = np.array([3, 9, 1, 5, 10, 2], np.int32)
+    for groups, need in ((None, 0), (np.array([0, 0, 0, 1, 1, 1], np.int32), 1)):
+        stop = {} if groups is None else dict(groups=groups, need=np.int32(need))
+        out = _run(model, cfg, args, dict(kw, limits=limits, **stop))
+        steps, made, ended = engine_run(limits, 2, groups, need, cfg.check_every)
+        assert int(out.steps) == steps and (groups is None or not ended.all())
+        np.testing.assert_array_equal(out.mask.sum(1), made)
+        np.testing.assert_array_equal(out.ended, ended)

@@ -1,0 +1,172 @@
+"""One RL iteration priced ahead of time for a completion-length mix (`python -m jaxvrl.aot
+--iteration=K`): synchronous (rollout, then the train step, on every chip), partial rollouts
+(`rollout.partial`), one-step-off training (`rollout.devices=K`: the rollout on K chips, the
+train step on the rest, at once) and both.
+
+A rollout's decode steps come from the slots engine's queue run on the drawn lengths
+(`engine_run`: every row holds a slot for as many steps as it has tokens, an ended row's slot
+taken by the next waiting row at once, the loop checked every `check_every` steps); partial
+rollouts are `PartialRollouts` itself (trainer/partial.py) over that queue, several steps in a
+row, so that carried rows and their prefills are counted as a run has them. Each decode step
+costs the compiled decode step's cost-model time, each prefilled token the sampler's prefill
+time per prompt token, the train step its own program's time, and the weight copy of one-step-
+off the rollout's weights per sampler chip over half a chip's bidirectional ICI bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+import jax
+import numpy as np
+
+from jaxvrl.trainer.partial import PartialRollouts
+
+# bidirectional inter-chip interconnect bandwidth per chip, GB/s (Cloud TPU's system
+# architecture pages); a copy into a chip gets half of it
+ICI_GBPS = {"TPU v4": 600.0, "TPU v5e": 400.0, "TPU v5p": 1200.0, "TPU v6e": 800.0}
+
+
+def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int = 8):
+    """The slots engine's queue on rows of `lengths` (int[W], in queue order): -> (decode
+    steps run, int[W] tokens each row produced, bool[W] rows that ended). With `groups`
+    (int[W], -1: none) and `need`, the loop stops at the first check after `need` groups
+    have ended whole, as `sampling.engine` does."""
+    lengths = np.asarray(lengths, np.int64)
+    w = len(lengths)
+    free = np.zeros(max(1, min(slots, w)), np.int64)  # each slot's next free step
+    start = np.zeros(w, np.int64)
+    for r in range(w):  # a row takes the slot that frees first (the lowest-numbered on ties)
+        s = int(np.argmin(free))
+        start[r], free[s] = free[s], free[s] + lengths[r]
+    end = start + lengths
+    stop = int(end.max()) if w else 0
+    if groups is not None and need > 0:
+        groups = np.asarray(groups)
+        done = sorted(end[groups == g].max() for g in set(groups.tolist()) - {-1})
+        if need <= len(done):
+            stop = min(stop, done[need - 1])
+    k = max(1, check_every)
+    stop = min(int(end.max()), -(-stop // k) * k) if w else 0
+    made = np.clip(stop - start, 0, lengths)
+    return stop, made, made == lengths
+
+
+@dataclasses.dataclass
+class _Out:  # what `PartialRollouts` reads of a sampler call
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray
+    truncated: np.ndarray
+    ended: np.ndarray
+    entropies: None = None
+    vision_mass: None = None
+    text_mass: None = None
+
+
+class _Queued(PartialRollouts):
+    """`PartialRollouts` whose sampler calls are the engine's queue (`engine_run`) on the rows'
+    forced lengths; counts decode steps and prefilled tokens."""
+
+    def __init__(self, *args, slots: int, check_every: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots, self.check_every = slots, check_every
+        self.steps = self.prefilled = 0
+
+    def _sample(self, phase, params, examples, key, prefixes, **rows):
+        limits = np.asarray(rows["limits"])
+        steps, made, ended = engine_run(
+            limits, self.slots, rows["groups"], int(rows["need"]), self.check_every
+        )
+        self.steps += steps
+        # every prompt place prefilled to the longest prompt's width
+        self.prefilled += len(examples) * max(len(ex["prompt_ids"]) for ex in examples)
+        n, w = self.max_new_tokens, len(limits)
+        mask = (np.arange(n)[None, :] < made[:, None]).astype(np.float32)
+        zeros = np.zeros((w, n), np.float32)
+        out = _Out(zeros.astype(np.int32), zeros, mask, ended & (made >= limits), ended)
+        return out, {"tokens": float(made.sum()), "rows": w, "prefill_s": 0.0, "decode_s": 0.0,
+                     "decode_steps": float(steps), "decode_rows": min(self.slots, w)}  # fmt: skip
+
+
+def rollout_work(
+    lengths: np.ndarray,
+    prompts: int,
+    group: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    partial: bool,
+    oversample: float = 2.0,
+    max_staleness: int = 1,
+    slots: int | None = None,
+    check_every: int = 8,
+) -> dict:
+    """Per trained step, over the steps the drawn `lengths` fill (each step `prompts` groups of
+    `group` rows; slots: the decode rows, default the step's rows): {"decode_steps",
+    "prefill_tokens", "groups"} averaged per step. Synchronous: each step's rows to their end;
+    partial: `PartialRollouts` carrying rows from step to step."""
+    rows = prompts * group
+    slots = slots or rows
+    if not partial:
+        steps = len(lengths) // rows
+        runs = [engine_run(lengths[i * rows : (i + 1) * rows], slots)[0] for i in range(steps)]
+        return {"decode_steps": float(np.mean(runs)), "prefill_tokens": float(prompts * prompt_len),
+                "groups": float(prompts)}  # fmt: skip
+    queue = _Queued(
+        prompts, group, max_new_tokens, oversample=oversample, max_staleness=max_staleness,
+        row_limit=lambda ex, j: ex["lengths"][j], slots=slots, check_every=check_every,
+    )  # fmt: skip
+    per = iter(lengths.reshape(-1, group))
+
+    def examples():
+        for _ in range(len(lengths) // rows):
+            yield [{"prompt_ids": [0] * prompt_len, "lengths": next(per)} for _ in range(prompts)]
+
+    phase = types.SimpleNamespace(
+        make_groups=lambda p, ex, *a: [types.SimpleNamespace() for _ in ex]
+    )
+    it, trained, steps = examples(), 0, 0
+    budget = len(lengths) // rows - math.ceil(oversample) - 1  # leave rows for the last call
+    for step in range(max(1, budget)):
+        try:
+            groups, _ = queue.generate(phase, None, it, jax.random.key(step), step)
+        except StopIteration:
+            break
+        trained, steps = trained + len(groups), step + 1
+        queue.take_metrics()
+    return {"decode_steps": queue.steps / steps, "prefill_tokens": queue.prefilled / steps,
+            "groups": trained / steps}  # fmt: skip
+
+
+def price(
+    *,
+    decode_s: float,
+    prefill_s_per_token: float,
+    train_s: float,
+    work: dict,
+    copy_s: float = 0.0,
+    split_train_s: float | None = None,
+    split_decode_s: float | None = None,
+    split_prefill_s_per_token: float | None = None,
+) -> dict:
+    """One iteration's phases (seconds): the rollout from `work` (`rollout_work`) at
+    `decode_s` per decode step and `prefill_s_per_token`, then `train_s`; with the split's
+    figures (one-step-off), the larger of its rollout and its train step, plus the copy."""
+    rollout = work["decode_steps"] * decode_s + work["prefill_tokens"] * prefill_s_per_token
+    out = {
+        "rollout_s": rollout,
+        "train_s": train_s,
+        "copy_s": 0.0,
+        "iteration_s": rollout + train_s,
+    }
+    if split_train_s is not None:
+        rollout = (
+            work["decode_steps"] * split_decode_s
+            + work["prefill_tokens"] * split_prefill_s_per_token
+        )
+        out = {"rollout_s": rollout, "train_s": split_train_s, "copy_s": copy_s,
+               "iteration_s": max(rollout, split_train_s) + copy_s}  # fmt: skip
+    return out

@@ -1,0 +1,47 @@
+"""The AOT tool's iteration price (`jaxvrl.aot.iteration`): the synchronous rollout's decode
+steps are each step's longest row when every row has a slot; partial rollouts (the trainer's
+own `PartialRollouts` over the engine's queue) train the step's groups every step in fewer
+decode steps on a long-tailed mix, and count the carried rows' prefills; one-step-off is the
+larger of the two sides plus the weight copy. (That the queue model counts the engine's steps:
+tests/sampling/test_engine.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxvrl.aot.iteration import engine_run, price, rollout_work
+from jaxvrl.aot.plan import completion_lengths
+
+P, G, N, PROMPT = 4, 4, 256, 32
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    return completion_lengths("lognormal:median=48,sigma=0.8", P * G * 20, N, seed=3)
+
+
+def test_synchronous_steps_are_each_steps_longest_row(lengths):
+    got = rollout_work(lengths, P, G, PROMPT, N, partial=False)
+    want = lengths.reshape(-1, P * G).max(axis=1).mean()
+    assert got == {"decode_steps": want, "prefill_tokens": P * PROMPT, "groups": P}
+    # fewer slots than rows: each row holds a slot for its length, the queue in order
+    steps, made, ended = engine_run([5, 3, 4, 1], slots=2, check_every=1)
+    assert (steps, made.tolist(), ended.all()) == (7, [5, 3, 4, 1], True)  # 0-5, 0-3, 3-7, 5-6
+
+
+def test_partial_rollouts_train_every_group_in_fewer_steps(lengths):
+    sync = rollout_work(lengths, P, G, PROMPT, N, partial=False)
+    part = rollout_work(lengths, P, G, PROMPT, N, partial=True, max_staleness=4)
+    assert part["groups"] == P
+    assert part["decode_steps"] < 0.8 * sync["decode_steps"], (part, sync)
+    assert part["prefill_tokens"] > sync["prefill_tokens"]  # carried rows prefilled again
+
+
+def test_one_step_off_takes_the_larger_side_plus_the_copy():
+    work = {"decode_steps": 100.0, "prefill_tokens": 1000.0}
+    whole = dict(decode_s=0.01, prefill_s_per_token=1e-4, train_s=3.0, work=work)
+    sync = price(**whole)
+    assert sync["iteration_s"] == pytest.approx(1.0 + 0.1 + 3.0)
+    off = price(**whole, split_train_s=5.0, split_decode_s=0.02, split_prefill_s_per_token=2e-4,
+                copy_s=0.5)  # fmt: skip
+    assert off["rollout_s"] == pytest.approx(2.2) and off["iteration_s"] == pytest.approx(5.5)
