@@ -23,7 +23,8 @@ v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compil
 completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
 --iteration=K prices one RL iteration for the --lengths mix (`jaxvrl/aot/iteration.py`):
 synchronous, partial rollouts, one-step-off training with the rollout on K chips, and both;
-it compiles the three programs on the whole slice and again on the split.
+it compiles the three programs on the whole slice, then the train step on a slice of the
+other chips' size and the sampler and decode step on one of K chips.
 """
 
 from __future__ import annotations
@@ -142,21 +143,36 @@ def _iteration(plan, reports: dict, k: int, ours: dict, jobs: int) -> dict | Non
 
     if not {"train_step", "sampler", "decode_step"} <= set(reports):
         raise SystemExit("--iteration needs --programs=train_step,sampler,decode_step")
-    c = plan.c.copy_and_resolve_references()
-    set_values(c, {"rollout.devices": k})
-    split = Plan.build(c, plan.slice.name, lengths=ours.get("lengths"))
-    print(f"the split: the rollout on {k} chips, the train step on the rest", flush=True)
-    print(split.describe(), flush=True)
+    from jaxvrl.parallel import topology
+
+    g = plan.c.rollout.num_generations
+
+    def part(chips: int) -> Plan:  # the same step's rows on a slice of `chips` chips
+        name = f"{plan.slice.name.split('-')[0]}-{chips * plan.slice.chip.cores_in_name}"
+        hosts = topology.parse(name).hosts
+        c = plan.c.copy_and_resolve_references()
+        values = {"prompts_per_step": plan.rows // (g * hosts)}
+        if c.actor.global_batch_size:  # the same mini-batches of the same rows
+            values["actor.global_batch_size"] = (
+                c.actor.global_batch_size * plan.slice.hosts // hosts
+            )
+        set_values(c, values)
+        return Plan.build(c, name, lengths=ours.get("lengths"))
+
+    # Each side priced on a slice of its own size: the TPU compiler does not compile every
+    # program over a per-host split of one slice (its all-reduce emitter stops on a check)
+    train, roll = part(plan.slice.chips - k), part(k)
+    print(f"the split: the rollout on {k} chips, the train step on {plan.slice.chips - k}")
+    print(train.describe() + "\n" + roll.describe(), flush=True)
     with futures.ThreadPoolExecutor(jobs) as pool:
-        parts = {
-            r.name: r for r in pool.map(split.compile, ("train_step", "sampler", "decode_step"))
-        }
+        jobs_ = [(train, "train_step"), (roll, "sampler"), (roll, "decode_step")]
+        parts = {r.name: r for r in pool.map(lambda pn: pn[0].compile(pn[1]), jobs_)}
     for r in parts.values():
         print(format_report(r), flush=True)
     if not all(r.fits for r in parts.values()):
         print("the split does not fit: no one-step-off price")
         return None
-    g, n = plan.c.rollout.num_generations, plan.c.rollout.max_new_tokens
+    n = plan.c.rollout.max_new_tokens
     prompts = plan.rows // g
     lengths = completion_lengths(
         ours.get("lengths") or f"lognormal:median={n},sigma=0", plan.rows * 24, n
@@ -169,8 +185,8 @@ def _iteration(plan, reports: dict, k: int, ours: dict, jobs: int) -> dict | Non
         ),
     }  # fmt: skip
 
-    def per_token(sampler):  # the prefill's seconds per prompt token
-        return sampler.fixed_s / (plan.sampler_prompts * plan.prompt_len)
+    def per_token(sampler, p=plan):  # the prefill's seconds per prompt token
+        return sampler.fixed_s / (p.sampler_prompts * p.prompt_len)
 
     ici = iteration.ICI_GBPS.get(plan.slice.chip.name, 0.0) * 1e9 / 2
     copy_s = parts["sampler"].breakdown["params"] / ici if ici else 0.0
@@ -179,7 +195,7 @@ def _iteration(plan, reports: dict, k: int, ours: dict, jobs: int) -> dict | Non
                  train_s=reports["train_step"].estimate_s)  # fmt: skip
     off = dict(split_train_s=parts["train_step"].estimate_s,
                split_decode_s=parts["decode_step"].estimate_s,
-               split_prefill_s_per_token=per_token(parts["sampler"]), copy_s=copy_s)  # fmt: skip
+               split_prefill_s_per_token=per_token(parts["sampler"], roll), copy_s=copy_s)  # fmt: skip
     modes = {
         "synchronous": iteration.price(**whole, work=work["synchronous"]),
         "partial": iteration.price(**whole, work=work["partial"]),
