@@ -21,10 +21,8 @@ v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compil
 --suggest (more micro-batches until the step fits), --lengths=lognormal:median=M,sigma=S or
 --lengths=FILE of integers (completion lengths for the step's rows: compiled for the
 completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
---iteration=K prices one RL iteration for the --lengths mix (`jaxvrl/aot/iteration.py`):
-synchronous, partial rollouts, one-step-off training with the rollout on K chips, and both;
-it compiles the three programs on the whole slice, then the train step on a slice of the
-other chips' size and the sampler and decode step on one of K chips.
+--iteration=K prices one RL iteration for the --lengths mix, synchronous, partial, one-step-off
+with the rollout on K chips, and both (`jaxvrl/aot/iteration.py`).
 """
 
 from __future__ import annotations

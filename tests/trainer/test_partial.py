@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
         jax.tree.map(lambda x, v=v: x * (1 + 0.1 * v), params) for v in range(6)
     ]  # the policy after each step
 
-    def make_groups(params, examples, rows, out, step):  # what the filters would get
+    def make_groups(params, examples, rows, out, step, att=None):  # what the filters get
         return [
             types.SimpleNamespace(example=ex, tokens=out.tokens[i * G : (i + 1) * G],
                                   mask=out.mask[i * G : (i + 1) * G],
