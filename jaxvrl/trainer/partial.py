@@ -158,7 +158,8 @@ class PartialRollouts:
 
     @property
     def width(self) -> int:
-        """Prompts a fresh call samples: oversample x the step's prompts."""
+        """Groups a sampler call holds (width x G work rows): oversample x the step's
+        prompts."""
         return max(self.prompts_per_step, math.ceil(self.oversample * self.prompts_per_step))
 
     def drop_stale(self, step: int) -> int:
