@@ -15,13 +15,13 @@ off the rollout's weights per sampler chip over half a chip's bidirectional ICI 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import types
 
 import jax
 import numpy as np
 
+from jaxvrl.sampling import SampleOutput
 from jaxvrl.trainer.partial import PartialRollouts
 
 # bidirectional inter-chip interconnect bandwidth per chip, GB/s (Cloud TPU's system
@@ -54,18 +54,6 @@ def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int
     return stop, made, made == lengths
 
 
-@dataclasses.dataclass
-class _Out:  # what `PartialRollouts` reads of a sampler call
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    mask: np.ndarray
-    truncated: np.ndarray
-    ended: np.ndarray
-    entropies: None = None
-    vision_mass: None = None
-    text_mass: None = None
-
-
 class _Queued(PartialRollouts):
     """`PartialRollouts` whose sampler calls are the engine's queue (`engine_run`) on the rows'
     forced lengths; counts decode steps and prefilled tokens."""
@@ -86,7 +74,13 @@ class _Queued(PartialRollouts):
         n, w = self.max_new_tokens, len(limits)
         mask = (np.arange(n)[None, :] < made[:, None]).astype(np.float32)
         zeros = np.zeros((w, n), np.float32)
-        out = _Out(zeros.astype(np.int32), zeros, mask, ended & (made >= limits), ended)
+        out = SampleOutput(
+            tokens=zeros.astype(np.int32),
+            logprobs=zeros,
+            mask=mask,
+            truncated=ended & (made >= limits),
+            ended=ended,
+        )
         return out, {"tokens": float(made.sum()), "rows": w, "prefill_s": 0.0, "decode_s": 0.0,
                      "decode_steps": float(steps), "decode_rows": min(self.slots, w)}  # fmt: skip
 

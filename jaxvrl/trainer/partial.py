@@ -29,6 +29,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxvrl.sampling import SampleOutput
 from jaxvrl.trainer.groups import Group
 
 
@@ -100,38 +101,32 @@ class Flight:
         self.truncated[j] = bool(out.ended[b]) and bool(out.truncated[b])
         return m
 
-    def output(self):
-        """The rows as a numpy SampleOutput-like record (tokens, mask, truncated, logprobs,
+    def output(self) -> SampleOutput:
+        """The rows as a SampleOutput of numpy arrays (tokens, logprobs, mask, truncated,
         entropies, the attention masses): what `RolloutPhase.make_groups` reads."""
         n = self.tokens.shape[1]
         mask = (np.arange(n)[None, :] < self.length[:, None]).astype(np.float32)
-        return _Rows(
-            self.tokens, mask, self.truncated, self.logprobs, self.entropies,
-            self.vision_mass, self.text_mass,
-        )  # fmt: skip
+        return SampleOutput(
+            tokens=self.tokens,
+            logprobs=self.logprobs,
+            mask=mask,
+            truncated=self.truncated,
+            vision_mass=self.vision_mass,
+            text_mass=self.text_mass,
+            entropies=self.entropies,
+        )
 
 
-@dataclasses.dataclass
-class _Rows:
-    tokens: np.ndarray
-    mask: np.ndarray
-    truncated: np.ndarray
-    logprobs: np.ndarray
-    entropies: np.ndarray | None
-    vision_mass: np.ndarray | None = None  # [L, rows, N]
-    text_mass: np.ndarray | None = None
+def _stack_rows(rows: list[SampleOutput]) -> SampleOutput:
+    """Flights' outputs as one, rows in order (the masses' rows are their second axis)."""
+    masses = ("vision_mass", "text_mass")
 
-
-def _stack_rows(rows: list[_Rows]) -> _Rows:
-    def cat(name, axis=0):
+    def cat(name):
         xs = [getattr(r, name) for r in rows]
-        return None if xs[0] is None else np.concatenate(xs, axis=axis)
+        return None if xs[0] is None else np.concatenate(xs, axis=1 if name in masses else 0)
 
-    return _Rows(
-        *(cat(k) for k in ("tokens", "mask", "truncated", "logprobs", "entropies")),
-        cat("vision_mass", 1),
-        cat("text_mass", 1),
-    )
+    fields = ("tokens", "logprobs", "mask", "truncated", "entropies", *masses)
+    return SampleOutput(**{k: cat(k) for k in fields})
 
 
 @dataclasses.dataclass
@@ -278,7 +273,7 @@ class PartialRollouts:
         return n if self.row_limit is None else min(n, int(self.row_limit(example, j)))
 
     def _sample(self, phase, params, examples, key, prefixes, **rows):
-        from jaxvrl.trainer.rollout import sample_completions
+        from jaxvrl.trainer.rollout import sample_completions, sampler_info
 
         prompts = phase.collate(examples, 1)
         pools = None
@@ -299,10 +294,7 @@ class PartialRollouts:
             **rows,
         )
         out = jax.tree.map(np.asarray, out)
-        info = dict(times, tokens=float(out.mask.sum()), rows=len(out.tokens))
-        info["decode_steps"] = float(out.steps)
-        info["decode_rows"] = phase.sampler.decode_rows(len(out.tokens))
-        return out, info
+        return out, sampler_info(phase.sampler, out, times)
 
     def take_metrics(self) -> dict:
         """This step's partial-rollout metrics (then reset): rows carried into the next step,

@@ -343,6 +343,20 @@ def sample_completions(
     return (out, times) if timed else out
 
 
+def sampler_info(sampler, out, times: dict, prefill_once: bool = True) -> dict:
+    """A sampler call's figures for the rollout's metrics: the tokens it generated and its
+    rows, the seconds of its two programs (`times`: prefill_s, decode_s), its decode steps and
+    the rows each step ran (every row, or the sampler's slots)."""
+    lengths = np.asarray(out.mask).sum(1)
+    return dict(
+        times,
+        tokens=float(lengths.sum()),
+        rows=len(lengths),
+        decode_steps=float(out.steps),
+        decode_rows=sampler.decode_rows(len(lengths), prefill_once),
+    )
+
+
 def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
     return [
         tokenizer.decode(row[: int(m.sum())].tolist(), skip_special_tokens=True)
@@ -423,14 +437,8 @@ class RolloutPhase:
         batch = repeat_prompts(prompts, g)  # the completions' rows: G per prompt
         att = self.attention_metrics(out, batch)
         groups = self.make_groups(params, examples, batch["rows"], out, step, att, batch)
-        lengths = out.mask.sum(1)
-        info = {"sample_s": t_sample, "tokens": float(lengths.sum()), "rows": len(lengths)}
-        info.update(times)  # prefill_s, decode_s
-        info["decode_steps"] = float(out.steps)
-        # the rows each decode step ran: every row, or the sampler's slots
         once = prefills_once(len(examples), self.mesh)
-        info["decode_rows"] = self.sampler.decode_rows(len(lengths), once)
-        return groups, info
+        return groups, dict(sampler_info(self.sampler, out, times, once), sample_s=t_sample)
 
     def make_groups(
         self, params, examples: list, rows: list, out, step: int, att=None, batch=None
