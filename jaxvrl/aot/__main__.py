@@ -22,7 +22,8 @@ v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compil
 --lengths=FILE of integers (completion lengths for the step's rows: compiled for the
 completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
 --iteration=K prices one RL iteration for the --lengths mix, synchronous, partial, one-step-off
-with the rollout on K chips, and both (`jaxvrl/aot/iteration.py`).
+with the rollout on K chips, and both (`jaxvrl/aot/iteration.py`), each program compiled on
+the chips the run gives it; --iteration=auto tries every split and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
             else:
                 print("suggest: no micro-batch count fits on this mesh")
     if "iteration" in ours and not failed:
-        out_iteration = _iteration(plan, by_name, int(ours["iteration"]), ours, jobs)
+        out_iteration = _iteration(plan, by_name, ours["iteration"], ours, jobs)
         if out_iteration is None:
             return 1
     out = {
@@ -130,47 +131,28 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def _iteration(plan, reports: dict, k: int, ours: dict, jobs: int) -> dict | None:
-    """Compiles the programs again with the rollout on `k` chips of their own and prints one
-    iteration's price in each mode (`iteration.price`); None when the split does not fit."""
+def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | None:
+    """Compiles the programs again with the rollout on `k` chips of their own ("auto": each
+    size `setup.split_sizes` offers, keeping the fastest) and prints one iteration's price in
+    each mode (`iteration.price`); None when no split fits."""
     import concurrent.futures as futures
 
     from jaxvrl.aot import iteration
     from jaxvrl.aot.plan import Plan, completion_lengths
     from jaxvrl.config import set_values
+    from jaxvrl.parallel import topology
+    from jaxvrl.trainer import setup
 
     if not {"train_step", "sampler", "decode_step"} <= set(reports):
         raise SystemExit("--iteration needs --programs=train_step,sampler,decode_step")
-    from jaxvrl.parallel import topology
-
-    g = plan.c.rollout.num_generations
-
-    def part(chips: int) -> Plan:  # the same step's rows on a slice of `chips` chips
-        name = f"{plan.slice.name.split('-')[0]}-{chips * plan.slice.chip.cores_in_name}"
-        hosts = topology.parse(name).hosts
-        c = plan.c.copy_and_resolve_references()
-        values = {"prompts_per_step": plan.rows // (g * hosts)}
-        if c.actor.global_batch_size:  # the same mini-batches of the same rows
-            values["actor.global_batch_size"] = (
-                c.actor.global_batch_size * plan.slice.hosts // hosts
-            )
-        set_values(c, values)
-        return Plan.build(c, name, lengths=ours.get("lengths"))
-
-    # Each side priced on a slice of its own size: the TPU compiler does not compile every
-    # program over a per-host split of one slice (its all-reduce emitter stops on a check)
-    train, roll = part(plan.slice.chips - k), part(k)
-    print(f"the split: the rollout on {k} chips, the train step on {plan.slice.chips - k}")
-    print(train.describe() + "\n" + roll.describe(), flush=True)
-    with futures.ThreadPoolExecutor(jobs) as pool:
-        jobs_ = [(train, "train_step"), (roll, "sampler"), (roll, "decode_step")]
-        parts = {r.name: r for r in pool.map(lambda pn: pn[0].compile(pn[1]), jobs_)}
-    for r in parts.values():
-        print(format_report(r), flush=True)
-    if not all(r.fits for r in parts.values()):
-        print("the split does not fit: no one-step-off price")
-        return None
-    n = plan.c.rollout.max_new_tokens
+    sizes = setup.split_sizes(topology.tpu_devices(plan.slice))
+    ks = sizes if k == "auto" else [int(k)]
+    if not ks or set(ks) - set(sizes):
+        raise SystemExit(
+            f"--iteration={k}: the {plan.slice.name} slice splits into boxes of its torus "
+            f"on every host with the rollout on {sizes} chips (or --iteration=auto)"
+        )
+    g, n = plan.c.rollout.num_generations, plan.c.rollout.max_new_tokens
     prompts = plan.rows // g
     lengths = completion_lengths(
         ours.get("lengths") or f"lognormal:median={n},sigma=0", plan.rows * 24, n
@@ -183,24 +165,49 @@ def _iteration(plan, reports: dict, k: int, ours: dict, jobs: int) -> dict | Non
         ),
     }  # fmt: skip
 
-    def per_token(sampler, p=plan):  # the prefill's seconds per prompt token
+    def per_token(sampler, p):  # the prefill's seconds per prompt token
         return sampler.fixed_s / (p.sampler_prompts * p.prompt_len)
 
-    ici = iteration.ICI_GBPS.get(plan.slice.chip.name, 0.0) * 1e9 / 2
-    copy_s = parts["sampler"].breakdown["params"] / ici if ici else 0.0
     whole = dict(decode_s=reports["decode_step"].estimate_s,
-                 prefill_s_per_token=per_token(reports["sampler"]),
+                 prefill_s_per_token=per_token(reports["sampler"], plan),
                  train_s=reports["train_step"].estimate_s)  # fmt: skip
-    off = dict(split_train_s=parts["train_step"].estimate_s,
-               split_decode_s=parts["decode_step"].estimate_s,
-               split_prefill_s_per_token=per_token(parts["sampler"], roll), copy_s=copy_s)  # fmt: skip
+    ici = iteration.ICI_GBPS.get(plan.slice.chip.name, 0.0) * 1e9 / 2
+    splits = {}
+    for chips in ks:  # the split the run makes (`setup.device_split`), compiled as it runs
+        c = plan.c.copy_and_resolve_references()
+        set_values(c, {"rollout.devices": chips})
+        split = Plan.build(c, plan.slice.name, lengths=ours.get("lengths"))
+        print(f"the split: the rollout on {chips} chips, the train step on the other "
+              f"{plan.slice.chips - chips}\n{split.describe()}", flush=True)  # fmt: skip
+        with futures.ThreadPoolExecutor(jobs) as pool:
+            parts = {r.name: r for r in pool.map(split.compile, PROGRAMS)}
+        for r in parts.values():
+            print(format_report(r), flush=True)
+        if not all(r.fits for r in parts.values()):
+            print(f"the split with the rollout on {chips} chips does not fit")
+            continue
+        off = dict(split_train_s=parts["train_step"].estimate_s,
+                   split_decode_s=parts["decode_step"].estimate_s,
+                   split_prefill_s_per_token=per_token(parts["sampler"], split),
+                   copy_s=parts["sampler"].breakdown["params"] / ici if ici else 0.0)  # fmt: skip
+        splits[chips] = {
+            "one-step-off": iteration.price(**whole, **off, work=work["synchronous"]),
+            "both": iteration.price(**whole, **off, work=work["partial"]),
+        }
+        print(f"rollout on {chips} chips: one-step-off "
+              f"{splits[chips]['one-step-off']['iteration_s'] * 1e3:,.0f} ms, both "
+              f"{splits[chips]['both']['iteration_s'] * 1e3:,.0f} ms", flush=True)  # fmt: skip
+    if not splits:
+        print("no split fits: no one-step-off price")
+        return None
+    best = min(splits, key=lambda chips: splits[chips]["both"]["iteration_s"])
+    rest = plan.slice.chips - best
     modes = {
         "synchronous": iteration.price(**whole, work=work["synchronous"]),
         "partial": iteration.price(**whole, work=work["partial"]),
-        f"one-step-off ({k} + {plan.slice.chips - k} chips)": iteration.price(
-            **whole, **off, work=work["synchronous"]),
-        "both": iteration.price(**whole, **off, work=work["partial"]),
-    }  # fmt: skip
+        f"one-step-off ({best} + {rest} chips)": splits[best]["one-step-off"],
+        "both": splits[best]["both"],
+    }
     base = modes["synchronous"]["iteration_s"]
     print("| mode | decode steps | prefill tokens | rollout ms | train ms | weight copy ms | "
           "iteration ms | vs synchronous |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
@@ -209,7 +216,8 @@ def _iteration(plan, reports: dict, k: int, ours: dict, jobs: int) -> dict | Non
         print(f"| {name} | {w['decode_steps']:,.0f} | {w['prefill_tokens']:,.0f} | "
               f"{m['rollout_s'] * 1e3:,.0f} | {m['train_s'] * 1e3:,.0f} | {m['copy_s'] * 1e3:,.1f} | "
               f"{m['iteration_s'] * 1e3:,.0f} | {m['iteration_s'] / base:.2f}x |")  # fmt: skip
-    return {"modes": modes, "work": work, "rollout_chips": k}
+    return {"modes": modes, "work": work, "rollout_chips": best,
+            "splits": {str(c): v for c, v in splits.items()}}  # fmt: skip
 
 
 if __name__ == "__main__":

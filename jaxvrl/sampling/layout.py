@@ -18,13 +18,16 @@ drops it; nothing goes through the host.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxvrl import models
 from jaxvrl.models import lora
@@ -250,8 +253,12 @@ class Preparer:
         order = _device_order(params)
         mesh = self.layout.mesh
         if set(order) != set(mesh.devices.flat):  # the sampler's own devices: cast, then copy
-            out = jax.jit(_sampling_params, static_argnums=(0, 1))(*how, params)
-            return jax.device_put(out, shardings)
+            src = jax.tree.leaves(params)[0].sharding
+            cast = None
+            if isinstance(src, NamedSharding):  # cast into a layout of the source's mesh
+                cast = sharding.param_shardings(self.target(params)[1], src.mesh)
+            out = jax.jit(_sampling_params, static_argnums=(0, 1), out_shardings=cast)(*how, params)
+            return across(out, shardings)
         staging = mesh
         if order != list(mesh.devices.flat):
             staging = Mesh(np.asarray(order).reshape(mesh.devices.shape), mesh.axis_names)
@@ -259,6 +266,66 @@ class Preparer:
         fn = jax.jit(_sampling_params, static_argnums=(0, 1), out_shardings=staged)
         out = fn(*how, params)
         return out if staging is mesh else jax.device_put(out, shardings)
+
+
+def across(tree, shardings):
+    """`tree` (arrays on one set of devices) put into `shardings` (on another set). In one
+    process a `jax.device_put`. Multi-controller jax moves an array only within one device
+    set, so with several processes each array's shards first go to a mirror mesh on the
+    target devices (each source device paired with a target device of its own process) in
+    one program over both sets, a collective-permute, and are resharded there; where the
+    sets cannot be paired so, or the arrays are not on a mesh, through the hosts."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    leaves, treedef = jax.tree.flatten(tree)
+    src = leaves[0].sharding
+    targets = jax.tree.leaves(shardings)
+    pairs = None
+    if isinstance(src, NamedSharding):
+        pairs = _pairs(list(src.mesh.devices.flat), sorted(targets[0].device_set, key=_key))
+    if pairs is None or any(x.sharding.mesh != src.mesh for x in leaves):
+        logging.warning(
+            "the rollout's devices do not pair with the train step's on every host: the "
+            "weights go through the hosts at each copy"
+        )
+        host = [multihost_utils.process_allgather(x, tiled=True) for x in leaves]
+        return jax.device_put(jax.tree.unflatten(treedef, host), shardings)
+    mesh = src.mesh
+    mirror = Mesh(np.vectorize(pairs.get, otypes=[object])(mesh.devices), mesh.axis_names)
+    both = Mesh(np.stack([mesh.devices, mirror.devices]), ("side", *mesh.axis_names))
+    stacked = []
+    for x in leaves:  # [2, ...]: the shards on the source devices, zeros on their mirrors
+        bufs = []
+        for shard in x.addressable_shards:
+            bufs.append(shard.data[None])
+            bufs.append(jnp.zeros((1, *shard.data.shape), x.dtype, device=pairs[shard.device]))
+        spec = NamedSharding(both, P("side", *x.sharding.spec))
+        stacked.append(jax.make_array_from_single_device_arrays((2, *x.shape), spec, bufs))
+    outs = [NamedSharding(both, P("side", *x.sharding.spec)) for x in leaves]
+    swapped = jax.jit(lambda ys: [y[::-1] for y in ys], out_shardings=outs)(stacked)
+    moved = []
+    for x, y in zip(leaves, swapped):
+        mine = [s.data[0] for s in y.addressable_shards if s.device in pairs.values()]
+        spec = NamedSharding(mirror, x.sharding.spec)
+        moved.append(jax.make_array_from_single_device_arrays(x.shape, spec, mine))
+    return jax.device_put(jax.tree.unflatten(treedef, moved), shardings)
+
+
+def _key(d):
+    return (d.process_index, d.id)
+
+
+def _pairs(src: list, dst: list) -> dict | None:
+    """{source device: target device} pairing each process's devices in order; None when a
+    process holds a different number of each."""
+    pairs = {}
+    for p in {d.process_index for d in src} | {d.process_index for d in dst}:
+        a = sorted((d for d in src if d.process_index == p), key=_key)
+        b = [d for d in dst if d.process_index == p]
+        if len(a) != len(b):
+            return None
+        pairs.update(zip(a, b))
+    return pairs
 
 
 def _device_order(params) -> list:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 
 import jax
@@ -476,7 +477,7 @@ def resume(
 def device_split(c, devices=None) -> tuple[list, list]:
     """(the train step's devices, the sampler's devices) of this run (`devices`: default
     jax.devices()): every device for both, or with rollout.devices = K, K / hosts of each
-    host's devices (the first, in order) for the sampler and the rest for the train step."""
+    host's devices for the sampler and the rest for the train step (`host_split`)."""
     devices = list(jax.devices() if devices is None else devices)
     k = c.rollout.devices
     if not k:
@@ -488,9 +489,50 @@ def device_split(c, devices=None) -> tuple[list, list]:
             f"{len(hosts)} host(s) and leave the train step at least one of the "
             f"{len(devices)} devices"
         )
-    per = k // len(hosts)
-    mine = [[d for d in devices if d.process_index == h] for h in hosts]
-    return [d for m in mine for d in m[per:]], [d for m in mine for d in m[:per]]
+    train, roll = [], []
+    for h in hosts:
+        t, r = host_split([d for d in devices if d.process_index == h], k // len(hosts))
+        train, roll = train + t, roll + r
+    return train, roll
+
+
+def host_split(chips: list, k: int) -> tuple[list, list]:
+    """One host's devices `chips` split into (the train step's, the sampler's `k`). Chips on
+    a torus (TPU devices have `coords`) split along a physical axis (`_slab`), so that each
+    side is a box of the torus and the train step's holds the host's first chip (the TPU
+    compiler stops on some programs over other subsets of a slice); without such a slab,
+    or without coordinates, the sampler takes the last `k` in order."""
+    high = _slab(chips, k)
+    if high is None:
+        return chips[: len(chips) - k], chips[len(chips) - k :]
+    return [d for d, h in zip(chips, high) if not h], [d for d, h in zip(chips, high) if h]
+
+
+def _slab(chips: list, k: int):
+    """bool[len(chips)]: the `k` chips of highest coordinates along the first physical axis
+    whose layers make a slab of `k`; None without coordinates or such a slab."""
+    coords = [getattr(d, "coords", None) for d in chips]
+    if any(x is None for x in coords):
+        return None
+    xyz = np.asarray(coords)
+    lo, span = xyz.min(0), (xyz.max(0) - xyz.min(0) + 1).tolist()
+    if math.prod(span) != len(chips):  # the host's chips do not fill a box
+        return None
+    for axis, n in enumerate(span):
+        layer = len(chips) // n  # chips in one layer across this axis
+        if k % layer == 0 and 0 < k // layer < n:
+            return xyz[:, axis] - lo[axis] >= n - k // layer
+    return None
+
+
+def split_sizes(devices) -> list[int]:
+    """The rollout.devices values that split `devices` into boxes of the torus on every host
+    (`host_split`); every multiple of the hosts below the device count for devices without
+    coordinates."""
+    hosts = sorted({d.process_index for d in devices})
+    mine = [d for d in devices if d.process_index == hosts[0]]
+    torus = getattr(mine[0], "coords", None) is not None
+    return [k * len(hosts) for k in range(1, len(mine)) if not torus or _slab(mine, k) is not None]
 
 
 def training_mesh(c, devices=None):

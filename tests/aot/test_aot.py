@@ -20,6 +20,7 @@ from jaxvrl.config import load_config
 from jaxvrl.models import PRESETS, Model, preset_names
 from jaxvrl.models.qwen2_5_vl import Qwen2_5_VLConfig
 from jaxvrl.parallel import topology as T
+from jaxvrl.trainer import setup
 
 pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
 
@@ -54,6 +55,14 @@ def test_slice_devices_are_chips():
         devices = T.tpu_devices(s)
         assert len(devices) == s.chips and devices[0].platform == "tpu"
         assert len({d.process_index for d in devices}) == s.hosts
+    # one-step-off's split of a multi-host slice: each host gives the sampler a slab of its
+    # chips (x = 1 on v5p's 2x2x1 hosts) and keeps its first for the train step
+    devices = T.tpu_devices(T.parse("v5p-32"))
+    assert setup.split_sizes(devices) == [8]
+    train, roll = setup.device_split(load_config("configs/grpo.py", ["rollout.devices=8"]), devices)
+    assert sorted(d.coords[0] for d in roll) == [1] * 8 and len(train) == 8
+    assert {d.process_index for d in roll} == {d.process_index for d in train} == {0, 1, 2, 3}
+    assert {d.id for d in train} >= {0, 4, 8, 12}
 
 
 def test_missing_tpu_compiler_says_how_to_install(monkeypatch):

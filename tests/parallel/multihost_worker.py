@@ -56,7 +56,9 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     from jaxvrl.checkpoint import Checkpointer
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.parallel import sharding as S
+    from jaxvrl.sampling.layout import across
     from jaxvrl.trainer.reporting import RunLogs
+    from jaxvrl.trainer.setup import device_split
     from jaxvrl.trainer.step import TrainState, build_train_step
     from tests.helpers import make_batch, step_config
 
@@ -92,6 +94,23 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
         ".".join(map(str, k)): np.asarray(multihost_utils.process_allgather(v.get_value(), True))
         for k, v in nnx.to_flat_state(t)
     }
+    # one-step-off's weight copy: from the train step's devices to the sampler's on every
+    # host, paired device to device (2 + 2 on each process) or through the hosts (3 + 1)
+    copied = []
+    for k, layout in ((4, (1, 2, 2)), (2, (1, 2, 1))):
+        train, roll = device_split(ml_collections.ConfigDict({"rollout": {"devices": k}}))
+        src = R.put_on_mesh(host, S.param_shardings(host, S.make_mesh(1, -1, 1, devices=train)))
+        dst = S.param_shardings(host, S.make_mesh(*layout, devices=roll))
+        moved = across(src, dst)
+        got = gather(moved)
+        copied.append(
+            all(a.sharding == b for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(dst)))
+            and all(
+                np.array_equal(got[".".join(map(str, path))], v.get_value())
+                for path, v in nnx.to_flat_state(host)
+            )
+            and sorted(d.process_index for d in roll) == [0] * (k // 2) + [1] * (k // 2)
+        )
     after = gather(state.params)
     # every process writes its shards; then every process restores into the sharded target
     ckpt = Checkpointer(os.path.join(out_dir, "ckpt"), 2)
@@ -125,6 +144,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
         + json.dumps(
             {
                 "pid": pid,
+                "copied": copied,
                 "losses": losses,
                 "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
                 "restored_sharding": same_sharding,

@@ -245,7 +245,7 @@ def test_one_step_off_samples_on_its_own_devices_and_trains_on_the_rest(runs):
     on = report["off"]["on"]  # (a prompt batch for the sampler?, the devices its rows are on)
     sampler = {d for is_prompts, ids in on if is_prompts for d in ids}
     train = {d for is_prompts, ids in on if not is_prompts for d in ids}
-    assert sampler == {0, 1, 2, 3} and train == {4, 5, 6, 7}, on
+    assert sampler == {4, 5, 6, 7} and train == {0, 1, 2, 3}, on
 
 
 def test_one_step_off_equals_a_synchronous_run_fed_the_stale_batch(runs):

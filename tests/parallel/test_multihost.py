@@ -3,7 +3,8 @@ jax.distributed.initialize (from config). Each process passes only its own rows 
 `place_batch`; the 2-step losses and parameters equal one device's; an orbax checkpoint is
 written by both processes and restored by both into the sharded state, each getting back its
 own data-iterator state and replay buffer bytes; the markdown samples hold both processes'
-rows.
+rows; one-step-off's weight copy moves every weight exactly from the train step's devices to
+the sampler's on both hosts.
 
 What a real pod adds and this cannot test: TPU/GPU interconnect collectives, the platform's
 auto-detected coordinator (TPU metadata, SLURM), a gs:// workdir shared by hosts, preemption.
@@ -82,7 +83,9 @@ def test_two_processes_match_one_device(tmp_path):
     step = make_train_step(graphdef, tx, cfg)
     losses = []
     for seed in range(2):
-        batch = jax.tree.map(jnp.asarray, make_batch(model, 4, seed, pools=False, completion_seed=seed + 1000))
+        batch = jax.tree.map(
+            jnp.asarray, make_batch(model, 4, seed, pools=False, completion_seed=seed + 1000)
+        )
         state, m, _ = step(state, ref, batch, jax.random.key(seed))
         losses.append(float(m["loss"]))
 
@@ -93,6 +96,7 @@ def test_two_processes_match_one_device(tmp_path):
         assert r["restored_equal"] and r["restored_sharding"] and r["restored_step"] == 2
         assert r["rng_equal"] and r["data_state_equal"] and r["replay_equal"]
         assert r["any_process"] == [True, False]
+        assert r["copied"] == [True, True]  # one-step-off's weight copy across hosts
         want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
         assert r["metrics"] == pytest.approx(want, rel=1e-6)
     # the markdown samples hold both processes' rows, in turn (process 0 wrote them)

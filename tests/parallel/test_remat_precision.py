@@ -62,7 +62,9 @@ def test_remat_policy_and_attention_reject_unknown_names(ckpt):
 @pytest.mark.parametrize("policy", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable"])
 def test_remat_gives_the_same_gradients(ckpt, policy):
     model = q.load(ckpt)
-    batch = jax.tree.map(jnp.asarray, make_batch(model, prompts=1, pools=False, completion_seed=1000))
+    batch = jax.tree.map(
+        jnp.asarray, make_batch(model, prompts=1, pools=False, completion_seed=1000)
+    )
     base = _grads(model, batch)
     model.set_remat_policy(policy)
     # the policy is part of the graphdef: the remat program is a different compilation
@@ -75,7 +77,9 @@ def test_flash_attention_gives_the_same_gradients(ckpt):
     """The blocked attention (its own backward pass, blocks skipped by the causal and window
     masks, inside remat) against the dense reference: text decoder and vision tower alike."""
     model = q.load(ckpt, attention="xla")
-    batch = jax.tree.map(jnp.asarray, make_batch(model, prompts=1, pools=False, completion_seed=1000))
+    batch = jax.tree.map(
+        jnp.asarray, make_batch(model, prompts=1, pools=False, completion_seed=1000)
+    )
     base = _grads(model, batch)
     model.set_attention("flash", block=8)  # several blocks per row and per image
     model.set_remat_policy("full")
@@ -86,7 +90,9 @@ def test_remat_is_in_the_backward_program(ckpt):
     """With remat the jaxpr of the gradient holds checkpoint (remat) equations."""
     model = q.load(ckpt)
     model.set_remat_policy("full")
-    batch = jax.tree.map(jnp.asarray, make_batch(model, prompts=1, pools=False, completion_seed=1000))
+    batch = jax.tree.map(
+        jnp.asarray, make_batch(model, prompts=1, pools=False, completion_seed=1000)
+    )
     graphdef, params = nnx.split(model, nnx.Param)
     jaxpr = jax.make_jaxpr(lambda p: jax.grad(_logit_loss)(p, graphdef, batch))(params)
     assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
@@ -97,7 +103,9 @@ def test_bf16_compute_float32_master_weights(ckpt):
     mixed = q.load(ckpt, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     graphdef, params = nnx.split(mixed, nnx.Param)
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
-    batch = jax.tree.map(jnp.asarray, make_batch(mixed, prompts=1, pools=False, completion_seed=1000))
+    batch = jax.tree.map(
+        jnp.asarray, make_batch(mixed, prompts=1, pools=False, completion_seed=1000)
+    )
     out = mixed.forward(
         batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images
     )

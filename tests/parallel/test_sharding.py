@@ -3,6 +3,7 @@ fixed when jax starts)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxvrl.parallel import sharding as S
@@ -101,3 +102,58 @@ def test_a_mixture_of_experts_model_sharded_gives_its_logits():
         """
     )
     assert float(out.split("error")[-1]) < 1e-5
+
+
+class _Chip:  # a device as device_split sees one: id, host, torus coordinates (TPU) or none
+    def __init__(self, i, host, coords=None):
+        self.id, self.process_index = i, host
+        if coords is not None:
+            self.coords = coords
+
+    def __repr__(self):
+        return f"chip{self.id}"
+
+
+def _is_box(chips) -> bool:
+    xyz = np.asarray([d.coords for d in chips])
+    return (
+        len({tuple(c) for c in xyz.tolist()})
+        == len(chips)
+        == int(np.prod(xyz.max(0) - xyz.min(0) + 1))
+    )
+
+
+def _split(devices, k):
+    from ml_collections import ConfigDict
+
+    from jaxvrl.trainer.setup import device_split
+
+    return device_split(ConfigDict({"rollout": {"devices": k}}), devices)
+
+
+def test_one_step_off_splits_each_host_into_two_boxes_of_the_torus():
+    """rollout.devices=K on TPU chips: every host gives K / hosts chips, a slab of its box,
+    to the sampler and keeps its first chip for the train step; the sizes offered are
+    those with such slabs (v5p-32: 4 hosts of 2x2x1; v5e-8: one host of 2x4)."""
+    from jaxvrl.config import ConfigError
+    from jaxvrl.trainer.setup import split_sizes
+
+    v5p = [_Chip(4 * z + x + 2 * y, z, (x, y, z)) for z in range(4) for y in (0, 1) for x in (0, 1)]
+    v5e = [_Chip(i, 0, (i % 2, i // 2, 0)) for i in range(8)]
+    assert split_sizes(v5p) == [8] and split_sizes(v5e) == [2, 4, 6]
+    for devices, k in [(v5p, 8), (v5e, 2), (v5e, 4), (v5e, 6)]:
+        train, roll = _split(devices, k)
+        assert len(roll) == k and sorted(train + roll, key=id) == sorted(devices, key=id)
+        for h in {d.process_index for d in devices}:
+            mine = [d for d in devices if d.process_index == h]
+            t = [d for d in train if d.process_index == h]
+            r = [d for d in roll if d.process_index == h]
+            assert len(r) == k // len({d.process_index for d in devices})
+            assert _is_box(t) and _is_box(r) and min(mine, key=lambda d: d.id) in t, (k, t, r)
+    cpu = [_Chip(i, i // 4) for i in range(8)]  # no coordinates: the last K / hosts of each
+    assert split_sizes(cpu) == [2, 4, 6]
+    assert [d.id for d in _split(cpu, 4)[1]] == [2, 3, 6, 7]
+    assert _split(v5p, 4)[1] == [v5p[3], v5p[7], v5p[11], v5p[15]]  # no slab of 1: in order
+    for k in (3, 16):
+        with pytest.raises(ConfigError, match=f"rollout.devices={k}"):
+            _split(cpu, k)
