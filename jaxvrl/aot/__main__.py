@@ -21,9 +21,8 @@ v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compil
 --suggest (more micro-batches until the step fits), --lengths=lognormal:median=M,sigma=S or
 --lengths=FILE of integers (completion lengths for the step's rows: compiled for the
 completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
---iteration=K prices one RL iteration for the --lengths mix, synchronous, partial, one-step-off
-with the rollout on K chips, and both (`jaxvrl/aot/iteration.py`), each program compiled on
-the chips the run gives it; --iteration=auto tries every split and keeps the fastest.
+--iteration=K|auto prices one RL iteration for the --lengths mix: synchronous, partial,
+one-step-off with the rollout on K chips (auto: every split, the fastest kept), and both.
 """
 
 from __future__ import annotations
