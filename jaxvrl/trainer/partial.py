@@ -101,6 +101,17 @@ class Flight:
         self.truncated[j] = bool(out.ended[b]) and bool(out.truncated[b])
         return m
 
+    def copy(self) -> Flight:
+        """A copy whose rows grow apart from this one's (the example shared)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).copy()
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), np.ndarray)
+            },
+        )
+
     def output(self) -> SampleOutput:
         """The rows as a SampleOutput of numpy arrays (tokens, logprobs, mask, truncated,
         entropies, the attention masses): what `RolloutPhase.make_groups` reads."""

@@ -741,3 +741,7 @@ def test_a_reward_failing_every_call_ends_the_run_and_sigterm_during_one_saves(t
     t0 = time.time()
     run(config(tmp_path / "b", tmp_path / "hang.py", "reward.timeout_s=600"))
     assert time.time() - t0 < 60 and os.path.isdir(tmp_path / "b" / "checkpoints" / "0")
+    # the checkpoint holds the data iterator as it was before the cut rollout (a resumed run
+    # samples the same prompts again, none skipped)
+    saved = json.loads((tmp_path / "b" / "checkpoints" / "0" / "data" / "metadata").read_text())
+    assert saved["value"] == [{"kind": "json", "value": {"next_index": 0}}], saved
