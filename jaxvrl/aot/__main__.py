@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from jaxvrl.aot.report import KNOBS, format_report, with_decode_steps
+from jaxvrl.aot.report import format_report, knobs, with_decode_steps
 
 PROGRAMS = ("train_step", "sampler", "decode_step")
 
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     failed = [r.name for r in reports if not r.fits]
     suggestion = None
     if failed:
-        print(f"does not fit: {', '.join(failed)}. Knobs that help: " + "; ".join(KNOBS))
+        help_ = "; ".join(knobs(plan.c, plan.mesh))
+        print(f"does not fit: {', '.join(failed)}. Knobs that help: {help_}")
         if ours.get("suggest") and "train_step" in failed:
             step = next(r for r in reports if r.name == "train_step")
             suggestion = plan.suggest_micro_batches(step)

@@ -26,9 +26,24 @@ FIT_FRACTION = 1.0  # of HBM; the compiler's own figures already include its res
 KNOBS = (
     "mesh.fsdp (split parameters and optimizer state over more chips)",
     "model.remat_policy=full (recompute activations in the backward pass)",
-    "optim.micro_batches (fewer rows per forward/backward)",
+    "optim.micro_batches (fewer rows per forward/backward; above 1 the gradients are summed "
+    "in a float32 copy of the parameters' share per chip, which 1 does not hold)",
     "rollout.max_new_tokens / data.max_prompt_length (shorter rows)",
 )
+
+
+def knobs(c, mesh) -> list[str]:
+    """The KNOBS that config `c` on the train step's `mesh` has not used up: no remat knob
+    when model.remat_policy is full; a larger slice instead of mesh.fsdp when no chip is
+    left on the data axis (every chip already holds a share of the state)."""
+    out = []
+    for k in KNOBS:
+        if k.startswith("model.remat_policy") and c.model.remat_policy == "full":
+            continue
+        if k.startswith("mesh.fsdp") and mesh.shape["data"] == 1:
+            k = "a larger slice (every chip already holds a share of the parameters and optimizer)"
+        out.append(k)
+    return out
 
 
 @dataclasses.dataclass

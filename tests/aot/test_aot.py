@@ -265,7 +265,7 @@ def test_a_program_that_does_not_fit_names_the_knobs(monkeypatch, capsys):
     code = main(ARGS + ["--programs=decode_step"])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out
-    assert "mesh.fsdp" in out and "optim.micro_batches" in out
+    assert "a larger slice" in out and "optim.micro_batches" in out  # fsdp spans every chip
     assert _json(out)["fits"] is False
 
 
@@ -435,3 +435,17 @@ def test_a_loop_of_unread_trip_count_can_be_left_out():
     assert cost_model.loop_factor(text, peak, bw) == 1.0  # the loop's body counted once
     left_out = cost_model.loop_factor(text, peak, bw, unread=0)
     assert 0.3 < left_out < 0.7  # one matmul of the two priced once
+
+
+def test_knobs_offered_leave_out_what_is_already_set():
+    """When a program does not fit, the tool names only knobs left to turn: no remat knob at
+    model.remat_policy=full, a larger slice once every chip holds a share of the state."""
+    import types
+
+    full = load_config("configs/tprl.py", ["model.remat_policy=full"])
+    every = rep.knobs(full, types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "tensor": 1}))
+    assert not any("remat" in k for k in every) and any("larger slice" in k for k in every)
+    assert any("float32 copy" in k for k in every)  # what micro-batches cost beside 1
+    some = rep.knobs(load_config("configs/tprl.py", ["model.remat_policy=none"]),
+                     types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 1}))  # fmt: skip
+    assert any("remat_policy=full" in k for k in some) and any("mesh.fsdp" in k for k in some)
