@@ -305,6 +305,13 @@ def get_config(arg=None):
     # a mixture-of-experts policy's load-balancing loss (moe.load_balancing_loss) added to
     # the loss at this weight (0 = off; a model without experts refuses it)
     c.actor.router_aux_loss_coef = setting(0.0, NON_NEGATIVE)
+    # the optimizer's state (Adam's moments: 2x the trainable parameters in float32) kept in
+    # host memory between updates and brought to the devices for each update
+    # (docs/scaling.md#host-offload); for devices with a host memory space (TPU, GPU, CPU)
+    c.actor.offload_optimizer = False
+    # the reference policy's weights (KL loss or KL in the reward, without LoRA) kept in host
+    # memory between steps and brought to the devices for the reference pass
+    c.actor.offload_reference = False
     # every pass computes real tokens only: each micro-batch's rows (their prompt's and
     # completion's real tokens) packed into buffers of the padded row's length, attention
     # inside each row (false: padded rows [rows, prompt + completion]). Either way the

@@ -69,6 +69,7 @@ from jaxvrl.trainer.reporting import RunLogs, step_scalars
 from jaxvrl.trainer.setup import (
     check_model_settings,
     check_nonfinite,
+    check_offload,
     check_rows,
     load_model,
     load_start_params,
@@ -134,7 +135,8 @@ def _run(c) -> dict:
     data, train_rows, skipped = train_data(c, tokenizer, model.config)
     # the state, optimizer state and reference copy are created sharded; init runs on a copy
     # of the model, whose graph after init (LoRA adapters) is the sampler's
-    s = runtime.sharded_train_state(init_train_state, model, mesh, c)
+    offload = check_offload(c, mesh)
+    s = runtime.sharded_train_state(init_train_state, model, mesh, c, offload=offload)
     state, ref_params = s.state, s.ref_params
     step_cfg = step_config(c, mesh)
     # state donated, metrics replicated (build_train_step is looked up here, so that tests can

@@ -190,7 +190,8 @@ class Plan:
         )
         model.set_remat_policy(c.model.remat_policy)
         model.set_attention(c.model.attention)  # "auto": resolved for the slice's devices
-        init = runtime.abstract_train_state(init_train_state, model, mesh, c)
+        offload = setup.check_offload(c, mesh)
+        init = runtime.abstract_train_state(init_train_state, model, mesh, c, offload=offload)
         rows = c.prompts_per_step * c.rollout.num_generations * s.hosts
         grid = None if mcfg.vision is None else image_grid(c, mcfg.vision)  # None: text only
         n = c.rollout.max_new_tokens
@@ -390,11 +391,13 @@ class Plan:
         st = i.state
         breakdown = {
             "params": per_device_bytes(st.params),
-            "optimizer": per_device_bytes(st.opt_state),
-            "critic": per_device_bytes((st.critic_params, st.critic_opt_state)),
+            "optimizer": per_device_bytes((st.opt_state, st.critic_opt_state)),
+            "critic": per_device_bytes(st.critic_params),
             "reference": per_device_bytes(i.ref_params),
             "batch": per_device_bytes(batch),
         }
+        for part in setup.check_offload(self.c, self.mesh):  # in host memory, not HBM
+            breakdown[f"host: {part}"] = breakdown.pop(part)
         flops = 6.0 * self.params_count * self.real_tokens  # MFU counts real tokens
         lower = lambda: step.lower(st, i.ref_params, batch, self._rng())  # noqa: E731
         return lower, flops, breakdown, None

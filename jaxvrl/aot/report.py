@@ -207,7 +207,7 @@ def out_of_memory(name, error: str, compile_s, chip_slice, model_flops, breakdow
     m = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", error)
     scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     temp = int(float(m.group(1)) * scale[m.group(2)]) if m else 0
-    args = sum(breakdown.values())
+    args = sum(v for k, v in breakdown.items() if not k.startswith("host:"))  # HBM only
     return Report(
         name=name,
         compile_s=compile_s,

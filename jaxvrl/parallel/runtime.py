@@ -177,17 +177,42 @@ def replicate(tree, mesh: Mesh):
     return jax.tree.map(one, tree)
 
 
-def sharded_init(fn, mesh: Mesh, *args):
+def sharded_init(fn, mesh: Mesh, *args, offload=()):
     """Run `fn(*args)` (arrays in, a pytree of arrays out) so that every output is created
     already sharded: shapes from `jax.eval_shape`, shardings from the rules table, then
     `jit(fn, out_shardings=...)`. Returns (outputs, their shardings).
 
     Typical use: fn builds the TrainState (and reference params) from loaded params that
-    are already on the mesh; the optimizer state is then born sharded like them.
+    are already on the mesh; the optimizer state is then born sharded like them (the parts
+    named in `offload` in host memory: `in_host_memory`).
     """
     abstract = jax.eval_shape(fn, *args)
-    shardings = state_shardings(abstract, mesh)
+    shardings = in_host_memory(state_shardings(abstract, mesh), offload)
     return jax.jit(fn, out_shardings=shardings)(*args), shardings
+
+
+def in_host_memory(shardings, offload=()):
+    """`shardings` (of a TrainState, or a tuple (TrainState, reference params)) with the
+    parts named in `offload` in the devices' pinned host memory: "optimizer" (the policy's
+    and critic's optimizer states; the train step brings them to the devices for each update,
+    `trainer.update._apply`), "reference" (the reference weights, brought to the devices for
+    the reference pass)."""
+
+    def host(tree):
+        return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+
+    if isinstance(shardings, tuple):
+        state, *rest = shardings
+        if "reference" in offload and rest and rest[0] is not None:
+            rest[0] = host(rest[0])
+        return (in_host_memory(state, offload), *rest)
+    if "optimizer" not in offload or not dataclasses.is_dataclass(shardings):
+        return shardings
+    return dataclasses.replace(
+        shardings,
+        opt_state=host(shardings.opt_state),
+        critic_opt_state=host(shardings.critic_opt_state),
+    )
 
 
 @dataclasses.dataclass
@@ -204,7 +229,7 @@ class ShardedInit:
     model_graphdef: object  # nnx.graphdef of the model after init (what the sampler takes)
 
 
-def sharded_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
+def sharded_train_state(init, model, mesh: Mesh, *args, offload=()) -> ShardedInit:
     """Run `init(model, *args) -> (graphdef, tx, state, ref_params)` (trainer.build's
     init_train_state) so that the state and the reference params are created sharded.
 
@@ -219,13 +244,13 @@ def sharded_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
     graph0, values = nnx.split(model)
     values = put_on_mesh(values, param_shardings(values, mesh))
     fn, seen = _init_fn(init, graph0, args)
-    (state, ref), (state_sh, ref_sh) = sharded_init(fn, mesh, values)
+    (state, ref), (state_sh, ref_sh) = sharded_init(fn, mesh, values, offload=offload)
     return ShardedInit(
         seen["graphdef"], seen["tx"], state, ref, state_sh, ref_sh, seen["model_graphdef"]
     )
 
 
-def abstract_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
+def abstract_train_state(init, model, mesh: Mesh, *args, offload=()) -> ShardedInit:
     """What `sharded_train_state` makes, as shapes only: the state and reference params are
     `jax.ShapeDtypeStruct`s carrying their shardings on `mesh`, nothing is computed or
     allocated. `model` may itself be abstract (`nnx.eval_shape`): the ahead-of-time compile
@@ -235,7 +260,7 @@ def abstract_train_state(init, model, mesh: Mesh, *args) -> ShardedInit:
     graph0, values = nnx.split(model)
     fn, seen = _init_fn(init, graph0, args)
     abstract = jax.eval_shape(fn, values)
-    shardings = state_shardings(abstract, mesh)
+    shardings = in_host_memory(state_shardings(abstract, mesh), offload)
     state, ref = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )

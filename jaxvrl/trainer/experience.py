@@ -284,6 +284,8 @@ def experience(graphdef, state: TrainState, ref_params, batch: RolloutBatch, rng
     _, frozen = split_trainable(state.params, cfg)
     if cfg.needs_ref and cfg.uses_lora:
         ref_params = lora.lora_off(state.params)
+    elif ref_params is not None and cfg.actor.offload_reference:  # held in host memory
+        ref_params = jax.device_put(ref_params, jax.memory.Space.Device)
     critic = None
     if cfg.has_critic:
         cp = state.critic_params

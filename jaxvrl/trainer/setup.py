@@ -474,6 +474,29 @@ def resume(
     return r.step, r["state"], r["rng"], r["meta"], carried
 
 
+def check_offload(c, mesh) -> tuple[str, ...]:
+    """The parts of the train state kept in host memory ("optimizer": actor.offload_optimizer,
+    "reference": actor.offload_reference; `runtime.in_host_memory`); a ConfigError when one is set
+    and the mesh's devices have no pinned host memory space."""
+    parts = tuple(
+        name
+        for name, on in (
+            ("optimizer", c.actor.offload_optimizer),
+            ("reference", c.actor.offload_reference),
+        )
+        if on
+    )
+    device = mesh.devices.flat[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if parts and "pinned_host" not in kinds:
+        key = f"actor.offload_{parts[0]}"
+        raise ConfigError(
+            f"config.{key}=True: {device.platform} devices have no pinned host memory "
+            f"(their memories: {', '.join(sorted(kinds))})"
+        )
+    return parts
+
+
 def device_split(c, devices=None) -> tuple[list, list]:
     """(the train step's devices, the sampler's devices) of this run (`devices`: default
     jax.devices()): every device for both, or with rollout.devices = K, K / hosts of each

@@ -53,6 +53,8 @@ class ActorSettings:
     dynamic_batching: bool
     max_token_len_per_device: int | None
     router_aux_loss_coef: float
+    offload_optimizer: bool
+    offload_reference: bool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -197,12 +197,19 @@ def _accumulate(grad_fn, params, micro_xs):
     return grads, loss, mets
 
 
-def _apply(tx, grads, opt_state, params, ok):
-    """optax update where `ok`, else the old params and optimizer state."""
+def _apply(tx, grads, opt_state, params, ok, host: bool = False):
+    """optax update where `ok`, else the old params and optimizer state. host: the optimizer
+    state lives in host memory (actor.offload_optimizer): brought to the devices for the
+    update, the new one put back."""
+    if host:
+        opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-    return pick(new_params, params), pick(new_opt, opt_state)
+    new_opt = pick(new_opt, opt_state)
+    if host:
+        new_opt = jax.device_put(new_opt, jax.memory.Space.Host)
+    return pick(new_params, params), new_opt
 
 
 def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows, cfg):
@@ -229,7 +236,7 @@ def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows
     norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(norm)
     ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
-    cparams, copt = _apply(ctx, grads, copt, cparams, ok)
+    cparams, copt = _apply(ctx, grads, copt, cparams, ok, cfg.actor.offload_optimizer)
     mets = dict(mets, critic_grad_norm=norm, critic_nonfinite=(~ok).astype(jnp.int32))
     return cparams, copt, mets
 
@@ -239,7 +246,7 @@ def _head_update(cparams, copt, g_head, cfg: StepConfig):
     norm = optax.tree.norm(g_head)
     ok = jnp.isfinite(norm)
     ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
-    head, opt = _apply(ctx, {"head": g_head}, copt, cparams, ok)
+    head, opt = _apply(ctx, {"head": g_head}, copt, cparams, ok, cfg.actor.offload_optimizer)
     return head, opt, {"critic_grad_norm": norm, "critic_nonfinite": (~ok).astype(jnp.int32)}
 
 
@@ -315,7 +322,9 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         ok = finite & (step >= cfg.critic.warmup_steps) if cfg.has_critic else finite
-        trainable, opt = _apply(tx, grads, carry["opt"], carry["trainable"], ok)
+        trainable, opt = _apply(
+            tx, grads, carry["opt"], carry["trainable"], ok, cfg.actor.offload_optimizer
+        )
         carry = dict(carry, trainable=trainable, opt=opt)
         mets.update(
             loss=loss,
