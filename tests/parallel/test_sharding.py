@@ -157,3 +157,28 @@ def test_one_step_off_splits_each_host_into_two_boxes_of_the_torus():
     for k in (3, 16):
         with pytest.raises(ConfigError, match=f"rollout.devices={k}"):
             _split(cpu, k)
+
+
+def test_host_offload_is_refused_where_the_devices_have_no_host_memory():
+    import types
+
+    import jax
+
+    from jaxvrl.config import ConfigError, load_config
+    from jaxvrl.trainer.setup import check_offload
+
+    class NoHost:
+        platform = "gpu"
+
+        def addressable_memories(self):
+            return [types.SimpleNamespace(kind="device")]
+
+    bare = types.SimpleNamespace(devices=np.asarray([NoHost()], dtype=object))
+    both = load_config(
+        "configs/grpo.py", ["actor.offload_optimizer=true", "actor.offload_reference=true"]
+    )
+    with pytest.raises(ConfigError, match=r"actor.offload_optimizer=True: gpu devices have no "):
+        check_offload(both, bare)
+    assert check_offload(load_config("configs/grpo.py"), bare) == ()
+    cpu = types.SimpleNamespace(devices=np.asarray(jax.devices()[:1], dtype=object))
+    assert check_offload(both, cpu) == ("optimizer", "reference")  # CPUs have pinned host
