@@ -11,14 +11,14 @@ all-reduces the hidden state twice per layer), and a compute dtype.
 `Sampler.prepare` puts the policy's parameters into that layout once per rollout phase: LoRA
 adapters merged into their base weights, every floating weight cast to the rollout dtype and
 resharded, in one jitted program (plus, where the rollout mesh orders the devices otherwise
-than training's, a device-to-device move of whole shards). The copy lives until the phase
-drops it; nothing goes through the host.
+than training's, a device-to-device move of whole shards; onto devices of the sampler's own,
+`across`). The copy lives until the phase drops it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
+import warnings
 from typing import Any
 
 import jax
@@ -284,9 +284,10 @@ def across(tree, shardings):
     if isinstance(src, NamedSharding):
         pairs = _pairs(list(src.mesh.devices.flat), sorted(targets[0].device_set, key=_key))
     if pairs is None or any(x.sharding.mesh != src.mesh for x in leaves):
-        logging.warning(
+        warnings.warn(  # once: python's default filter
             "the rollout's devices do not pair with the train step's on every host: the "
-            "weights go through the hosts at each copy"
+            "weights go through the hosts at each copy",
+            stacklevel=2,
         )
         host = [multihost_utils.process_allgather(x, tiled=True) for x in leaves]
         return jax.device_put(jax.tree.unflatten(treedef, host), shardings)
