@@ -29,16 +29,21 @@ KNOBS = (
     "optim.micro_batches (fewer rows per forward/backward; above 1 the gradients are summed "
     "in a float32 copy of the parameters' share per chip, which 1 does not hold)",
     "rollout.max_new_tokens / data.max_prompt_length (shorter rows)",
+    "actor.offload_optimizer=true (the optimizer state in host memory between updates; the "
+    "update still holds it on the chips)",
 )
 
 
 def knobs(c, mesh) -> list[str]:
     """The KNOBS that config `c` on the train step's `mesh` has not used up: no remat knob
-    when model.remat_policy is full; a larger slice instead of mesh.fsdp when no chip is
-    left on the data axis (every chip already holds a share of the state)."""
+    when model.remat_policy is full, no offload knob when it is on; a larger slice instead of
+    mesh.fsdp when no chip is left on the data axis (every chip already holds a share of the
+    state)."""
     out = []
     for k in KNOBS:
         if k.startswith("model.remat_policy") and c.model.remat_policy == "full":
+            continue
+        if k.startswith("actor.offload_optimizer") and c.actor.offload_optimizer:
             continue
         if k.startswith("mesh.fsdp") and mesh.shape["data"] == 1:
             k = "a larger slice (every chip already holds a share of the parameters and optimizer)"

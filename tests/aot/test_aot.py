@@ -446,6 +446,9 @@ def test_knobs_offered_leave_out_what_is_already_set():
     every = rep.knobs(full, types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "tensor": 1}))
     assert not any("remat" in k for k in every) and any("larger slice" in k for k in every)
     assert any("float32 copy" in k for k in every)  # what micro-batches cost beside 1
+    assert any("offload_optimizer" in k for k in every)
+    off = load_config("configs/tprl.py", ["actor.offload_optimizer=true"])
+    assert not any("offload" in k for k in rep.knobs(off, types.SimpleNamespace(shape={"data": 1})))
     some = rep.knobs(load_config("configs/tprl.py", ["model.remat_policy=none"]),
                      types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 1}))  # fmt: skip
     assert any("remat_policy=full" in k for k in some) and any("mesh.fsdp" in k for k in some)
