@@ -207,23 +207,20 @@ def _run(c) -> dict:
         ahead = (rollout_, runtime.replicate(key_, mesh), version_)
 
     def before_rollout():
-        """What a rollout cut short by SIGTERM must leave as it found: the data iterator's
-        place and the carried rows (saved instead of theirs after it)."""
-        flights = None if phase.partial is None else [f.copy() for f in phase.partial.flights]
-        return data.get_state(), flights
+        """The data iterator's place before a rollout, which a rollout cut short by SIGTERM
+        saves so that its examples are drawn again; None with partial rollouts, whose drawn
+        examples and sampled rows stay in flight until scored (`PartialRollouts.generate`)."""
+        return None if phase.partial is not None else data.get_state()
 
-    def save(n: int, step_rng, before=None) -> None:
+    def save(n: int, step_rng, data_state=None) -> None:
         meta = {"nonfinite_streak": nonfinite, "step_shapes": step_shapes.to_json()}
         flights = None if phase.partial is None else phase.partial.flights
-        data_state = data.get_state()
-        if before is not None:
-            data_state, flights = before
         kept = None if ahead is None else encode_ahead(*ahead)
         items = {
             "state": state,
             "rng": step_rng,
             "meta": meta,
-            "data_state": data_state,
+            "data_state": data.get_state() if data_state is None else data_state,
             "counters": counters.state(),
             "replay": None if phase.replay is None else save_buffer(phase.replay),
             "carried": None
@@ -273,14 +270,14 @@ def _run(c) -> dict:
                 behind = jax.block_until_ready(sampler.prepare(params))
                 sync_s = time.time() - t_sync
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
-            interrupted = None
+            interrupted, rewind = False, None
             if behind is not None:  # the next step's rollout while this one trains
                 rng_before, before = rng, before_rollout()
                 rng, k_sample, k_next = jax.random.split(rng, 3)
                 try:
                     ahead = (sample(done, behind, k_sample, step), k_next, step)
                 except RewardsInterrupted:  # saved after this step as if it had not started
-                    interrupted, rng = before, rng_before
+                    interrupted, rewind, rng = True, before, rng_before
                 del behind
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
@@ -316,10 +313,9 @@ def _run(c) -> dict:
                 time.time() - t_start > c.time_budget_s
             )
             failed = runtime.any_process(failing is not None)
-            stop = stop_requested_everywhere(flag) or over_budget or failed
-            stop = stop or interrupted is not None
+            stop = stop_requested_everywhere(flag) or over_budget or failed or interrupted
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
-                save(done, rng, interrupted)
+                save(done, rng, rewind)
             if failed:  # after the checkpoint: one `error:` line, exit 2
                 raise RewardFailing(failing or "a reward function failed too often on a host")
             if stop:

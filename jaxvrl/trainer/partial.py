@@ -101,17 +101,6 @@ class Flight:
         self.truncated[j] = bool(out.ended[b]) and bool(out.truncated[b])
         return m
 
-    def copy(self) -> Flight:
-        """A copy whose rows grow apart from this one's (the example shared)."""
-        return dataclasses.replace(
-            self,
-            **{
-                f.name: getattr(self, f.name).copy()
-                for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), np.ndarray)
-            },
-        )
-
     def output(self) -> SampleOutput:
         """The rows as a SampleOutput of numpy arrays (tokens, logprobs, mask, truncated,
         entropies, the attention masses): what `RolloutPhase.make_groups` reads."""
@@ -200,10 +189,9 @@ class PartialRollouts:
             )
             need = p - sum(f.complete for f in self.flights)
         done = [f for f in self.flights if f.complete][:p]
-        chosen = {id(f) for f in done}
-        self.flights = [f for f in self.flights if id(f) not in chosen]
         groups = []
-        if done:
+        if done:  # scored before they leave the flights: a stop while the rewards run
+            # (RewardsInterrupted) leaves them carried, and the checkpoint holds them
             out = _stack_rows([f.output() for f in done])
             examples = [f.example for f in done]
             rows = [f.example for f in done for _ in range(self.group_size)]
@@ -215,6 +203,8 @@ class PartialRollouts:
             for x, f in zip(groups, done):
                 x.versions = f.versions
                 self.staleness.append(f.staleness(step))
+            chosen = {id(f) for f in done}
+            self.flights = [f for f in self.flights if id(f) not in chosen]
         return groups, _merge(infos, time.time() - t0)
 
     def _call(self, phase, params, examples, key, need: int, version: int) -> dict:

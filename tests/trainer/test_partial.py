@@ -157,6 +157,28 @@ def test_groups_past_the_staleness_bound_are_dropped_whole_and_counted(setup):
         assert m["rollout/staleness_max"] == 0
 
 
+def test_a_stop_while_the_rewards_run_leaves_the_complete_groups_carried(setup):
+    """SIGTERM while a step's groups are scored (make_groups raises RewardsInterrupted): they
+    stay in flight, where the checkpoint keeps them, and the next call scores them first
+    without sampling again."""
+    from jaxvrl.rl.reward_pool import RewardsInterrupted
+
+    _, _, versions, phase = setup
+
+    def stopped(*args, **kwargs):
+        raise RewardsInterrupted("stop requested while the rewards ran")
+
+    partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5)
+    examples = _examples(1)
+    with pytest.raises(RewardsInterrupted):
+        partial.generate(types.SimpleNamespace(**dict(vars(phase), make_groups=stopped)),
+                         versions[0], examples, jax.random.key(1), 0)  # fmt: skip
+    (first, *_) = [f for f in partial.flights if f.complete]
+    (group,), info = partial.generate(phase, versions[1], examples, jax.random.key(2), 1)
+    assert group.example is first.example and (group.tokens == first.tokens).all()
+    assert info["decode_steps"] == 0  # no sampler call
+
+
 def test_carried_rows_take_the_samplers_log_probs_as_the_ratios_old_ones():
     from jaxvrl.trainer.state import StepConfig
 
