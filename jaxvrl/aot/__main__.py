@@ -146,7 +146,7 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
     if not {"train_step", "sampler", "decode_step"} <= set(reports):
         raise SystemExit("--iteration needs --programs=train_step,sampler,decode_step")
     sizes = setup.split_sizes(topology.tpu_devices(plan.slice))
-    ks = sizes if k == "auto" else [int(k)]
+    ks = sizes if k == "auto" else [int(k)] if k.isdigit() else []
     if not ks or set(ks) - set(sizes):
         raise SystemExit(
             f"--iteration={k}: the {plan.slice.name} slice splits into boxes of its torus "

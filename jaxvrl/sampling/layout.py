@@ -282,7 +282,7 @@ def across(tree, shardings):
     targets = jax.tree.leaves(shardings)
     pairs = None
     if isinstance(src, NamedSharding):
-        pairs = _pairs(list(src.mesh.devices.flat), sorted(targets[0].device_set, key=_key))
+        pairs = _pairs(list(src.mesh.devices.flat), list(targets[0].device_set))
     if pairs is None or any(x.sharding.mesh != src.mesh for x in leaves):
         warnings.warn(  # once: python's default filter
             "the rollout's devices do not pair with the train step's on every host: the "
@@ -294,15 +294,14 @@ def across(tree, shardings):
     mesh = src.mesh
     mirror = Mesh(np.vectorize(pairs.get, otypes=[object])(mesh.devices), mesh.axis_names)
     both = Mesh(np.stack([mesh.devices, mirror.devices]), ("side", *mesh.axis_names))
+    outs = [NamedSharding(both, P("side", *x.sharding.spec)) for x in leaves]
     stacked = []
-    for x in leaves:  # [2, ...]: the shards on the source devices, zeros on their mirrors
+    for x, spec in zip(leaves, outs):  # [2, ...]: the shards, zeros on their mirrors
         bufs = []
         for shard in x.addressable_shards:
             bufs.append(shard.data[None])
             bufs.append(jnp.zeros((1, *shard.data.shape), x.dtype, device=pairs[shard.device]))
-        spec = NamedSharding(both, P("side", *x.sharding.spec))
         stacked.append(jax.make_array_from_single_device_arrays((2, *x.shape), spec, bufs))
-    outs = [NamedSharding(both, P("side", *x.sharding.spec)) for x in leaves]
     swapped = jax.jit(lambda ys: [y[::-1] for y in ys], out_shardings=outs)(stacked)
     moved = []
     for x, y in zip(leaves, swapped):
@@ -322,7 +321,7 @@ def _pairs(src: list, dst: list) -> dict | None:
     pairs = {}
     for p in {d.process_index for d in src} | {d.process_index for d in dst}:
         a = sorted((d for d in src if d.process_index == p), key=_key)
-        b = [d for d in dst if d.process_index == p]
+        b = sorted((d for d in dst if d.process_index == p), key=_key)
         if len(a) != len(b):
             return None
         pairs.update(zip(a, b))
