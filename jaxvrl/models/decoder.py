@@ -48,6 +48,8 @@ from jaxvrl.models.moe import SparseMoE, feed_forward, scanned_layer_kind, spars
 from jaxvrl.models.packing import Packing
 from jaxvrl.parallel.sharding import constrain
 
+# the layer keywords that ask for a fourth output, the routing dict
+ROUTING = {"router", "experts", "replay"}
 # logical axes of the residual stream [B, T, D]
 RESIDUAL = ("batch", "length", "act_embed")
 
@@ -233,8 +235,10 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """sparse: the feed-forward is the mixture-of-experts block (`moe.feed_forward`).
 
-    router: the layer also returns its router logits [B*T, E] as a fourth output (None for a
-    dense layer)."""
+    Routing (sparse layers): `router` (the router logits [B*T, E]), `experts` (the router's
+    own top-k int32[B*T, k]) ask for a fourth output, a dict of those; `given` int[B*T, k]
+    (a recorded selection) adds "mismatch" bool[B*T] to it (`SparseMoE.apply`), and
+    `replay` routes by `given`. A dense layer's fourth output is {}."""
 
     def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs, sparse: bool = False):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -253,23 +257,29 @@ class DecoderLayer(nnx.Module):
         mask,
         kv=None,
         pools=None,
+        given=None,
         *,
         implementation="xla",
         block=512,
         queries=None,
         segmented=False,
         router=False,
+        experts=False,
+        replay=False,
     ):
         x_in = self.input_layernorm(x)
         kw = dict(implementation=implementation, block=block, queries=queries, segmented=segmented)
         h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, **kw)
         x = x + h
-        if router and isinstance(self.mlp, SparseMoE):
-            h, logits = self.mlp.apply(self.post_attention_layernorm(x))
-            return constrain(x + h, RESIDUAL), new_kv, stats, logits
+        routing = router or experts or given is not None
+        if routing and isinstance(self.mlp, SparseMoE):
+            h, aux = self.mlp.apply(self.post_attention_layernorm(x), given, replay=replay)
+            wanted = {"logits": router, "experts": experts, "mismatch": given is not None}
+            aux = {k: v for k, v in aux.items() if wanted[k]}
+            return constrain(x + h, RESIDUAL), new_kv, stats, aux
         x = x + self.mlp(self.post_attention_layernorm(x))
-        if router:
-            return constrain(x, RESIDUAL), new_kv, stats, None
+        if routing:
+            return constrain(x, RESIDUAL), new_kv, stats, {}
         return constrain(x, RESIDUAL), new_kv, stats
 
 
@@ -324,6 +334,9 @@ class TextDecoder(nnx.Module):
         key_queries=None,
         packing: Packing | None = None,
         router_logits: bool = False,
+        routes=None,
+        replay_routes: bool = False,
+        record_routes: bool = False,
     ):
         """x: input embeddings [B, T, D]; position_ids the family's positions (int[B, T] or int[3, B, T]); attention_mask [B, T];
         deepstack: vision features added after the first layers (prompts with vision tokens:
@@ -353,9 +366,14 @@ class TextDecoder(nnx.Module):
         slots, attention inside each row's segment; hidden [K, T', D] and stats [L, K, T']
         come back packed (`Packing.take` reads them per row).
 
-        router_logits (no cache): a fourth output, the sparse layers' router logits [L', N, E]
-        (N = B * T, or the packed slots; the dense layers give none: None where no layer is
-        sparse). Without it no router logits leave the layers.
+        Routing (models with sparse mixture-of-experts layers; L' of them): router_logits (no
+        cache), record_routes (with or without a cache) and routes (no cache: a recorded
+        selection int[B, T, L', k], packed with the rows) ask for a fourth output, a dict of
+        [L', N, ...] arrays (N = B * T, or the packed slots; {} where no layer is sparse):
+        "logits" the router logits [L', N, E], "experts" each router's own top k int32
+        [L', N, k], and with routes "mismatch" bool[L', N] (that top k differs from the
+        given one, as sets). replay_routes: the sparse layers route by `routes` (their
+        experts, the live router's weights). Without these no routing leaves the layers.
         """
         segmented = packing is not None
         if segmented:
@@ -367,6 +385,11 @@ class TextDecoder(nnx.Module):
             if deepstack is not None:
                 deepstack = deepstack.replace(features=packing.pack(deepstack.features, axis=1))
             attention_mask = packing.segments
+            routes = None if routes is None else packing.pack(routes)
+        if routes is not None:  # [B, T, L', k] -> [L', N, k]
+            routes = jnp.moveaxis(routes.reshape((-1,) + routes.shape[2:]), 1, 0)
+        elif replay_routes:
+            raise ValueError("replay_routes needs the routes to replay")
         t = x.shape[1]
         cos, sin = rope_cos_sin(position_ids, self.cfg, self.dtype)
         valid = attention_mask.astype(bool)
@@ -376,10 +399,15 @@ class TextDecoder(nnx.Module):
             extra["segmented"] = True
         if router_logits:
             extra["router"] = True
+        if routes is not None:
+            extra["replay"] = replay_routes
         if extra and cache is not None:
-            names = {"queries": "key_queries", "segmented": "segmented", "router": "router_logits"}
+            names = {"queries": "key_queries", "segmented": "segmented", "router": "router_logits",
+                     "replay": "routes"}  # fmt: skip
             asked = ", ".join(v for k, v in names.items() if k in extra)
             raise ValueError(f"{asked}: only for a forward pass without a cache")
+        if record_routes:
+            extra["experts"] = True
         if cache is None:
             implementation = attention_implementation(self.attention)
         else:
@@ -393,6 +421,8 @@ class TextDecoder(nnx.Module):
         if isinstance(cache, PagedKVCache):
             if deepstack is not None:
                 raise ValueError("a paged cache runs decode steps, which have no vision tokens")
+            if record_routes:
+                raise ValueError("record_routes: not with a paged cache (the slots engine)")
             return self._paged(layer_call, x, cos, sin, valid, cache, pools, step)
         if cache is None:
             # key validity [B, T] (or the segment ids); `attend` adds causality block by block
@@ -406,9 +436,9 @@ class TextDecoder(nnx.Module):
         scanned = self.scan_layers and step is None and (cache is None or cache.stacked)
         args = (layer_call, x, cos, sin, mask, cache, pools)
         if scanned:
-            x, kv, stats, *router = self._scan(*args, deepstack)
+            x, kv, stats, *router = self._scan(*args, deepstack, routes)
         else:
-            x, kv, stats, *router = self._loop(*args, step, deepstack)
+            x, kv, stats, *router = self._loop(*args, step, deepstack, routes)
         x = self.norm(x)
         new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
         return (x, new_cache, stats, *router)
@@ -439,7 +469,7 @@ class TextDecoder(nnx.Module):
         new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
         return self.norm(x), new, stats
 
-    def _scan(self, layer_call, x, cos, sin, mask, cache, pools, deepstack=None):
+    def _scan(self, layer_call, x, cos, sin, mask, cache, pools, deepstack=None, routes=None):
         """The layers as one scan: remat inside the body, the stacked cache's layers as xs,
         the new caches and the statistics as ys. With DeepStack, each layer's index rides
         along as xs too, and every layer adds its level times 1 (layers below
@@ -451,9 +481,9 @@ class TextDecoder(nnx.Module):
             features = constrain(deepstack.features, (None, *RESIDUAL))
 
         def body(layer, x, xs):
-            kv_xs, i = xs
+            kv_xs, i, given = xs
             kv = None if cache is None else (*kv_xs, cache.index)
-            x, kv, stats, *router = call(layer, x, cos, sin, mask, kv, pools)
+            x, kv, stats, *router = call(layer, x, cos, sin, mask, kv, pools, given)
             if deepstack is not None:
                 level = features[jnp.minimum(i, deepstack.levels - 1)].astype(x.dtype)
                 x = x + level * (i < deepstack.levels).astype(x.dtype)
@@ -461,23 +491,27 @@ class TextDecoder(nnx.Module):
 
         kv_xs = None if cache is None else (cache.k, cache.v)
         index = None if deepstack is None else jnp.arange(self.cfg.num_hidden_layers)
-        x, (kv, stats, *router) = scan_layers(self.layers, body, x, (kv_xs, index))
-        return (x, kv, stats, *router)  # router logits (when asked) stacked [L, N, E]
+        if routes is not None and not routes.shape[0]:  # no sparse layer: nothing to route
+            routes = None
+        x, (kv, stats, *router) = scan_layers(self.layers, body, x, (kv_xs, index, routes))
+        return (x, kv, stats, *router)  # routing (when asked) stacked [L, ...]
 
-    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, step, deepstack=None):
+    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, step, deepstack=None, routes=None):
         """The layers one by one (unrolled), each as `step.layer` gives it where there is a
         hook; a stacked cache gives back a stacked one, a paged one its pages."""
         call = remat(layer_call, self.remat_policy)
         ks, vs, all_stats, routers = [], [], [], []
+        sparse = sparse_layers(self.cfg)
         for i in range(self.cfg.num_hidden_layers):
             layer = self.layer(i)
             kv = None if cache is None else cache.layer(i)
+            given = routes[sum(sparse[:i])] if routes is not None and sparse[i] else None
             if step is None:
-                x, (k, v), stats, *router = call(layer, x, cos, sin, mask, kv, pools)
+                x, (k, v), stats, *router = call(layer, x, cos, sin, mask, kv, pools, given)
             else:  # decode steps only: nothing to differentiate
-                x, (k, v), stats = layer_call(step.layer(i, layer), x, cos, sin, mask, kv, pools)
-                router = []
-            routers += [r for r in router if r is not None]  # the sparse layers'
+                view = step.layer(i, layer)
+                x, (k, v), stats, *router = layer_call(view, x, cos, sin, mask, kv, pools)
+            routers += [r for r in router if r]  # the sparse layers'
             if deepstack is not None and i < deepstack.levels:
                 x = deepstack.add(x, i)
             ks.append(k)
@@ -488,6 +522,6 @@ class TextDecoder(nnx.Module):
         if cache is not None:
             kv = (jnp.stack(ks), jnp.stack(vs)) if cache.stacked else (tuple(ks), tuple(vs))
         stats = jax.tree.map(lambda *s: jnp.stack(s), *all_stats) if all_stats else None
-        if "router" not in layer_call.keywords:
+        if not ROUTING & set(layer_call.keywords):
             return x, kv, stats
-        return x, kv, stats, jnp.stack(routers) if routers else None
+        return x, kv, stats, jax.tree.map(lambda *r: jnp.stack(r), *routers) if routers else {}

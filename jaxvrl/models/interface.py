@@ -37,8 +37,10 @@ class Model(Protocol):
     `model(input_ids, attention_mask, pixel_values=..., image_grid_thw=...,
     pixel_values_videos=..., video_grid_thw=...)` on host arrays, and the traceable
     `model.forward(input_ids, attention_mask, position_ids, images=, videos=, cache=, pools=,
-    return_logits=, step=, key_queries=, packing=, router_logits=)` (packing: a `Packing`, the rows run
-    padding-free and the outputs come back packed) with positions from `Family.rope_index`
+    return_logits=, step=, key_queries=, packing=, router_logits=, routes=, replay_routes=,
+    record_routes=)` (packing: a `Packing`, the rows run padding-free and the outputs come
+    back packed; the routing keywords: a mixture of experts' routes recorded and replayed)
+    with positions from `Family.rope_index`
     and `VisionInputs` from `Family.vision_inputs`; both return a `ModelOutput`.
     `model.model` is the text decoder (`embed_tokens`, `layers`, `layer(i)`, `norm`);
     `model.visual` the vision encoder, None for a text-only family.

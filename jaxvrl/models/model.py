@@ -35,7 +35,9 @@ class ModelOutput:
     """logits: float32[B, T, V] (None if not asked); hidden: [B, T, D] final-norm states;
     cache: the updated KV cache or None; vision_mass / text_mass: float32[L, B, T] or None;
     router_logits: the sparse layers' router logits [L', N, E] where the pass asked for them
-    (`forward(router_logits=True)`), else None."""
+    (`forward(router_logits=True)`), else None; routes: their routers' own top k int32
+    [L', N, k] (`forward(record_routes=True)`), else None; route_mismatch: bool[L', N] where
+    that top k differs from the given `routes`' (`forward(routes=...)`), else None."""
 
     logits: jax.Array | None
     hidden: jax.Array
@@ -43,6 +45,8 @@ class ModelOutput:
     vision_mass: jax.Array | None = None
     text_mass: jax.Array | None = None
     router_logits: jax.Array | None = None
+    routes: jax.Array | None = None
+    route_mismatch: jax.Array | None = None
 
     @classmethod
     def of(cls, logits, hidden, cache, stats, per_key: bool) -> ModelOutput:
@@ -232,6 +236,9 @@ class Model(nnx.Module):
         key_queries=None,
         packing=None,
         router_logits: bool = False,
+        routes=None,
+        replay_routes: bool = False,
+        record_routes: bool = False,
     ) -> ModelOutput:
         """input_ids int[B, T]; attention_mask int[B, T]; position_ids: the family's
         positions of the tokens (`Family.rope_index`: int[B, T] for RoPE, int[3, B, T] for
@@ -250,7 +257,11 @@ class Model(nnx.Module):
         the rows (no cache): the decoder runs on its packed buffers, and hidden [K, T', D] and
         the masses [L, K, T'] come back packed (`Packing.take` reads them per row).
         router_logits (no cache): the output also carries the sparse layers' router logits
-        [L', N, E] over the decoder's tokens (N = B * T, or the packed slots).
+        [L', N, E] over the decoder's tokens (N = B * T, or the packed slots). record_routes:
+        it carries their routes (each router's own top k). routes (no cache): a recorded
+        selection int[B, T, L', k] (a rollout's); the output carries where the routers
+        would choose otherwise, and with replay_routes the sparse layers route by it
+        (`TextDecoder.__call__`).
         """
         x, deepstack = self.embed(input_ids, images, videos)
         hidden, cache, stats, *router = self.model(
@@ -264,10 +275,20 @@ class Model(nnx.Module):
             key_queries=key_queries,
             packing=packing,
             router_logits=router_logits,
+            routes=routes,
+            replay_routes=replay_routes,
+            record_routes=record_routes,
         )
         logits = self.logits(hidden) if return_logits else None
         out = ModelOutput.of(logits, hidden, cache, stats, key_queries is not None)
-        return out.replace(router_logits=router[0]) if router else out
+        if not router:
+            return out
+        got = router[0]
+        return out.replace(
+            router_logits=got.get("logits"),
+            routes=got.get("experts"),
+            route_mismatch=got.get("mismatch"),
+        )
 
     def classify(self, input_ids, attention_mask, position_ids) -> jax.Array:
         """A sequence classifier's logits float32[B, num_labels] at each row's last real token

@@ -18,7 +18,11 @@ columns, then up's) and `experts.down_proj`; a config with `fused_gate_up` keeps
 kernel [E, D, 2F] (`Experts.gate_up_proj`), split into gate and up where the experts run.
 
 The block also gives its router logits float32[N, E], from which `load_balancing_loss`
-computes transformers' auxiliary loss (scaled by `router_aux_loss_coef` where a loss adds it).
+computes transformers' auxiliary loss (scaled by `router_aux_loss_coef` where a loss adds it),
+and its routes: the experts each token went to. A sampler records them; a training pass given
+them can replay them (Rollout Routing Replay, arXiv 2510.11370: the experts from the rollout,
+their weights from the live router, so gradients flow) and counts where its own router would
+have chosen otherwise.
 
 Letters: N tokens (B * T), D model dim, E experts, F expert width, k experts per token.
 """
@@ -190,20 +194,34 @@ class SparseMoE(nnx.Module):
         """(gate [E, D, F], up [E, D, F], down [E, F, D]) in the compute dtype."""
         return self.experts.kernels(self.dtype)
 
-    def apply(self, x: jax.Array, selected: jax.Array | None = None):
-        """x [B, T, D] -> (out [B, T, D], router logits [B*T, E] in x's dtype); selected:
-        None, or a recorded top-k selection int[B*T, k] (see `route`)."""
+    def apply(self, x: jax.Array, given: jax.Array | None = None, *, replay: bool = False):
+        """x [B, T, D] -> (out [B, T, D], {"logits": router logits [B*T, E] in x's dtype,
+        "experts": the router's own top-k int32[B*T, k], "mismatch": bool[B*T] whether that
+        top-k (as a set) differs from `given`'s, with `given`}). given: None, or a recorded
+        selection int[B*T, k] (a rollout's routes); `replay` routes by it (weights from the
+        live router, see `route`), else by the router's own top k."""
         b, t, d = x.shape
         xf = x.reshape(b * t, d).astype(self.dtype)
         logits = self.gate(xf)  # [N, E]
-        weights, experts = route(logits, self.top_k, self.normalize, selected)
+        weights, experts = route(logits, self.top_k, self.normalize)
+        aux = {"logits": logits, "experts": experts}
+        if given is not None:
+            given = given.astype(jnp.int32)
+            aux["mismatch"] = jnp.any(jnp.sort(experts, -1) != jnp.sort(given, -1), axis=-1)
+            if replay:
+                weights, experts = route(logits, self.top_k, self.normalize, given)
         weights = weights.astype(logits.dtype)  # as transformers casts them back
         run = EXPERTS[self.implementation]
         out = run(xf, weights, experts, self.kernels(), activation(self.act_name))
-        return out.reshape(b, t, d), logits
+        return out.reshape(b, t, d), aux
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.apply(x)[0]
+
+
+def route_dtype(experts: int):
+    """The compact integer dtype that holds expert ids below `experts` (recorded routes)."""
+    return jnp.uint8 if experts <= 256 else jnp.int16 if experts <= 32768 else jnp.int32
 
 
 def feed_forward(cfg: TextConfig, sparse: bool, *, dtype, param_dtype, rngs) -> nnx.Module:

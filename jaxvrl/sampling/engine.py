@@ -95,6 +95,8 @@ def prefill_slots(
     1)` gives it); None: num_samples rows per prompt, prompt-major."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
+    if steps.records_routes(model, cfg):
+        raise ValueError("SamplingConfig.routes: the static sampler records routes (slots=0)")
     r, p_len = input_ids.shape
     n, ps = cfg.max_new_tokens, cfg.page_size
     if prompt_of is None:

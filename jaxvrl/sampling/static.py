@@ -32,7 +32,8 @@ class StaticCarry:
     """What `prefill` hands `decode`: the rows' KV cache (B rows of P + N positions, per
     layer), `last` float[B, D] the hidden state of each row's last prompt token (token 0 is
     picked from its logits), `start` int32[B] each row's next position, `keys` key[B]
-    (`steps.row_keys`), `pools` {name: bool[B, P + N]} or None, `limits` int[B] or None."""
+    (`steps.row_keys`), `pools` {name: bool[B, P + N]} or None, `limits` int[B] or None,
+    `routes` the prompts' recorded routes [B, P, L', k] or None (`SamplingConfig.routes`)."""
 
     cache: KVCache
     last: jax.Array
@@ -40,6 +41,7 @@ class StaticCarry:
     keys: jax.Array
     pools: dict | None = None
     limits: jax.Array | None = None
+    routes: jax.Array | None = None
 
 
 def prefill(
@@ -75,6 +77,7 @@ def prefill(
     # decode step write out the whole cache again (docs/scaling.md, scanned layers), and the
     # CPU decode forms read each layer's buffer as it lies.
     cache = KVCache.init(model.config.text, rows, t + n, model.dtype)
+    record = steps.records_routes(model, cfg)
     out = model.forward(
         input_ids,
         attention_mask,
@@ -83,7 +86,9 @@ def prefill(
         videos=videos,
         cache=cache,
         return_logits=False,
+        record_routes=record,
     )
+    routes = _repeat(steps.step_routes(model, out.routes, rows), expand) if record else None
     if pools is not None:
         pools = {k: _repeat(jnp.pad(v, ((0, 0), (0, n))), expand) for k, v in pools.items()}
     return StaticCarry(
@@ -95,6 +100,7 @@ def prefill(
         keys=steps.row_keys(rng, b // g, g),
         pools=pools,
         limits=limits,
+        routes=routes,
     )
 
 
@@ -112,6 +118,9 @@ def decode(
     tok, lp, ent = steps.pick(steps.logits(model, forms, carry.last), keys, 0, cfg)
     layers = model.config.text.num_hidden_layers if pools is not None else 0
     state = _loop_state(carry.cache, tok, lp, n, cfg, layers, ent)
+    if carry.routes is not None:  # [B, N, L', k]: each completion token's, as it is fed
+        b, _, *per_token = carry.routes.shape
+        state["routes"] = jnp.zeros((b, n, *per_token), carry.routes.dtype)
     step = functools.partial(
         _decode_step, model, forms, cfg, keys, carry.start, pools, limits=carry.limits
     )
@@ -133,6 +142,7 @@ def decode(
         vision_mass=s.get("vmass"),
         text_mass=s.get("xmass"),
         entropies=s.get("entropies"),
+        routes=None if carry.routes is None else jnp.concatenate([carry.routes, s["routes"]], 1),
     )
     return out, carry.replace(cache=s["cache"])
 
@@ -227,6 +237,7 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
         pools=pools,
         return_logits=False,
         step=forms,
+        record_routes="routes" in s,
     )
     logits = steps.logits(model, forms, out.hidden[:, 0])
     next_tok, next_lp, next_ent = steps.pick(logits, keys, i + 1, cfg)
@@ -244,6 +255,10 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
     if cfg.entropies:
         new["next_ent"] = next_ent
         new["entropies"] = s["entropies"].at[:, i].set(jnp.where(live, s["next_ent"], 0.0))
+    if "routes" in s:  # token i's routes (a done row's pad: 0)
+        fed = steps.step_routes(model, out.routes, b)[:, 0]  # [B, L', k]
+        fed = jnp.where(live[:, None, None], fed, 0)
+        new["routes"] = s["routes"].at[:, i].set(fed)
     if pools is not None:
         # masses of the query fed at step i (token i), the one that predicts token i+1
         new["vmass"] = s["vmass"].at[:, :, i].set(out.vision_mass[:, :, 0])

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxvrl.models import moe
 from jaxvrl.parallel import sharding
 from jaxvrl.sampling import rules
 from jaxvrl.sampling.cpu import decode as cpu_decode
@@ -60,6 +61,10 @@ class SamplingConfig:
     # distribution, as the trainer's passes compute it): a trainer whose old-policy
     # quantities come from the sampler reads them instead of recomputing them.
     entropies: bool = False
+    # Also return each token's routes through a mixture of experts' sparse layers (the
+    # experts each router chose, prompt and completion: `SampleOutput.routes`), for a
+    # training pass to replay or compare (the static sampler; models without experts: none).
+    routes: bool = False
 
     def __post_init__(self):
         # id lists as tuples: the config is hashed as the programs' static setting
@@ -78,7 +83,10 @@ class SampleOutput:
     the distributions the tokens were drawn from (under logits / temperature, 0 on padding)
     with `SamplingConfig.entropies`; ended bool[B] the rows that ended (EOS or their last
     token), or None (every row did): a slots call stopped by its groups leaves the others
-    part-way, their tokens so far under `mask`."""
+    part-way, their tokens so far under `mask`; routes int[B, P + N, L', k] with
+    `SamplingConfig.routes` (a model with L' sparse layers of top-k experts): the experts
+    each sparse layer's router chose for every prompt position (P, left-padded as given) and
+    completion token (0 after the end), in `moe.route_dtype`, else None."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -89,6 +97,20 @@ class SampleOutput:
     text_mass: jax.Array | None = None
     entropies: jax.Array | None = None
     ended: jax.Array | None = None
+    routes: jax.Array | None = None
+
+
+def records_routes(model, cfg: SamplingConfig) -> bool:
+    """Whether a call records routes: asked, and the model has sparse layers."""
+    return cfg.routes and any(moe.sparse_layers(model.config.text))
+
+
+def step_routes(model, routes: jax.Array, rows: int) -> jax.Array:
+    """A forward's recorded routes [L', rows * T, k] as [rows, T, L', k] in the compact
+    dtype (`moe.route_dtype`)."""
+    dtype = moe.route_dtype(model.config.text.num_experts)
+    per_row = routes.reshape(routes.shape[0], rows, -1, routes.shape[-1])
+    return jnp.moveaxis(per_row, 0, 2).astype(dtype)
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
