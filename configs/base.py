@@ -305,6 +305,13 @@ def get_config(arg=None):
     # a mixture-of-experts policy's load-balancing loss (moe.load_balancing_loss) added to
     # the loss at this weight (0 = off; a model without experts refuses it)
     c.actor.router_aux_loss_coef = setting(0.0, NON_NEGATIVE)
+    # a mixture-of-experts policy's passes over a rollout route every token by the experts
+    # the sampler chose for it (Rollout Routing Replay, arXiv 2510.11370: the selection
+    # from the rollout, the weights from the live router); the sampler records the routes
+    # of such a policy either way, and train/router_mismatch is the share of token-layer
+    # routes a fresh router would choose otherwise (the static sampler: rollout.slots 0; a
+    # model without experts refuses it)
+    c.actor.routing_replay = False
     # the optimizer's state (Adam's moments: 2x the trainable parameters in float32) kept in
     # host memory between updates and brought to the devices for each update
     # (docs/scaling.md#host-offload); for devices with a host memory space (TPU, GPU, CPU)

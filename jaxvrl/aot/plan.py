@@ -34,6 +34,7 @@ from jaxvrl.aot.report import (
 from jaxvrl.config import ConfigError
 from jaxvrl.data.from_config import builtin_task
 from jaxvrl.data.processor import smart_resize
+from jaxvrl.models import moe
 from jaxvrl.models.attention import resolve
 from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
@@ -257,6 +258,14 @@ class Plan:
         tokens = int(np.prod(self.grid)) // self.model.config.vision.merge_unit
         return f" holding an image of grid {self.grid[0].tolist()} ({tokens} tokens)"
 
+    def _routes(self, rows: int, length: int):
+        """The rollout's routes [rows, length, L', k] where the run records them, else None."""
+        text = self.model.config.text
+        if not setup.records_routes(self.c, self.model.config):
+            return None
+        shape = (rows, length, sum(moe.sparse_layers(text)), text.num_experts_per_tok)
+        return np.zeros(shape, moe.route_dtype(text.num_experts))
+
     def _pools(self, length: int, rows: int) -> dict:
         return {k: np.zeros((rows, length), bool) for k in ("vision", "text", "prompt")}
 
@@ -331,6 +340,7 @@ class Plan:
             pools=self._pools(p, b) if cfg.needs_attention else None,
             old_logprobs=np.zeros((b, n), np.float32),  # the sampler's, as the rollout gives
             old_entropy=np.zeros((b, n), np.float32) if cfg.sampler_shaping else None,
+            routes=self._routes(b, p + n),
         )
         batch = dataclasses.replace(batch, images=self._images(b))
         plan = packing.plan_batch(p + comp, comp, p + n, jax.random.key(0), cfg, self.mesh)

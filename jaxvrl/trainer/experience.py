@@ -34,6 +34,7 @@ from jaxvrl.trainer.passes import (
     interleave_rows,
     micro_split,
     paired_packing,
+    router_mismatch,
     split_rows,
     take_rows,
     unpair_rows,
@@ -45,7 +46,9 @@ from jaxvrl.trainer.state import StepConfig, TrainState, join, split_trainable
 class Passes:
     """The no-grad passes' outputs, float32[B, N] (masses [L, B, N]); None where not run:
     the old policy's log-probs, entropies and attention masses, the perturbed image's
-    log-probs, the reference's log-probs, the critic's values."""
+    log-probs, the reference's log-probs, the critic's values; route_mismatch float32[B, L]
+    (a batch with the sampler's routes): per token, the sparse layers whose router would
+    route it otherwise than the sampler did."""
 
     old_logp: jax.Array | None = None
     entropy: jax.Array | None = None
@@ -54,6 +57,7 @@ class Passes:
     aug_logp: jax.Array | None = None
     ref_logp: jax.Array | None = None
     values: jax.Array | None = None
+    route_mismatch: jax.Array | None = None
 
 
 @struct.dataclass
@@ -117,6 +121,8 @@ def no_grad_passes(
             "actor.shaping_source=recompute"
         )
 
+    replay = "replay" if cfg.actor.routing_replay else "fresh"
+
     def one(args):
         mb, aug_mb = args
         logprobs = lambda m, c: c.logprobs(m, cfg.temperature)[0]  # noqa: E731
@@ -126,11 +132,15 @@ def no_grad_passes(
             # with a perturbed pass, the clean and the perturbed rows run as one batch of
             # interleaved rows: one forward reads each layer's weights once for both
             both = paired_packing(interleave_rows(mb, mb.replace(images=aug_mb))) if paired else mb
-            comp, out = completion_hidden(model, both, pools=cfg.needs_attention)
+            routing = "replay" if cfg.actor.routing_replay else "compare"
+            comp, out = completion_hidden(model, both, pools=cfg.needs_attention, routing=routing)
             logp, entropy = comp.logprobs(model, cfg.temperature, entropy="value")
             if paired:
                 (logp, res["aug_logp"]), (entropy, _) = unpair_rows(logp), unpair_rows(entropy)
             res["old_logp"], res["entropy"] = logp, entropy
+            if out.route_mismatch is not None:
+                mismatch = out.route_mismatch
+                res["route_mismatch"] = unpair_rows(mismatch)[0] if paired else mismatch
             if cfg.needs_attention:
                 for name in ("vision_mass", "text_mass"):
                     mass = getattr(out, name)  # [L, rows, N]
@@ -139,7 +149,8 @@ def no_grad_passes(
                 values = comp.per_row(critic_lib.head_values(comp.hidden, critic[1]))
                 res["values"] = unpair_rows(values)[0] if paired else values
         if aug_mb is not None and not paired:
-            res["aug_logp"] = logprobs(model, completion_hidden(model, mb, images=aug_mb)[0])
+            comp = completion_hidden(model, mb, images=aug_mb, routing=replay)[0]
+            res["aug_logp"] = logprobs(model, comp)
         if ref is not None:
             res["ref_logp"] = logprobs(ref, completion_hidden(ref, mb)[0])
         if critic is not None and critic[0] is not None:
@@ -311,6 +322,8 @@ def experience(graphdef, state: TrainState, ref_params, batch: RolloutBatch, rng
     )
     mask = batch.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)
+    if passes.route_mismatch is not None:
+        metrics["router_mismatch"] = router_mismatch(passes.route_mismatch, batch)
     if cfg.old_pass:  # else the loss passes report the entropy and the KL
         metrics["entropy"] = jnp.sum(passes.entropy * mask) / tokens
         if passes.ref_logp is not None:

@@ -48,7 +48,9 @@ class Group:
     float64[G] the prompt's greedy-completion reward (remax), else zeros; entropies
     float32[G, N] the sampler's entropies of the distributions it drew from, or None;
     versions int32[G, N] the step whose policy sampled each token (-1: none) where rows were
-    carried across steps (partial rollouts), else None (all this step's).
+    carried across steps (partial rollouts), else None (all this step's); routes int[G, p +
+    N, L', k] the experts each sparse layer routed every real prompt token (p of them) and
+    completion token to in the sampler (`SampleOutput.routes`), or None.
     """
 
     example: dict
@@ -63,6 +65,7 @@ class Group:
     logprobs: np.ndarray | None = None
     entropies: np.ndarray | None = None
     versions: np.ndarray | None = None
+    routes: np.ndarray | None = None
 
     def __post_init__(self):
         if self.baseline is None:
@@ -94,6 +97,24 @@ def entropies(groups: list[Group]) -> np.ndarray:
     """The groups' sampler entropies [rows, N] (zeros for padding groups, which have none)."""
     zeros = lambda x: np.zeros(x.tokens.shape, np.float32)  # noqa: E731
     return np.concatenate([zeros(x) if x.entropies is None else x.entropies for x in groups])
+
+
+def routes(groups: list[Group], prompt_width: int) -> np.ndarray | None:
+    """The groups' routes [rows, prompt_width + N, L', k], each group's prompt part
+    left-padded to `prompt_width` as the collated prompts are (zeros on padding, and for a
+    group without routes); None where no group has any."""
+    known = [x.routes for x in groups if x.routes is not None]
+    if not known:
+        return None
+    n = groups[0].tokens.shape[1]
+    per_token, dtype = known[0].shape[2:], known[0].dtype
+    out = np.zeros((sum(len(x.tokens) for x in groups), prompt_width + n, *per_token), dtype)
+    row = 0
+    for x in groups:
+        if x.routes is not None:
+            out[row : row + len(x.tokens), prompt_width + n - x.routes.shape[1] :] = x.routes
+        row += len(x.tokens)
+    return out
 
 
 def keep_flags(groups: list[Group], opts: FilterOptions) -> np.ndarray:

@@ -34,6 +34,8 @@ class RolloutBatch:
                      logits / rollout temperature (0 on padding), or None.
     old_entropy:     float32[B, N] the sampler's entropies of the distributions it drew
                      the completion tokens from (0 on padding), or None.
+    routes:          int[B, L, L', k] the experts the sampler routed each token to in the
+                     model's L' sparse layers (top k; 0 on padding), or None.
     pack_order:      int32[B] with padding-free passes (`trainer/packing.py`): the rows in
                      the order the experience passes' micro-batches take them (balanced).
     pack_start:      int32[B]: the first slot of each of those rows in its micro-batch's
@@ -63,6 +65,7 @@ class RolloutBatch:
     pools: dict | None = None
     old_logprobs: jax.Array | None = None
     old_entropy: jax.Array | None = None
+    routes: jax.Array | None = None
     pack_order: jax.Array | None = None
     pack_start: jax.Array | None = None
     update_rows: jax.Array | None = None
@@ -160,14 +163,25 @@ class Completions:
         return self.per_row(logp), None if ent is None else self.per_row(ent)
 
 
-def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False, router=False):
+def completion_hidden(
+    model, batch: RolloutBatch, *, images=None, pools=False, router=False, routing="fresh"
+):
     """Forward the whole sequence; returns (`Completions`: the hidden states whose logits
     predict each completion token, out with the attention masses of those positions
     [L, B, N]). Position t predicts token t+1, so the completion's are [P-1, L-1). With the
     batch's packing the forward runs on the packed real tokens, and the head reads the real
     completion tokens only (`pack_completions` slots per device group). router: out also
     carries the sparse layers' router logits [L', N, E] over the forward's tokens (the
-    rows' [B * L], or the packed slots), which `router_tokens` marks real."""
+    rows' [B * L], or the packed slots), which `router_tokens` marks real.
+
+    routing (a batch with the sampler's `routes`; else ignored): "fresh" (the routers choose),
+    "compare" (they choose, and out.route_mismatch float32[B, L] counts, per token, the
+    sparse layers whose choice differs from the sampler's), "replay" (the sparse layers route
+    by the sampler's choices, Rollout Routing Replay; route_mismatch counts where the routers
+    would have chosen otherwise)."""
+    if routing not in ("fresh", "compare", "replay"):
+        raise ValueError(f"routing must be fresh, compare or replay: {routing!r}")
+    given = None if routing == "fresh" else batch.routes
     packing = batch.packing()
     out = model.forward(
         batch.input_ids,
@@ -179,8 +193,14 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False, r
         return_logits=False,
         packing=packing,
         router_logits=router,
+        routes=given,
+        replay_routes=given is not None and routing == "replay",
     )
     n, t = batch.completion_length, batch.input_ids.shape[1]
+    if out.route_mismatch is not None:  # [L', N] -> per token, the layers that differ
+        count = jnp.sum(out.route_mismatch, axis=0, dtype=jnp.float32)
+        count = count.reshape(out.hidden.shape[:2])
+        out = out.replace(route_mismatch=count if packing is None else packing.take(count, 0, t))
     tokens = batch.input_ids[:, -n:]
     if packing is None:
         masses = {k: getattr(out, k)[:, :, -n - 1 : -1] for k in ("vision_mass", "text_mass")
@@ -208,6 +228,15 @@ def completion_hidden(model, batch: RolloutBatch, *, images=None, pools=False, r
     hidden = gather_rows(flat, at, reader)
     tokens = gather_rows(tokens.reshape(g, -1), source, index)
     return Completions(hidden, tokens, index, source, b), out.replace(**masses)
+
+
+def router_mismatch(counts: jax.Array, batch: RolloutBatch) -> jax.Array:
+    """The share of (real token, sparse layer) routes a pass's routers would choose otherwise
+    than the sampler did: counts float32[B, L] per token (`Passes.route_mismatch`), over
+    the batch's real tokens (prompt and completion) and its L' sparse layers."""
+    real = (batch.attention_mask > 0).astype(jnp.float32)
+    layers = batch.routes.shape[2]
+    return jnp.sum(counts * real) / (layers * jnp.maximum(jnp.sum(real), 1.0))
 
 
 def router_tokens(batch: RolloutBatch) -> jax.Array:

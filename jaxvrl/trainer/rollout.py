@@ -32,6 +32,7 @@ from jaxvrl.trainer.groups import (
     collect_groups,
     entropies,
 )
+from jaxvrl.trainer.groups import routes as group_routes
 from jaxvrl.trainer.passes import RolloutBatch
 from jaxvrl.trainer.scoring import RewardScorer
 
@@ -46,6 +47,7 @@ def assemble_prompts(
     baseline: np.ndarray | None = None,
     old_logprobs: np.ndarray | None = None,
     old_entropy: np.ndarray | None = None,
+    routes: np.ndarray | None = None,
 ) -> RolloutBatch:
     """`assemble` over a collated prompt batch (the data loader's dict: input_ids,
     attention_mask, position_ids, deltas, has_image, images and, with_pools, pools)."""
@@ -63,6 +65,7 @@ def assemble_prompts(
         baseline=baseline,
         old_logprobs=old_logprobs,
         old_entropy=old_entropy,
+        routes=routes,
     )
 
 
@@ -90,12 +93,14 @@ def assemble(
     baseline: np.ndarray | None = None,
     old_logprobs: np.ndarray | None = None,
     old_entropy: np.ndarray | None = None,
+    routes: np.ndarray | None = None,
 ) -> RolloutBatch:
     """Concatenate prompt [B, P] and completion [B, N] into one RolloutBatch (numpy arrays).
 
     Completion tokens after the first EOS get attention_mask 0; they never influence a loss.
     old_logprobs: the sampler's log-probs of the completion tokens float32[B, N], or None;
-    old_entropy: the sampler's entropies there, or None.
+    old_entropy: the sampler's entropies there, or None; routes: the sampler's routes of
+    every token [B, P + N, L', k], or None.
     """
     n = tokens.shape[1]
     comp_mask = completion_mask.astype(np.int32)
@@ -116,6 +121,7 @@ def assemble(
         pools=pools,
         old_logprobs=None if old_logprobs is None else np.asarray(old_logprobs, np.float32),
         old_entropy=None if old_entropy is None else np.asarray(old_entropy, np.float32),
+        routes=routes,
     )
 
 
@@ -448,6 +454,8 @@ class RolloutPhase:
         scored, with the greedy baseline (needs the collated `batch`) and the truncation rule.
         att: per-row attention metrics {name: float32[B]} (None: none)."""
         g, att = self.opts.group_size, att or {}
+        width = None if batch is None else batch["attention_mask"].shape[1]
+        real = None if batch is None else batch["attention_mask"].sum(axis=1)
         texts = decode_completions(self.tokenizer, out.tokens, out.mask)
         # per-row rollout statistics the rewards may read besides the rows' columns
         extra = {"mdi": list(att["mdi"])} if "mdi" in att else {}
@@ -477,6 +485,10 @@ class RolloutPhase:
                     entropies=None
                     if out.entropies is None
                     else np.asarray(out.entropies[s], np.float32),
+                    # the real prompt tokens' and the completion's (width-independent)
+                    routes=None
+                    if out.routes is None
+                    else np.asarray(out.routes[s, width - int(real[i * g]) :]),
                 )
             )
         return groups
@@ -577,8 +589,9 @@ class RolloutPhase:
         return Rollout(batch, groups, real, metrics, got.sampled, self._assemble_rows)
 
     def _assemble(self, groups: list[Group]) -> RolloutBatch:
+        prompts = self.collate([x.example for x in groups], self.opts.group_size)
         return assemble_prompts(
-            self.collate([x.example for x in groups], self.opts.group_size),
+            prompts,
             np.concatenate([x.tokens for x in groups]),
             np.concatenate([x.mask for x in groups]),
             np.concatenate([x.totals for x in groups]),
@@ -586,6 +599,7 @@ class RolloutPhase:
             baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
             old_logprobs=np.concatenate([x.logprobs for x in groups]),
             old_entropy=entropies(groups) if self.sampler.cfg.entropies else None,
+            routes=group_routes(groups, prompts["input_ids"].shape[1]),
         )
 
     def _assemble_rows(self, rows: list[tuple[Group, int]]) -> RolloutBatch:

@@ -143,6 +143,8 @@ def check_model_settings(c, model_config) -> None:
             f"config.actor.router_aux_loss_coef={c.actor.router_aux_loss_coef}: model type "
             f"{model_config.model_type!r} has no mixture-of-experts layers; set it to 0"
         )
+    if c.actor.routing_replay:
+        check_routing_replay(c, model_config)
     if getattr(model_config, "vision", None) is not None:
         return
     if not c.data.train_files and builtin_task(c).has_images:
@@ -209,10 +211,34 @@ def run_info(c, commit: str | None = None) -> dict:
     }
 
 
+def check_routing_replay(c, model_config) -> None:
+    """actor.routing_replay needs a model with sparse layers and the sampler that records
+    routes (the static one; partial rollouts, whose carried rows would be prefilled again
+    under a newer policy, need the slots engine)."""
+    key = "config.actor.routing_replay=True"
+    if not any(sparse_layers(model_config.text)):
+        raise ConfigError(
+            f"{key}: model type {model_config.model_type!r} has no mixture-of-experts layers; "
+            "set it to False"
+        )
+    if c.rollout.slots:
+        raise ConfigError(
+            f"{key}: the slots engine (rollout.slots={c.rollout.slots}) records no routes; "
+            "set rollout.slots=0"
+        )
+
+
+def records_routes(c, mcfg) -> bool:
+    """Whether the rollout records its routes: a model with sparse layers, sampled by the
+    static sampler (`check_routing_replay`'s conditions)."""
+    return any(sparse_layers(mcfg.text)) and not c.rollout.slots
+
+
 def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> SamplingConfig:
     """The rollout's SamplingConfig for model config `mcfg`: EOS from the model config (else
     the tokenizer's), pad from the tokenizer (0 without one), vision tokens suppressed;
-    entropies: return each token's entropy (the trainer's token shaping reads them)."""
+    entropies: return each token's entropy (the trainer's token shaping reads them); the
+    routes where `records_routes`."""
     if mcfg.eos_token_id is not None:
         eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
     else:
@@ -228,7 +254,13 @@ def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> Samplin
         eos_token_ids=eos,
         pad_token_id=pad,
     )
-    return dataclasses.replace(cfg, slots=r.slots, page_size=r.page_size, entropies=entropies)
+    return dataclasses.replace(
+        cfg,
+        slots=r.slots,
+        page_size=r.page_size,
+        entropies=entropies,
+        routes=records_routes(c, mcfg),
+    )
 
 
 def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
@@ -267,7 +299,7 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     rollout.devices (`rollout_layout`, `sampling_devices`; None: one device, the model's
     dtype)."""
     cfg = sampling_config(c, mcfg, tokenizer, entropies=step_config(c, mesh).sampler_shaping)
-    greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False)
+    greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False, routes=False)
     rmesh, dtype = None, None
     if mesh is not None:
         rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)

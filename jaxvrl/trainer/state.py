@@ -53,6 +53,7 @@ class ActorSettings:
     dynamic_batching: bool
     max_token_len_per_device: int | None
     router_aux_loss_coef: float
+    routing_replay: bool
     offload_optimizer: bool
     offload_reference: bool
 

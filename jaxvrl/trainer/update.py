@@ -26,6 +26,7 @@ from jaxvrl.trainer.passes import (
     batch_rows,
     completion_hidden,
     micro_split,
+    router_mismatch,
     router_tokens,
     split_rows,
     take_rows,
@@ -100,7 +101,10 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     in_loss = cfg.shaping_in_loss
     router_coef = cfg.actor.router_aux_loss_coef
     pools = in_loss and cfg.needs_attention
-    comp, out = completion_hidden(model, mb, pools=pools, router=router_coef > 0)
+    # the sampler's routes replayed (actor.routing_replay), or compared with this pass's
+    # where no old-policy pass did (train/router_mismatch)
+    routing = "replay" if cfg.actor.routing_replay else "fresh" if cfg.old_pass else "compare"
+    comp, out = completion_hidden(model, mb, pools=pools, router=router_coef > 0, routing=routing)
     grad_entropy = cfg.grad_entropy  # a loss term reads it
     want_entropy = grad_entropy or not cfg.old_pass
     logp, entropy = comp.logprobs(
@@ -151,6 +155,8 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
         router = moe.load_balancing_loss(out.router_logits, top_k, router_tokens(mb))
         loss = loss + router_coef * router
         metrics["router_aux_loss"] = router
+    if out.route_mismatch is not None and not cfg.old_pass:
+        metrics["router_mismatch"] = router_mismatch(out.route_mismatch, mb)
     scale = aux.share
     loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
