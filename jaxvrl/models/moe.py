@@ -17,12 +17,9 @@ Qwen3-VL-MoE's checkpoints hold each layer's experts fused, `experts.gate_up_pro
 columns, then up's) and `experts.down_proj`; a config with `fused_gate_up` keeps the same one
 kernel [E, D, 2F] (`Experts.gate_up_proj`), split into gate and up where the experts run.
 
-The block also gives its router logits float32[N, E], from which `load_balancing_loss`
-computes transformers' auxiliary loss (scaled by `router_aux_loss_coef` where a loss adds it),
-and its routes: the experts each token went to. A sampler records them; a training pass given
-them can replay them (Rollout Routing Replay, arXiv 2510.11370: the experts from the rollout,
-their weights from the live router, so gradients flow) and counts where its own router would
-have chosen otherwise.
+The block also gives its router logits float32[N, E] (`load_balancing_loss`: transformers'
+auxiliary loss) and its routes, which a training pass may replay (`SparseMoE.apply`; Rollout
+Routing Replay, arXiv 2510.11370: experts recorded, weights from the live router).
 
 Letters: N tokens (B * T), D model dim, E experts, F expert width, k experts per token.
 """

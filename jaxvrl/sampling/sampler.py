@@ -342,6 +342,7 @@ def generation_config(
     eos_token_ids=(),
     pad_token_id: int = 0,
     decode_layout: str = "auto",
+    routes: bool = False,
 ) -> SamplingConfig:
     """The SamplingConfig `generate` samples with: these settings, and the model's image/video
     pad and vision start/end tokens suppressed (those it has)."""
@@ -358,6 +359,7 @@ def generation_config(
         pad_token_id=pad_token_id,
         suppress_token_ids=vision_token_ids(cfg_m),
         decode_layout=decode_layout,
+        routes=routes,
     )
 
 
@@ -424,6 +426,7 @@ def generate(
     decode_weights: DecodeWeights | None = None,
     num_samples: int = 1,
     prefill_once: bool = True,
+    routes: bool = False,
 ) -> SampleOutput:
     """Sample completions for left-padded prompts int[R, P] (numpy or jax arrays): R *
     num_samples rows, each prompt prefilled once (`sample`; prefill_once=False: the rows are
@@ -438,7 +441,10 @@ def generate(
     key(0). decode_layout: see `SamplingConfig.decode_layout`. sampler: a `Sampler` made for
     the same model and the config these arguments give (`generation_config`), whose
     `compiles` counts these calls' shapes (default: a new one); decode_weights: its
-    `decode_weights` for these parameters and rows, kept by the caller.
+    `decode_weights` for these parameters and rows, kept by the caller. routes: a model with
+    mixture-of-experts layers also returns every token's routes (`SampleOutput.routes`: the
+    experts each sparse layer chose), which `Model.forward(routes=..., replay_routes=True)`
+    replays.
     """
     cfg_m = model.config
     cfg = generation_config(
@@ -450,6 +456,7 @@ def generate(
         eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id,
         decode_layout=decode_layout,
+        routes=routes,
     )
     graphdef, params = nnx.split(model)
     if sampler is None:

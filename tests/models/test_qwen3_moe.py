@@ -52,6 +52,20 @@ def build(path, seed=0, **kw):
     return hf
 
 
+def routed_otherwise(route):
+    """`moe.route` as a sampler whose numerics route otherwise would: its own choice (no
+    recorded selection given) is the experts ranked 2..k+1 by the router; a given selection
+    is routed as `route` routes it."""
+
+    def other(logits, top_k, normalize, selected=None):
+        if selected is None:
+            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+            selected = jax.lax.top_k(probs, top_k + 1)[1][:, 1:]
+        return route(logits, top_k, normalize, selected)
+
+    return other
+
+
 @pytest.fixture(scope="module")
 def sparse(tmp_path_factory):
     """(HF model, our model (scanned layers), path): two layers, both sparse."""

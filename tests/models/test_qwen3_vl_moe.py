@@ -195,3 +195,46 @@ def test_preset_has_the_published_parameter_count():
         hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d))
     assert count == sum(p.numel() for p in hf.parameters())
     assert abs(count / 1e9 - 31.07) <= 0.01 * 31.07, count
+
+
+def test_replayed_routes_give_the_sampled_logprobs(tiny, batch, monkeypatch):
+    """A sampler whose routers pick the experts ranked 2..k+1 (a stand-in for numerics that
+    route otherwise) on rows with an image, a video and text: a teacher-forced pass that
+    replays its recorded routes (vision tokens, DeepStack, M-RoPE) gives its log-probs; one
+    that routes afresh does not, and says where its routers chose otherwise."""
+    from tests.models.test_qwen3_moe import routed_otherwise
+
+    _, model, _ = tiny
+    ids, mask, vision = batch
+    grids = [np.array(vision[k]) for k in ("images", "videos")]
+    n = 5
+    with monkeypatch.context() as mp:
+        mp.setattr(moe, "route", routed_otherwise(moe.route))
+        out = generate(
+            model, ids, mask, pixel_values=vision["pv"], image_grid_thw=grids[0],
+            pixel_values_videos=vision["pvv"], video_grid_thw=grids[1], max_new_tokens=n,
+            temperature=1.0, rng=jax.random.key(2), routes=True,
+        )  # fmt: skip
+    done = np.asarray(out.mask).astype(mask.dtype)
+    full, full_mask = np.concatenate([ids, out.tokens], 1), np.concatenate([mask, done], 1)
+    pos, _ = M.rope_index(model.config, full, full_mask, *grids)
+    media = [
+        M.vision_inputs(model.config, x, g) for x, g in zip((vision["pv"], vision["pvv"]), grids)
+    ]
+
+    def logprobs(replay: bool):
+        o = model.forward(
+            full, full_mask, pos, images=media[0], videos=media[1], routes=out.routes,
+            replay_routes=replay,
+        )  # fmt: skip
+        logits = np.asarray(o.logits[:, ids.shape[1] - 1 : -1], np.float64)
+        lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        chosen = np.take_along_axis(logits, np.asarray(out.tokens)[..., None], -1)[..., 0]
+        gap = np.where(done > 0, chosen - lse - np.asarray(out.logprobs), 0.0)
+        real = np.asarray(full_mask).reshape(-1) > 0
+        return np.abs(gap).max(), np.asarray(o.route_mismatch)[:, real].mean()
+
+    gap, mismatch = logprobs(True)
+    assert gap <= 5e-6 * 6 and mismatch > 0.5  # log-sum-exps of ~6 (300 tokens)
+    gap, mismatch = logprobs(False)
+    assert gap > 0.05 and mismatch > 0.5

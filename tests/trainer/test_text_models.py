@@ -89,7 +89,8 @@ def test_grpo_trains_a_text_model_on_text_rows(llama, tmp_path):
 
 def test_grpo_trains_a_mixture_of_experts_model_and_resumes(tmp_path):
     """A tiny Qwen3-MoE (2 sparse layers of 4 experts, top 2) trains 2 steps, then resumes
-    for a third."""
+    for a third replaying the rollout's routes (actor.routing_replay); both log how many
+    routes the training passes' routers would choose otherwise."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -106,9 +107,11 @@ def test_grpo_trains_a_mixture_of_experts_model_and_resumes(tmp_path):
     data = _text_rows(tmp_path / "math.jsonl")
     workdir = tmp_path / "run"
     first = run(_config(path, workdir, data, "configs/grpo.py", "total_steps=2"))
-    metrics = run(_config(path, workdir, data, "configs/grpo.py", "total_steps=3"))
+    replay = ("total_steps=3", "actor.routing_replay=True")
+    metrics = run(_config(path, workdir, data, "configs/grpo.py", *replay))
     for m in (first, metrics):
         assert np.isfinite(m["loss"]) and m["train/nonfinite"] == 0
+        assert 0.0 <= m["train/router_mismatch"] <= 1.0
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]  # the resumed run trained step 3 only
     assert models.load_config(path).model_type == "qwen3_moe"

@@ -1,0 +1,147 @@
+"""Rollout Routing Replay (actor.routing_replay) on a tiny Qwen3-MoE (2 sparse layers of 8
+experts, top 2). The sampler records every token's routes; here its routers pick the experts
+ranked 2..k+1 (a stand-in for a sampler whose numerics route otherwise), so a training pass
+that routes afresh disagrees with it. Replaying the recorded routes gives the sampler's
+log-probs in the old-policy pass (padded and packed) and in the loss pass (a ratio of 1),
+and train/router_mismatch counts the routes the routers would choose otherwise; with the
+sampler's own routing it is 0."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import base
+from jaxvrl import models as M
+from jaxvrl.config import ConfigError, set_values
+from jaxvrl.models import moe
+from jaxvrl.sampling import generate
+from jaxvrl.trainer import packing, update
+from jaxvrl.trainer.experience import Rows, no_grad_passes
+from jaxvrl.trainer.passes import router_mismatch
+from jaxvrl.trainer.rollout import assemble
+from jaxvrl.trainer.setup import check_model_settings
+from tests.helpers import step_config
+from tests.models import hf_tiny_text as T
+from tests.models.test_qwen3_moe import build, routed_otherwise
+
+G, N = 2, 5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, prompts (ids, mask), {routing: rollout batch}): G samples of 3 left-padded
+    prompts, drawn with the routers' own choice ("own") and with the experts ranked
+    2..k+1 ("other"); each batch carries the sampler's log-probs and routes."""
+    path = tmp_path_factory.mktemp("qwen3_moe_replay")
+    build(path)
+    model = M.load(path)
+    ids, mask = T.prompts(seed=2, lengths=(6, 9, 3))
+    batches = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("own", "other"):
+            if name == "other":  # traced anew: max_new_tokens is this call's own
+                mp.setattr(moe, "route", routed_otherwise(moe.route))
+            out = generate(
+                model, ids, mask, max_new_tokens=N + (name == "other"), temperature=1.0,
+                rng=jax.random.key(4), num_samples=G, routes=True,
+            )  # fmt: skip
+            rows = np.repeat(mask, G, axis=0)
+            positions = np.maximum(np.cumsum(rows, axis=1) - 1, 0).astype(np.int32)
+            batches[name] = assemble(
+                np.repeat(ids, G, axis=0), rows, positions, np.zeros(len(rows), np.int32),
+                np.asarray(out.tokens), np.asarray(out.mask), np.zeros(len(rows), np.float32),
+                np.zeros(len(rows), bool), old_logprobs=np.asarray(out.logprobs),
+                routes=np.asarray(out.routes),
+            )  # fmt: skip
+            assert out.routes.shape == (len(rows), ids.shape[1] + N + (name == "other"), 2, 2)
+    return model, batches
+
+
+def _cfg(replay: bool, padding_free: bool, n: int):
+    return step_config({
+        "actor.routing_replay": replay, "actor.padding_free": padding_free,
+        "actor.old_logprobs": "recompute", "rollout.max_new_tokens": n,
+        "rollout.num_generations": G,
+    })  # fmt: skip
+
+
+def _old_pass(model, batch, replay: bool, padding_free: bool):
+    """(old-policy log-probs [B, N], train/router_mismatch) of the no-grad passes."""
+    cfg = _cfg(replay, padding_free, batch.completion_length)
+    fitted = jax.tree.map(jnp.asarray, packing.fit_batch(batch, jax.random.key(0), cfg))
+    graphdef, params = nnx.split(model)
+    passes = jax.jit(lambda p, b: no_grad_passes(graphdef, p, None, b, jax.random.key(1), cfg))(
+        params, fitted
+    )
+    n = fitted.completion_length
+    logp = np.zeros(batch.completion_mask.shape, np.float32)
+    logp[:, :n] = passes.old_logp
+    return logp, float(router_mismatch(passes.route_mismatch, fitted))
+
+
+def _gap(batch, logp) -> float:
+    """The largest |pass - sampler| log-prob over the completion tokens."""
+    real = np.asarray(batch.completion_mask) > 0
+    return float(np.abs(np.where(real, logp - np.asarray(batch.old_logprobs), 0.0)).max())
+
+
+# float32 log-probs of a 128-token vocabulary: log-sum-exps of ~5
+TOL = 5e-6 * 5
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_replay_gives_the_samplers_logprobs_where_the_routers_would_choose_otherwise(
+    tiny, padding_free
+):
+    model, batches = tiny
+    batch = batches["other"]
+    logp, mismatch = _old_pass(model, batch, True, padding_free)
+    assert _gap(batch, logp) <= TOL
+    assert mismatch > 0.5  # the routers' own top 2 is rarely the sampler's ranks 2..3
+    if padding_free:
+        return
+    fresh, fresh_mismatch = _old_pass(model, batch, False, padding_free)
+    assert _gap(batch, fresh) > 0.05 and fresh_mismatch > 0.5
+
+
+def test_with_the_samplers_own_routing_nothing_differs(tiny):
+    model, batches = tiny
+    batch = batches["own"]
+    logp, mismatch = _old_pass(model, batch, False, False)
+    assert _gap(batch, logp) <= TOL and mismatch == 0.0
+
+
+def test_the_loss_pass_replays_the_routes(tiny):
+    """One update whose old log-probs are the sampler's: with replay, the ratio is 1 on
+    every token (packed rows); routed afresh, it is not."""
+    model, batches = tiny
+    batch = batches["other"]
+    graphdef, params = nnx.split(model)
+    maxima = {}
+    for replay in (True, False):
+        cfg = _cfg(replay, True, batch.completion_length)
+        mb = jax.tree.map(jnp.asarray, packing.fit_batch(batch, jax.random.key(0), cfg))
+        n = mb.completion_length
+        rows = Rows(jnp.ones(len(mb.rewards)), old_logp=jnp.asarray(batch.old_logprobs)[:, :n])
+        aux = update.MicroInputs(rows, jnp.float32(1.0))
+        loss = jax.jit(lambda p: update._loss(p, None, graphdef, mb, aux, cfg))  # noqa: B023
+        maxima[replay] = float(loss(params)[1].maxima["ratio_max"])
+    assert abs(maxima[True] - 1.0) <= TOL and maxima[False] > 1.05
+
+
+def test_replay_is_refused_without_experts_or_with_slots(tmp_path):
+    T.make_config("qwen3").save_pretrained(tmp_path / "dense")
+    c = base.get_config()
+    set_values(c, {"actor.routing_replay": True, "data.builtin_task": "arithmetic"})
+    with pytest.raises(ConfigError, match=r"^config\.actor\.routing_replay=True: model type "):
+        check_model_settings(c, M.load_config(tmp_path / "dense"))
+    build(tmp_path / "moe")
+    set_values(c, {"rollout.slots": 4})
+    with pytest.raises(ConfigError, match=r"^config\.actor\.routing_replay=True: the slots "):
+        check_model_settings(c, M.load_config(tmp_path / "moe"))
+    set_values(c, {"rollout.slots": 0})
+    check_model_settings(c, M.load_config(tmp_path / "moe"))
