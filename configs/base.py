@@ -309,8 +309,8 @@ def get_config(arg=None):
     # the sampler chose for it (Rollout Routing Replay, arXiv 2510.11370: the selection
     # from the rollout, the weights from the live router); the sampler records the routes
     # of such a policy either way, and train/router_mismatch is the share of token-layer
-    # routes a fresh router would choose otherwise (the static sampler: rollout.slots 0; a
-    # model without experts refuses it)
+    # routes a fresh router would choose otherwise (not with rollout.partial; a model
+    # without experts refuses it)
     c.actor.routing_replay = False
     # the optimizer's state (Adam's moments: 2x the trainable parameters in float32) kept in
     # host memory between updates and brought to the devices for each update

@@ -421,8 +421,6 @@ class TextDecoder(nnx.Module):
         if isinstance(cache, PagedKVCache):
             if deepstack is not None:
                 raise ValueError("a paged cache runs decode steps, which have no vision tokens")
-            if record_routes:
-                raise ValueError("record_routes: not with a paged cache (the slots engine)")
             return self._paged(layer_call, x, cos, sin, valid, cache, pools, step)
         if cache is None:
             # key validity [B, T] (or the segment ids); `attend` adds causality block by block
@@ -465,9 +463,9 @@ class TextDecoder(nnx.Module):
             raise ValueError(f"a paged cache takes one token per row, got {t}")
         keys = cache.valid.at[jnp.arange(b), cache.write].set(valid[:, 0])
         mask = self._window(keys[:, None, :], keys, cache.write[:, None])
-        x, (ks, vs), stats = self._loop(layer_call, x, cos, sin, mask, cache, pools, step)
+        x, (ks, vs), stats, *router = self._loop(layer_call, x, cos, sin, mask, cache, pools, step)
         new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
-        return self.norm(x), new, stats
+        return self.norm(x), new, stats, *router
 
     def _scan(self, layer_call, x, cos, sin, mask, cache, pools, deepstack=None, routes=None):
         """The layers as one scan: remat inside the body, the stacked cache's layers as xs,

@@ -45,7 +45,8 @@ class SlotsCarry:
     each work row's first token and its log-prob (`first_ent` its entropy, with
     cfg.entropies); `limits` int[W] or None; `groups` int32[W] each work row's group (-1:
     none) and `need` int32[], or None: the loop stops once `need` groups have ended whole
-    (`decode_slots`); `prompt_of` int32[W] the prompt each work row continues. width =
+    (`decode_slots`); `prompt_of` int32[W] the prompt each work row continues; `routes` the
+    prompts' recorded routes [R, P, L', k] or None (`SamplingConfig.routes`). width =
     (pp + pc) * ps."""
 
     pages: tuple
@@ -60,6 +61,7 @@ class SlotsCarry:
     groups: jax.Array | None = None
     need: jax.Array | None = None
     prompt_of: jax.Array | None = None
+    routes: jax.Array | None = None
 
 
 def _check(cfg: SamplingConfig):
@@ -95,8 +97,6 @@ def prefill_slots(
     1)` gives it); None: num_samples rows per prompt, prompt-major."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
-    if steps.records_routes(model, cfg):
-        raise ValueError("SamplingConfig.routes: the static sampler records routes (slots=0)")
     r, p_len = input_ids.shape
     n, ps = cfg.max_new_tokens, cfg.page_size
     if prompt_of is None:
@@ -120,6 +120,7 @@ def prefill_slots(
         videos=videos,
         cache=KVCache.init(tcfg, r, p_len, model.dtype),
         return_logits=False,
+        record_routes=steps.records_routes(model, cfg),
     )
     last = steps.logits(model, None, out.hidden[:, -1])[prompt_of]  # [W, V]
     first_tok, first_lp, first_ent = steps.pick(last, keys, 0, cfg)
@@ -158,6 +159,7 @@ def prefill_slots(
         groups=None if groups is None else jnp.asarray(groups, jnp.int32),
         need=None if need is None else jnp.asarray(need, jnp.int32),
         prompt_of=prompt_of,
+        routes=None if out.routes is None else steps.step_routes(model, out.routes, r),
     )
 
 
@@ -217,6 +219,8 @@ def decode_slots(
     if cfg.entropies:
         state["next_ent"] = first_ent[:s]
         state["entropies"] = jnp.zeros((w + 1, n), jnp.float32)
+    if carry.routes is not None:  # each completion token's, as it is fed
+        state["routes"] = jnp.zeros((w + 1, n, *carry.routes.shape[2:]), carry.routes.dtype)
     eos = steps.eos_ids(cfg)
 
     def step(st):
@@ -235,12 +239,18 @@ def decode_slots(
             pools=slot_pools,
             return_logits=False,
             step=forms,
+            record_routes="routes" in st,
         )
         out_row = jnp.where(live, row, w)
+        if "routes" in st:
+            fed = steps.step_routes(model, o.routes, s)[:, 0]  # [S, L', k]
+            new_routes = st["routes"].at[out_row, t].set(jnp.where(live[:, None, None], fed, 0))
         new = dict(st)
         new["tokens"] = st["tokens"].at[out_row, t].set(tok)
         new["logprobs"] = st["logprobs"].at[out_row, t].set(jnp.where(live, st["next_lp"], 0.0))
         new["mask"] = st["mask"].at[out_row, t].set(live.astype(jnp.float32))
+        if "routes" in st:
+            new["routes"] = new_routes
         if layers:
             new["vmass"] = st["vmass"].at[:, out_row, t].set(o.vision_mass[:, :, 0])
             new["xmass"] = st["xmass"].at[:, out_row, t].set(o.text_mass[:, :, 0])
@@ -303,5 +313,8 @@ def decode_slots(
         text_mass=st["xmass"][:, :w] if layers else None,
         entropies=st["entropies"][:w] if cfg.entropies else None,
         ended=st["ended"][:w],
+        routes=None
+        if carry.routes is None
+        else jnp.concatenate([carry.routes[prompt_of], st["routes"][:w]], axis=1),
     )
     return out, carry.replace(pages=(st["cache"].k, st["cache"].v))

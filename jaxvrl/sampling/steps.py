@@ -63,7 +63,7 @@ class SamplingConfig:
     entropies: bool = False
     # Also return each token's routes through a mixture of experts' sparse layers (the
     # experts each router chose, prompt and completion: `SampleOutput.routes`), for a
-    # training pass to replay or compare (the static sampler; models without experts: none).
+    # training pass to replay or compare (models without experts: none).
     routes: bool = False
 
     def __post_init__(self):

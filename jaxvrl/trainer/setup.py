@@ -212,26 +212,26 @@ def run_info(c, commit: str | None = None) -> dict:
 
 
 def check_routing_replay(c, model_config) -> None:
-    """actor.routing_replay needs a model with sparse layers and the sampler that records
-    routes (the static one; partial rollouts, whose carried rows would be prefilled again
-    under a newer policy, need the slots engine)."""
+    """actor.routing_replay needs a model with sparse layers, and each row sampled within
+    its step: a row carried across steps (rollout.partial) is prefilled again under a newer
+    policy, so no one routing reproduces both its earlier and its later tokens."""
     key = "config.actor.routing_replay=True"
     if not any(sparse_layers(model_config.text)):
         raise ConfigError(
             f"{key}: model type {model_config.model_type!r} has no mixture-of-experts layers; "
             "set it to False"
         )
-    if c.rollout.slots:
+    if c.rollout.partial:
         raise ConfigError(
-            f"{key}: the slots engine (rollout.slots={c.rollout.slots}) records no routes; "
-            "set rollout.slots=0"
+            f"{key}: rows carried across steps (rollout.partial) are prefilled again under a "
+            "newer policy, so no one routing reproduces their tokens; set rollout.partial=False"
         )
 
 
 def records_routes(c, mcfg) -> bool:
-    """Whether the rollout records its routes: a model with sparse layers, sampled by the
-    static sampler (`check_routing_replay`'s conditions)."""
-    return any(sparse_layers(mcfg.text)) and not c.rollout.slots
+    """Whether the rollout records its routes: a model with sparse layers whose rows are
+    sampled within their step (`check_routing_replay`'s conditions)."""
+    return any(sparse_layers(mcfg.text)) and not c.rollout.partial
 
 
 def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> SamplingConfig:

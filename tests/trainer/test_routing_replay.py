@@ -4,9 +4,11 @@ ranked 2..k+1 (a stand-in for a sampler whose numerics route otherwise), so a tr
 that routes afresh disagrees with it. Replaying the recorded routes gives the sampler's
 log-probs in the old-policy pass (padded and packed) and in the loss pass (a ratio of 1),
 and train/router_mismatch counts the routes the routers would choose otherwise; with the
-sampler's own routing it is 0."""
+sampler's own routing it is 0. The slots engine records the static sampler's routes."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ from configs import base
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError, set_values
 from jaxvrl.models import moe
-from jaxvrl.sampling import generate
+from jaxvrl.sampling import Sampler, generate
+from jaxvrl.sampling.sampler import generation_config
 from jaxvrl.trainer import packing, update
 from jaxvrl.trainer.experience import Rows, no_grad_passes
 from jaxvrl.trainer.passes import router_mismatch
@@ -133,15 +136,34 @@ def test_the_loss_pass_replays_the_routes(tiny):
     assert abs(maxima[True] - 1.0) <= TOL and maxima[False] > 1.05
 
 
-def test_replay_is_refused_without_experts_or_with_slots(tmp_path):
+def test_the_slots_engine_records_the_static_samplers_routes(tiny):
+    """Slots that refill (1 and 4 for 6 rows, rows ending at EOS): the same tokens, log-probs
+    and routes, prompt and completion, as the static sampler's."""
+    model = tiny[0]
+    ids, mask = T.prompts(seed=5, lengths=(6, 9, 3))
+    kw = dict(max_new_tokens=8, temperature=1.0, eos_token_ids=tuple(range(4, 24)), routes=True)
+    static = generate(model, ids, mask, rng=jax.random.key(6), num_samples=G, **kw)
+    ends = np.asarray(static.mask).sum(axis=1)
+    assert ends.min() < 8 and static.routes.shape == (3 * G, 9 + 8, 2, 2)
+    graphdef, params = nnx.split(model)
+    args = [jnp.asarray(x) for x in (ids, mask, *M.rope_index(model.config, ids, mask))]
+    for slots in (1, 4):
+        cfg = dataclasses.replace(generation_config(model.config, **kw), slots=slots, page_size=4)
+        out = Sampler(graphdef, cfg)(params, *args, jax.random.key(6), num_samples=G)
+        np.testing.assert_array_equal(out.tokens, static.tokens)
+        np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(out.routes, static.routes)
+
+
+def test_replay_is_refused_without_experts_or_with_partial_rollouts(tmp_path):
     T.make_config("qwen3").save_pretrained(tmp_path / "dense")
     c = base.get_config()
     set_values(c, {"actor.routing_replay": True, "data.builtin_task": "arithmetic"})
     with pytest.raises(ConfigError, match=r"^config\.actor\.routing_replay=True: model type "):
         check_model_settings(c, M.load_config(tmp_path / "dense"))
     build(tmp_path / "moe")
-    set_values(c, {"rollout.slots": 4})
-    with pytest.raises(ConfigError, match=r"^config\.actor\.routing_replay=True: the slots "):
+    set_values(c, {"rollout.slots": 4, "rollout.partial": True})
+    with pytest.raises(ConfigError, match=r"^config\.actor\.routing_replay=True: rows carried "):
         check_model_settings(c, M.load_config(tmp_path / "moe"))
-    set_values(c, {"rollout.slots": 0})
+    set_values(c, {"rollout.partial": False})  # the slots engine records routes too
     check_model_settings(c, M.load_config(tmp_path / "moe"))
