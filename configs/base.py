@@ -461,11 +461,15 @@ def get_config(arg=None):
     c.optim.micro_batches = setting(1, at_least(1))
 
     # device mesh axis sizes, one of them may be -1 (the rest of the devices); their product is
-    # the device count (docs/scaling.md). One device: a 1x1x1 mesh
+    # the device count (docs/scaling.md). One device: a 1x1x1x1 mesh
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = setting(1, MESH_AXIS)  # data parallel: batch sharded, parameters replicated
     c.mesh.fsdp = setting(-1, MESH_AXIS)  # FSDP: batch and parameters sharded; -1 = the rest
     c.mesh.tensor = setting(1, MESH_AXIS, ONE_REST)  # tensor parallel: mlp, heads and vocab sharded
+    # expert parallel (a mixture-of-experts model): each device holds 1/expert of every sparse
+    # layer's experts, tokens go to their experts' devices and back (all-to-all); the rows
+    # split over it elsewhere, as over data. 1 = off; it divides the experts
+    c.mesh.expert = setting(1, at_least(1))
 
     # multi-host: jax.distributed.initialize before anything touches a device (launch/*.sh)
     c.distributed = ml_collections.ConfigDict()

@@ -501,7 +501,7 @@ class Plan:
         if micro_rows % shards:
             warn = (
                 f"\nwarning: a micro-batch of {micro_rows} rows does not split over the "
-                f"{shards} chips of mesh.data x mesh.fsdp, so each chip computes all of them: "
+                f"{shards} chips of mesh.data x mesh.fsdp x mesh.expert, so each chip computes all of them: "
                 "fewer optim.micro_batches (or more rows) put fewer rows on each chip"
             )
         rmesh, rdtype = self.rollout

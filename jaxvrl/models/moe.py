@@ -26,13 +26,17 @@ Letters: N tokens (B * T), D model dim, E experts, F expert width, k experts per
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxvrl.config import ConfigError
 from jaxvrl.models.config import TextConfig
 from jaxvrl.models.layers import GatedMLP, activation, linear
+from jaxvrl.parallel.sharding import row_axes
 
 # config.json keys of a mixture-of-experts decoder (a text family's with `moe`, Qwen3-VL-MoE's
 # text_config); transformers writes num_experts as num_local_experts
@@ -132,8 +136,67 @@ def dense_experts(x, weights, experts, kernels, act):
     return jnp.einsum("END,NE->ND", y, dense)
 
 
-# name -> experts(x [N, D], weights [N, k], experts int[N, k], kernels, act) -> [N, D]
+# name -> experts(x [N, D], weights [N, k], experts int[N, k], kernels, act) -> [N, D]; an
+# expert id past the kernels' E contributes nothing (the experts of other devices)
 EXPERTS = {"ragged": ragged_experts, "dense": dense_experts}
+
+
+def expert_parallel(run, rows: int, x, weights, experts, kernels, act):
+    """`run` (an EXPERTS entry) over the mesh being traced for: where its `expert` axis is
+    larger than 1, each device holds E / expert of the experts (the kernels' leading axis
+    split over it) and runs only those.
+
+    Where the rows (`rows` of the N = rows x T tokens) split over the expert axis, each device
+    sends each (token, expert) pair to the device of its expert (one all-to-all of a
+    [expert, n * k, D] buffer: every pair fits, none is dropped), runs its experts on the
+    pairs it received, and sends the outputs back, where each token sums its k under its
+    routing weights. Otherwise every device routes all its tokens through its own experts and
+    the partial sums are added over the axis. Elsewhere `run` itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    ep = 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
+    e = kernels[0].shape[0]
+    if ep == 1:
+        return run(x, weights, experts, kernels, act)
+    if e % ep:
+        raise ValueError(f"mesh.expert={ep} does not divide the model's {e} experts")
+    axes = row_axes(rows)
+    tokens = P(axes or None, None)
+    body = _dispatched if "expert" in axes else _summed
+    fn = functools.partial(body, run, act)
+    kernel = P("expert", None, None)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(tokens, tokens, tokens, (kernel,) * 3), out_specs=tokens,
+        check_vma=False,
+    )(x, weights, experts, kernels)  # fmt: skip
+
+
+def _summed(run, act, x, weights, experts, kernels):
+    """Per device: its tokens [n, D] through its own experts only, summed over the axis."""
+    local = kernels[0].shape[0]
+    ids = experts - jax.lax.axis_index("expert") * local
+    mine = (ids >= 0) & (ids < local)
+    y = run(x, jnp.where(mine, weights, 0), jnp.where(mine, ids, local), kernels, act)
+    return jax.lax.psum(y, "expert")
+
+
+def _dispatched(run, act, x, weights, experts, kernels):
+    """Per device: its tokens [n, D] and their routes [n, k] to the experts' devices and
+    back (see `expert_parallel`)."""
+    ep, local = jax.lax.axis_size("expert"), kernels[0].shape[0]
+    n, k = experts.shape
+    flat = experts.reshape(-1)  # [n * k] pairs, pair p = token p // k
+    dest = flat // local
+    pos = jnp.cumsum(jax.nn.one_hot(dest, ep, dtype=jnp.int32), axis=0) - 1
+    pos = jnp.take_along_axis(pos, dest[:, None], axis=1)[:, 0]  # [n * k] within its device
+    cap = n * k
+    send = jnp.zeros((ep, cap, x.shape[-1]), x.dtype).at[dest, pos].set(x[jnp.arange(cap) // k])
+    ids = jnp.full((ep, cap), local, jnp.int32).at[dest, pos].set(flat % local)  # local: none
+    got, ids = (jax.lax.all_to_all(a, "expert", 0, 0) for a in (send, ids))
+    ones = jnp.ones((ep * cap, 1), weights.dtype)
+    y = run(got.reshape(ep * cap, -1), ones, ids.reshape(-1, 1), kernels, act)
+    back = jax.lax.all_to_all(y.reshape(ep, cap, -1), "expert", 0, 0)
+    pairs = back[dest, pos].reshape(n, k, -1)  # each pair's expert output
+    return jnp.einsum("NKD,NK->ND", pairs, weights.astype(pairs.dtype))
 
 
 class ExpertKernel(nnx.Module):
@@ -209,7 +272,8 @@ class SparseMoE(nnx.Module):
                 weights, experts = route(logits, self.top_k, self.normalize, given)
         weights = weights.astype(logits.dtype)  # as transformers casts them back
         run = EXPERTS[self.implementation]
-        out = run(xf, weights, experts, self.kernels(), activation(self.act_name))
+        kernels, act = self.kernels(), activation(self.act_name)
+        out = expert_parallel(run, b, xf, weights, experts, kernels, act)
         return out.reshape(b, t, d), aux
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxvrl.parallel.sharding import make_mesh, param_shardings
+from jaxvrl.parallel.sharding import ROW_AXES, make_mesh, param_shardings
 
 log = logging.getLogger("jaxvrl")
 
@@ -111,10 +111,11 @@ def metrics_across_processes(m: dict, weight: float, sums=()) -> dict:
 
 
 def mesh_from_config(cfg, devices=None) -> Mesh:
-    """Mesh (data, fsdp, tensor) from the `mesh` ConfigDict group; one size may be -1 (the
-    rest of the devices). Raises ValueError naming the sizes and the device count when they
-    do not fit."""
-    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
+    """Mesh (data, fsdp, expert, tensor) from the `mesh` ConfigDict group; one size may be -1
+    (the rest of the devices). Raises ValueError naming the sizes and the device count when
+    they do not fit."""
+    expert = cfg.get("expert", 1)  # a group written before the axis existed
+    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices, expert=expert)
 
 
 def on_host():
@@ -284,14 +285,14 @@ def _init_fn(init, graph0, args):
 
 
 def batch_shardings(batch, mesh: Mesh, rows: int | None = None):
-    """Rows over (data, fsdp) for every leaf whose leading axis (for position_ids, the
+    """Rows over (data, fsdp, expert) for every leaf whose leading axis (for position_ids, the
     family's positions [..., B, L], the second-to-last) is the row axis; other leaves
     (packed vision patches) are replicated.
 
     batch: a RolloutBatch (or any dataclass/pytree of arrays); rows: B (default: the leading
     size of input_ids or of the first leaf).
     """
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+    axes = tuple(a for a in ROW_AXES if mesh.shape[a] > 1) or None
     rows = _rows(batch) if rows is None else rows
 
     def one(path, x):

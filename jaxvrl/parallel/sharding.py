@@ -15,11 +15,15 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# expert: a mixture of experts' experts split over it (expert parallelism), the rows too
+# elsewhere, as over data (`models/moe.py`: tokens go to their experts' devices and back)
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# the axes that split a batch's rows
+ROW_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axes (None = replicated)
 LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": ROW_AXES,
     "embed": ("fsdp",),
     "mlp": ("tensor",),
     "heads": ("tensor",),
@@ -28,9 +32,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     # the leading layer axis of scanned layers' params (`model.scan_layers`): never split, so
     # a scan step reads one layer's slice as the unscanned layer would read its own params
     "layers": None,
-    # the experts of a mixture-of-experts layer: replicated (no expert parallelism yet), their
-    # kernels split like a dense MLP's
-    "experts": None,
+    # the experts of a mixture-of-experts layer (their kernels otherwise split like a dense
+    # MLP's)
+    "experts": ("expert",),
     # activations only
     "length": None,
     "act_embed": None,
@@ -79,9 +83,12 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 
-def mesh_sizes(n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1) -> dict[str, int]:
-    """Axis sizes with the one -1 resolved; a clear error when they do not fit n_devices."""
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+def mesh_sizes(
+    n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1
+) -> dict[str, int]:
+    """Axis sizes (MESH_AXES' order) with the one -1 resolved; a clear error when they do
+    not fit n_devices."""
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
@@ -102,14 +109,17 @@ def mesh_sizes(n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1) -
     return sizes
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor); one size may be -1 (= the remaining devices).
+def make_mesh(
+    data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, expert: int = 1
+) -> Mesh:
+    """Mesh with axes (data, fsdp, expert, tensor); one size may be -1 (= the remaining
+    devices).
 
     Devices are laid out by `mesh_utils.create_device_mesh`, so on TPU the inner axes
-    (tensor, then fsdp) follow the physical interconnect.
+    (tensor, then expert, then fsdp) follow the physical interconnect.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = list(mesh_sizes(len(devices), data, fsdp, tensor).values())
+    sizes = list(mesh_sizes(len(devices), data, fsdp, tensor, expert).values())
     try:
         grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
     except (AssertionError, NotImplementedError, ValueError):
@@ -204,16 +214,17 @@ def param_shardings(state, mesh: Mesh, rules=LOGICAL_RULES):
 
 
 def row_shards(mesh: Mesh | None) -> int:
-    """How many ways a batch's rows are split: mesh.data x mesh.fsdp (1 without a mesh)."""
-    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    """How many ways a batch's rows are split: mesh.data x mesh.fsdp x mesh.expert (1 without
+    a mesh)."""
+    return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ROW_AXES)
 
 
 def row_axes(rows: int) -> tuple[str, ...]:
     """The mesh axes that split `rows` under the mesh the program is traced for (`jax.set_mesh`
-    / `use_abstract_mesh`): (data, fsdp) where larger than 1; () without a mesh, or where
+    / `use_abstract_mesh`): those of ROW_AXES larger than 1; () without a mesh, or where
     they do not divide the rows."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return ()
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    axes = tuple(a for a in ROW_AXES if mesh.shape[a] > 1)
     return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()

@@ -132,7 +132,8 @@ def check_model_settings(c, model_config) -> None:
     """A text-only model (no vision tower) refuses, at start, a built-in task whose rows hold
     images and the settings that read the image: the perceptual pass's filtering and
     shaping, VGR's token weights, the MDI reward. A model without sparse layers refuses the
-    load-balancing loss."""
+    load-balancing loss, routing replay and an expert mesh axis (which must divide the
+    experts)."""
     if getattr(model_config, "num_labels", None):
         raise ConfigError(
             f"config.model.path: a {model_config.hf_architecture} is a sequence classifier; "
@@ -145,6 +146,14 @@ def check_model_settings(c, model_config) -> None:
         )
     if c.actor.routing_replay:
         check_routing_replay(c, model_config)
+    if c.mesh.expert > 1:
+        experts = model_config.text.num_experts if any(sparse_layers(model_config.text)) else 0
+        if not experts or experts % c.mesh.expert:
+            has = f"{experts} experts" if experts else "no mixture-of-experts layers"
+            raise ConfigError(
+                f"config.mesh.expert={c.mesh.expert}: model type {model_config.model_type!r} "
+                f"has {has}; set mesh.expert to 1 or a divisor of the experts"
+            )
     if getattr(model_config, "vision", None) is not None:
         return
     if not c.data.train_files and builtin_task(c).has_images:
@@ -621,9 +630,9 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
     if (rows * processes) % shards:
         raise ConfigError(
             f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
-            f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp "
-            f"= {shards} devices: make the rows a multiple of {shards}, or move devices to "
-            "mesh.tensor"
+            f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp x "
+            f"mesh.expert = {shards} devices: make the rows a multiple of {shards}, or move "
+            "devices to mesh.tensor"
         )
     gbs = c.actor.global_batch_size  # a divisor of prompts_per_step (its setting's rule)
     updates = c.prompts_per_step // (gbs or c.prompts_per_step)
@@ -637,7 +646,7 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
     if updates > 1 and total % shards:
         raise ConfigError(
             f"config.actor.global_batch_size = {gbs}: a mini-batch's {total} rows do not "
-            f"split evenly over mesh.data x mesh.fsdp = {shards} devices"
+            f"split evenly over mesh.data x mesh.fsdp x mesh.expert = {shards} devices"
         )
 
 

@@ -190,7 +190,7 @@ def _run_here(overrides) -> dict:
 
 def test_the_runs_use_the_mesh(runs):
     report, _ = runs
-    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    one = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     # the validation and train batches (8 rows) and the prompts (4 rows: each once)
     assert sorted(report["one"]["placed"], key=str) == [[one, 1, 4, 4], [one, 1, 8, 8]]
     # the train batch on the training mesh, one row per device; the sampler's 4 prompts and
@@ -198,8 +198,8 @@ def test_the_runs_use_the_mesh(runs):
     # bytes per device, for the tiny model 2 devices, its KV heads; 4 data groups), split
     # over its data groups
     placed = report["mesh"]["placed"]
-    rollout = {"data": 4, "fsdp": 1, "tensor": 2}
-    assert [{"data": 2, "fsdp": 4, "tensor": 1}, 8, 1, 8] in placed, placed
+    rollout = {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
+    assert [{"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}, 8, 1, 8] in placed, placed
     assert [rollout, 8, 1, 4] in placed and [rollout, 8, 2, 8] in placed, placed
     assert len(placed) == 3, placed
     for name in ("one", "mesh", "resumed"):
@@ -210,7 +210,7 @@ def test_the_runs_use_the_mesh(runs):
 def test_rows_that_do_not_split_over_the_mesh_are_a_config_error(runs):
     report, _ = runs
     assert "6 rows per process" in report["rows_error"], report.get("rows_error")
-    assert "mesh.data x mesh.fsdp = 8" in report["rows_error"]
+    assert "mesh.data x mesh.fsdp x mesh.expert = 8" in report["rows_error"]
 
 
 def test_mesh_run_matches_one_device(runs):

@@ -69,12 +69,15 @@ def test_fsdp_params_hold_one_eighth_each(tmp_path):
     assert int(out.split("sharded")[-1]) >= 17  # scanned layers: one matrix per projection
 
 
-def test_a_mixture_of_experts_model_sharded_gives_its_logits():
-    """Qwen3-MoE's experts' kernels split on fsdp and tensor like a dense MLP's (the experts'
-    axis replicated): the grouped matmuls of the sharded model give the unsharded logits."""
+def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
+    """Qwen3-MoE (8 experts, top 2) with its experts split over the `expert` axis: with the
+    rows split over it too (fsdp 2 x expert 4, 8 rows) tokens go to their experts' devices by
+    all-to-all; with rows it does not divide (data 2 x expert 2 x tensor 2, 4 rows) every
+    device runs its own experts and the sums are added. Logits, the loss and its gradients
+    equal one device's."""
     out = run_with_devices(
         """
-        import jax, numpy as np
+        import jax, jax.numpy as jnp, numpy as np
         from flax import nnx
         from jaxvrl import models as M
         from jaxvrl.parallel import sharding as S
@@ -86,22 +89,61 @@ def test_a_mixture_of_experts_model_sharded_gives_its_logits():
         )
         cfg = M.config_from_hf(d)
         model = M.Model(cfg, rngs=nnx.Rngs(0))
-        ids, mask = T.prompts(seed=1, lengths=(7, 11, 4, 9))
-        pos, _ = M.rope_index(cfg, ids, mask)
-        forward = nnx.jit(lambda m, i, a, p: m.forward(i, a, p).logits)
-        want = np.asarray(forward(model, ids, mask, pos))
-        mesh = S.make_mesh(data=1, fsdp=4, tensor=2)
-        graphdef, state = nnx.split(model)
-        with jax.set_mesh(mesh):
-            state = jax.device_put(state, S.param_shardings(state, mesh))
-            sharded = nnx.merge(graphdef, state)
-            kernel = sharded.model.layers.mlp.experts.gate_proj.kernel[...]
-            assert kernel.addressable_shards[0].data.shape == (2, 8, 16, 16)
-            got = np.asarray(forward(sharded, ids, mask, pos))
-        print("error", np.abs(got - want).max() / np.abs(want).max())
+
+        def loss(m, i, a, p):
+            logits = m.forward(i, a, p).logits
+            return jnp.mean(jnp.where(a[..., None] > 0, logits, 0.0) ** 2), logits
+
+        grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+        leaves = lambda g: jax.tree.leaves(nnx.state(g))
+        for lengths, sizes, shard in (
+            ((7, 11, 4, 9, 5, 8, 10, 6), dict(fsdp=2, expert=4), (2, 2, 32, 32)),
+            ((7, 11, 4, 9), dict(data=2, fsdp=1, expert=2, tensor=2), (2, 4, 64, 16)),
+        ):
+            ids, mask = T.prompts(seed=1, lengths=lengths)
+            pos, _ = M.rope_index(cfg, ids, mask)
+            (want, want_logits), want_grad = grad(model, ids, mask, pos)
+            mesh = S.make_mesh(**sizes)
+            graphdef, state = nnx.split(model)
+            with jax.set_mesh(mesh):
+                state = jax.device_put(state, S.param_shardings(state, mesh))
+                sharded = nnx.merge(graphdef, state)
+                kernel = sharded.model.layers.mlp.experts.gate_proj.kernel[...]
+                assert kernel.addressable_shards[0].data.shape == shard, kernel.sharding
+                (got, logits), got_grad = grad(sharded, ids, mask, pos)
+            scale = max(float(jnp.abs(g).max()) for g in leaves(want_grad))
+            errors = (
+                abs(float(got - want)) / float(want),
+                float(jnp.abs(logits - want_logits).max() / jnp.abs(want_logits).max()),
+                max(float(jnp.abs(a - b).max()) for a, b in zip(leaves(got_grad), leaves(want_grad))) / scale,
+            )
+            print("errors", max(errors))
         """
     )
-    assert float(out.split("error")[-1]) < 1e-5
+    errors = [float(x.split()[0]) for x in out.split("errors")[1:]]
+    assert len(errors) == 2 and max(errors) < 1e-5, errors
+
+
+def test_an_expert_axis_is_refused_where_it_does_not_divide_the_experts(tmp_path):
+    from configs import base
+    from jaxvrl import models as M
+    from jaxvrl.config import ConfigError, set_values
+    from jaxvrl.trainer.setup import check_model_settings
+    from tests.models import hf_tiny_text as T
+
+    T.make_config("qwen3").save_pretrained(tmp_path / "dense")
+    T.make_config("qwen3_moe", num_experts=6, num_experts_per_tok=2).save_pretrained(
+        tmp_path / "moe"
+    )
+    c = base.get_config()
+    set_values(c, {"mesh.expert": 4, "data.builtin_task": "arithmetic"})
+    for name, says in (("dense", "no mixture-of-experts layers"), ("moe", "6 experts")):
+        with pytest.raises(
+            ConfigError, match=rf"^config\.mesh\.expert=4: model type .* has {says}; "
+        ):
+            check_model_settings(c, M.load_config(tmp_path / name))
+    set_values(c, {"mesh.expert": 3})
+    check_model_settings(c, M.load_config(tmp_path / "moe"))
 
 
 class _Chip:  # a device as device_split sees one: id, host, torus coordinates (TPU) or none
