@@ -83,6 +83,7 @@ PINS = {
         "optax==0.2.8",
         "transformers==5.5.4",
         "torch==2.13.0",
+        "pillow==13.0.0",  # imported by its inference engine, not declared
         "math-verify==0.9.0",
     ],
 }
@@ -95,7 +96,7 @@ SIZES = {
     "compute": (1024, 4, 16, 8, 128, 3072, 151936),
 }
 # the default work per size: (prompts, samples per prompt, new tokens, iterations)
-WORK = {"tiny": (2, 8, 64, 4), "compute": (1, 4, 32, 3)}
+WORK = {"tiny": (2, 8, 64, 5), "compute": (1, 4, 32, 3)}
 ROPE_THETA = {"qwen3": 1_000_000.0, "llama": 10_000.0, "qwen2_5_vl": 1_000_000.0}
 
 
@@ -389,15 +390,12 @@ def side_tunix(job: dict) -> dict:
         return out
 
     learner._run_global_step = global_step
-    from jaxvrl.data import arithmetic
-
-    rows = arithmetic.make_split("train", P * job["iters"], seed=SEED)
     data = [
         {
             # numpy arrays: tunix repeats each leaf of a batch G times (a list's strings would
             # each become a leaf)
             "prompts": np.array(job["prompt_texts"][i * P : (i + 1) * P]),
-            "answer": np.array([r["answer"] for r in rows[i * P : (i + 1) * P]]),
+            "answer": np.array(job["answers"][i * P : (i + 1) * P]),
         }
         for i in range(job["iters"])
     ]
@@ -467,7 +465,125 @@ def tunix_model(job: dict, mesh):
 
 # ----------------------------------------------------------------------------- EasyDeL
 def side_easydel(job: dict) -> dict:
-    raise SystemExit("EasyDeL side: not written yet")
+    import easydel as ed
+    import jax
+    import jax.numpy as jnp
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    P, G, N = job["prompts"], job["group"], job["new_tokens"]
+    tok = AutoTokenizer.from_pretrained(job["ckpt"], padding_side="left")
+    # HF safetensors go through its torch converter (from_torch); one device, no sharding
+    model = ed.AutoEasyDeLModelForCausalLM.from_pretrained(
+        job["ckpt"],
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        sharding_axis_dims=(1, 1, 1, 1, 1),
+        from_torch=True,
+        verbose=False,
+    )
+    with open(os.path.join(job["ckpt"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    workdir = tempfile.mkdtemp(prefix="easydel_bench_")
+    args = ed.GRPOConfig(
+        save_directory=workdir,
+        max_prompt_length=job["prompt_len"],
+        max_completion_length=N,
+        num_generations=G,
+        total_batch_size=P,
+        max_training_steps=job["iters"],
+        num_train_epochs=1,
+        learning_rate=LR,
+        optimizer="adamw",
+        scheduler="none",
+        weight_decay=0.0,
+        clip_grad=1.0,
+        beta=KL_COEF,
+        epsilon=CLIP_EPS,
+        loss_type="grpo",
+        temperature=1.0,
+        top_p=1.0,
+        # `generation_top_k or 64`: 0 means 64, so the whole vocabulary stands for "no top-k"
+        generation_top_k=vocab,
+        skip_apply_chat_template=True,  # the prompts are rendered already
+        # its default engine (eSurge) reserves a 4 GiB KV page pool and was killed for memory
+        # at its first generation here (see RESULTS.md): the compiled `generate` instead
+        use_esurge_generation=False,
+        shuffle_train_dataset=False,
+        do_last_save=False,
+        save_steps=None,
+        use_wandb=False,
+        report_metrics=False,
+        log_steps=10**9,
+        progress_bar_type="json",
+    )
+    data = Dataset.from_list(
+        [{"prompt": t, "answer": a} for t, a in zip(job["prompt_texts"], job["answers"])]
+    )
+
+    # its batches keep no text columns for the reward functions: each prompt's answer is found
+    # by the question the prompt holds
+    by_question = dict(zip(job["questions"], job["answers"]))
+
+    def answer_of(prompt) -> str:
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        return next(a for q, a in by_question.items() if q in text)
+
+    def accuracy(prompts, completions, **_):
+        return list(score(completions, [answer_of(p) for p in prompts]))
+
+    trainer = ed.GRPOTrainer(
+        arguments=args,
+        model=model,
+        reward_funcs=[accuracy],
+        train_dataset=data,
+        processing_class=tok,
+    )
+    clock = Clock()
+    generate = trainer.generate_unified
+    if job.get("keep_generate"):  # its default drops the compiled generate after each step
+
+        def generate(*a, _generate=generate, **k):
+            return _generate(*a, **{**k, "release_runtime_after_generation": False})
+
+    trainer.generate_unified = timed(clock, "sample", generate, block=lambda r: r.sequences)
+    trainer.compute_refmodel_logps = timed(
+        clock, "reference", trainer.compute_refmodel_logps, block=lambda x: x
+    )
+    trainer.sharded_training_step_function = timed(
+        clock, "update", trainer.sharded_training_step_function, block=lambda x: x
+    )
+    execute = trainer._execute_train_step
+    steps = {"n": 0}
+
+    def one_iteration(state, batch):
+        clock.start()
+        state, metrics, exc = execute(state, batch)
+        if exc is None:
+            steps["n"] += 1
+            info = metrics.other_metrics or {}
+            clock.stop("easydel", float(info.get("completion_length", float("nan"))), steps["n"])
+        return state, metrics, exc
+
+    trainer._execute_train_step = one_iteration
+    trainer.train()
+    p0 = jax.tree.leaves(trainer.model_state.graphstate)[0]
+    return clock.result(
+        dict(
+            version=_version("easydel"),
+            jax=jax.__version__,
+            flax=_version("flax"),
+            rows=f"{P} x {G}",
+            prompt_tokens=job["prompt_len"],
+            new_tokens=N,
+            dtype=str(p0.dtype),
+            threads=threads(),
+            devices=len(jax.devices()),
+            loss=f"GRPO ({args.loss_type}), clip {args.epsilon}, k3 KL {args.beta}, "
+            "seq-mean-token-mean",
+            layers="unrolled",
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -562,6 +678,8 @@ def make_job(args, ckpt: str) -> dict:
         iters=args.iters,
         prompt_ids=ids,
         prompt_texts=[e["prompt_text"] for e in examples],
+        answers=[e["answer"] for e in examples],
+        questions=[e["problem"] for e in examples],
         prompt_len=max(map(len, ids)),
         eos_id=tok.eos_token_id,
         pad_id=tok.pad_token_id,
@@ -570,7 +688,7 @@ def make_job(args, ckpt: str) -> dict:
 
 
 def run_side(name: str, python: str, job_path: str, out_dir: str, timeout: int) -> dict:
-    out = os.path.join(out_dir, f"{name}.json")
+    out = os.path.join(out_dir, f"{name}_{os.path.basename(job_path)}")
     cmd = [python, os.path.abspath(__file__), "--side", name, "--job", job_path, "--out", out]
     print(f"# {name}: {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd[:2])}",
           flush=True)  # fmt: skip
@@ -699,6 +817,11 @@ def main(argv=None):
         results["jaxvrl"] = run_side("jaxvrl", sys.executable, job_path, tmp, args.timeout)
         for p in peers:
             results[p] = run_side(p, pythons[p], job_path, tmp, args.timeout)
+            if p == "easydel":  # and with its compiled generate kept from step to step
+                kept = os.path.join(tmp, "job_keep.json")
+                with open(kept, "w") as f:
+                    json.dump(dict(job, keep_generate=True), f)
+                results["easydel, generate kept"] = run_side(p, pythons[p], kept, tmp, args.timeout)
     print_tables(results)
 
 
