@@ -24,7 +24,9 @@ ROW_AXES = ("data", "fsdp", "expert")
 # logical axis -> mesh axes (None = replicated)
 LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     "batch": ROW_AXES,
-    "embed": ("fsdp",),
+    # the expert axis shards the other weights like fsdp (an expert kernel's embed dimension
+    # keeps fsdp alone: its experts' dimension took the expert axis)
+    "embed": ("fsdp", "expert"),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "vocab": ("tensor",),

@@ -4,7 +4,8 @@ samples on the rollout's own mesh (data=4, tensor=2), and matches the same run o
 with its optimizer state and reference weights in host memory; a run resumed on the mesh equals an uninterrupted one bit
 for bit. One-step-off training (rollout.devices=4: the sampler on 4 devices, the train step
 on the other 4) equals a synchronous run whose sampler is one update behind, and resumes
-with its next batch in flight bit for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
+with its next batch in flight bit for bit. A tiny Qwen3-MoE trains on fsdp 2 x expert 4,
+replaying its rollout's routes, and resumes bit for bit. (Tensor parallelism, data=2 x fsdp=2 x tensor=2, is checked step by step and for the
 sampler in test_mesh_step.py.)
 
 Tolerance: the mesh changes only the order of float32 reductions. Before the first update the
@@ -127,7 +128,8 @@ def _rows(workdir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("train_mesh")
-    w = {k: str(d / k) for k in ("one", "mesh", "resumed", "off", "off_resumed", "stale")}
+    names = ("one", "mesh", "resumed", "off", "off_resumed", "stale", "moe", "moe_resumed")
+    w = {k: str(d / k) for k in names}
     # the mesh runs keep their optimizer state and reference weights in host memory
     # (actor.offload_*): the same arithmetic, so they still match one device
     mesh = ["mesh.data=2", "mesh.fsdp=4", "actor.offload_optimizer=true",
@@ -139,6 +141,11 @@ def runs(tmp_path_factory):
     # too (one-step-off always does)
     off = ["rollout.devices=4", "mesh.data=1", "mesh.fsdp=4", "actor.ppo_epochs=2"]
     off.append("logging.attention_samples=0")
+    # a mixture of experts (tiny Qwen3-MoE, 4 experts) on fsdp 2 x expert 4, replaying the
+    # rollout's routes, on the arithmetic task
+    moe = [f"model.path={_tiny_moe(d / 'qwen3_moe')}", "data.builtin_task=arithmetic",
+           "mesh.fsdp=2", "mesh.expert=4", "actor.routing_replay=True",
+           "actor.old_logprobs=recompute"]  # fmt: skip
     report = _run(
         [
             ("mesh", [f"workdir={w['mesh']}", "total_steps=2", *mesh]),
@@ -153,12 +160,36 @@ def runs(tmp_path_factory):
             # synchronous on all 8 devices, each step sampled with the weights before the
             # last update (the batch one-step-off training samples)
             ("stale", [f"workdir={w['stale']}", "total_steps=2", *mesh, *off[-2:]]),
+            ("moe", [f"workdir={w['moe']}", "total_steps=2", *moe]),
+            ("moe_resumed_a", [f"workdir={w['moe_resumed']}", "total_steps=1", *moe]),
+            ("moe_resumed", [f"workdir={w['moe_resumed']}", "total_steps=2", *moe]),
         ],
         n=8,
-        compare=(w["mesh"], w["resumed"], w["off"], w["off_resumed"]),
+        compare=(w["mesh"], w["resumed"], w["off"], w["off_resumed"], w["moe"], w["moe_resumed"]),
     )
     report["one"] = _run_here([f"workdir={w['one']}", "total_steps=2"])
     return report, w
+
+
+def _tiny_moe(path) -> str:
+    """A tiny random Qwen3-MoE (2 sparse layers of 4 experts, top 2) over the embedded
+    tokenizer, saved at `path`."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from jaxvrl import models
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=448, hidden_size=32, intermediate_size=64, head_dim=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                         eos_token_id=2, bos_token_id=None, max_position_embeddings=512)  # fmt: skip
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(models.EMBEDDED, name), path / name)
+    return str(path)
 
 
 def _run_here(overrides) -> dict:
@@ -285,6 +316,22 @@ def test_one_step_off_resumes_with_its_batch_in_flight(runs):
     assert final["steps"] == [2, 2] and final["differ"] == [], final  # bit for bit
     a, b = _rows(w["off"]), _rows(w["off_resumed"])
     assert sorted(b) == [0, 1, 2]
+    for k in a[2]:
+        if not k.endswith(TIMING) and not k.startswith(HISTORY) and k != "time":
+            assert a[2][k] == b[2][k], k
+
+
+def test_a_mixture_of_experts_trains_on_an_expert_axis_and_resumes_exactly(runs):
+    """Its experts split over expert 4 (the rows over fsdp 2 x expert 4, one per device),
+    the rollout's routes replayed: two steps, and a run stopped after one and resumed equals
+    them bit for bit."""
+    report, w = runs
+    assert [{"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}, 8, 1, 8] in report["moe"]["placed"]
+    final = report["final_params"][2]
+    assert final["steps"] == [2, 2] and final["differ"] == [], final  # bit for bit
+    a, b = _rows(w["moe"]), _rows(w["moe_resumed"])
+    assert sorted(b) == [0, 1, 2] and 0.0 <= a[2]["train/router_mismatch"] <= 1.0
+    assert a[2]["rollout/logprob_abs_diff_max"] < 1e-4  # replayed: the sampler's log-probs
     for k in a[2]:
         if not k.endswith(TIMING) and not k.startswith(HISTORY) and k != "time":
             assert a[2][k] == b[2][k], k

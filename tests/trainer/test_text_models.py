@@ -1,6 +1,7 @@
 """A text-only model in the main job: a tiny Llama saved by transformers (over the embedded
-tokenizer) trains GRPO on a text dataset scored by `accuracy` and a reward model, and a tiny
-Qwen3-MoE trains 2 steps and resumes for a third; rows with images are skipped and counted;
+tokenizer) trains GRPO on a text dataset scored by `accuracy` and a reward model (a tiny
+Qwen3-MoE's main job runs on an expert mesh: tests/parallel/test_mesh_main_job.py); rows with
+images are skipped and counted;
 the built-in task (its rows hold images) and the settings that read the image are refused at
 start, naming the key and the model type."""
 
@@ -85,36 +86,6 @@ def test_grpo_trains_a_text_model_on_text_rows(llama, tmp_path):
     examples, stats = encode_rows(rows, AutoTokenizer.from_pretrained(llama),
                                   EncodeOptions(processor=None))  # fmt: skip
     assert len(examples) == 12 and dict(stats.counts) == {"media_for_text_model": 1}
-
-
-def test_grpo_trains_a_mixture_of_experts_model_and_resumes(tmp_path):
-    """A tiny Qwen3-MoE (2 sparse layers of 4 experts, top 2) trains 2 steps, then resumes
-    for a third replaying the rollout's routes (actor.routing_replay); both log how many
-    routes the training passes' routers would choose otherwise."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    path = tmp_path / "qwen3_moe"
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=448, hidden_size=32, intermediate_size=64, head_dim=16,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                         decoder_sparse_step=1, eos_token_id=2, bos_token_id=None,
-                         max_position_embeddings=512)  # fmt: skip
-    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(models.EMBEDDED, name), path / name)
-    data = _text_rows(tmp_path / "math.jsonl")
-    workdir = tmp_path / "run"
-    first = run(_config(path, workdir, data, "configs/grpo.py", "total_steps=2"))
-    replay = ("total_steps=3", "actor.routing_replay=True")
-    metrics = run(_config(path, workdir, data, "configs/grpo.py", *replay))
-    for m in (first, metrics):
-        assert np.isfinite(m["loss"]) and m["train/nonfinite"] == 0
-        assert 0.0 <= m["train/router_mismatch"] <= 1.0
-    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3]  # the resumed run trained step 3 only
-    assert models.load_config(path).model_type == "qwen3_moe"
 
 
 @pytest.mark.parametrize(
