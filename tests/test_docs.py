@@ -105,7 +105,14 @@ def _scanned_files():
         p = ROOT / entry
         files = [p] if p.is_file() else sorted(p.rglob("*"))
         for f in files:
-            if f.is_file() and f.suffix in TEXT_SUFFIXES and f != pathlib.Path(__file__):
+            hidden = any(part.startswith(".") for part in f.relative_to(ROOT).parts)
+            # hidden folders hold what tools made (bench/.venvs: the peers' environments)
+            if (
+                f.is_file()
+                and f.suffix in TEXT_SUFFIXES
+                and f != pathlib.Path(__file__)
+                and not hidden
+            ):
                 yield f
 
 
