@@ -16,7 +16,11 @@ tokenizer's chat template: 56 tokens each, so no side pads them.
     python bench/peers.py                             # tiny Qwen3, all peers
     python bench/peers.py --peer tunix --size compute
     python bench/peers.py --peer easydel --family llama
-    python bench/peers.py --peer easydel --family qwen2_5_vl   # vision-language (see RESULTS.md)
+    python bench/peers.py --peer none --unrolled      # jaxvrl alone, model.scan_layers=False
+
+EasyDeL runs twice: as shipped (its GRPOTrainer traces its compiled generate again every
+step) and with that generate kept ("easydel, generate kept"). No vision-language case: tunix
+has no Qwen-VL family and EasyDeL no Qwen2.5-VL (bench/RESULTS.md).
 
 Sizes: `tiny` (0.85M parameters over the shipped 448-row vocabulary: per-call overhead
 dominates) and `compute` (Qwen3-0.6B's published shape, hidden 1024, 16 heads, 8 KV heads,
