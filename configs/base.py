@@ -141,6 +141,11 @@ def get_config(arg=None):
     # tower): auto | xla | flash | splash | cudnn. auto follows the mesh's devices: splash on
     # TPUs, flash on GPUs, xla (dense) on the CPU; see jaxvrl/models/attention.py
     c.model.attention = setting("auto", one_of("auto", *IMPLEMENTATIONS))
+    # with mesh.expert > 1: the (token, expert) pairs each device sends each device, as a
+    # multiple of its pairs / mesh.expert (0: all of them, none ever dropped, at the cost of a
+    # buffer mesh.expert times the pairs); a pair past it is dropped (its expert's output left
+    # out) and counted (train/expert_dropped)
+    c.model.expert_capacity = setting(0.0, NON_NEGATIVE)
     # float32 matmuls of the programs a run builds: default (the backend's own: full float32
     # on the CPU, TF32 on recent NVIDIA GPUs, one bfloat16 pass on TPUs) | high (3 bfloat16
     # passes on TPUs, TF32 on GPUs) | highest (full float32 everywhere, several times slower

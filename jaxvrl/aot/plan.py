@@ -191,6 +191,7 @@ class Plan:
         )
         model.set_remat_policy(c.model.remat_policy)
         model.set_attention(c.model.attention)  # "auto": resolved for the slice's devices
+        model.set_expert_capacity(c.model.expert_capacity)
         offload = setup.check_offload(c, mesh)
         init = runtime.abstract_train_state(init_train_state, model, mesh, c, offload=offload)
         rows = c.prompts_per_step * c.rollout.num_generations * s.hosts

@@ -274,7 +274,8 @@ class DecoderLayer(nnx.Module):
         routing = router or experts or given is not None
         if routing and isinstance(self.mlp, SparseMoE):
             h, aux = self.mlp.apply(self.post_attention_layernorm(x), given, replay=replay)
-            wanted = {"logits": router, "experts": experts, "mismatch": given is not None}
+            wanted = {"logits": router, "experts": experts, "mismatch": given is not None,
+                      "dropped": True}  # fmt: skip
             aux = {k: v for k, v in aux.items() if wanted[k]}
             return constrain(x + h, RESIDUAL), new_kv, stats, aux
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -371,8 +372,8 @@ class TextDecoder(nnx.Module):
         selection int[B, T, L', k], packed with the rows) ask for a fourth output, a dict of
         [L', N, ...] arrays (N = B * T, or the packed slots; {} where no layer is sparse):
         "logits" the router logits [L', N, E], "experts" each router's own top k int32
-        [L', N, k], and with routes "mismatch" bool[L', N] (that top k differs from the
-        given one, as sets). replay_routes: the sparse layers route by `routes` (their
+        [L', N, k], with routes "mismatch" bool[L', N] (that top k differs from the given
+        one, as sets), and on an expert mesh axis "dropped" float32[L'] (`moe.expert_parallel`). replay_routes: the sparse layers route by `routes` (their
         experts, the live router's weights). Without these no routing leaves the layers.
         """
         segmented = packing is not None

@@ -27,6 +27,7 @@ from jaxvrl.models.cache import KVCache
 from jaxvrl.models.decoder import DeepStack, TextDecoder
 from jaxvrl.models.families import family_of
 from jaxvrl.models.layers import linear, remat
+from jaxvrl.models.moe import SparseMoE
 from jaxvrl.models.patches import VisionInputs
 
 
@@ -37,7 +38,10 @@ class ModelOutput:
     router_logits: the sparse layers' router logits [L', N, E] where the pass asked for them
     (`forward(router_logits=True)`), else None; routes: their routers' own top k int32
     [L', N, k] (`forward(record_routes=True)`), else None; route_mismatch: bool[L', N] where
-    that top k differs from the given `routes`' (`forward(routes=...)`), else None."""
+    that top k differs from the given `routes`' (`forward(routes=...)`), else None;
+    expert_dropped: float32[L'], each sparse layer's share of (token, expert) pairs its
+    expert-parallel dispatch left out (`moe.expert_parallel`), where routing was asked for
+    on an expert mesh axis, else None."""
 
     logits: jax.Array | None
     hidden: jax.Array
@@ -47,6 +51,7 @@ class ModelOutput:
     router_logits: jax.Array | None = None
     routes: jax.Array | None = None
     route_mismatch: jax.Array | None = None
+    expert_dropped: jax.Array | None = None
 
     @classmethod
     def of(cls, logits, hidden, cache, stats, per_key: bool) -> ModelOutput:
@@ -148,6 +153,22 @@ class Model(nnx.Module):
         for _, node in nnx.iter_graph(self):
             if isinstance(node, nnx.Module) and "dtype" in vars(node):
                 node.dtype = dtype
+
+    def set_expert_capacity(self, capacity: float) -> None:
+        """How many (token, expert) pairs each device sends each other device on an expert
+        mesh axis, as a multiple of its pairs / the axis's size (config
+        `model.expert_capacity`; 0: all its pairs, none dropped; see `moe.expert_parallel`).
+        Part of the graphdef, so set it before `nnx.split`."""
+        if capacity < 0:
+            raise ValueError(f"expert capacity must be >= 0, got {capacity}")
+        for _, node in nnx.iter_graph(self):
+            if isinstance(node, SparseMoE):
+                node.capacity = float(capacity)
+
+    @property
+    def expert_capacity(self) -> float:
+        """The sparse layers' `set_expert_capacity` (0.0 for a model without experts)."""
+        return next((n.capacity for _, n in nnx.iter_graph(self) if isinstance(n, SparseMoE)), 0.0)
 
     def set_attention(self, name: str, block: int = 512) -> None:
         """The attention implementation of the decoder's and the vision encoder's forward
@@ -288,6 +309,7 @@ class Model(nnx.Module):
             router_logits=got.get("logits"),
             routes=got.get("experts"),
             route_mismatch=got.get("mismatch"),
+            expert_dropped=got.get("dropped"),
         )
 
     def classify(self, input_ids, attention_mask, position_ids) -> jax.Array:

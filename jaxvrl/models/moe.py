@@ -27,6 +27,7 @@ Letters: N tokens (B * T), D model dim, E experts, F expert width, k experts per
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -141,32 +142,44 @@ def dense_experts(x, weights, experts, kernels, act):
 EXPERTS = {"ragged": ragged_experts, "dense": dense_experts}
 
 
-def expert_parallel(run, rows: int, x, weights, experts, kernels, act):
+def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity: float = 0.0):
     """`run` (an EXPERTS entry) over the mesh being traced for: where its `expert` axis is
     larger than 1, each device holds E / expert of the experts (the kernels' leading axis
-    split over it) and runs only those.
+    split over it) and runs only those. Returns (y [N, D], dropped: the share of (token,
+    expert) pairs left out, float32[], or None where none can be).
 
     Where the rows (`rows` of the N = rows x T tokens) split over the expert axis, each device
-    sends each (token, expert) pair to the device of its expert (one all-to-all of a
-    [expert, n * k, D] buffer: every pair fits, none is dropped), runs its experts on the
-    pairs it received, and sends the outputs back, where each token sums its k under its
-    routing weights. Otherwise every device routes all its tokens through its own experts and
-    the partial sums are added over the axis. Elsewhere `run` itself."""
+    sends each (token, expert) pair to the device of its expert (an all-to-all of a
+    [expert, C, D] buffer), runs its experts on the pairs it received, and sends the outputs
+    back, where each token sums its k under its routing weights. C, the pairs a device sends
+    each device: all its n k pairs with `capacity` 0 (none is ever dropped), else
+    ceil(capacity x n k / expert); a pair past C is dropped (its expert's output left out of
+    its token's sum, as GShard and Switch drop). Otherwise every device routes all its
+    tokens through its own experts and the partial sums are added over the axis. Elsewhere
+    `run` itself."""
     mesh = jax.sharding.get_abstract_mesh()
     ep = 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
     e = kernels[0].shape[0]
     if ep == 1:
-        return run(x, weights, experts, kernels, act)
+        return run(x, weights, experts, kernels, act), None
     if e % ep:
         raise ValueError(f"mesh.expert={ep} does not divide the model's {e} experts")
     axes = row_axes(rows)
     tokens = P(axes or None, None)
-    body = _dispatched if "expert" in axes else _summed
-    fn = functools.partial(body, run, act)
     kernel = P("expert", None, None)
+    if "expert" not in axes:
+        fn = functools.partial(_summed, run, act)
+        y = jax.shard_map(
+            fn, mesh=mesh, in_specs=(tokens, tokens, tokens, (kernel,) * 3), out_specs=tokens,
+            check_vma=False,
+        )(x, weights, experts, kernels)  # fmt: skip
+        return y, None
+    n, k = x.shape[0] // math.prod(mesh.shape[a] for a in axes), experts.shape[1]
+    cap = n * k if not capacity else min(n * k, math.ceil(capacity * n * k / ep))
+    fn = functools.partial(_dispatched, run, act, cap, tuple(mesh.axis_names))
     return jax.shard_map(
-        fn, mesh=mesh, in_specs=(tokens, tokens, tokens, (kernel,) * 3), out_specs=tokens,
-        check_vma=False,
+        fn, mesh=mesh, in_specs=(tokens, tokens, tokens, (kernel,) * 3),
+        out_specs=(tokens, P()), check_vma=False,
     )(x, weights, experts, kernels)  # fmt: skip
 
 
@@ -179,24 +192,30 @@ def _summed(run, act, x, weights, experts, kernels):
     return jax.lax.psum(y, "expert")
 
 
-def _dispatched(run, act, x, weights, experts, kernels):
-    """Per device: its tokens [n, D] and their routes [n, k] to the experts' devices and
-    back (see `expert_parallel`)."""
+def _dispatched(run, act, cap: int, names: tuple, x, weights, experts, kernels):
+    """Per device: its tokens [n, D] and their routes [n, k] to the experts' devices (cap
+    pairs each) and back (see `expert_parallel`); -> (y [n, D], the share of the mesh's
+    pairs dropped)."""
     ep, local = jax.lax.axis_size("expert"), kernels[0].shape[0]
     n, k = experts.shape
     flat = experts.reshape(-1)  # [n * k] pairs, pair p = token p // k
     dest = flat // local
     pos = jnp.cumsum(jax.nn.one_hot(dest, ep, dtype=jnp.int32), axis=0) - 1
     pos = jnp.take_along_axis(pos, dest[:, None], axis=1)[:, 0]  # [n * k] within its device
-    cap = n * k
-    send = jnp.zeros((ep, cap, x.shape[-1]), x.dtype).at[dest, pos].set(x[jnp.arange(cap) // k])
-    ids = jnp.full((ep, cap), local, jnp.int32).at[dest, pos].set(flat % local)  # local: none
+    kept = pos < cap  # the scatters below drop the others (out of bounds)
+    tokens = x[jnp.arange(n * k) // k]
+    send = jnp.zeros((ep, cap, x.shape[-1]), x.dtype).at[dest, pos].set(tokens, mode="drop")
+    ids = jnp.full((ep, cap), local, jnp.int32).at[dest, pos].set(flat % local, mode="drop")
     got, ids = (jax.lax.all_to_all(a, "expert", 0, 0) for a in (send, ids))
     ones = jnp.ones((ep * cap, 1), weights.dtype)
     y = run(got.reshape(ep * cap, -1), ones, ids.reshape(-1, 1), kernels, act)
     back = jax.lax.all_to_all(y.reshape(ep, cap, -1), "expert", 0, 0)
-    pairs = back[dest, pos].reshape(n, k, -1)  # each pair's expert output
-    return jnp.einsum("NKD,NK->ND", pairs, weights.astype(pairs.dtype))
+    pairs = back[dest, jnp.minimum(pos, cap - 1)]  # each pair's expert output
+    pairs = jnp.where(kept[:, None], pairs, 0).reshape(n, k, -1)
+    # the share over every device's pairs (those of a tensor group counted alike)
+    dropped = jax.lax.psum(jnp.sum(~kept, dtype=jnp.float32), names)
+    dropped = dropped / jax.lax.psum(jnp.float32(n * k), names)
+    return jnp.einsum("NKD,NK->ND", pairs, weights.astype(pairs.dtype)), dropped
 
 
 class ExpertKernel(nnx.Module):
@@ -249,6 +268,9 @@ class SparseMoE(nnx.Module):
         self.act_name = cfg.hidden_act
         self.dtype = dtype
         self.implementation = "ragged"
+        self.capacity = (
+            0.0  # with an expert mesh axis: `expert_parallel`'s (Model.set_expert_capacity)
+        )
 
     def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(gate [E, D, F], up [E, D, F], down [E, F, D]) in the compute dtype."""
@@ -259,7 +281,9 @@ class SparseMoE(nnx.Module):
         "experts": the router's own top-k int32[B*T, k], "mismatch": bool[B*T] whether that
         top-k (as a set) differs from `given`'s, with `given`}). given: None, or a recorded
         selection int[B*T, k] (a rollout's routes); `replay` routes by it (weights from the
-        live router, see `route`), else by the router's own top k."""
+        live router, see `route`), else by the router's own top k; with an expert mesh axis
+        whose buffers drop pairs (`capacity`), aux also holds "dropped": the share of (token,
+        expert) pairs left out, float32[]."""
         b, t, d = x.shape
         xf = x.reshape(b * t, d).astype(self.dtype)
         logits = self.gate(xf)  # [N, E]
@@ -273,7 +297,9 @@ class SparseMoE(nnx.Module):
         weights = weights.astype(logits.dtype)  # as transformers casts them back
         run = EXPERTS[self.implementation]
         kernels, act = self.kernels(), activation(self.act_name)
-        out = expert_parallel(run, b, xf, weights, experts, kernels, act)
+        out, dropped = expert_parallel(run, b, xf, weights, experts, kernels, act, self.capacity)
+        if dropped is not None:
+            aux["dropped"] = dropped
         return out.reshape(b, t, d), aux
 
     def __call__(self, x: jax.Array) -> jax.Array:

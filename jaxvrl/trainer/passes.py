@@ -164,7 +164,14 @@ class Completions:
 
 
 def completion_hidden(
-    model, batch: RolloutBatch, *, images=None, pools=False, router=False, routing="fresh"
+    model,
+    batch: RolloutBatch,
+    *,
+    images=None,
+    pools=False,
+    router=False,
+    routing="fresh",
+    load=False,
 ):
     """Forward the whole sequence; returns (`Completions`: the hidden states whose logits
     predict each completion token, out with the attention masses of those positions
@@ -178,7 +185,8 @@ def completion_hidden(
     "compare" (they choose, and out.route_mismatch float32[B, L] counts, per token, the
     sparse layers whose choice differs from the sampler's), "replay" (the sparse layers route
     by the sampler's choices, Rollout Routing Replay; route_mismatch counts where the routers
-    would have chosen otherwise)."""
+    would have chosen otherwise). load: out.expert_dropped carries each sparse layer's share
+    of pairs an expert-parallel dispatch dropped (None where none can be)."""
     if routing not in ("fresh", "compare", "replay"):
         raise ValueError(f"routing must be fresh, compare or replay: {routing!r}")
     given = None if routing == "fresh" else batch.routes
@@ -195,6 +203,7 @@ def completion_hidden(
         router_logits=router,
         routes=given,
         replay_routes=given is not None and routing == "replay",
+        record_routes=load,
     )
     n, t = batch.completion_length, batch.input_ids.shape[1]
     if out.route_mismatch is not None:  # [L', N] -> per token, the layers that differ

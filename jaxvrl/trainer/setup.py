@@ -186,6 +186,7 @@ def load_model(c, source: tuple[str, str | None] | None = None):
         )
     model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
     model.set_attention(c.model.attention)
+    model.set_expert_capacity(c.model.expert_capacity)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not getattr(tokenizer, "chat_template", None):
         log.warning("%s: the tokenizer has no chat template: prompts are the plain text", path)

@@ -104,7 +104,10 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     # the sampler's routes replayed (actor.routing_replay), or compared with this pass's
     # where no old-policy pass did (train/router_mismatch)
     routing = "replay" if cfg.actor.routing_replay else "fresh" if cfg.old_pass else "compare"
-    comp, out = completion_hidden(model, mb, pools=pools, router=router_coef > 0, routing=routing)
+    load = model.expert_capacity > 0  # pairs past it dropped: counted
+    comp, out = completion_hidden(
+        model, mb, pools=pools, router=router_coef > 0, routing=routing, load=load
+    )
     grad_entropy = cfg.grad_entropy  # a loss term reads it
     want_entropy = grad_entropy or not cfg.old_pass
     logp, entropy = comp.logprobs(
@@ -157,6 +160,8 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
         metrics["router_aux_loss"] = router
     if out.route_mismatch is not None and not cfg.old_pass:
         metrics["router_mismatch"] = router_mismatch(out.route_mismatch, mb)
+    if out.expert_dropped is not None:  # the share of pairs, over the sparse layers
+        metrics["expert_dropped"] = jnp.mean(out.expert_dropped)
     scale = aux.share
     loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)

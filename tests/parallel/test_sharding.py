@@ -3,6 +3,8 @@ fixed when jax starts)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,7 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
     equal one device's."""
     out = run_with_devices(
         """
+        import json
         import jax, jax.numpy as jnp, numpy as np
         from flax import nnx
         from jaxvrl import models as M
@@ -118,10 +121,31 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
                 max(float(jnp.abs(a - b).max()) for a, b in zip(leaves(got_grad), leaves(want_grad))) / scale,
             )
             print("errors", max(errors))
+        # a capacity of half the pairs a device would send each device: pairs past it are
+        # dropped, and their share is each device's overflow counted from the routes it used
+        ids, mask = T.prompts(seed=1, lengths=(7, 11, 4, 9, 5, 8, 10, 6))
+        pos, _ = M.rope_index(cfg, ids, mask)
+        model.set_expert_capacity(0.5)
+        graphdef, state = nnx.split(model)
+        mesh = S.make_mesh(fsdp=2, expert=4)
+        forward = nnx.jit(lambda m, i, a, p: m.forward(i, a, p, record_routes=True))
+        with jax.set_mesh(mesh):
+            state = jax.device_put(state, S.param_shardings(state, mesh))
+            out = forward(nnx.merge(graphdef, state), ids, mask, pos)
+        routes = np.asarray(out.routes).reshape(2, 8, -1, 2)  # [L', device (its row), n, k]
+        n = routes.shape[2]
+        cap = -(-n * 2 // 2 // 4)  # ceil(0.5 * n k / 4)
+        per_device = np.stack([(routes // 2 == d).sum(axis=(2, 3)) for d in range(4)], -1)
+        want = np.maximum(per_device - cap, 0).sum(axis=(1, 2)) / (8 * n * 2)
+        got = [float(x) for x in np.asarray(out.expert_dropped)]
+        print("dropped" + json.dumps([got, [float(x) for x in want]]))
         """
     )
     errors = [float(x.split()[0]) for x in out.split("errors")[1:]]
     assert len(errors) == 2 and max(errors) < 1e-5, errors
+    got, want = json.loads(out.split("dropped")[-1])
+    assert len(want) == 2 and min(want) > 0, want  # the capacity binds
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_an_expert_axis_is_refused_where_it_does_not_divide_the_experts(tmp_path):
