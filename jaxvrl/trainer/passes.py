@@ -396,7 +396,9 @@ def _chunked_logprobs(model, head, hidden, tokens, temperature, entropy, chunk):
 
 def _over_chunks(model, head, hidden, per_token, temperature, chunk, vocab, fn, gather=None):
     """fn(logits float32[R, k, vocab] / temperature, *per_token chunks [R, k]) -> (logp, ent
-    or None) [R, k], over chunks of k tokens in a `lax.scan`, each under `jax.checkpoint`.
+    or None) [R, k], over chunks of k tokens in a `lax.scan`, each under `jax.checkpoint`
+    where there are several (one chunk's logits, at most `_CHUNK_BYTES`, are kept instead of
+    projected again in the backward pass).
     hidden [B, N, D]; per_token arrays [R, N]: R = B, or with `gather` (a chunk of hidden
     [B, k, D] -> [R, k, D]) the rows it gathers."""
     b, n, d = hidden.shape
@@ -412,7 +414,8 @@ def _over_chunks(model, head, hidden, per_token, temperature, chunk, vocab, fn, 
         h = h if gather is None else gather(h)
         return fn(model.logits(h, head) * inv_t, *xs)
 
-    one = jax.checkpoint(one, prevent_cse=False)
+    if c > 1:  # else the one chunk's logits are all the backward pass keeps: no re-projection
+        one = jax.checkpoint(one, prevent_cse=False)
     xs = (hs,) + tuple(split(x) for x in per_token)
     _, (logp, ent) = jax.lax.scan(lambda carry, x: (carry, one(*x)), None, xs)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(rows, c * k)[:, :n]  # noqa: E731
