@@ -433,36 +433,26 @@ def tunix_model(job: dict, mesh):
         from tunix.models.qwen3 import model as model_lib
         from tunix.models.qwen3 import params as params_lib
 
-        cfg = model_lib.ModelConfig(
-            num_layers=hf["num_hidden_layers"],
-            vocab_size=hf["vocab_size"],
-            embed_dim=hf["hidden_size"],
-            hidden_dim=hf["intermediate_size"],
-            num_heads=hf["num_attention_heads"],
-            head_dim=hf["head_dim"],
-            num_kv_heads=hf["num_key_value_heads"],
-            rope_theta=int(hf["rope_parameters"]["rope_theta"]),
-            norm_eps=hf["rms_norm_eps"],
-            use_tied_embedding=hf["tie_word_embeddings"],
-        )
+        tied = {"use_tied_embedding": hf["tie_word_embeddings"]}
     elif hf["model_type"] == "llama":
         from tunix.models.llama3 import model as model_lib
         from tunix.models.llama3 import params as params_lib
 
-        cfg = model_lib.ModelConfig(
-            num_layers=hf["num_hidden_layers"],
-            vocab_size=hf["vocab_size"],
-            embed_dim=hf["hidden_size"],
-            hidden_dim=hf["intermediate_size"],
-            num_heads=hf["num_attention_heads"],
-            head_dim=hf["head_dim"],
-            num_kv_heads=hf["num_key_value_heads"],
-            rope_theta=int(hf["rope_parameters"]["rope_theta"]),
-            norm_eps=hf["rms_norm_eps"],
-            weight_tying=hf["tie_word_embeddings"],
-        )
+        tied = {"weight_tying": hf["tie_word_embeddings"]}  # llama3's name for it
     else:
         raise SystemExit(f"tunix: no model of type {hf['model_type']!r} here")
+    cfg = model_lib.ModelConfig(
+        num_layers=hf["num_hidden_layers"],
+        vocab_size=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        hidden_dim=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"],
+        head_dim=hf["head_dim"],
+        num_kv_heads=hf["num_key_value_heads"],
+        rope_theta=int(hf["rope_parameters"]["rope_theta"]),
+        norm_eps=hf["rms_norm_eps"],
+        **tied,
+    )
     with mesh:
         return params_lib.create_model_from_safe_tensors(job["ckpt"], cfg, mesh)
 
