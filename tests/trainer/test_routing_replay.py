@@ -31,27 +31,33 @@ from tests.helpers import step_config
 from tests.models import hf_tiny_text as T
 from tests.models.test_qwen3_moe import build, routed_otherwise
 
-G, N = 2, 5
+G = 2
+
+
+# the sampling of both batches; "own" rows end at EOS (any of 20 ids) within N_OWN tokens
+OWN = dict(max_new_tokens=8, temperature=1.0, eos_token_ids=tuple(range(4, 24)), routes=True)
+N_OTHER = 5
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(model, prompts (ids, mask), {routing: rollout batch}): G samples of 3 left-padded
-    prompts, drawn with the routers' own choice ("own") and with the experts ranked
-    2..k+1 ("other"); each batch carries the sampler's log-probs and routes."""
+    """(model, prompts (ids, mask), {routing: rollout batch}, the "own" SampleOutput): G
+    samples of 3 left-padded prompts, drawn with the routers' own choice ("own") and with the
+    experts ranked 2..k+1 ("other"); each batch carries the sampler's log-probs and routes."""
     path = tmp_path_factory.mktemp("qwen3_moe_replay")
     build(path)
     model = M.load(path)
     ids, mask = T.prompts(seed=2, lengths=(6, 9, 3))
-    batches = {}
+    batches, outs = {}, {}
     with pytest.MonkeyPatch.context() as mp:
         for name in ("own", "other"):
+            kw = OWN
             if name == "other":  # traced anew: max_new_tokens is this call's own
                 mp.setattr(moe, "route", routed_otherwise(moe.route))
-            out = generate(
-                model, ids, mask, max_new_tokens=N + (name == "other"), temperature=1.0,
-                rng=jax.random.key(4), num_samples=G, routes=True,
-            )  # fmt: skip
+                kw = dict(max_new_tokens=N_OTHER, temperature=1.0, routes=True)
+            out = outs[name] = generate(
+                model, ids, mask, rng=jax.random.key(4), num_samples=G, **kw
+            )
             rows = np.repeat(mask, G, axis=0)
             positions = np.maximum(np.cumsum(rows, axis=1) - 1, 0).astype(np.int32)
             batches[name] = assemble(
@@ -60,8 +66,9 @@ def tiny(tmp_path_factory):
                 np.zeros(len(rows), bool), old_logprobs=np.asarray(out.logprobs),
                 routes=np.asarray(out.routes),
             )  # fmt: skip
-            assert out.routes.shape == (len(rows), ids.shape[1] + N + (name == "other"), 2, 2)
-    return model, batches
+            n = kw["max_new_tokens"]
+            assert out.routes.shape == (len(rows), ids.shape[1] + n, 2, 2)
+    return model, (ids, mask), batches, outs["own"]
 
 
 def _cfg(replay: bool, padding_free: bool, n: int):
@@ -100,7 +107,7 @@ TOL = 5e-6 * 5
 def test_replay_gives_the_samplers_logprobs_where_the_routers_would_choose_otherwise(
     tiny, padding_free
 ):
-    model, batches = tiny
+    model, _, batches, _ = tiny
     batch = batches["other"]
     logp, mismatch = _old_pass(model, batch, True, padding_free)
     assert _gap(batch, logp) <= TOL
@@ -112,7 +119,7 @@ def test_replay_gives_the_samplers_logprobs_where_the_routers_would_choose_other
 
 
 def test_with_the_samplers_own_routing_nothing_differs(tiny):
-    model, batches = tiny
+    model, _, batches, _ = tiny
     batch = batches["own"]
     logp, mismatch = _old_pass(model, batch, False, False)
     assert _gap(batch, logp) <= TOL and mismatch == 0.0
@@ -121,7 +128,7 @@ def test_with_the_samplers_own_routing_nothing_differs(tiny):
 def test_the_loss_pass_replays_the_routes(tiny):
     """One update whose old log-probs are the sampler's: with replay, the ratio is 1 on
     every token (packed rows); routed afresh, it is not."""
-    model, batches = tiny
+    model, _, batches, _ = tiny
     batch = batches["other"]
     graphdef, params = nnx.split(model)
     maxima = {}
@@ -137,22 +144,17 @@ def test_the_loss_pass_replays_the_routes(tiny):
 
 
 def test_the_slots_engine_records_the_static_samplers_routes(tiny):
-    """Slots that refill (1 and 4 for 6 rows, rows ending at EOS): the same tokens, log-probs
-    and routes, prompt and completion, as the static sampler's."""
-    model = tiny[0]
-    ids, mask = T.prompts(seed=5, lengths=(6, 9, 3))
-    kw = dict(max_new_tokens=8, temperature=1.0, eos_token_ids=tuple(range(4, 24)), routes=True)
-    static = generate(model, ids, mask, rng=jax.random.key(6), num_samples=G, **kw)
-    ends = np.asarray(static.mask).sum(axis=1)
-    assert ends.min() < 8 and static.routes.shape == (3 * G, 9 + 8, 2, 2)
+    """Two slots that refill (6 rows, ending at EOS): the same tokens, log-probs and routes,
+    prompt and completion, as the static sampler's."""
+    model, (ids, mask), _, static = tiny
+    assert np.asarray(static.mask).sum(axis=1).min() < OWN["max_new_tokens"]  # EOS ends rows
     graphdef, params = nnx.split(model)
     args = [jnp.asarray(x) for x in (ids, mask, *M.rope_index(model.config, ids, mask))]
-    for slots in (1, 4):
-        cfg = dataclasses.replace(generation_config(model.config, **kw), slots=slots, page_size=4)
-        out = Sampler(graphdef, cfg)(params, *args, jax.random.key(6), num_samples=G)
-        np.testing.assert_array_equal(out.tokens, static.tokens)
-        np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-5)
-        np.testing.assert_array_equal(out.routes, static.routes)
+    cfg = dataclasses.replace(generation_config(model.config, **OWN), slots=2, page_size=4)
+    out = Sampler(graphdef, cfg)(params, *args, jax.random.key(4), num_samples=G)
+    np.testing.assert_array_equal(out.tokens, static.tokens)
+    np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(out.routes, static.routes)
 
 
 def test_replay_is_refused_without_experts_or_with_partial_rollouts(tmp_path):
