@@ -121,6 +121,26 @@ def env_for_sides() -> dict:
     return env
 
 
+def settings(package: str, job: dict, prompt_len: int, leaf, loss: str, layers="unrolled"):
+    """A side's settings, printed beside its figures: its version, rows, tokens, dtype (of a
+    parameter `leaf`), threads, devices, loss and layers."""
+    import jax
+
+    return dict(
+        version=_version(package),
+        jax=jax.__version__,
+        flax=_version("flax"),
+        rows=f"{job['prompts']} x {job['group']}",
+        prompt_tokens=prompt_len,
+        new_tokens=job["new_tokens"],
+        dtype=str(leaf.dtype),
+        threads=threads(),
+        devices=len(jax.devices()),
+        loss=loss,
+        layers=layers,
+    )
+
+
 def threads() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -218,7 +238,7 @@ def side_jaxvrl(job: dict) -> dict:
         pad_token_id=job["pad_id"],
     )
     sampler = Sampler(nnx.graphdef(model), scfg)
-    settings = {
+    values = {
         "rollout.num_generations": G,
         "prompts_per_step": P,
         "actor.global_batch_size": P,  # one update per rollout batch
@@ -230,7 +250,7 @@ def side_jaxvrl(job: dict) -> dict:
         "actor.clip_ratio_low": CLIP_EPS,
         "actor.clip_ratio_high": CLIP_EPS,
     }
-    step_cfg = StepConfig.of(set_values(base_config.get_config(), settings))
+    step_cfg = StepConfig.of(set_values(base_config.get_config(), values))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR, weight_decay=0.0))
     graphdef, params = nnx.split(model, nnx.Param)
     ref_params = jax.tree.map(jnp.array, params)
@@ -288,20 +308,12 @@ def side_jaxvrl(job: dict) -> dict:
         parts["reference"] = min(ref_s, parts["step"])
         parts["update"] = parts.pop("step") - parts["reference"]
     return clock.result(
-        dict(
-            version=_version("jaxvrl"),
-            jax=jax.__version__,
-            flax=_version("flax"),
-            rows=f"{P} x {G}",
-            prompt_tokens=prompt_len,
-            new_tokens=N,
-            dtype=str(jax.tree.leaves(state.params)[0].dtype),
-            threads=threads(),
-            devices=len(jax.devices()),
-            loss=f"GRPO, clip {CLIP_EPS}, low_var_kl {KL_COEF}, seq-mean-token-mean",
+        settings(
+            "jaxvrl", job, prompt_len, jax.tree.leaves(state.params)[0],
+            f"GRPO, clip {CLIP_EPS}, low_var_kl {KL_COEF}, seq-mean-token-mean",
             layers="scan" if job.get("scan_layers", True) else "unrolled",
         )
-    )
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- tunix
@@ -407,22 +419,8 @@ def side_tunix(job: dict) -> dict:
     assert ids == job["prompt_ids"][0], "tunix's tokenizer gives other prompt ids"
     learner.train(data)
     p0 = jax.tree.leaves(actor_state())[0]
-    return clock.result(
-        dict(
-            version=_version("google-tunix"),
-            jax=jax.__version__,
-            flax=_version("flax"),
-            rows=f"{P} x {G}",
-            prompt_tokens=job["prompt_len"],
-            new_tokens=N,
-            dtype=str(p0.dtype),
-            threads=threads(),
-            devices=len(jax.devices()),
-            loss=f"GRPO, clip {algo.epsilon}, {algo.kl_loss_mode} {algo.beta}, "
-            f"{algo.loss_agg_mode}",
-            layers="unrolled",
-        )
-    )
+    loss = f"GRPO, clip {algo.epsilon}, {algo.kl_loss_mode} {algo.beta}, {algo.loss_agg_mode}"
+    return clock.result(settings("google-tunix", job, job["prompt_len"], p0, loss))
 
 
 def tunix_model(job: dict, mesh):
@@ -562,22 +560,8 @@ def side_easydel(job: dict) -> dict:
     trainer._execute_train_step = one_iteration
     trainer.train()
     p0 = jax.tree.leaves(trainer.model_state.graphstate)[0]
-    return clock.result(
-        dict(
-            version=_version("easydel"),
-            jax=jax.__version__,
-            flax=_version("flax"),
-            rows=f"{P} x {G}",
-            prompt_tokens=job["prompt_len"],
-            new_tokens=N,
-            dtype=str(p0.dtype),
-            threads=threads(),
-            devices=len(jax.devices()),
-            loss=f"GRPO ({args.loss_type}), clip {args.epsilon}, k3 KL {args.beta}, "
-            "seq-mean-token-mean",
-            layers="unrolled",
-        )
-    )
+    loss = f"GRPO ({args.loss_type}), clip {args.epsilon}, k3 KL {args.beta}, seq-mean-token-mean"
+    return clock.result(settings("easydel", job, job["prompt_len"], p0, loss))
 
 
 # ----------------------------------------------------------------------------- the driver
