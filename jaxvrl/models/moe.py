@@ -166,21 +166,17 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
         raise ValueError(f"mesh.expert={ep} does not divide the model's {e} experts")
     axes = row_axes(rows)
     tokens = P(axes or None, None)
-    kernel = P("expert", None, None)
+    per_device = functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + ((P("expert", None, None),) * 3,),
+        check_vma=False,
+    )  # fmt: skip
     if "expert" not in axes:
-        fn = functools.partial(_summed, run, act)
-        y = jax.shard_map(
-            fn, mesh=mesh, in_specs=(tokens, tokens, tokens, (kernel,) * 3), out_specs=tokens,
-            check_vma=False,
-        )(x, weights, experts, kernels)  # fmt: skip
-        return y, None
+        summed = per_device(functools.partial(_summed, run, act), out_specs=tokens)
+        return summed(x, weights, experts, kernels), None
     n, k = x.shape[0] // math.prod(mesh.shape[a] for a in axes), experts.shape[1]
     cap = n * k if not capacity else min(n * k, math.ceil(capacity * n * k / ep))
     fn = functools.partial(_dispatched, run, act, cap, tuple(mesh.axis_names))
-    return jax.shard_map(
-        fn, mesh=mesh, in_specs=(tokens, tokens, tokens, (kernel,) * 3),
-        out_specs=(tokens, P()), check_vma=False,
-    )(x, weights, experts, kernels)  # fmt: skip
+    return per_device(fn, out_specs=(tokens, P()))(x, weights, experts, kernels)
 
 
 def _summed(run, act, x, weights, experts, kernels):
@@ -268,9 +264,8 @@ class SparseMoE(nnx.Module):
         self.act_name = cfg.hidden_act
         self.dtype = dtype
         self.implementation = "ragged"
-        self.capacity = (
-            0.0  # with an expert mesh axis: `expert_parallel`'s (Model.set_expert_capacity)
-        )
+        # with an expert mesh axis: `expert_parallel`'s capacity (Model.set_expert_capacity)
+        self.capacity = 0.0
 
     def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(gate [E, D, F], up [E, D, F], down [E, F, D]) in the compute dtype."""

@@ -121,7 +121,8 @@ def no_grad_passes(
             "actor.shaping_source=recompute"
         )
 
-    replay = "replay" if cfg.actor.routing_replay else "fresh"
+    # the policy's passes over the rollout replay its routes (actor.routing_replay)
+    policy_routing = "replay" if cfg.actor.routing_replay else "fresh"
 
     def one(args):
         mb, aug_mb = args
@@ -149,7 +150,7 @@ def no_grad_passes(
                 values = comp.per_row(critic_lib.head_values(comp.hidden, critic[1]))
                 res["values"] = unpair_rows(values)[0] if paired else values
         if aug_mb is not None and not paired:
-            comp = completion_hidden(model, mb, images=aug_mb, routing=replay)[0]
+            comp = completion_hidden(model, mb, images=aug_mb, routing=policy_routing)[0]
             res["aug_logp"] = logprobs(model, comp)
         if ref is not None:
             res["ref_logp"] = logprobs(ref, completion_hidden(ref, mb)[0])
