@@ -133,7 +133,7 @@ def check_model_settings(c, model_config) -> None:
     images and the settings that read the image: the perceptual pass's filtering and
     shaping, VGR's token weights, the MDI reward. A model without sparse layers refuses the
     load-balancing loss, routing replay and an expert mesh axis (which must divide the
-    experts)."""
+    experts); an expert capacity without that axis is refused too."""
     if getattr(model_config, "num_labels", None):
         raise ConfigError(
             f"config.model.path: a {model_config.hf_architecture} is a sequence classifier; "
@@ -154,6 +154,12 @@ def check_model_settings(c, model_config) -> None:
                 f"config.mesh.expert={c.mesh.expert}: model type {model_config.model_type!r} "
                 f"has {has}; set mesh.expert to 1 or a divisor of the experts"
             )
+    elif c.model.expert_capacity:
+        raise ConfigError(
+            f"config.model.expert_capacity={c.model.expert_capacity}: it bounds what each "
+            "device sends each other device on an expert mesh axis, and mesh.expert is 1; "
+            "set mesh.expert > 1 or the capacity to 0"
+        )
     if getattr(model_config, "vision", None) is not None:
         return
     if not c.data.train_files and builtin_task(c).has_images:

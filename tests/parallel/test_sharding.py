@@ -166,8 +166,11 @@ def test_an_expert_axis_is_refused_where_it_does_not_divide_the_experts(tmp_path
             ConfigError, match=rf"^config\.mesh\.expert=4: model type .* has {says}; "
         ):
             check_model_settings(c, M.load_config(tmp_path / name))
-    set_values(c, {"mesh.expert": 3})
+    set_values(c, {"mesh.expert": 3, "model.expert_capacity": 1.25})
     check_model_settings(c, M.load_config(tmp_path / "moe"))
+    set_values(c, {"mesh.expert": 1})  # a capacity with nothing to bound
+    with pytest.raises(ConfigError, match=r"^config\.model\.expert_capacity=1.25: it bounds "):
+        check_model_settings(c, M.load_config(tmp_path / "moe"))
 
 
 class _Chip:  # a device as device_split sees one: id, host, torus coordinates (TPU) or none
