@@ -475,6 +475,10 @@ def get_config(arg=None):
     # layer's experts, tokens go to their experts' devices and back (all-to-all); the rows
     # split over it elsewhere, as over data. 1 = off; it divides the experts
     c.mesh.expert = setting(1, at_least(1))
+    # sequence parallel: every row's tokens (and the vision tower's patches) split over it,
+    # attention by an all-to-all over heads (Ulysses) where it divides the heads, else over
+    # keys and values gathered; the weights split over it too, as over fsdp. 1 = off
+    c.mesh.sequence = setting(1, at_least(1))
 
     # multi-host: jax.distributed.initialize before anything touches a device (launch/*.sh)
     c.distributed = ml_collections.ConfigDict()

@@ -20,11 +20,14 @@ heads, K key/value heads, G query heads per key/value head (N = K*G), H head dim
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxvrl.models.attention_kernels import cudnn, splash
 from jaxvrl.models.visibility import (
@@ -36,7 +39,12 @@ from jaxvrl.models.visibility import (
     round_up,
     visibility_mask,
 )
-from jaxvrl.parallel.sharding import target_platform
+from jaxvrl.parallel.sharding import (
+    logical_to_spec,
+    sequence_split,
+    target_platform,
+    traced_mesh,
+)
 
 IMPLEMENTATIONS = ("xla", "flash", "splash", "cudnn")
 POOLS = ("vision", "text", "prompt")  # the order of the pool axis P
@@ -114,10 +122,6 @@ def attend(
         or v.shape != k.shape
     ):
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected [B,T,K*G,H], [B,S,K,H]")
-    vis = make_visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal)
-    pool = None
-    if pools is not None:
-        pool = jnp.stack([jnp.asarray(pools[name], bool) for name in POOLS], axis=-1)  # [B, S, P]
     if implementation not in IMPLEMENTATIONS:  # "auto" needs the platform: see resolve
         hint = (
             " (map 'auto' with resolve(name, platform) first)" if implementation == "auto" else ""
@@ -125,6 +129,31 @@ def attend(
         raise ValueError(
             f"attention implementation {implementation!r}: one of {IMPLEMENTATIONS}{hint}"
         )
+    if window is not None and sliding:
+        raise ValueError("window (a promise of narrow segments) and sliding do not combine")
+    pool = None
+    if pools is not None:
+        pool = jnp.stack([jnp.asarray(pools[name], bool) for name in POOLS], axis=-1)  # [B, S, P]
+    rows = dict(key_valid=key_valid, q_positions=q_positions, k_positions=k_positions,
+                q_segments=q_segments, k_segments=k_segments)  # fmt: skip
+    settings = dict(scale=scale, causal=causal, implementation=implementation, block_q=block_q,
+                    block_k=block_k, interpret=interpret, window=window, sliding=sliding)  # fmt: skip
+    split = _split_of(q, k)
+    if split is None:
+        out, masses = _attend(q, k, v, pool, **rows, **settings)
+    else:
+        out, masses = _split_attend(split, q, k, v, pool, rows, settings)
+    return out, (None if masses is None else _pool_ratios(lax.stop_gradient(masses)))
+
+
+def _attend(
+    q, k, v, pool, *, scale, key_valid, q_positions, k_positions, q_segments, k_segments,
+    causal, implementation, block_q, block_k, interpret, window, sliding,
+):  # fmt: skip
+    """`attend` on one device's arrays: (out, the heads-averaged pool masses float32[B, T, P]
+    or None)."""
+    b, t, n, h = q.shape
+    vis = make_visibility(q, k, key_valid, q_positions, k_positions, q_segments, k_segments, causal)
     sees_self = every_query_sees_itself(
         t, k.shape[1], key_valid, q_positions, q_segments, k_segments, causal
     )
@@ -141,8 +170,6 @@ def attend(
     if implementation in ("splash", "cudnn") and (explicit_positions or sliding):
         # kernels with an index-causal mask cannot take a cache's positions or a window
         implementation = "xla" if t == 1 else "flash"
-    if window is not None and sliding:
-        raise ValueError("window (a promise of narrow segments) and sliding do not combine")
     if window is not None and implementation != "xla":
         if k.shape[1] != t or window < 1:
             raise ValueError(f"window={window} needs self-attention (T == S), got {t}, {k.shape}")
@@ -159,7 +186,7 @@ def attend(
             masked = key_valid is not None or q_segments is not None
             out = cudnn(q, k, v, vis, blocks, masked=masked)
         masses = None if pool is None else _blocked_masses(q, k, vis, pool, blocks)
-    return out, (None if masses is None else _pool_ratios(lax.stop_gradient(masses)))
+    return out, masses
 
 
 def _pool_ratios(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -167,6 +194,131 @@ def _pool_ratios(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
     vision, text, prompt = masses[..., 0], masses[..., 1], masses[..., 2]
     safe = jnp.where(prompt > 0, prompt, 1.0)
     return jnp.where(prompt > 0, vision / safe, 0.0), jnp.where(prompt > 0, text / safe, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence parallel: a row's tokens split over a mesh axis (the "length" rule's)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How a self-attention's tokens lie on the mesh: `axis` (of `size` devices) splits the
+    length; `rows` and `heads` the spec entries of the rows and of the heads (q's and k's
+    alike, or None); `ulysses`: every device's query and key/value heads divide by `size`."""
+
+    mesh: object
+    axis: str
+    size: int
+    rows: object
+    heads: object
+    ulysses: bool
+
+    def spec(self, *dims):  # "rows" / "length" / "heads" / None per dimension
+        names = {"rows": self.rows, "length": self.axis, "heads": self.heads}
+        return P(*(names.get(d) for d in dims))
+
+    @property
+    def head_axes(self) -> tuple[str, ...]:  # the axes a device's heads are a share of
+        heads = () if self.heads is None else self.heads
+        return (heads,) if isinstance(heads, str) else tuple(heads)
+
+
+def _split_of(q, k) -> _Split | None:
+    """q [B, T, N, H] and k [B, S, K, H] of a self-attention (T == S) whose length a mesh
+    axis splits (`sequence_split`), or None."""
+    t, b = q.shape[1], q.shape[0]
+    split = sequence_split(t) if k.shape[1] == t else None
+    if split is None:
+        return None
+    mesh = traced_mesh()
+    rows = logical_to_spec(("batch",), (b,), mesh)[0]
+    q_heads = logical_to_spec((None, None, "heads", None), q.shape, mesh)[2]
+    k_heads = logical_to_spec((None, None, "heads", None), k.shape, mesh)[2]
+    heads = q_heads if q_heads == k_heads else None
+    shares = 1
+    for a in () if heads is None else ((heads,) if isinstance(heads, str) else heads):
+        shares *= mesh.shape[a]
+    axis, size = split
+    ulysses = (q.shape[2] // shares) % size == 0 and (k.shape[2] // shares) % size == 0
+    return _Split(mesh, axis, size, rows, heads, ulysses)
+
+
+def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
+    """`_attend` with the tokens split over `split.axis`, each device holding its run of
+    every row (the whole of attention's arithmetic, float32 sums in the same order).
+
+    Ulysses (where the heads divide): an all-to-all gives each device every token of its
+    share of the heads, attention runs whole, a second all-to-all returns the tokens. Else
+    (context parallel) each device's queries attend to the keys and values gathered from
+    every device, at their positions in the row. The pool masses, averaged over a device's
+    heads, are averaged over the devices that split the heads. Each step's arrays travel in
+    one collective, and the collectives in a fixed order."""
+    axis, t = split.axis, q.shape[1]
+    local = t // split.size
+    given = {name: jnp.broadcast_to(x, q.shape[:2]) for name, x in rows.items() if x is not None}
+    if settings["causal"] and not split.ulysses:  # a query's and a key's place in the row
+        given.setdefault("q_positions", jnp.broadcast_to(jnp.arange(t), q.shape[:2]))
+        given.setdefault("k_positions", given["q_positions"])
+    opts = settings if split.ulysses else dict(settings, window=None)  # a band needs T == S
+    gathered = [n for n in given if split.ulysses or n[0] != "q"]  # the keys' (all: Ulysses)
+
+    def body(q, k, v, pool, given):
+        ints = [given[n] for n in gathered] + ([] if pool is None else [pool])
+        if split.ulysses:  # tokens <-> heads
+            q, k, v = _heads_to_tokens(axis, split.size, q, k, v)
+            after = q
+        else:
+            k, v = lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
+            after = k
+        run = dict(rows, **given)
+        if ints:
+            ints = lax.optimization_barrier((after, ints))[1]  # gathered after the first
+            ints = _gather_ints(axis, ints)
+            run.update(zip(gathered, ints))
+            pool = pool if pool is None else ints[-1]
+        out, masses = _attend(q, k, v, pool, **run, **opts)
+        if masses is not None:
+            mean_axes = split.head_axes + ((axis,) if split.ulysses else ())
+            masses = lax.pmean(masses, mean_axes) if mean_axes else masses
+            if split.ulysses:  # this device's run of the queries
+                masses = lax.dynamic_slice_in_dim(masses, lax.axis_index(axis) * local, local, 1)
+            out = lax.optimization_barrier((out, masses))[0]
+        if split.ulysses:
+            out = lax.all_to_all(out, axis, 1, 2, tiled=True)
+        return out, masses
+
+    qkv = split.spec("rows", "length", "heads", None)
+    length = split.spec("rows", "length")
+    specs = (qkv, qkv, qkv, split.spec("rows", "length", None), {n: length for n in given})
+    out_specs = (qkv, None if pool is None else split.spec("rows", "length", None))
+    run = jax.shard_map(body, mesh=split.mesh, in_specs=specs, out_specs=out_specs,
+                        check_vma=False)  # fmt: skip
+    return run(q, k, v, pool, given)
+
+
+def _heads_to_tokens(axis: str, size: int, *xs):
+    """Arrays [B, T / size, heads_i, H] of one dtype, each device's run of the tokens -> [B, T,
+    heads_i / size, H]: every token of the device's share of each one's heads (one
+    all-to-all)."""
+    b, local, _, h = xs[0].shape
+    parts = [x.reshape(b, local, size, x.shape[2] // size, h) for x in xs]
+    joined = lax.all_to_all(jnp.concatenate(parts, axis=3), axis, 2, 1, tiled=True)[:, :, 0]
+    cuts = np.cumsum([p.shape[3] for p in parts])[:-1]
+    return jnp.split(joined, cuts, axis=2)
+
+
+def _gather_ints(axis: str, arrays: list) -> list:
+    """Integer and bool arrays [B, T / size, ...] gathered along their tokens (one all-gather
+    of them stacked as int32), each back in its dtype."""
+    flat = [x.reshape(*x.shape[:2], -1) for x in arrays]
+    cuts = np.cumsum([x.shape[2] for x in flat])[:-1]
+    whole = lax.all_gather(
+        jnp.concatenate(flat, axis=2).astype(jnp.int32), axis, axis=1, tiled=True
+    )
+    return [
+        part.reshape(*part.shape[:2], *x.shape[2:]).astype(x.dtype)
+        for part, x in zip(jnp.split(whole, cuts, axis=2), arrays)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +588,29 @@ def attend_key_masses(
     log-sum-exps) and a blocked second pass over the logits that reuses those log-sum-exps,
     so no [T, S] array is built (splash and cudnn take the blocked form too: a diagnostic);
     sliding: as `attend`'s."""
+    split = _split_of(q, k)
+    if split is not None and split.ulysses:  # tokens <-> heads around it, as in `attend`
+        axis, local = split.axis, q.shape[1] // split.size
+
+        def body(q, k, v, key_valid, queries):
+            q, k, v = _heads_to_tokens(axis, split.size, q, k, v)
+            ints = lax.optimization_barrier((q, [key_valid, queries]))[1]
+            key_valid, queries = _gather_ints(axis, ints)
+            out, masses = attend_key_masses(
+                q, k, v, scale=scale, key_valid=key_valid, queries=queries,
+                implementation=implementation, block=block, sliding=sliding,
+            )  # fmt: skip
+            masses = lax.pmean(masses, (*split.head_axes, axis))  # heads-averaged
+            masses = lax.dynamic_slice_in_dim(masses, lax.axis_index(axis) * local, local, 1)
+            out = lax.optimization_barrier((out, masses))[0]
+            return lax.all_to_all(out, axis, 1, 2, tiled=True), masses
+
+        qkv, length = split.spec("rows", "length", "heads", None), split.spec("rows", "length")
+        run = jax.shard_map(body, mesh=split.mesh, in_specs=(qkv, qkv, qkv, length, length),
+                            out_specs=(qkv, length), check_vma=False)  # fmt: skip
+        rows = q.shape[:2]
+        valid = jnp.ones(rows, bool) if key_valid is None else jnp.broadcast_to(key_valid, rows)
+        return run(q, k, v, valid, jnp.broadcast_to(queries, rows))
     b, t, n, h = q.shape
     vis = make_visibility(q, k, key_valid, None, None, None, None, True)
     chosen = jnp.broadcast_to(jnp.asarray(queries, bool), (b, t))

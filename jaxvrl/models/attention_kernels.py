@@ -18,7 +18,7 @@ from jaxvrl.models.visibility import (
     visibility_mask,
     zero_blind,
 )
-from jaxvrl.parallel.sharding import MESH_AXES, logical_to_spec
+from jaxvrl.parallel.sharding import logical_to_spec, traced_mesh
 
 
 def splash(q, k, v, vis: Visibility, cfg: Blocks, *, interpret: bool):
@@ -98,8 +98,8 @@ def per_device(fn, args, kinds):
     partitioned automatically): rows split like the batch, heads like the attention heads,
     by the logical rules; query and key/value heads stay aligned (both split or neither).
     kinds: "qkv" for [B, heads, L, H], "seg" for [B, L]; the output is shaped like args[0]."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+    mesh = traced_mesh()
+    if mesh is None or mesh.size == 1:
         return fn(*args)
     axes = ("batch", "heads", None, None)
     specs = [logical_to_spec(axes, x.shape, mesh) for x, kind in zip(args, kinds) if kind == "qkv"]

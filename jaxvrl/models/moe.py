@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxvrl.config import ConfigError
 from jaxvrl.models.config import TextConfig
 from jaxvrl.models.layers import GatedMLP, activation, linear
-from jaxvrl.parallel.sharding import row_axes
+from jaxvrl.parallel.sharding import row_axes, sequence_split
 
 # config.json keys of a mixture-of-experts decoder (a text family's with `moe`, Qwen3-VL-MoE's
 # text_config); transformers writes num_experts as num_local_experts
@@ -148,7 +148,8 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
     split over it) and runs only those. Returns (y [N, D], dropped: the share of (token,
     expert) pairs left out, float32[], or None where none can be).
 
-    Where the rows (`rows` of the N = rows x T tokens) split over the expert axis, each device
+    Where the rows (`rows` of the N = rows x T tokens; their T over the sequence axis, where
+    it splits them) split over the expert axis, each device
     sends each (token, expert) pair to the device of its expert (an all-to-all of a
     [expert, C, D] buffer), runs its experts on the pairs it received, and sends the outputs
     back, where each token sums its k under its routing weights. C, the pairs a device sends
@@ -164,7 +165,8 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
         return run(x, weights, experts, kernels, act), None
     if e % ep:
         raise ValueError(f"mesh.expert={ep} does not divide the model's {e} experts")
-    axes = row_axes(rows)
+    split = sequence_split(x.shape[0] // rows)  # a row's tokens over the sequence axis too
+    axes = row_axes(rows) + ((split[0],) if split else ())
     tokens = P(axes or None, None)
     per_device = functools.partial(
         jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + ((P("expert", None, None),) * 3,),

@@ -111,11 +111,14 @@ def metrics_across_processes(m: dict, weight: float, sums=()) -> dict:
 
 
 def mesh_from_config(cfg, devices=None) -> Mesh:
-    """Mesh (data, fsdp, expert, tensor) from the `mesh` ConfigDict group; one size may be -1
-    (the rest of the devices). Raises ValueError naming the sizes and the device count when
-    they do not fit."""
-    expert = cfg.get("expert", 1)  # a group written before the axis existed
-    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices, expert=expert)
+    """Mesh (data, fsdp, expert, sequence, tensor) from the `mesh` ConfigDict group; one size
+    may be -1 (the rest of the devices). Raises ValueError naming the sizes and the device
+    count when they do not fit."""
+    # a group written before the expert and sequence axes existed has neither
+    expert, sequence = cfg.get("expert", 1), cfg.get("sequence", 1)
+    return make_mesh(
+        cfg.data, cfg.fsdp, cfg.tensor, devices=devices, expert=expert, sequence=sequence
+    )
 
 
 def on_host():

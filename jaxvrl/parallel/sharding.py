@@ -16,17 +16,19 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # expert: a mixture of experts' experts split over it (expert parallelism), the rows too
-# elsewhere, as over data (`models/moe.py`: tokens go to their experts' devices and back)
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# elsewhere, as over data (`models/moe.py`: tokens go to their experts' devices and back);
+# sequence: every row's tokens split over it (sequence parallelism: `models/attention.py`
+# gathers what attention needs), the weights too, as over fsdp
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 # the axes that split a batch's rows
 ROW_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axes (None = replicated)
 LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     "batch": ROW_AXES,
-    # the expert axis shards the other weights like fsdp (an expert kernel's embed dimension
-    # keeps fsdp alone: its experts' dimension took the expert axis)
-    "embed": ("fsdp", "expert"),
+    # the expert and sequence axes shard the other weights like fsdp (an expert kernel's embed
+    # dimension keeps fsdp and sequence: its experts' dimension took the expert axis)
+    "embed": ("fsdp", "expert", "sequence"),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "vocab": ("tensor",),
@@ -37,8 +39,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     # the experts of a mixture-of-experts layer (their kernels otherwise split like a dense
     # MLP's)
     "experts": ("expert",),
-    # activations only
-    "length": None,
+    # activations only: a row's tokens (and the vision tower's patches)
+    "length": ("sequence",),
     "act_embed": None,
 }
 
@@ -86,11 +88,16 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 
 
 def mesh_sizes(
-    n_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1
+    n_devices: int,
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    expert: int = 1,
+    sequence: int = 1,
 ) -> dict[str, int]:
     """Axis sizes (MESH_AXES' order) with the one -1 resolved; a clear error when they do
     not fit n_devices."""
-    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "sequence": sequence, "tensor": tensor}
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
@@ -112,16 +119,21 @@ def mesh_sizes(
 
 
 def make_mesh(
-    data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None, expert: int = 1
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    devices=None,
+    expert: int = 1,
+    sequence: int = 1,
 ) -> Mesh:
-    """Mesh with axes (data, fsdp, expert, tensor); one size may be -1 (= the remaining
-    devices).
+    """Mesh with axes (data, fsdp, expert, sequence, tensor); one size may be -1 (= the
+    remaining devices).
 
     Devices are laid out by `mesh_utils.create_device_mesh`, so on TPU the inner axes
-    (tensor, then expert, then fsdp) follow the physical interconnect.
+    (tensor, then sequence, expert, fsdp) follow the physical interconnect.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = list(mesh_sizes(len(devices), data, fsdp, tensor, expert).values())
+    sizes = list(mesh_sizes(len(devices), data, fsdp, tensor, expert, sequence).values())
     try:
         grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
     except (AssertionError, NotImplementedError, ValueError):
@@ -167,14 +179,34 @@ def target_device_count() -> int:
     return jax.device_count() if mesh.empty else mesh.size
 
 
+def traced_mesh():
+    """The abstract mesh (MESH_AXES) the program being traced is split over, or None: none set
+    with `jax.set_mesh` / `use_abstract_mesh`, another kind of mesh, or inside a shard_map
+    over every axis (where each device's code sees its own shards)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) or mesh.are_all_axes_manual:
+        return None
+    return mesh
+
+
+def sequence_split(length: int) -> tuple[str, int] | None:
+    """(mesh axis, its size) that splits a row's `length` tokens under the mesh being traced
+    (the "length" rule's axis), or None: no mesh, the axis of size 1, or not dividing."""
+    mesh = traced_mesh()
+    axes = LOGICAL_RULES["length"] or ()
+    if mesh is None or len(axes) != 1 or mesh.shape[axes[0]] == 1 or length % mesh.shape[axes[0]]:
+        return None
+    return axes[0], mesh.shape[axes[0]]
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical axis names under the mesh set with `jax.set_mesh`.
 
     A no-op without a mesh (one device, HF parity tests) and for dimensions that the mesh
     axes do not divide, so model code can call it unconditionally.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    mesh = traced_mesh()
+    if mesh is None:
         return x
     spec = logical_to_spec(axes, x.shape, mesh)
     if all(s is None for s in spec):
@@ -221,12 +253,19 @@ def row_shards(mesh: Mesh | None) -> int:
     return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ROW_AXES)
 
 
+def sequence_shards(mesh: Mesh | None) -> int:
+    """How many ways a row's tokens are split: the "length" rule's mesh axis (1 without a
+    mesh)."""
+    axes = LOGICAL_RULES["length"] or ()
+    return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in axes)
+
+
 def row_axes(rows: int) -> tuple[str, ...]:
     """The mesh axes that split `rows` under the mesh the program is traced for (`jax.set_mesh`
     / `use_abstract_mesh`): those of ROW_AXES larger than 1; () without a mesh, or where
     they do not divide the rows."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    mesh = traced_mesh()
+    if mesh is None:
         return ()
     axes = tuple(a for a in ROW_AXES if mesh.shape[a] > 1)
     return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()

@@ -64,7 +64,7 @@ def rollout_mesh(
     weight_bytes: float = 0,
     cache_bytes: float = 0,
 ) -> Mesh:
-    """A mesh (data, fsdp=1, expert=1, tensor) over the devices of `mesh` for the sampler.
+    """A mesh (data, fsdp=1, expert=1, sequence=1, tensor) over the devices of `mesh` for the sampler.
 
     tensor: devices per tensor group (0: chosen among the divisors of a host's devices by
     `rollout_sizes`, so a decode step reads as few bytes per device as it can); data: the
@@ -76,7 +76,7 @@ def rollout_mesh(
     hosts = len({d.process_index for d in devices})
     sizes = rollout_sizes(len(devices), hosts, data, tensor, kv_heads, weight_bytes, cache_bytes)
     order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, i))
-    grid = np.asarray([devices[i] for i in order]).reshape(sizes["data"], 1, 1, sizes["tensor"])
+    grid = np.asarray([devices[i] for i in order]).reshape(tuple(sizes.values()))
     return Mesh(grid, sharding.MESH_AXES)
 
 
@@ -89,7 +89,7 @@ def rollout_sizes(
     weight_bytes: float = 0,
     cache_bytes: float = 0,
 ) -> dict:
-    """The rollout mesh's axis sizes {data, fsdp: 1, expert: 1, tensor} for `devices` over `hosts`
+    """The rollout mesh's axis sizes {data, fsdp: 1, expert: 1, sequence: 1, tensor} for `devices` over `hosts`
     (`rollout_mesh`).
 
     tensor 0 picks t among the divisors of a host's devices. A decode step reads per device

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxvrl.data.buckets import length_bucket
 from jaxvrl.parallel import runtime
-from jaxvrl.parallel.sharding import row_shards
+from jaxvrl.parallel.sharding import row_shards, sequence_shards
 from jaxvrl.trainer.passes import RolloutBatch
 from jaxvrl.trainer.state import StepConfig
 from jaxvrl.trainer.update import update_order
@@ -57,6 +57,36 @@ def cut_completions(batch: RolloutBatch, n: int) -> RolloutBatch:
         old_entropy=None if batch.old_entropy is None else batch.old_entropy[:, :n],
         routes=None if batch.routes is None else batch.routes[:, :keep],
     )
+
+
+def pad_prompts(batch: RolloutBatch, multiple: int) -> RolloutBatch:
+    """The batch (host arrays) with its prompt axis left-padded (tokens no query sees) so that
+    a row's length is a multiple of `multiple` (the devices a row's tokens split over)."""
+    extra = -batch.input_ids.shape[1] % multiple
+    if not extra:
+        return batch
+
+    def pad(x, axis=-1, mode="constant"):  # zeros (token 0, no pool, no route) in front
+        if x is None:
+            return None
+        x = np.asarray(x)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (extra, 0)
+        return np.pad(x, widths, mode=mode)
+
+    return batch.replace(
+        input_ids=pad(batch.input_ids),
+        attention_mask=pad(batch.attention_mask),
+        position_ids=pad(batch.position_ids, mode="edge"),
+        pools=None if batch.pools is None else {k: pad(v) for k, v in batch.pools.items()},
+        routes=pad(batch.routes, axis=1),
+    )
+
+
+def span_unit(length: int, mesh) -> int:
+    """A quarter of the padded row `length` (the step packed buffers' lengths are multiples
+    of), rounded up to a multiple of the devices a row's tokens split over."""
+    return length_bucket(-(-length // SPANS), sequence_shards(mesh))
 
 
 SPANS = 4  # buffer lengths are multiples of a quarter of the padded row, up to four rows
@@ -102,14 +132,14 @@ def half_octaves(limit: int) -> list[int]:
     return out
 
 
-def choose_buffers(groups: list[np.ndarray], length: int, most: int) -> tuple[int, int]:
+def choose_buffers(groups: list[np.ndarray], length: int, most: int, mesh=None) -> tuple[int, int]:
     """(buffers, capacity) for groups of rows (each a device's rows of one micro-batch, their
     lengths): the fewest slots, buffers x capacity, with which first-fit places every group;
     buffers a power of two (or `most`, the rows of the largest group), capacity a quarter of
     the padded row `length` times one of `half_octaves`, up to four rows (so attention,
     quadratic in the buffer, stays near the padded rows'). Ties go to more, shorter
     buffers."""
-    unit = -(-length // SPANS)
+    unit = span_unit(length, mesh)
     longest = max(int(x.max()) for x in groups)
     options = sorted({1 << i for i in range(most.bit_length()) if 1 << i <= most} | {most})
     steps = [g for g in half_octaves(SPANS * SPANS) if g * unit >= longest]
@@ -161,14 +191,14 @@ def plan_packing(
     groups = row_groups(per_update // m, mesh)
     order = np.asarray(jax.device_get(update_order(rng, b, cfg.epochs, cfg.mini_batches)))
     comp = np.zeros(b, np.int64) if completions is None else np.asarray(completions)
-    unit = -(-length // SPANS)
+    unit = span_unit(length, mesh)
 
     def place(schedules: list, shape=None) -> tuple | None:  # these passes' micro-batches
         parts = [g for rows in schedules for mb in np.split(rows, m) for g in np.split(mb, groups)]
         groups_ = [lengths[g] for g in parts]
         most = max(int(comp[g].sum()) for g in parts)
         if shape is None:
-            buffers, capacity = choose_buffers(groups_, length, len(parts[0]))
+            buffers, capacity = choose_buffers(groups_, length, len(parts[0]), mesh)
             want = min(int(np.ceil(most * head_room)), len(parts[0]) * length)
             slots = next(g for g in half_octaves(max(want, 1)) if g * unit >= want) * unit
         else:
@@ -348,6 +378,8 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None, shapes=None)
         n, plan = shapes.choose(lengths, comp, prompt, n, full, rng, cfg, mesh)
     if n < full:  # the cut columns are padding: no row's length changes
         batch = cut_completions(batch, n)
+    if "pack_start" not in plan:  # padded rows: each split evenly over the sequence axis
+        batch = pad_prompts(batch, sequence_shards(mesh))
     if "pack_start" in plan:  # this process's share of the row-long arrays
         first = jax.process_index() * len(local)
         for k in ("pack_start", "pack_order"):

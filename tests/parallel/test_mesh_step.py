@@ -167,7 +167,7 @@ train = R.mesh_from_config(ml_collections.ConfigDict(dict(data=1, fsdp=8, tensor
 on_train = R.put_on_mesh(host, S.param_shardings(host, train))
 layouts = {
     "data2_tensor4": rollout_mesh(train, data=2, tensor=4),
-    "reordered": Mesh(np.array(jax.devices())[::-1].reshape(2, 1, 1, 4), S.MESH_AXES),
+    "reordered": Mesh(np.array(jax.devices())[::-1].reshape(2, 1, 1, 1, 4), S.MESH_AXES),
 }
 report["layouts"] = {}
 for name, rmesh in layouts.items():

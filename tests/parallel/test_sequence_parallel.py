@@ -1,0 +1,181 @@
+"""Sequence parallelism (`mesh.sequence`): on 8 simulated CPU devices, every row's tokens and
+the vision tower's patches split over 2 or 4 devices give what one unsplit mesh gives.
+
+- `attend` (dense and blocked, causal and not, packed segments, pools) and its gradients,
+  and `attend_key_masses`, on rows split over the axis: by an all-to-all over heads
+  (Ulysses) where the heads divide, else by keys and values gathered (context parallel).
+- The tiny Qwen2.5-VL (4 query and 2 key/value heads, 2 in the tower: Ulysses on
+  sequence=2, context parallel on 4) on a batch of a text-only prompt, one image, two images
+  and a video, its prompts one column wider than a multiple of the split (the step pads them
+  to one): the log-probs, entropies and attention masses of padded rows, and of packed
+  rows (padding-free, buffers a multiple of the split long) a loss of every completion
+  token's log-prob and entropy and its gradients.
+
+Tolerance: float32; the split changes only the order of sums (the gradients' over the
+sequence devices, the attention masses' over heads): attention outputs and gradients agree
+to 1e-5 of their scale, log-probs and entropies to 2e-5, masses to 1e-6, the loss to 1e-5
+relative (observed: ~1e-6, ~1e-6, 1e-7).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.models import hf_tiny as T
+from tests.parallel.common import run_with_devices
+
+SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import ml_collections
+from flax import nnx
+from jaxvrl.models import qwen2_5_vl as qwen
+from jaxvrl.models.attention import attend, attend_key_masses
+from jaxvrl.parallel import runtime as R, sharding as S
+from jaxvrl.trainer import packing
+from jaxvrl.trainer.passes import batch_rows, completion_hidden
+from tests.helpers import step_config
+from tests.trainer.test_packing import TPRL, mixed_batch
+
+MESHES = {"one": dict(fsdp=8), "ulysses": dict(fsdp=4, sequence=2),
+          "context": dict(fsdp=2, sequence=4)}
+meshes = {k: R.mesh_from_config(ml_collections.ConfigDict(dict(data=1, tensor=1, **v)))
+          for k, v in MESHES.items()}
+report = {k: {} for k in MESHES}
+
+# attention alone: 2 rows of 32 tokens, 8 query heads
+rng = np.random.default_rng(0)
+B, L, H = 2, 32, 8
+q = jnp.asarray(rng.normal(size=(B, L, 8, H)), jnp.float32)
+k, v = (jnp.asarray(rng.normal(size=(B, L, 2, H)), jnp.float32) for _ in range(2))
+seg = jnp.asarray(np.sort(rng.integers(0, 3, size=(B, L)), axis=1), jnp.int32)
+pools = {p: jnp.asarray(rng.random((B, L)) < 0.5) for p in ("vision", "text", "prompt")}
+chosen = jnp.asarray(rng.random((B, L)) < 0.5)
+
+
+def attention(q, k, v, impl, causal):
+    out, stats = attend(q, k, v, scale=0.3, key_valid=seg > 0, q_segments=seg, k_segments=seg,
+                        causal=causal, pools=pools, implementation=impl, block_q=8, block_k=8)
+    return (out ** 2).sum(), (out, stats)
+
+
+def key_masses(q, k, v, impl):
+    return attend_key_masses(q, k, v, scale=0.3, key_valid=seg > 0, queries=chosen,
+                             implementation=impl, block=8)
+
+
+for name, mesh in meshes.items():
+    got, text = {}, ""
+    # key/value heads a device's share divides by the axis (4 of them over 2), or not (2 over 4)
+    for kv in {"one": (2, 4), "ulysses": (4,), "context": (2,)}[name]:
+        kk, vv = jnp.tile(k, (1, 1, kv // 2, 1)), jnp.tile(v, (1, 1, kv // 2, 1))
+        with jax.set_mesh(mesh):
+            for impl in ("xla", "flash"):
+                for causal in (True, False):
+                    grad = jax.value_and_grad(attention, argnums=(0, 1, 2), has_aux=True)
+                    f = jax.jit(grad, static_argnums=(3, 4))
+                    got[f"{impl}/{causal}/{kv}"] = jax.tree.map(np.asarray, f(q, kk, vv, impl, causal))
+                got[f"{impl}/masses/{kv}"] = jax.tree.map(
+                    np.asarray, jax.jit(key_masses, static_argnums=3)(q, kk, vv, impl))
+            f = jax.jit(attention, static_argnums=(3, 4))
+            text += f.lower(q, kk, vv, "xla", True).as_text()
+    report[name]["attention"] = {k: [x.tolist() for x in jax.tree.leaves(v)] for k, v in got.items()}
+    report[name]["collectives"] = [op for op in ("all_to_all", "all_gather") if op in text]
+
+# the model
+model = qwen.load(sys.argv[1])
+graphdef, params0 = nnx.split(model, nnx.Param)
+host = jax.tree.map(np.asarray, params0)
+base = dict(TPRL, **{"optim.micro_batches": 1, "actor.global_batch_size": None})
+cfgs = {name: step_config(dict(base, **{"actor.padding_free": name == "packed"}))
+        for name in ("padded", "packed")}
+batch = mixed_batch(model, seed=1)
+width = batch.input_ids.shape[1] + batch.completion_length
+batch = packing.pad_prompts(batch, width + 1)  # one column past a multiple of 4
+key = jax.random.key(0)
+
+
+def outputs(params, b):
+    m = nnx.merge(graphdef, params)
+    h, att = completion_hidden(m, b, pools=True)
+    lp, ent = h.logprobs(m, 0.7, entropy="value")
+    return lp, ent, att.vision_mass, att.text_mass
+
+
+def loss(params, b, weights):  # a policy-gradient-shaped loss of every completion token
+    starts = b.pack_start  # the plan's rows in its order, as the experience passes take them
+    b = batch_rows(b.replace(pack_order=None, pack_start=None), b.pack_order)
+    lp, ent, vision, text = outputs(params, b.replace(pack_start=starts))
+    return jnp.sum(lp * weights) + 0.1 * jnp.sum(ent), (lp, vision)
+
+
+weights = np.random.default_rng(2).normal(size=batch.completion_mask.shape) * batch.completion_mask
+for name, mesh in meshes.items():
+    psh = S.param_shardings(host, mesh)
+    params = R.put_on_mesh(host, psh)
+    padded = packing.fit_batch(batch, key, cfgs["padded"], mesh)
+    packed = packing.fit_batch(batch, key, cfgs["packed"], mesh)
+    n = packed.completion_length
+    with jax.set_mesh(mesh):
+        got = jax.jit(outputs)(params, R.place_batch(padded, mesh))
+        grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        rows = weights[packed.pack_order, :n]
+        (value, (lp, vision)), grads = grad(params, R.place_batch(packed, mesh), rows)
+    report[name]["width"] = [int(batch.input_ids.shape[1]), int(padded.input_ids.shape[1])]
+    report[name]["outputs"] = [np.asarray(x).tolist() for x in got]
+    back = np.argsort(packed.pack_order)  # rows in the batch's order again
+    report[name]["packed"] = [float(value), np.asarray(lp)[back].tolist(),
+                              np.asarray(vision)[:, back].tolist()]
+    report[name]["grads"] = {".".join(map(str, p)): np.asarray(v.get_value()).tolist()
+                             for p, v in nnx.to_flat_state(grads)}
+    report[name]["pack_length"] = int(packed.pack_length)
+print("REPORT" + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sequence_model")
+    T.build(path, seed=3)
+    out = run_with_devices(SCRIPT.replace("sys.argv[1]", repr(str(path))), n=8)
+    return json.loads(out.split("REPORT")[-1])
+
+
+@pytest.mark.parametrize("split", ["ulysses", "context"])
+def test_split_attention_equals_unsplit(report, split):
+    want = {"ulysses": ["all_to_all", "all_gather"], "context": ["all_gather"]}[split]
+    assert report[split]["collectives"] == want  # all_gather: the keys' ids and pools
+    assert report["one"]["collectives"] == []
+    want, got = report["one"]["attention"], report[split]["attention"]
+    assert len(got) == 6
+    for case in got:
+        for a, b in zip(got[case], want[case]):
+            a, b = np.asarray(a), np.asarray(b)
+            np.testing.assert_allclose(a, b, atol=1e-5 * max(np.abs(b).max(), 1.0), err_msg=case)
+
+
+@pytest.mark.parametrize("split", ["ulysses", "context"])
+def test_a_vision_language_model_on_split_rows_equals_unsplit(report, split):
+    want, got = report["one"], report[split]
+    size = {"ulysses": 2, "context": 4}[split]
+    assert got["width"][0] % size and got["width"][1] % size == 0  # the prompts were padded
+    assert want["width"][1] == want["width"][0]
+    assert got["pack_length"] % size == 0
+    lp, ent, vision, text = (np.asarray(x) for x in got["outputs"])
+    w_lp, w_ent, w_vision, w_text = (np.asarray(x) for x in want["outputs"])
+    np.testing.assert_allclose(lp, w_lp, atol=2e-5)
+    np.testing.assert_allclose(ent, w_ent, atol=2e-5)
+    np.testing.assert_allclose(vision, w_vision, atol=1e-6)
+    np.testing.assert_allclose(text, w_text, atol=1e-6)
+    assert w_vision.max() > 0.05 and np.abs(w_lp).max() > 0.1  # not all zero
+    value, lp, vision = got["packed"]
+    np.testing.assert_allclose(lp, want["packed"][1], atol=2e-5)
+    np.testing.assert_allclose(vision, want["packed"][2], atol=1e-6)
+    assert value == pytest.approx(want["packed"][0], rel=1e-5)
+    scale = max(np.abs(np.asarray(g)).max() for g in want["grads"].values())
+    for p, g in want["grads"].items():
+        np.testing.assert_allclose(np.asarray(got["grads"][p]), np.asarray(g), atol=1e-5 * scale,
+                                   err_msg=p)  # fmt: skip
