@@ -28,6 +28,7 @@ KNOBS = (
     "model.remat_policy=full (recompute activations in the backward pass)",
     "optim.micro_batches (fewer rows per forward/backward; above 1 the gradients are summed "
     "in a float32 copy of the parameters' share per chip, which 1 does not hold)",
+    "mesh.sequence (every row's tokens split over more chips, taken from fsdp: long rows)",
     "rollout.max_new_tokens / data.max_prompt_length (shorter rows)",
     "actor.offload_optimizer=true (the optimizer state in host memory between updates; the "
     "update still holds it on the chips)",
@@ -36,7 +37,8 @@ KNOBS = (
 
 def knobs(c, mesh) -> list[str]:
     """The KNOBS that config `c` on the train step's `mesh` has not used up: no remat knob
-    when model.remat_policy is full, no offload knob when it is on; a larger slice instead of
+    when model.remat_policy is full, no offload knob when it is on, no sequence knob when the
+    sequence axis has every chip; a larger slice instead of
     mesh.fsdp when no chip is left on the data axis (every chip already holds a share of the
     state)."""
     out = []
@@ -45,6 +47,8 @@ def knobs(c, mesh) -> list[str]:
             continue
         if k.startswith("actor.offload_optimizer") and c.actor.offload_optimizer:
             continue
+        if k.startswith("mesh.sequence") and mesh.shape.get("fsdp", 1) * mesh.shape["data"] == 1:
+            continue  # no chip left to take
         if k.startswith("mesh.fsdp") and mesh.shape["data"] == 1:
             k = "a larger slice (every chip already holds a share of the parameters and optimizer)"
         out.append(k)

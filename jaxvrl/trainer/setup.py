@@ -639,7 +639,7 @@ def check_rows(c, mesh, processes: int | None = None) -> None:
             f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
             f"({processes} processes) do not split evenly over mesh.data x mesh.fsdp x "
             f"mesh.expert = {shards} devices: make the rows a multiple of {shards}, or move "
-            "devices to mesh.tensor"
+            "devices to mesh.tensor or mesh.sequence"
         )
     gbs = c.actor.global_batch_size  # a divisor of prompts_per_step (its setting's rule)
     updates = c.prompts_per_step // (gbs or c.prompts_per_step)

@@ -439,7 +439,8 @@ def test_a_loop_of_unread_trip_count_can_be_left_out():
 
 def test_knobs_offered_leave_out_what_is_already_set():
     """When a program does not fit, the tool names only knobs left to turn: no remat knob at
-    model.remat_policy=full, a larger slice once every chip holds a share of the state."""
+    model.remat_policy=full, a larger slice once every chip holds a share of the state, no
+    longer sequence axis once it has every chip."""
     import types
 
     full = load_config("configs/tprl.py", ["model.remat_policy=full"])
@@ -447,8 +448,10 @@ def test_knobs_offered_leave_out_what_is_already_set():
     assert not any("remat" in k for k in every) and any("larger slice" in k for k in every)
     assert any("float32 copy" in k for k in every)  # what micro-batches cost beside 1
     assert any("offload_optimizer" in k for k in every)
+    assert any("mesh.sequence" in k for k in every)  # long rows over chips fsdp holds
     off = load_config("configs/tprl.py", ["actor.offload_optimizer=true"])
-    assert not any("offload" in k for k in rep.knobs(off, types.SimpleNamespace(shape={"data": 1})))
+    left = rep.knobs(off, types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "sequence": 8}))
+    assert not any("offload" in k or "mesh.sequence" in k for k in left)
     some = rep.knobs(load_config("configs/tprl.py", ["model.remat_policy=none"]),
                      types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 1}))  # fmt: skip
     assert any("remat_policy=full" in k for k in some) and any("mesh.fsdp" in k for k in some)

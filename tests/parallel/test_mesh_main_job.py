@@ -1,5 +1,6 @@
 """`python -m jaxvrl.train` on a device mesh: on 8 simulated CPU devices the main job (GRPO
-with a KL loss, so the reference copy is sharded too) trains on the mesh (data=2, fsdp=4),
+with a KL loss, so the reference copy is sharded too) trains on the mesh (data=2, fsdp=2,
+sequence=2: every row's tokens and image patches split over 2 devices),
 samples on the rollout's own mesh (data=4, tensor=2), and matches the same run on one device
 with its optimizer state and reference weights in host memory; a run resumed on the mesh equals an uninterrupted one bit
 for bit. One-step-off training (rollout.devices=4: the sampler on 4 devices, the train step
@@ -132,7 +133,8 @@ def runs(tmp_path_factory):
     w = {k: str(d / k) for k in names}
     # the mesh runs keep their optimizer state and reference weights in host memory
     # (actor.offload_*): the same arithmetic, so they still match one device
-    mesh = ["mesh.data=2", "mesh.fsdp=4", "actor.offload_optimizer=true",
+    # and every row's tokens (and image patches) split over 2 devices (sequence parallel)
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2", "actor.offload_optimizer=true",
             "actor.offload_reference=true"]  # fmt: skip
     # one-step-off: the sampler on devices 4-7, the train step on 0-3 (fsdp); two steps, the
     # resumed run stopped after one (its 1 s time budget spent) with the second step's batch in
@@ -221,16 +223,18 @@ def _run_here(overrides) -> dict:
 
 def test_the_runs_use_the_mesh(runs):
     report, _ = runs
-    one = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    one = {"data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     # the validation and train batches (8 rows) and the prompts (4 rows: each once)
     assert sorted(report["one"]["placed"], key=str) == [[one, 1, 4, 4], [one, 1, 8, 8]]
-    # the train batch on the training mesh, one row per device; the sampler's 4 prompts and
+    # the train batch on the training mesh, two rows per device (each split over the
+    # sequence axis inside the step); the sampler's 4 prompts and
     # the 8 validation rows on the rollout mesh (default: the tensor group reading the fewest
     # bytes per device, for the tiny model 2 devices, its KV heads; 4 data groups), split
     # over its data groups
     placed = report["mesh"]["placed"]
-    rollout = {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
-    assert [{"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}, 8, 1, 8] in placed, placed
+    rollout = {"data": 4, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 2}
+    train = {"data": 2, "fsdp": 2, "expert": 1, "sequence": 2, "tensor": 1}
+    assert [train, 8, 2, 8] in placed, placed
     assert [rollout, 8, 1, 4] in placed and [rollout, 8, 2, 8] in placed, placed
     assert len(placed) == 3, placed
     for name in ("one", "mesh", "resumed"):
@@ -326,7 +330,8 @@ def test_a_mixture_of_experts_trains_on_an_expert_axis_and_resumes_exactly(runs)
     the rollout's routes replayed: two steps, and a run stopped after one and resumed equals
     them bit for bit."""
     report, w = runs
-    assert [{"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}, 8, 1, 8] in report["moe"]["placed"]
+    moe = {"data": 1, "fsdp": 2, "expert": 4, "sequence": 1, "tensor": 1}
+    assert [moe, 8, 1, 8] in report["moe"]["placed"]
     final = report["final_params"][2]
     assert final["steps"] == [2, 2] and final["differ"] == [], final  # bit for bit
     a, b = _rows(w["moe"]), _rows(w["moe_resumed"])

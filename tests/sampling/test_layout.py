@@ -114,14 +114,18 @@ def test_lora_is_merged_for_sampling(path, batch):
     assert np.abs(got.logprobs).max() > 0.1  # not a test of zeros
 
 
+def _sizes(data: int, tensor: int) -> dict:
+    return {"data": data, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": tensor}
+
+
 def test_rollout_sizes_and_dtype():
-    assert rollout_sizes(8, 2) == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 4}  # a host per group
-    assert rollout_sizes(8, 1) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 8}
-    assert rollout_sizes(8, 2, data=-1, tensor=1) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert rollout_sizes(8, 2) == _sizes(2, 4)  # a host per group
+    assert rollout_sizes(8, 1) == _sizes(1, 8)
+    assert rollout_sizes(8, 2, data=-1, tensor=1) == _sizes(8, 1)
     # the cache splits by KV head: a host's devices, as many as divide the KV heads
-    assert rollout_sizes(8, 1, kv_heads=2) == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
-    assert rollout_sizes(16, 2, kv_heads=4) == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 4}
-    assert rollout_sizes(8, 2, kv_heads=4) == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 4}
+    assert rollout_sizes(8, 1, kv_heads=2) == _sizes(4, 2)
+    assert rollout_sizes(16, 2, kv_heads=4) == _sizes(4, 4)
+    assert rollout_sizes(8, 2, kv_heads=4) == _sizes(2, 4)
     with pytest.raises(ValueError, match="does not divide"):
         rollout_sizes(8, 1, tensor=3)
     # with the bytes a decode step reads: a group past the KV heads when the weights outweigh
