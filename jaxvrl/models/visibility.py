@@ -111,11 +111,15 @@ def every_query_sees_itself(t, s, key_valid, q_positions, q_segments, k_segments
     )
 
 
+SEES_BLOCK = 2048  # queries per block of `sees_any`'s mask
+
+
 def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
     """bool[B, T]: queries that may see at least one key. The kernels below give the other
     rows an average of masked values rather than zeros. Without segments in O(T + S): a query
     sees a key iff the row's first valid key position is at or before its own (causal), or
-    the row has a valid key at all; with segments from the [B, T, S] rule, reduced as fused."""
+    the row has a valid key at all; with segments from the rule, SEES_BLOCK queries at a time
+    (a whole [B, T, S] mask is 4 GiB for one 64k-token row)."""
     b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
     if vis.q_segments is None and not sliding:
         if not causal:
@@ -123,7 +127,22 @@ def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
         never = jnp.iinfo(jnp.int32).max
         first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
         return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
-    return jnp.any(visibility_mask(vis, causal, sliding=sliding), axis=-1)
+    if t <= SEES_BLOCK:
+        return jnp.any(visibility_mask(vis, causal, sliding=sliding), axis=-1)
+    blocks = -(-t // SEES_BLOCK)
+    padded = vis._replace(
+        q_positions=pad_axis(vis.q_positions, 1, blocks * SEES_BLOCK, 0),
+        q_segments=None
+        if vis.q_segments is None
+        else pad_axis(vis.q_segments, 1, blocks * SEES_BLOCK, -1),
+    )
+
+    def block(i):  # bool[B, SEES_BLOCK]
+        mask = visibility_mask(padded, causal, i * SEES_BLOCK, SEES_BLOCK, sliding=sliding)
+        return jnp.broadcast_to(jnp.any(mask, axis=-1), (b, SEES_BLOCK))
+
+    out = lax.map(block, jnp.arange(blocks))  # [blocks, B, SEES_BLOCK]
+    return out.transpose(1, 0, 2).reshape(b, -1)[:, :t]
 
 
 def zero_blind(out, vis: Visibility, cfg: Blocks):

@@ -465,3 +465,20 @@ def test_flash_memory_does_not_grow_with_t_times_s():
     dense, flash = (_temp_bytes(impl, 2048, n, kh, h) for impl in ("xla", "flash"))
     assert dense >= 2 * probs  # the reference holds [T, S] logits and probabilities (258 MiB)
     assert flash < probs // 2, (flash, dense)  # a few [N, 512, 512] blocks (25 MiB)
+
+
+@pytest.mark.parametrize("causal, sliding", [(True, 0), (True, 7), (False, 0)])
+def test_which_queries_see_any_key_by_blocks_equals_the_whole_mask(monkeypatch, causal, sliding):
+    """With segments the kernels' guard against queries that see no key builds its mask a
+    block of queries at a time (a whole one is [T, S]); the same answer as the whole mask,
+    with T not a multiple of the block."""
+    rng = np.random.default_rng(0)
+    b, t = 2, 50
+    valid = jnp.asarray(rng.random((b, t)) < 0.8)
+    seg = jnp.asarray(np.sort(rng.integers(0, 6, (b, t)), 1), jnp.int32)
+    pos = jnp.asarray(np.tile(np.arange(t), (b, 1)), jnp.int32)
+    vis = V.Visibility(valid, pos, pos, seg, seg)
+    want = np.asarray(jnp.any(V.visibility_mask(vis, causal, sliding=sliding), -1))
+    assert want.any() and (not want.all() or not causal)
+    monkeypatch.setattr(V, "SEES_BLOCK", 16)
+    np.testing.assert_array_equal(np.asarray(V.sees_any(vis, causal, sliding)), want)
