@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -234,13 +235,10 @@ def _split_of(q, k) -> _Split | None:
     rows = logical_to_spec(("batch",), (b,), mesh)[0]
     q_heads = logical_to_spec((None, None, "heads", None), q.shape, mesh)[2]
     k_heads = logical_to_spec((None, None, "heads", None), k.shape, mesh)[2]
-    heads = q_heads if q_heads == k_heads else None
-    shares = 1
-    for a in () if heads is None else ((heads,) if isinstance(heads, str) else heads):
-        shares *= mesh.shape[a]
-    axis, size = split
-    ulysses = (q.shape[2] // shares) % size == 0 and (k.shape[2] // shares) % size == 0
-    return _Split(mesh, axis, size, rows, heads, ulysses)
+    out = _Split(mesh, *split, rows, q_heads if q_heads == k_heads else None, False)
+    shares = math.prod(mesh.shape[a] for a in out.head_axes)
+    heads = (q.shape[2] // shares, k.shape[2] // shares)
+    return dataclasses.replace(out, ulysses=all(n % out.size == 0 for n in heads))
 
 
 def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
@@ -304,7 +302,7 @@ def _heads_to_tokens(axis: str, size: int, *xs):
     parts = [x.reshape(b, local, size, x.shape[2] // size, h) for x in xs]
     joined = lax.all_to_all(jnp.concatenate(parts, axis=3), axis, 2, 1, tiled=True)[:, :, 0]
     cuts = np.cumsum([p.shape[3] for p in parts])[:-1]
-    return jnp.split(joined, cuts, axis=2)
+    return [y.astype(x.dtype) for y, x in zip(jnp.split(joined, cuts, axis=2), xs)]
 
 
 def _gather_ints(axis: str, arrays: list) -> list:
