@@ -18,7 +18,8 @@ For each it prints the compile time, HBM per device, the XLA cost model's FLOPs 
 holds them as JSON. Exit status 1 when a program does not fit (with the knobs that help), 2
 for a bad argument or no TPU compiler. Flags besides --config: --topology=NAME (v4-8, v5e-16,
 v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compiles at once),
---suggest (more micro-batches until the step fits), --lengths=lognormal:median=M,sigma=S or
+--suggest (more micro-batches until the step fits; then every row's tokens over more chips:
+mesh.sequence taken from mesh.fsdp), --lengths=lognormal:median=M,sigma=S or
 --lengths=FILE of integers (completion lengths for the step's rows: compiled for the
 completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
 --iteration=K|auto prices one RL iteration for the --lengths mix: synchronous, partial,
@@ -109,8 +110,15 @@ def main(argv=None) -> int:
             suggestion = plan.suggest_micro_batches(step)
             if suggestion:
                 print(f"suggest: --config.optim.micro_batches={suggestion} fits")
+                suggestion = {"optim.micro_batches": suggestion}
             else:
-                print("suggest: no micro-batch count fits on this mesh")
+                print("suggest: no micro-batch count fits on this mesh; splitting rows over chips")
+                suggestion = plan.suggest_sequence(ours.get("lengths"))
+                if suggestion:
+                    words = " ".join(f"--config.{k}={v}" for k, v in suggestion.items())
+                    print(f"suggest: {words} fits")
+                else:
+                    print("suggest: no mesh.sequence fits either")
     if "iteration" in ours and not failed:
         out_iteration = _iteration(plan, by_name, ours["iteration"], ours, jobs)
         if out_iteration is None:
@@ -124,7 +132,7 @@ def main(argv=None) -> int:
         "programs": {r.name: r.as_json() for r in reports},
     }
     if suggestion:
-        out["suggest"] = {"optim.micro_batches": suggestion}
+        out["suggest"] = suggestion
     if "iteration" in ours and not failed:
         out["iteration"] = out_iteration
     print(json.dumps(out), flush=True)

@@ -9,6 +9,7 @@ and the run's batch shapes, on a mesh (`config.mesh`) over the slice's abstract 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -31,7 +32,7 @@ from jaxvrl.aot.report import (
     per_device_bytes,
     temporaries_from_dump,
 )
-from jaxvrl.config import ConfigError
+from jaxvrl.config import ConfigError, set_values
 from jaxvrl.data.from_config import builtin_task
 from jaxvrl.data.processor import smart_resize
 from jaxvrl.models import moe
@@ -491,6 +492,29 @@ class Plan:
                 return m
         return None
 
+    def suggest_sequence(self, lengths: str | None = None) -> dict | None:
+        """Settings that split every row's tokens over more chips until the train step fits:
+        mesh.sequence doubled (taken from mesh.fsdp), with the micro-batch count that leaves
+        each device group one row of a micro-batch; None when none fits (or fsdp is odd)."""
+        fsdp, seq = self.mesh.shape["fsdp"], self.mesh.shape["sequence"]
+        updates = self.step_config.mini_batches
+        while fsdp % 2 == 0:
+            fsdp, seq = fsdp // 2, seq * 2
+            groups = self.mesh.shape["data"] * fsdp * self.mesh.shape["expert"]
+            m = max(self.rows // updates // groups, 1)
+            values = {"mesh.fsdp": fsdp, "mesh.sequence": seq, "optim.micro_batches": m}
+            c = set_values(copy.deepcopy(self.c), values)
+            try:
+                plan = Plan.build(c, self.slice.name, lengths)
+            except ConfigError as e:
+                print(f"  {_settings(values)}: {e}", flush=True)
+                continue
+            r = plan.compile("train_step")
+            print(f"  {_settings(values)}: {r.peak_bytes / 2**30:.2f} GiB per device", flush=True)
+            if r.fits:
+                return values
+        return None
+
     def describe(self) -> str:
         m = self.model.config
         shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
@@ -544,3 +568,7 @@ class Plan:
         if b.micro_batches:
             words += f"; {b.micro_batches} micro-batch(es) (actor.dynamic_batching)"
         return words + f"; shaping from the {cfg.actor.shaping_source}"
+
+
+def _settings(values: dict) -> str:
+    return " ".join(f"--config.{k}={v}" for k, v in values.items())

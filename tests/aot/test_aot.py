@@ -455,3 +455,25 @@ def test_knobs_offered_leave_out_what_is_already_set():
     some = rep.knobs(load_config("configs/tprl.py", ["model.remat_policy=none"]),
                      types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 1}))  # fmt: skip
     assert any("remat_policy=full" in k for k in some) and any("mesh.fsdp" in k for k in some)
+
+
+def test_suggest_splits_rows_over_more_chips_until_the_step_fits(monkeypatch):
+    """When no micro-batch count fits, --suggest moves chips from fsdp to the sequence axis
+    (one row per device group in each micro-batch) until the step fits (the compiler stubbed:
+    fits from sequence 4 on)."""
+    import types
+
+    c = load_config("configs/vgr.py:runlocal", ["model.dtype=bfloat16", "prompts_per_step=4"])
+    plan = Plan.build(c, "v5e-4")
+    assert dict(plan.mesh.shape)["fsdp"] == 4 and plan.mesh.shape["sequence"] == 1
+    tried = []
+
+    def compile_(self, name):
+        tried.append((dict(self.mesh.shape), self.c.optim.micro_batches))
+        return types.SimpleNamespace(fits=self.mesh.shape["sequence"] >= 4, peak_bytes=2**30)
+
+    monkeypatch.setattr(Plan, "compile", compile_)
+    got = plan.suggest_sequence()
+    assert got == {"mesh.fsdp": 1, "mesh.sequence": 4, "optim.micro_batches": tried[-1][1]}
+    assert [(m["fsdp"], m["sequence"]) for m, _ in tried] == [(2, 2), (1, 4)]
+    assert tried[0][1] == 2 * tried[-1][1] // 2 * 1 or tried[0][1] >= 1
