@@ -111,22 +111,27 @@ def every_query_sees_itself(t, s, key_valid, q_positions, q_segments, k_segments
     )
 
 
-SEES_BLOCK = 2048  # queries per block of `sees_any`'s mask
+SEES_BLOCK = 2048  # queries per block of `sees_any`'s mask with a sliding window
 
 
 def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
     """bool[B, T]: queries that may see at least one key. The kernels below give the other
     rows an average of masked values rather than zeros. Without segments in O(T + S): a query
     sees a key iff the row's first valid key position is at or before its own (causal), or
-    the row has a valid key at all; with segments from the rule, SEES_BLOCK queries at a time
-    (a whole [B, T, S] mask is 4 GiB for one 64k-token row)."""
+    the row has a valid key at all; with segments in O((T + S) log S), the same test against
+    the first valid key of the query's segment (`_first_of_segment`); with a sliding window
+    from the rule, SEES_BLOCK queries at a time (a whole [B, T, S] mask is 4 GiB for one
+    64k-token row)."""
     b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
+    never = jnp.iinfo(jnp.int32).max
     if vis.q_segments is None and not sliding:
         if not causal:
             return jnp.broadcast_to(jnp.any(vis.key_valid, axis=-1)[:, None], (b, t))
-        never = jnp.iinfo(jnp.int32).max
         first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
         return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
+    if not sliding:
+        found, first = _first_of_segment(vis, b, t)
+        return found & (first <= vis.q_positions) if causal else found
     if t <= SEES_BLOCK:
         return jnp.any(visibility_mask(vis, causal, sliding=sliding), axis=-1)
     blocks = -(-t // SEES_BLOCK)
@@ -143,6 +148,25 @@ def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
 
     out = lax.map(block, jnp.arange(blocks))  # [blocks, B, SEES_BLOCK]
     return out.transpose(1, 0, 2).reshape(b, -1)[:, :t]
+
+
+def _first_of_segment(vis: Visibility, b: int, t: int) -> tuple[jax.Array, jax.Array]:
+    """(found bool[B, T]: a valid key shares the query's segment; first int32[B, T]: the
+    smallest position of those keys): the valid keys sorted by (segment, position), each
+    query's segment looked up by binary search."""
+    s = vis.key_valid.shape[1]
+    k_seg = jnp.broadcast_to(vis.k_segments, (b, s))
+    k_pos = jnp.broadcast_to(vis.k_positions, (b, s))
+    q_seg = jnp.broadcast_to(vis.q_segments, (b, t))
+    valid = vis.key_valid
+
+    def row(k_seg, k_pos, valid, q_seg):
+        order = jnp.lexsort((k_pos, ~valid, k_seg))  # by segment, valid keys first, position
+        seg, pos, ok = k_seg[order], k_pos[order], valid[order]
+        at = jnp.minimum(jnp.searchsorted(seg, q_seg, side="left"), s - 1)
+        return (seg[at] == q_seg) & ok[at], pos[at]
+
+    return jax.vmap(row)(k_seg, k_pos, valid, q_seg)
 
 
 def zero_blind(out, vis: Visibility, cfg: Blocks):
