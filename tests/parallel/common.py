@@ -55,3 +55,16 @@ def run_with_devices(code: str, n: int = 8, timeout: int = 600) -> str:
             break
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return res.stdout
+
+
+def tiny_model_report(script: str, tmp_path_factory, name: str) -> dict:
+    """`script` (it reads the model's path as `sys.argv[1]`) run on 8 devices with a tiny
+    Qwen2.5-VL saved for it; the JSON it prints after "REPORT"."""
+    import json
+
+    from tests.models import hf_tiny
+
+    path = tmp_path_factory.mktemp(name)
+    hf_tiny.build(path, seed=3)
+    out = run_with_devices(script.replace("sys.argv[1]", repr(str(path))), n=8)
+    return json.loads(out.split("REPORT")[-1])

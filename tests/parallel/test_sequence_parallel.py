@@ -19,13 +19,10 @@ relative (observed: ~1e-6, ~1e-6, 1e-7).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-from tests.models import hf_tiny as T
-from tests.parallel.common import run_with_devices
+from tests.parallel.common import tiny_model_report
 
 SCRIPT = """
 import json, sys
@@ -138,10 +135,7 @@ print("REPORT" + json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sequence_model")
-    T.build(path, seed=3)
-    out = run_with_devices(SCRIPT.replace("sys.argv[1]", repr(str(path))), n=8)
-    return json.loads(out.split("REPORT")[-1])
+    return tiny_model_report(SCRIPT, tmp_path_factory, "sequence_model")
 
 
 @pytest.mark.parametrize("split", ["ulysses", "context"])
