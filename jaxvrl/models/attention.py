@@ -14,8 +14,10 @@ from which every implementation builds its own mask, block by block where it wor
 Pallas TPU kernel), "cudnn" (`jax.nn.dot_product_attention`); callers that promise a `window`
 get the banded dense form. A fully masked row gets zero output and statistics, not NaN. With
 `pools`, `attend` also returns the heads-averaged attention mass on the vision and text key
-pools (no gradient). Einsum letters: B batch, T query positions, S key positions, N query
-heads, K key/value heads, G query heads per key/value head (N = K*G), H head dim, P pools.
+pools (no gradient). Where the mesh being traced splits the tokens (`mesh.sequence`), both
+run per device: an all-to-all over heads (Ulysses) or keys and values gathered. Einsum
+letters: B batch, T query positions, S key positions, N query heads, K key/value heads, G
+query heads per key/value head (N = K*G), H head dim, P pools.
 """
 
 from __future__ import annotations
