@@ -318,9 +318,18 @@ def _parse_value(raw: str | None, current, typ: type, nullable: bool, key: str):
     return _scalar(raw, None, key)
 
 
+# other tools' names (EasyR1 / verl YAML leaves) for settings of ours with another name
+THEIR_NAMES = {
+    "ulysses_size": "mesh.sequence",
+    "ulysses_sequence_parallel_size": "mesh.sequence",
+    "max_grad_norm": "optim.grad_clip",
+}
+
+
 def _unknown_key_message(key: str, keys: list[str], source: str) -> str:
     leaf = key.rsplit(".", 1)[-1]
-    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    close = [THEIR_NAMES[leaf]] if THEIR_NAMES.get(leaf) in keys else []
+    close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
     close += [k for k in difflib.get_close_matches(key, keys, n=5, cutoff=0.6) if k not in close]
     groups = sorted({k.split(".")[0] for k in keys if "." in k})
     hint = f"; close names: {', '.join(close[:6])}" if close else f"; groups: {', '.join(groups)}"

@@ -133,6 +133,13 @@ def test_unknown_key_lists_close_names_and_the_file():
         cfg_of("temperature=0.5")
     with pytest.raises(ConfigError, match=r"tprl\.top_p_perception_tokens"):
         cfg_of("tprl.top_p_perception=0.3")
+    # EasyR1 / verl names of settings we name otherwise
+    with pytest.raises(
+        ConfigError, match=r"'worker.actor.ulysses_size'.*close names: mesh\.sequence"
+    ):
+        cfg_of("worker.actor.ulysses_size=2")
+    with pytest.raises(ConfigError, match=r"close names: optim\.grad_clip"):
+        cfg_of("actor.max_grad_norm=1.0")
     with pytest.raises(ConfigError, match=r"'rollout' in .* is a group; set one of: .*top_k"):
         cfg_of("rollout=3")
     with pytest.raises(ConfigError, match="groups: "):  # nothing close: the groups are listed
