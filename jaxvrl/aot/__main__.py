@@ -65,7 +65,7 @@ def main(argv=None) -> int:
 
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")  # the host only traces; programs are TPU's
-    from jaxvrl.aot.plan import Plan
+    from jaxvrl.aot.plan import Plan, as_flags
     from jaxvrl.config import ConfigError, load_config, parse_argv
 
     argv = sys.argv[1:] if argv is None else argv
@@ -114,8 +114,7 @@ def main(argv=None) -> int:
                 print("suggest: no micro-batch count fits on this mesh; splitting rows over chips")
                 suggestion = plan.suggest_sequence(ours.get("lengths"))
                 if suggestion:
-                    words = " ".join(f"--config.{k}={v}" for k, v in suggestion.items())
-                    print(f"suggest: {words} fits")
+                    print(f"suggest: {as_flags(suggestion)} fits")
                 else:
                     print("suggest: no mesh.sequence fits either")
     if "iteration" in ours and not failed:

@@ -507,10 +507,10 @@ class Plan:
             try:
                 plan = Plan.build(c, self.slice.name, lengths)
             except ConfigError as e:
-                print(f"  {_settings(values)}: {e}", flush=True)
+                print(f"  {as_flags(values)}: {e}", flush=True)
                 continue
             r = plan.compile("train_step")
-            print(f"  {_settings(values)}: {r.peak_bytes / 2**30:.2f} GiB per device", flush=True)
+            print(f"  {as_flags(values)}: {r.peak_bytes / 2**30:.2f} GiB per device", flush=True)
             if r.fits:
                 return values
         return None
@@ -570,5 +570,6 @@ class Plan:
         return words + f"; shaping from the {cfg.actor.shaping_source}"
 
 
-def _settings(values: dict) -> str:
+def as_flags(values: dict) -> str:
+    """Dotted settings as the command line's --config flags."""
     return " ".join(f"--config.{k}={v}" for k, v in values.items())

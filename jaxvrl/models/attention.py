@@ -139,8 +139,9 @@ def attend(
         pool = jnp.stack([jnp.asarray(pools[name], bool) for name in POOLS], axis=-1)  # [B, S, P]
     rows = dict(key_valid=key_valid, q_positions=q_positions, k_positions=k_positions,
                 q_segments=q_segments, k_segments=k_segments)  # fmt: skip
-    settings = dict(scale=scale, causal=causal, implementation=implementation, block_q=block_q,
-                    block_k=block_k, interpret=interpret, window=window, sliding=sliding)  # fmt: skip
+    settings = dict(scale=scale, causal=causal, implementation=implementation,
+                    block_q=block_q, block_k=block_k, interpret=interpret, window=window,
+                    sliding=sliding)  # fmt: skip
     split = _split_of(q, k)
     if split is None:
         out, masses = _attend(q, k, v, pool, **rows, **settings)
@@ -254,7 +255,6 @@ def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
     heads, are averaged over the devices that split the heads. Each step's arrays travel in
     one collective, and the collectives in a fixed order."""
     axis, t = split.axis, q.shape[1]
-    local = t // split.size
     given = {name: jnp.broadcast_to(x, q.shape[:2]) for name, x in rows.items() if x is not None}
     if settings["causal"] and not split.ulysses:  # a query's and a key's place in the row
         given.setdefault("q_positions", jnp.broadcast_to(jnp.arange(t), q.shape[:2]))
@@ -272,16 +272,12 @@ def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
             after = k
         run = dict(rows, **given)
         if ints:
-            ints = lax.optimization_barrier((after, ints))[1]  # gathered after the first
-            ints = _gather_ints(axis, ints)
+            ints = _gather_ints(axis, ints, after)
             run.update(zip(gathered, ints))
             pool = pool if pool is None else ints[-1]
         out, masses = _attend(q, k, v, pool, **run, **opts)
         if masses is not None:
-            mean_axes = split.head_axes + ((axis,) if split.ulysses else ())
-            masses = lax.pmean(masses, mean_axes) if mean_axes else masses
-            if split.ulysses:  # this device's run of the queries
-                masses = lax.dynamic_slice_in_dim(masses, lax.axis_index(axis) * local, local, 1)
+            masses = _devices_masses(split, masses)
             out = lax.optimization_barrier((out, masses))[0]
         if split.ulysses:
             out = lax.all_to_all(out, axis, 1, 2, tiled=True)
@@ -307,9 +303,11 @@ def _heads_to_tokens(axis: str, size: int, *xs):
     return [y.astype(x.dtype) for y, x in zip(jnp.split(joined, cuts, axis=2), xs)]
 
 
-def _gather_ints(axis: str, arrays: list) -> list:
+def _gather_ints(axis: str, arrays: list, after: jax.Array) -> list:
     """Integer and bool arrays [B, T / size, ...] gathered along their tokens (one all-gather
-    of them stacked as int32), each back in its dtype."""
+    of them stacked as int32, once `after` is: collectives in one order on every device),
+    each back in its dtype."""
+    arrays = lax.optimization_barrier((after, arrays))[1]
     flat = [x.reshape(*x.shape[:2], -1) for x in arrays]
     cuts = np.cumsum([x.shape[2] for x in flat])[:-1]
     whole = lax.all_gather(
@@ -319,6 +317,18 @@ def _gather_ints(axis: str, arrays: list) -> list:
         part.reshape(*part.shape[:2], *x.shape[2:]).astype(x.dtype)
         for part, x in zip(jnp.split(whole, cuts, axis=2), arrays)
     ]
+
+
+def _devices_masses(split: _Split, masses: jax.Array) -> jax.Array:
+    """Masses [B, T', ...] averaged over a device's heads -> over every head (the mean over
+    the devices that split the heads), of this device's run of the tokens (Ulysses: the
+    device's heads saw every token)."""
+    axes = split.head_axes + ((split.axis,) if split.ulysses else ())
+    masses = lax.pmean(masses, axes) if axes else masses
+    if not split.ulysses:
+        return masses
+    local = masses.shape[1] // split.size
+    return lax.dynamic_slice_in_dim(masses, lax.axis_index(split.axis) * local, local, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,18 +600,16 @@ def attend_key_masses(
     sliding: as `attend`'s."""
     split = _split_of(q, k)
     if split is not None and split.ulysses:  # tokens <-> heads around it, as in `attend`
-        axis, local = split.axis, q.shape[1] // split.size
+        axis = split.axis
 
         def body(q, k, v, key_valid, queries):
             q, k, v = _heads_to_tokens(axis, split.size, q, k, v)
-            ints = lax.optimization_barrier((q, [key_valid, queries]))[1]
-            key_valid, queries = _gather_ints(axis, ints)
+            key_valid, queries = _gather_ints(axis, [key_valid, queries], q)
             out, masses = attend_key_masses(
                 q, k, v, scale=scale, key_valid=key_valid, queries=queries,
                 implementation=implementation, block=block, sliding=sliding,
             )  # fmt: skip
-            masses = lax.pmean(masses, (*split.head_axes, axis))  # heads-averaged
-            masses = lax.dynamic_slice_in_dim(masses, lax.axis_index(axis) * local, local, 1)
+            masses = _devices_masses(split, masses)
             out = lax.optimization_barrier((out, masses))[0]
             return lax.all_to_all(out, axis, 1, 2, tiled=True), masses
 

@@ -64,7 +64,8 @@ def rollout_mesh(
     weight_bytes: float = 0,
     cache_bytes: float = 0,
 ) -> Mesh:
-    """A mesh (data, fsdp=1, expert=1, sequence=1, tensor) over the devices of `mesh` for the sampler.
+    """A mesh (data, fsdp=1, expert=1, sequence=1, tensor) over the devices of `mesh` for the
+    sampler.
 
     tensor: devices per tensor group (0: chosen among the divisors of a host's devices by
     `rollout_sizes`, so a decode step reads as few bytes per device as it can); data: the
@@ -89,8 +90,8 @@ def rollout_sizes(
     weight_bytes: float = 0,
     cache_bytes: float = 0,
 ) -> dict:
-    """The rollout mesh's axis sizes {data, fsdp: 1, expert: 1, sequence: 1, tensor} for `devices` over `hosts`
-    (`rollout_mesh`).
+    """The rollout mesh's axis sizes {data, fsdp: 1, expert: 1, sequence: 1, tensor} for
+    `devices` over `hosts` (`rollout_mesh`).
 
     tensor 0 picks t among the divisors of a host's devices. A decode step reads per device
     the weights over t and its group's share of the KV cache (the group's rows: 1 / (devices

@@ -380,7 +380,7 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None, shapes=None)
         batch = cut_completions(batch, n)
     if "pack_start" not in plan:  # padded rows: each split evenly over the sequence axis
         batch = pad_prompts(batch, sequence_shards(mesh))
-    if "pack_start" in plan:  # this process's share of the row-long arrays
+    else:  # this process's share of the row-long arrays
         first = jax.process_index() * len(local)
         for k in ("pack_start", "pack_order"):
             plan[k] = plan[k][first : first + len(local)]

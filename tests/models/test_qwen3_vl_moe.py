@@ -234,7 +234,6 @@ def test_replayed_routes_give_the_sampled_logprobs(tiny, batch, monkeypatch):
         real = np.asarray(full_mask).reshape(-1) > 0
         return np.abs(gap).max(), np.asarray(o.route_mismatch)[:, real].mean()
 
-    gap, mismatch = logprobs(
-        True
-    )  # (routed afresh it is not: tests/trainer/test_routing_replay.py)
+    # (routed afresh it is not: tests/trainer/test_routing_replay.py)
+    gap, mismatch = logprobs(True)
     assert gap <= 5e-6 * 6 and mismatch > 0.5  # log-sum-exps of ~6 (300 tokens)
