@@ -65,7 +65,7 @@ def main(argv=None) -> int:
 
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")  # the host only traces; programs are TPU's
-    from jaxvrl.aot.plan import Plan, as_flags
+    from jaxvrl.aot.plan import Plan
     from jaxvrl.config import ConfigError, load_config, parse_argv
 
     argv = sys.argv[1:] if argv is None else argv
@@ -106,17 +106,7 @@ def main(argv=None) -> int:
         print(f"does not fit: {', '.join(failed)}. Knobs that help: {help_}")
         if ours.get("suggest") and "train_step" in failed:
             step = next(r for r in reports if r.name == "train_step")
-            suggestion = plan.suggest_micro_batches(step)
-            if suggestion:
-                print(f"suggest: --config.optim.micro_batches={suggestion} fits")
-                suggestion = {"optim.micro_batches": suggestion}
-            else:
-                print("suggest: no micro-batch count fits on this mesh; splitting rows over chips")
-                suggestion = plan.suggest_sequence(ours.get("lengths"))
-                if suggestion:
-                    print(f"suggest: {as_flags(suggestion)} fits")
-                else:
-                    print("suggest: no mesh.sequence fits either")
+            suggestion = _suggest(plan, step, ours.get("lengths"))
     if "iteration" in ours and not failed:
         out_iteration = _iteration(plan, by_name, ours["iteration"], ours, jobs)
         if out_iteration is None:
@@ -135,6 +125,30 @@ def main(argv=None) -> int:
         out["iteration"] = out_iteration
     print(json.dumps(out), flush=True)
     return 1 if failed else 0
+
+
+def _suggest(plan, step, lengths) -> dict | None:
+    """Settings with which the train step fits: first the optimizer state in host memory
+    where that state alone is more than the step is over, then more micro-batches, the
+    offload, rows split over more chips; None (said) when none fits."""
+    from jaxvrl.aot.plan import as_flags
+
+    over = step.peak_bytes - step.hbm_bytes
+    state_first = step.breakdown.get("optimizer", 0) >= over
+    if state_first and (found := plan.suggest_offload(lengths)):
+        print(f"suggest: {as_flags(found)} fits")
+        return found
+    m = plan.suggest_micro_batches(step)
+    if m:
+        print(f"suggest: --config.optim.micro_batches={m} fits")
+        return {"optim.micro_batches": m}
+    if not state_first and (found := plan.suggest_offload(lengths)):
+        print(f"suggest: {as_flags(found)} fits")
+        return found
+    print("suggest: no micro-batch count fits on this mesh; splitting rows over chips")
+    found = plan.suggest_sequence(lengths)
+    print(f"suggest: {as_flags(found)} fits" if found else "suggest: no mesh.sequence fits either")
+    return found
 
 
 def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | None:

@@ -503,17 +503,29 @@ class Plan:
             groups = self.mesh.shape["data"] * fsdp * self.mesh.shape["expert"]
             m = max(self.rows // updates // groups, 1)
             values = {"mesh.fsdp": fsdp, "mesh.sequence": seq, "optim.micro_batches": m}
-            c = set_values(copy.deepcopy(self.c), values)
-            try:
-                plan = Plan.build(c, self.slice.name, lengths)
-            except ConfigError as e:
-                print(f"  {as_flags(values)}: {e}", flush=True)
-                continue
-            r = plan.compile("train_step")
-            print(f"  {as_flags(values)}: {r.peak_bytes / 2**30:.2f} GiB per device", flush=True)
-            if r.fits:
+            if self._fits_with(values, lengths):
                 return values
         return None
+
+    def suggest_offload(self, lengths: str | None = None) -> dict | None:
+        """actor.offload_optimizer=true where it is off and the train step fits with it (the
+        optimizer state in host memory, streamed through the chips a layer at a time)."""
+        if self.c.actor.offload_optimizer:
+            return None
+        values = {"actor.offload_optimizer": True}
+        return values if self._fits_with(values, lengths) else None
+
+    def _fits_with(self, values: dict, lengths: str | None) -> bool:
+        """Whether the train step fits with the config's `values` changed (printed)."""
+        c = set_values(copy.deepcopy(self.c), values)
+        try:
+            plan = Plan.build(c, self.slice.name, lengths)
+        except ConfigError as e:
+            print(f"  {as_flags(values)}: {e}", flush=True)
+            return False
+        r = plan.compile("train_step")
+        print(f"  {as_flags(values)}: {r.peak_bytes / 2**30:.2f} GiB per device", flush=True)
+        return r.fits
 
     def describe(self) -> str:
         m = self.model.config

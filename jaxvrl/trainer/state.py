@@ -36,6 +36,7 @@ class RolloutSettings:
 @dataclasses.dataclass(frozen=True)
 class OptimSettings:
     micro_batches: int
+    grad_clip: float
 
 
 @dataclasses.dataclass(frozen=True)

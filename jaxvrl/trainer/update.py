@@ -19,7 +19,7 @@ from flax import nnx, struct
 from jaxvrl import rl
 from jaxvrl.models import lora, moe
 from jaxvrl.trainer import critic as critic_lib
-from jaxvrl.trainer import methods
+from jaxvrl.trainer import methods, offload
 from jaxvrl.trainer.experience import Experience, Extras, Passes, Rows, shaping
 from jaxvrl.trainer.passes import (
     RolloutBatch,
@@ -208,19 +208,17 @@ def _accumulate(grad_fn, params, micro_xs):
     return grads, loss, mets
 
 
-def _apply(tx, grads, opt_state, params, ok, host: bool = False):
+def _apply(tx, grads, opt_state, params, ok, host: bool = False, clip: float | None = None):
     """optax update where `ok`, else the old params and optimizer state. host: the optimizer
-    state lives in host memory (actor.offload_optimizer): brought to the devices for the
-    update, the new one put back."""
+    state lives in host memory (actor.offload_optimizer) and is streamed through the devices
+    a layer at a time (`offload.streamed_update`; clip: the global-norm clip `tx` begins
+    with)."""
     if host:
-        opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+        return offload.streamed_update(tx, grads, opt_state, params, ok, clip)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-    new_opt = pick(new_opt, opt_state)
-    if host:
-        new_opt = jax.device_put(new_opt, jax.memory.Space.Host)
-    return pick(new_params, params), new_opt
+    return pick(new_params, params), pick(new_opt, opt_state)
 
 
 def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows, cfg):
@@ -247,7 +245,8 @@ def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows
     norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(norm)
     ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
-    cparams, copt = _apply(ctx, grads, copt, cparams, ok, cfg.actor.offload_optimizer)
+    off = cfg.actor.offload_optimizer
+    cparams, copt = _apply(ctx, grads, copt, cparams, ok, off, cfg.critic.grad_clip)
     mets = dict(mets, critic_grad_norm=norm, critic_nonfinite=(~ok).astype(jnp.int32))
     return cparams, copt, mets
 
@@ -257,7 +256,8 @@ def _head_update(cparams, copt, g_head, cfg: StepConfig):
     norm = optax.tree.norm(g_head)
     ok = jnp.isfinite(norm)
     ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
-    head, opt = _apply(ctx, {"head": g_head}, copt, cparams, ok, cfg.actor.offload_optimizer)
+    off = cfg.actor.offload_optimizer
+    head, opt = _apply(ctx, {"head": g_head}, copt, cparams, ok, off, cfg.critic.grad_clip)
     return head, opt, {"critic_grad_norm": norm, "critic_nonfinite": (~ok).astype(jnp.int32)}
 
 
@@ -333,9 +333,8 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         ok = finite & (step >= cfg.critic.warmup_steps) if cfg.has_critic else finite
-        trainable, opt = _apply(
-            tx, grads, carry["opt"], carry["trainable"], ok, cfg.actor.offload_optimizer
-        )
+        off, clip = cfg.actor.offload_optimizer, cfg.optim.grad_clip
+        trainable, opt = _apply(tx, grads, carry["opt"], carry["trainable"], ok, off, clip)
         carry = dict(carry, trainable=trainable, opt=opt)
         mets.update(
             loss=loss,
@@ -401,7 +400,10 @@ def update(graphdef, tx, state: TrainState, exp: Experience, batch: RolloutBatch
     starts = batch.update_starts
     batch = batch.replace(update_starts=None, update_rows=None)  # not row arrays
     body = _one_update(graphdef, tx, state.step, frozen, batch, exp, cfg)
-    carry, (per, extras) = jax.lax.scan(body, carry, (order, keys, starts))
+    # a loop's carry lives in device memory: with the optimizer state on the host the
+    # updates run unrolled, so that only the streamed update brings it in
+    unroll = cfg.actor.offload_optimizer or 1
+    carry, (per, extras) = jax.lax.scan(body, carry, (order, keys, starts), unroll=unroll)
     metrics = _combine(per)
     new_state = state.replace(
         params=join(carry["trainable"], frozen),

@@ -477,3 +477,41 @@ def test_suggest_splits_rows_over_more_chips_until_the_step_fits(monkeypatch):
     assert got == {"mesh.fsdp": 1, "mesh.sequence": 4, "optim.micro_batches": tried[-1][1]}
     assert [(m["fsdp"], m["sequence"]) for m, _ in tried] == [(2, 2), (1, 4)]
     assert tried[0][1] == 2 * tried[-1][1] // 2 * 1 or tried[0][1] >= 1
+
+
+def test_suggest_offloads_the_optimizer_first_where_its_state_is_the_excess(capsys):
+    """--suggest's order: the optimizer state to host memory first when that state alone is
+    more than the step is over the chip's memory, else after more micro-batches; rows over
+    more chips last. The compiler's peak is the devices' (host arguments taken out)."""
+    import types
+
+    from jaxvrl.aot.__main__ import _suggest
+    from jaxvrl.aot.report import _device_peak
+
+    def plan(offload_fits, micro=None):
+        calls = []
+        offload = {"actor.offload_optimizer": True} if offload_fits else None
+        return calls, types.SimpleNamespace(
+            suggest_offload=lambda lengths: calls.append("offload") or offload,
+            suggest_micro_batches=lambda step: calls.append("micro") or micro,
+            suggest_sequence=lambda lengths: calls.append("sequence") or None,
+        )
+
+    gib = 2**30
+    state = types.SimpleNamespace(
+        peak_bytes=20 * gib, hbm_bytes=16 * gib, breakdown={"optimizer": 7 * gib}
+    )
+    calls, p = plan(True)
+    assert _suggest(p, state, None) == {"actor.offload_optimizer": True} and calls == ["offload"]
+    rows = types.SimpleNamespace(
+        peak_bytes=30 * gib, hbm_bytes=16 * gib, breakdown={"optimizer": 7 * gib}
+    )
+    calls, p = plan(True, micro=4)
+    assert _suggest(p, rows, None) == {"optim.micro_batches": 4} and calls == ["micro"]
+    calls, p = plan(False)
+    assert _suggest(p, rows, None) is None and calls == ["micro", "offload", "sequence"]
+    assert "no mesh.sequence fits either" in capsys.readouterr().out
+
+    mem = types.SimpleNamespace(peak_memory_in_bytes=22 * gib, host_argument_size_in_bytes=8 * gib)
+    assert _device_peak(mem) == 14 * gib
+    assert _device_peak(types.SimpleNamespace(peak_memory_in_bytes=0)) == 0
