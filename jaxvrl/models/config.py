@@ -9,8 +9,11 @@ import json
 
 from jaxvrl.config import ConfigError
 
-# Gradient checkpointing of decoder layers and vision blocks (`model.remat_policy`).
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# Gradient checkpointing of decoder layers and vision blocks (`model.remat_policy`). "offload":
+# as "full", with each layer's input (what the backward pass recomputes the layer from) kept in
+# host memory instead of the devices' (named OFFLOADED inside the checkpoint).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
+OFFLOADED = "layer_input"
 
 
 def checkpoint_policy(name: str):
@@ -21,6 +24,13 @@ def checkpoint_policy(name: str):
         raise ValueError(f"remat_policy {name!r} is not one of {REMAT_POLICIES[1:]}")
     if name == "full":
         return None
+    if name == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(),
+            names_which_can_be_offloaded=(OFFLOADED,),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
     return getattr(jax.checkpoint_policies, name)
 
 

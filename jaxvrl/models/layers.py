@@ -6,14 +6,16 @@ G query heads per key/value head (N = K*G), H head dim, D model dim.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxvrl.models.attention import resolve
-from jaxvrl.models.config import REMAT_POLICIES, checkpoint_policy
+from jaxvrl.models.config import OFFLOADED, REMAT_POLICIES, checkpoint_policy
 from jaxvrl.parallel.sharding import target_platform
 
 _ACTS = {
@@ -209,11 +211,16 @@ def remat(method, policy: str, prevent_cse: bool = True):
     if policy == "none":
         return method
 
+    def pure(graphdef, state, x, *args):
+        if policy == "offload":  # the layer's input, the one value its backward pass keeps
+            x = checkpoint_name(x, OFFLOADED)
+        return method(nnx.merge(graphdef, state), x, *args)
+
     def call(module, *args):
         graphdef, state = nnx.split(module)
-        pure = lambda state, *args: method(nnx.merge(graphdef, state), *args)  # noqa: E731
+        pure_ = functools.partial(pure, graphdef)
         policy_ = checkpoint_policy(policy)
-        return jax.checkpoint(pure, policy=policy_, prevent_cse=prevent_cse)(state, *args)
+        return jax.checkpoint(pure_, policy=policy_, prevent_cse=prevent_cse)(state, *args)
 
     return call
 

@@ -524,8 +524,8 @@ def resume(
 
 def check_offload(c, mesh) -> tuple[str, ...]:
     """The parts of the train state kept in host memory ("optimizer": actor.offload_optimizer,
-    "reference": actor.offload_reference; `runtime.in_host_memory`); a ConfigError when one is set
-    and the mesh's devices have no pinned host memory space."""
+    "reference": actor.offload_reference; `runtime.in_host_memory`); a ConfigError when one is set,
+    or model.remat_policy is "offload", and the mesh's devices have no pinned host memory space."""
     parts = tuple(
         name
         for name, on in (
@@ -536,10 +536,11 @@ def check_offload(c, mesh) -> tuple[str, ...]:
     )
     device = mesh.devices.flat[0]
     kinds = {m.kind for m in device.addressable_memories()}
-    if parts and "pinned_host" not in kinds:
-        key = f"actor.offload_{parts[0]}"
+    remat = c.model.remat_policy == "offload"  # the layers' inputs, kept for the backward pass
+    if (parts or remat) and "pinned_host" not in kinds:
+        key = f"actor.offload_{parts[0]}=True" if parts else "model.remat_policy='offload'"
         raise ConfigError(
-            f"config.{key}=True: {device.platform} devices have no pinned host memory "
+            f"config.{key}: {device.platform} devices have no pinned host memory "
             f"(their memories: {', '.join(sorted(kinds))})"
         )
     return parts

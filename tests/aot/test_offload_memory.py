@@ -56,3 +56,31 @@ def test_streamed_update_keeps_a_layer_of_the_state_on_the_chips():
     assert whole >= state_bytes, (whole, state_bytes)
     # a layer's mu and nu (1/28 of the stacked kernel's) plus the unstacked embedding's
     assert streamed < 0.25 * state_bytes, (streamed, state_bytes)
+
+
+def test_remat_offload_keeps_the_layer_inputs_in_host_memory():
+    """model.remat_policy=offload: a scan of remat'd layers keeps each layer's input (what its
+    backward pass recomputes it from) in host memory, not among the chips' temporaries."""
+    from flax import nnx
+
+    from jaxvrl.models.layers import remat
+
+    mesh = jax.sharding.Mesh(np.array(T.tpu_devices(T.parse("v5e-8"))), ("fsdp",))
+    rows = NamedSharding(mesh, P("fsdp"))
+    x = jax.ShapeDtypeStruct((8 * 4096, 1024), jnp.float32, sharding=rows)
+    inputs = 16 * 4096 * 1024 * 4  # per chip: 16 layers' inputs of 4,096 rows
+    graphdef, weights = nnx.split(nnx.eval_shape(lambda: nnx.Linear(1024, 1024, rngs=nnx.Rngs(0))))
+
+    def grads(policy):
+        call = remat(lambda m, h: jnp.tanh(m(h)), policy, prevent_cse=False)
+
+        def loss(x, weights):
+            layer = nnx.merge(graphdef, weights)
+            return jax.lax.scan(lambda h, _: (call(layer, h), None), x, None, length=16)[0].sum()
+
+        mem = jax.jit(jax.grad(loss)).lower(x, weights).compile().memory_analysis()
+        return mem.temp_size_in_bytes, mem.host_temp_size_in_bytes
+
+    full, offload = grads("full"), grads("offload")
+    assert full[0] >= inputs and full[1] == 0, full
+    assert offload[0] < inputs / 4 and offload[1] >= inputs, offload

@@ -59,7 +59,9 @@ def test_remat_policy_and_attention_reject_unknown_names(ckpt):
         model.set_attention("fast")
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable"])
+@pytest.mark.parametrize(
+    "policy", ["full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload"]
+)
 def test_remat_gives_the_same_gradients(ckpt, policy):
     model = q.load(ckpt)
     batch = jax.tree.map(
