@@ -251,3 +251,7 @@ def test_host_offload_is_refused_where_the_devices_have_no_host_memory():
     assert check_offload(load_config("configs/grpo.py"), bare) == ()
     cpu = types.SimpleNamespace(devices=np.asarray(jax.devices()[:1], dtype=object))
     assert check_offload(both, cpu) == ("optimizer", "reference")  # CPUs have pinned host
+    remat = load_config("configs/grpo.py", ["model.remat_policy=offload"])
+    with pytest.raises(ConfigError, match=r"model.remat_policy='offload': gpu devices have no "):
+        check_offload(remat, bare)
+    assert check_offload(remat, cpu) == ()  # no part of the state moves; the residuals do
