@@ -508,12 +508,20 @@ class Plan:
         return None
 
     def suggest_offload(self, lengths: str | None = None) -> dict | None:
-        """actor.offload_optimizer=true where it is off and the train step fits with it (the
-        optimizer state in host memory, streamed through the chips a layer at a time)."""
-        if self.c.actor.offload_optimizer:
-            return None
-        values = {"actor.offload_optimizer": True}
-        return values if self._fits_with(values, lengths) else None
+        """Host offload the train step fits with: actor.offload_optimizer=true (the optimizer
+        state in host memory, streamed through the chips a layer at a time), then with
+        model.remat_policy=offload too (each layer's saved input there); only settings the
+        config has not set."""
+        values = {}
+        if not self.c.actor.offload_optimizer:
+            values["actor.offload_optimizer"] = True
+            if self._fits_with(values, lengths):
+                return values
+        if self.c.model.remat_policy != "offload":
+            values["model.remat_policy"] = "offload"
+            if self._fits_with(values, lengths):
+                return values
+        return None
 
     def _fits_with(self, values: dict, lengths: str | None) -> bool:
         """Whether the train step fits with the config's `values` changed (printed)."""

@@ -32,6 +32,7 @@ KNOBS = (
     "rollout.max_new_tokens / data.max_prompt_length (shorter rows)",
     "actor.offload_optimizer=true (the optimizer state in host memory, streamed through the "
     "chips a layer at a time in the update)",
+    "model.remat_policy=offload (as full, with each layer's saved input in host memory)",
 )
 
 
@@ -43,7 +44,9 @@ def knobs(c, mesh) -> list[str]:
     state)."""
     out = []
     for k in KNOBS:
-        if k.startswith("model.remat_policy") and c.model.remat_policy == "full":
+        if k.startswith("model.remat_policy=full") and c.model.remat_policy in ("full", "offload"):
+            continue
+        if k.startswith("model.remat_policy=offload") and c.model.remat_policy == "offload":
             continue
         if k.startswith("actor.offload_optimizer") and c.actor.offload_optimizer:
             continue

@@ -438,20 +438,25 @@ def test_a_loop_of_unread_trip_count_can_be_left_out():
 
 
 def test_knobs_offered_leave_out_what_is_already_set():
-    """When a program does not fit, the tool names only knobs left to turn: no remat knob at
-    model.remat_policy=full, a larger slice once every chip holds a share of the state, no
+    """When a program does not fit, the tool names only knobs left to turn: no remat_policy=full
+    knob at full or offload, no offload knob once set, a larger slice once every chip holds a share of the state, no
     longer sequence axis once it has every chip."""
     import types
 
     full = load_config("configs/tprl.py", ["model.remat_policy=full"])
     every = rep.knobs(full, types.SimpleNamespace(shape={"data": 1, "fsdp": 8, "tensor": 1}))
-    assert not any("remat" in k for k in every) and any("larger slice" in k for k in every)
+    assert not any("remat_policy=full" in k for k in every) and any(
+        "larger slice" in k for k in every
+    )
+    assert any("remat_policy=offload" in k for k in every)
     assert any("float32 copy" in k for k in every)  # what micro-batches cost beside 1
     assert any("offload_optimizer" in k for k in every)
     assert any("mesh.sequence" in k for k in every)  # long rows over chips fsdp holds
-    off = load_config("configs/tprl.py", ["actor.offload_optimizer=true"])
+    off = load_config(
+        "configs/tprl.py", ["actor.offload_optimizer=true", "model.remat_policy=offload"]
+    )
     left = rep.knobs(off, types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "sequence": 8}))
-    assert not any("offload" in k or "mesh.sequence" in k for k in left)
+    assert not any("offload" in k or "mesh.sequence" in k or "remat" in k for k in left)
     some = rep.knobs(load_config("configs/tprl.py", ["model.remat_policy=none"]),
                      types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 1}))  # fmt: skip
     assert any("remat_policy=full" in k for k in some) and any("mesh.fsdp" in k for k in some)
@@ -515,3 +520,30 @@ def test_suggest_offloads_the_optimizer_first_where_its_state_is_the_excess(caps
     mem = types.SimpleNamespace(peak_memory_in_bytes=22 * gib, host_argument_size_in_bytes=8 * gib)
     assert _device_peak(mem) == 14 * gib
     assert _device_peak(types.SimpleNamespace(peak_memory_in_bytes=0)) == 0
+
+
+def test_suggest_offload_adds_the_layer_inputs_when_the_optimizer_alone_is_not_enough(
+    monkeypatch,
+):
+    """suggest_offload tries the optimizer state in host memory, then the layers' inputs too
+    (the compiler stubbed: fits only with both); nothing the config already set."""
+    import types
+
+    c = load_config("configs/vgr.py:runlocal", ["model.dtype=bfloat16", "prompts_per_step=4"])
+    tried = []
+
+    def compile_(self, name):
+        both = (self.c.actor.offload_optimizer, self.c.model.remat_policy)
+        tried.append(both)
+        return types.SimpleNamespace(fits=both == (True, "offload"), peak_bytes=2**30)
+
+    monkeypatch.setattr(Plan, "compile", compile_)
+    got = Plan.build(c, "v5e-4").suggest_offload()
+    assert got == {"actor.offload_optimizer": True, "model.remat_policy": "offload"}
+    assert tried == [(True, c.model.remat_policy), (True, "offload")]
+    tried.clear()
+    both = ["actor.offload_optimizer=true", "model.remat_policy=offload"]
+    done = load_config(
+        "configs/vgr.py:runlocal", ["model.dtype=bfloat16", "prompts_per_step=4", *both]
+    )
+    assert Plan.build(done, "v5e-4").suggest_offload() is None and tried == []
