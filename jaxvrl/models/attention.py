@@ -261,6 +261,16 @@ def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
         given.setdefault("k_positions", given["q_positions"])
     opts = settings if split.ulysses else dict(settings, window=None)  # a band needs T == S
     gathered = [n for n in given if split.ulysses or n[0] != "q"]  # the keys' (all: Ulysses)
+    # causal context parallel with a kernel that skips the blocks a query does not see: each
+    # device takes the halves s and 2 size - 1 - s of the row's 2 size (the "zigzag" order),
+    # so that every device's queries see as many keys (`_zigzag`)
+    balance = (
+        not split.ulysses
+        and settings["causal"]
+        and settings["implementation"] != "xla"
+        and (t // split.size) % 2 == 0
+    )
+    queries = [n for n in given if n not in gathered]
 
     def body(q, k, v, pool, given):
         ints = [given[n] for n in gathered] + ([] if pool is None else [pool])
@@ -275,7 +285,14 @@ def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
             ints = _gather_ints(axis, ints, after)
             run.update(zip(gathered, ints))
             pool = pool if pool is None else ints[-1]
+        if balance:
+            q, *mine = _zigzag(axis, split.size, [q, *(given[n] for n in queries)])
+            run.update(zip(queries, mine))
         out, masses = _attend(q, k, v, pool, **run, **opts)
+        if balance:
+            out, *back = _zigzag(axis, split.size, [out] + ([] if masses is None else [masses]),
+                                 back=True)  # fmt: skip
+            masses = back[0] if back else None
         if masses is not None:
             masses = _devices_masses(split, masses)
             out = lax.optimization_barrier((out, masses))[0]
@@ -290,6 +307,33 @@ def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
     run = jax.shard_map(body, mesh=split.mesh, in_specs=specs, out_specs=out_specs,
                         check_vma=False)  # fmt: skip
     return run(q, k, v, pool, given)
+
+
+def _zigzag(axis: str, size: int, xs: list, back: bool = False) -> list:
+    """Arrays [B, T / size, ...], each device's run of the row (its halves 2d and 2d + 1 of 2
+    size), -> each device's halves d and 2 size - 1 - d (under a causal mask every device's
+    queries then see as many keys: the load-balanced order of Llama 3's context
+    parallelism, arXiv 2407.21783); back: the inverse. Two
+    collective permutes per array: every device sends its first halves along one, its second
+    halves along the other."""
+    dest = lambda c: c if c < size else 2 * size - 1 - c  # noqa: E731 -- half c's device
+    first = [(d, dest(2 * d)) for d in range(size)]
+    second = [(d, dest(2 * d + 1)) for d in range(size)]
+    if back:
+        first, second = [(b, a) for a, b in first], [(b, a) for a, b in second]
+    # half d comes by the first permute on an even device d, by the second on an odd one
+    even = lax.axis_index(axis) % 2 == 0
+    out = []
+    for x in xs:
+        h = x.shape[1] // 2
+        a, b = x[:, :h], x[:, h:]
+        if back:  # this device's halves back along the permutes they came by
+            a, b = jnp.where(even, a, b), jnp.where(even, b, a)
+        a, b = lax.ppermute(a, axis, first), lax.ppermute(b, axis, second)
+        if not back:
+            a, b = jnp.where(even, a, b), jnp.where(even, b, a)
+        out.append(jnp.concatenate([a, b], axis=1))
+    return out
 
 
 def _heads_to_tokens(axis: str, size: int, *xs):

@@ -3,7 +3,9 @@ the vision tower's patches split over 2 or 4 devices give what one unsplit mesh 
 
 - `attend` (dense causal and not, blocked causal; packed segments, pools) and its
   gradients, and `attend_key_masses`, on rows split over the axis: by an all-to-all over heads
-  (Ulysses) where the heads divide, else by keys and values gathered (context parallel).
+  (Ulysses) where the heads divide, else by keys and values gathered (context parallel; with
+  the blocked kernel under a causal mask, each device's queries in the load-balanced zigzag
+  order).
 - The tiny Qwen2.5-VL (4 query and 2 key/value heads, 2 in the tower: Ulysses on
   sequence=2, context parallel on 4) on a batch of a text-only prompt, one image, two images
   and a video, its prompts one column wider than a multiple of the split (the step pads them
@@ -82,6 +84,15 @@ for name, mesh in meshes.items():
     report[name]["attention"] = {k: [x.tolist() for x in jax.tree.leaves(v)] for k, v in got.items()}
     report[name]["collectives"] = [op for op in ("all_to_all", "all_gather") if op in text]
 
+# the blocked kernel's causal context parallel reorders each device's queries (zigzag): the
+# positions each device holds, and back
+from jaxvrl.models.attention import _zigzag
+spec = jax.sharding.PartitionSpec(None, "sequence")
+zig = [jax.shard_map(lambda x, back=back: _zigzag("sequence", 4, [x], back)[0],
+                     mesh=meshes["context"], in_specs=spec, out_specs=spec) for back in (0, 1)]
+held = zig[0](jnp.broadcast_to(jnp.arange(L), (B, L)))
+report["context"]["zigzag"] = [np.asarray(held)[0].tolist(), np.asarray(zig[1](held))[0].tolist()]
+
 # the model
 model = qwen.load(sys.argv[1])
 graphdef, params0 = nnx.split(model, nnx.Param)
@@ -149,6 +160,15 @@ def test_split_attention_equals_unsplit(report, split):
         for a, b in zip(got[case], want[case]):
             a, b = np.asarray(a), np.asarray(b)
             np.testing.assert_allclose(a, b, atol=1e-5 * max(np.abs(b).max(), 1.0), err_msg=case)
+
+
+def test_context_parallel_balances_causal_queries_over_devices(report):
+    """Each of the 4 devices holds the row's eighths d and 7 - d (as many keys seen under a
+    causal mask on every device), and the inverse gives back the row's order."""
+    held, back = report["context"]["zigzag"]
+    eighths = np.arange(32).reshape(8, 4)
+    assert held == np.concatenate([np.r_[eighths[d], eighths[7 - d]] for d in range(4)]).tolist()
+    assert back == list(range(32))
 
 
 @pytest.mark.parametrize("split", ["ulysses", "context"])
