@@ -30,7 +30,7 @@ from jaxvrl.models.interface import (
     supported,
 )
 from jaxvrl.models.model import Model  # every family's module (the protocol: interface.Model)
-from jaxvrl.models.packing import Packing, gather_rows
+from jaxvrl.models.packing import Packing, gather_rows, gather_slots
 from jaxvrl.models.patches import VisionInputs, stack_vision_inputs
 from jaxvrl.models.positions import attention_pools, continue_positions
 
@@ -118,6 +118,7 @@ __all__ = [
     "family",
     "family_of",
     "gather_rows",
+    "gather_slots",
     "load",
     "load_config",
     "preset_names",

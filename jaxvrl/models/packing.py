@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxvrl.parallel.sharding import logical_to_spec, sequence_split, traced_mesh
+
 
 @struct.dataclass
 class Packing:
@@ -118,3 +120,80 @@ def _gather_rows_bwd(res, g):
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def gather_slots(hidden: jax.Array, at: jax.Array, reader: jax.Array) -> jax.Array:
+    """`gather_rows` of packed outputs hidden [K = groups x buffers, T, D] at slots at
+    int32[groups, J] of each group's buffers (flattened, buffers x T; buffers x T: none),
+    whose inverse is reader int32[groups, buffers x T] -> [groups, J, D].
+
+    Where a mesh axis splits the buffers' tokens (sequence parallelism), each device gathers
+    the slots it holds and the devices along that axis sum their parts (every slot is held by
+    one, so the sum is exact): the buffers are never gathered whole. Else a plain gather."""
+    k, t, d = hidden.shape
+    g = at.shape[0]
+    split = sequence_split(t)
+    mesh = traced_mesh()
+    if split is not None:
+        rows = logical_to_spec(("batch",), (k,), mesh)[0]
+        if logical_to_spec(("batch",), (g,), mesh)[0] != rows:
+            split = None
+    if split is None:
+        return gather_rows(hidden.reshape(g, k // g * t, d), at, reader)
+    return _split_gather(hidden, at, reader, split[0], split[1], rows)
+
+
+def _split_gather(hidden, at, reader, axis, size, rows):
+    @jax.custom_vjp
+    def run(hidden, at, reader):
+        return _split_take(hidden, at, axis, size, rows)
+
+    def fwd(hidden, at, reader):
+        return run(hidden, at, reader), (at, reader)
+
+    def bwd(res, cot):  # each packed slot's head slot: the inverse gather, per device
+        at, reader = res
+        k, t = hidden.shape[0], hidden.shape[1]
+        buffers = k // reader.shape[0]
+
+        def local(cot, reader):
+            g, j = cot.shape[:2]
+            full = jnp.concatenate([cot, jnp.zeros((g, 1, cot.shape[2]), cot.dtype)], axis=1)
+            r = reader.reshape(g, -1)  # [g, buffers x T / size]
+            out = jnp.take_along_axis(full, r[..., None], axis=1)
+            return out.reshape(g * buffers, -1, cot.shape[2])
+
+        spec = jax.sharding.PartitionSpec
+        grad = jax.shard_map(
+            local,
+            in_specs=(spec(rows, None, None), spec(rows, None, axis)),
+            out_specs=spec(rows, axis, None),
+            check_vma=False,
+        )(cot, reader.reshape(reader.shape[0], buffers, t))
+        return grad, None, None
+
+    run.defvjp(fwd, bwd)
+    return run(hidden, at, reader)
+
+
+def _split_take(hidden, at, axis, size, rows):
+    """The forward of `gather_slots` with the tokens split over `axis` (of `size` devices)."""
+    spec = jax.sharding.PartitionSpec
+
+    def local(hidden, at):
+        k, tl, d = hidden.shape
+        g = at.shape[0]
+        buffers, t = k // g, tl * size
+        buf, col = at // t, at % t - jax.lax.axis_index(axis) * tl
+        mine = (at < buffers * t) & (col >= 0) & (col < tl)
+        flat = hidden.reshape(g, buffers * tl, d)
+        index = jnp.where(mine, buf * tl + col, 0)
+        out = jnp.take_along_axis(flat, index[..., None], axis=1)
+        return jax.lax.psum(jnp.where(mine[..., None], out, 0), axis)
+
+    return jax.shard_map(
+        local,
+        in_specs=(spec(rows, axis, None), spec(rows, None)),
+        out_specs=spec(rows, None, None),
+        check_vma=False,
+    )(hidden, at)

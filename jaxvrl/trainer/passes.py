@@ -12,7 +12,14 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
-from jaxvrl.models import Packing, ProcessorSettings, VisionInputs, gather_rows, positions
+from jaxvrl.models import (
+    Packing,
+    ProcessorSettings,
+    VisionInputs,
+    gather_rows,
+    gather_slots,
+    positions,
+)
 from jaxvrl.parallel.sharding import row_axes
 
 
@@ -233,8 +240,7 @@ def completion_hidden(
     per_token = jnp.full((b, t), size, jnp.int32).at[:, cols[0] : cols[1]].set(index.reshape(b, n))
     per_token = jnp.pad(per_token.reshape(g, -1), ((0, 0), (0, 1)), constant_values=size)
     reader = jnp.take_along_axis(per_token, packing.src, axis=1)
-    flat = out.hidden.reshape(g, buffered, out.hidden.shape[-1])  # [groups, buffers x T, D]
-    hidden = gather_rows(flat, at, reader)
+    hidden = gather_slots(out.hidden, at, reader)  # [groups, size, D]
     tokens = gather_rows(tokens.reshape(g, -1), source, index)
     return Completions(hidden, tokens, index, source, b), out.replace(**masses)
 
