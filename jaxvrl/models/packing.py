@@ -149,10 +149,9 @@ def _split_gather(hidden, at, reader, axis, size, rows):
         return _split_take(hidden, at, axis, size, rows)
 
     def fwd(hidden, at, reader):
-        return run(hidden, at, reader), (at, reader)
+        return run(hidden, at, reader), reader
 
-    def bwd(res, cot):  # each packed slot's head slot: the inverse gather, per device
-        at, reader = res
+    def bwd(reader, cot):  # each packed slot's head slot: the inverse gather, per device
         k, t = hidden.shape[0], hidden.shape[1]
         buffers = k // reader.shape[0]
 

@@ -75,7 +75,7 @@ def streamed_update(tx, grads, opt_state, params, ok, clip: float | None):
 
     for group in stacks.values():
 
-        def layer(p, xs, group=group):
+        def layer(p, xs):
             i, g, s = xs
             p_i = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in p]
             p_i, n_flat = part(p_i, g, s)
