@@ -111,17 +111,15 @@ def every_query_sees_itself(t, s, key_valid, q_positions, q_segments, k_segments
     )
 
 
-SEES_BLOCK = 2048  # queries per block of `sees_any`'s mask with a sliding window
-
-
 def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
     """bool[B, T]: queries that may see at least one key. The kernels below give the other
-    rows an average of masked values rather than zeros. Without segments in O(T + S): a query
-    sees a key iff the row's first valid key position is at or before its own (causal), or
-    the row has a valid key at all; with segments in O((T + S) log S), the same test against
-    the first valid key of the query's segment (`_first_of_segment`); with a sliding window
-    from the rule, SEES_BLOCK queries at a time (a whole [B, T, S] mask is 4 GiB for one
-    64k-token row)."""
+    rows an average of masked values rather than zeros. Without segments or a window in
+    O(T + S): a query sees a key iff the row's first valid key position is at or before its
+    own (causal), or the row has a valid key at all; else in O((T + S) log S), never a [T, S]
+    mask (4 GiB for one 64k-token row): with segments, the same test against the first valid
+    key of the query's segment (`_first_of_segment`); with a sliding window, whether the last
+    valid key of the query's segment at or before its position is fewer than `sliding`
+    positions back (`_last_at_or_before`)."""
     b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
     never = jnp.iinfo(jnp.int32).max
     if vis.q_segments is None and not sliding:
@@ -129,25 +127,30 @@ def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
             return jnp.broadcast_to(jnp.any(vis.key_valid, axis=-1)[:, None], (b, t))
         first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
         return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
-    if not sliding:
+    if not (sliding and causal):
         found, first = _first_of_segment(vis, b, t)
         return found & (first <= vis.q_positions) if causal else found
-    if t <= SEES_BLOCK:
-        return jnp.any(visibility_mask(vis, causal, sliding=sliding), axis=-1)
-    blocks = -(-t // SEES_BLOCK)
-    padded = vis._replace(
-        q_positions=pad_axis(vis.q_positions, 1, blocks * SEES_BLOCK, 0),
-        q_segments=None
-        if vis.q_segments is None
-        else pad_axis(vis.q_segments, 1, blocks * SEES_BLOCK, -1),
-    )
+    found, last = _last_at_or_before(vis, b, t)
+    return found & (last > vis.q_positions - sliding)
 
-    def block(i):  # bool[B, SEES_BLOCK]
-        mask = visibility_mask(padded, causal, i * SEES_BLOCK, SEES_BLOCK, sliding=sliding)
-        return jnp.broadcast_to(jnp.any(mask, axis=-1), (b, SEES_BLOCK))
 
-    out = lax.map(block, jnp.arange(blocks))  # [blocks, B, SEES_BLOCK]
-    return out.transpose(1, 0, 2).reshape(b, -1)[:, :t]
+def _keys_sorted(vis: Visibility, b: int, t: int):
+    """Per row, the keys' (segment, invalid, position) sorted (valid keys first within a
+    segment, by position), and the queries' segments and positions, all [B, ...] int32; no
+    segments: one segment."""
+    s = vis.key_valid.shape[1]
+    zeros = lambda n: jnp.zeros((b, n), jnp.int32)  # noqa: E731
+    k_seg = zeros(s) if vis.k_segments is None else jnp.broadcast_to(vis.k_segments, (b, s))
+    q_seg = zeros(t) if vis.q_segments is None else jnp.broadcast_to(vis.q_segments, (b, t))
+    k_pos = jnp.broadcast_to(vis.k_positions, (b, s))
+    q_pos = jnp.broadcast_to(vis.q_positions, (b, t))
+    invalid = (~vis.key_valid).astype(jnp.int32)
+
+    def row(k_seg, invalid, k_pos):
+        order = jnp.lexsort((k_pos, invalid, k_seg))
+        return k_seg[order], invalid[order], k_pos[order]
+
+    return (*jax.vmap(row)(k_seg, invalid, k_pos), q_seg, q_pos)
 
 
 def _first_of_segment(vis: Visibility, b: int, t: int) -> tuple[jax.Array, jax.Array]:
@@ -155,18 +158,41 @@ def _first_of_segment(vis: Visibility, b: int, t: int) -> tuple[jax.Array, jax.A
     smallest position of those keys): the valid keys sorted by (segment, position), each
     query's segment looked up by binary search."""
     s = vis.key_valid.shape[1]
-    k_seg = jnp.broadcast_to(vis.k_segments, (b, s))
-    k_pos = jnp.broadcast_to(vis.k_positions, (b, s))
-    q_seg = jnp.broadcast_to(vis.q_segments, (b, t))
-    valid = vis.key_valid
+    seg, invalid, pos, q_seg, _ = _keys_sorted(vis, b, t)
 
-    def row(k_seg, k_pos, valid, q_seg):
-        order = jnp.lexsort((k_pos, ~valid, k_seg))  # by segment, valid keys first, position
-        seg, pos, ok = k_seg[order], k_pos[order], valid[order]
+    def row(seg, invalid, pos, q_seg):
         at = jnp.minimum(jnp.searchsorted(seg, q_seg, side="left"), s - 1)
-        return (seg[at] == q_seg) & ok[at], pos[at]
+        return (seg[at] == q_seg) & (invalid[at] == 0), pos[at]
 
-    return jax.vmap(row)(k_seg, k_pos, valid, q_seg)
+    return jax.vmap(row)(seg, invalid, pos, q_seg)
+
+
+def _last_at_or_before(vis: Visibility, b: int, t: int) -> tuple[jax.Array, jax.Array]:
+    """(found bool[B, T]: a valid key of the query's segment is at or before its position;
+    last int32[B, T]: the largest such position): the keys sorted by (segment, invalid,
+    position), the count of those at or before (query's segment, valid, its position) found
+    by a binary search over the three, the key before it read."""
+    s = vis.key_valid.shape[1]
+    seg, invalid, pos, q_seg, q_pos = _keys_sorted(vis, b, t)
+
+    def row(seg, invalid, pos, q_seg, q_pos):
+        def at_or_before(i):  # key i's (segment, invalid, position) <= (q_seg, 0, q_pos)
+            a, c = seg[i], pos[i]
+            return (a < q_seg) | ((a == q_seg) & (invalid[i] == 0) & (c <= q_pos))
+
+        def step(_, bounds):
+            lo, hi = bounds
+            mid = (lo + hi) // 2
+            below = at_or_before(jnp.minimum(mid, s - 1)) & (lo < hi)
+            return jnp.where(below, mid + 1, lo), jnp.where(below | (lo >= hi), hi, mid)
+
+        zero = jnp.zeros_like(q_pos)
+        count, _ = lax.fori_loop(0, s.bit_length() + 1, step, (zero, zero + s))
+        prev = jnp.maximum(count - 1, 0)
+        found = (count > 0) & (seg[prev] == q_seg) & (invalid[prev] == 0)
+        return found, pos[prev]
+
+    return jax.vmap(row)(seg, invalid, pos, q_seg, q_pos)
 
 
 def zero_blind(out, vis: Visibility, cfg: Blocks):

@@ -467,12 +467,13 @@ def test_flash_memory_does_not_grow_with_t_times_s():
     assert flash < probs // 2, (flash, dense)  # a few [N, 512, 512] blocks (25 MiB)
 
 
-@pytest.mark.parametrize("causal, sliding", [(True, 0), (True, 7), (False, 0)])
-def test_which_queries_see_any_key_equals_the_whole_mask(monkeypatch, causal, sliding):
-    """With segments the kernels' guard against queries that see no key never builds the
-    [T, S] mask: by a sort of the keys (and, with a sliding window, a block of queries at a
-    time); the same answer as the whole mask for unordered segments and positions, keys and
-    queries of other lengths, T not a multiple of the block."""
+@pytest.mark.parametrize("segments", [True, False])
+@pytest.mark.parametrize("causal, sliding", [(True, 0), (True, 7), (True, 1), (False, 0)])
+def test_which_queries_see_any_key_equals_the_whole_mask(causal, sliding, segments):
+    """With segments or a sliding window the kernels' guard against queries that see no key
+    never builds the [T, S] mask: a sort of the keys and a binary search per query; the same
+    answer as the whole mask for unordered segments and positions (repeated ones too), keys
+    and queries of other lengths."""
     rng = np.random.default_rng(0)
     b, t, s = 2, 50, 37
     valid = jnp.asarray(rng.random((b, s)) < 0.6)
@@ -480,8 +481,10 @@ def test_which_queries_see_any_key_equals_the_whole_mask(monkeypatch, causal, sl
     k_seg = jnp.asarray(rng.integers(0, 7, (b, s)), jnp.int32)
     q_pos = jnp.asarray(rng.integers(0, 40, (b, t)), jnp.int32)
     k_pos = jnp.asarray(rng.integers(0, 40, (b, s)), jnp.int32)
+    if not segments:
+        q_seg = k_seg = None
     vis = V.Visibility(valid, q_pos, k_pos, q_seg, k_seg)
     want = np.asarray(jnp.any(V.visibility_mask(vis, causal, sliding=sliding), -1))
-    assert want.any() and not want.all()
-    monkeypatch.setattr(V, "SEES_BLOCK", 16)
+    want = np.broadcast_to(want, (b, t))
+    assert want.any() and (not want.all() or not segments)
     np.testing.assert_array_equal(np.asarray(V.sees_any(vis, causal, sliding)), want)
