@@ -17,10 +17,10 @@ For each it prints the compile time, HBM per device, the XLA cost model's FLOPs 
 (loops counted), the MFU that implies, the collectives and the largest arrays; a last line
 holds them as JSON. Exit status 1 when a program does not fit (with the knobs that help), 2
 for a bad argument or no TPU compiler. Flags besides --config: --topology=NAME (v4-8, v5e-16,
-v5p-16, ...), --programs=train_step,sampler,decode_step, --jobs=N (compiles at once), --suggest
-(micro-batches, host offload, then mesh.sequence from fsdp, until the step fits), --lengths=FILE of integers
-or lognormal:median=M,sigma=S (completion lengths for the step's rows: compiled for the
-completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
+v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compiles at once),
+--suggest (micro-batches, host offload, then mesh.sequence from fsdp, until the step fits),
+--lengths=FILE of integers or lognormal:median=M,sigma=S (completion lengths for the step's
+rows: compiled for the completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
 --iteration=K|auto prices one RL iteration for the --lengths mix: synchronous, partial,
 one-step-off with the rollout on K chips (auto: every split, the fastest kept), and both.
 """

@@ -253,7 +253,8 @@ def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
     (context parallel) each device's queries attend to the keys and values gathered from
     every device, at their positions in the row. The pool masses, averaged over a device's
     heads, are averaged over the devices that split the heads. Each step's arrays travel in
-    one collective, and the collectives in a fixed order."""
+    one collective, and the collectives in a fixed order; under a causal mask a blocked
+    kernel's queries are reordered so that every device sees as many keys (`_zigzag`)."""
     axis, t = split.axis, q.shape[1]
     given = {name: jnp.broadcast_to(x, q.shape[:2]) for name, x in rows.items() if x is not None}
     if settings["causal"] and not split.ulysses:  # a query's and a key's place in the row
@@ -312,10 +313,9 @@ def _split_attend(split: _Split, q, k, v, pool, rows: dict, settings: dict):
 def _zigzag(axis: str, size: int, xs: list, back: bool = False) -> list:
     """Arrays [B, T / size, ...], each device's run of the row (its halves 2d and 2d + 1 of 2
     size), -> each device's halves d and 2 size - 1 - d (under a causal mask every device's
-    queries then see as many keys: the load-balanced order of Llama 3's context
-    parallelism, arXiv 2407.21783); back: the inverse. Two
-    collective permutes per array: every device sends its first halves along one, its second
-    halves along the other."""
+    queries then see as many keys: the load-balanced order of Llama 3's context parallelism,
+    arXiv 2407.21783); back: the inverse. Two collective permutes per array: every device
+    sends its first halves along one, its second halves along the other."""
     dest = lambda c: c if c < size else 2 * size - 1 - c  # noqa: E731 -- half c's device
     first = [(d, dest(2 * d)) for d in range(size)]
     second = [(d, dest(2 * d + 1)) for d in range(size)]

@@ -6,7 +6,6 @@ G query heads per key/value head (N = K*G), H head dim, D model dim.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -211,16 +210,16 @@ def remat(method, policy: str, prevent_cse: bool = True):
     if policy == "none":
         return method
 
-    def pure(graphdef, state, x, *args):
-        if policy == "offload":  # the layer's input, the one value its backward pass keeps
-            x = checkpoint_name(x, OFFLOADED)
-        return method(nnx.merge(graphdef, state), x, *args)
-
     def call(module, *args):
         graphdef, state = nnx.split(module)
-        pure_ = functools.partial(pure, graphdef)
+
+        def pure(state, x, *args):
+            if policy == "offload":  # the layer's input, the one value its backward pass keeps
+                x = checkpoint_name(x, OFFLOADED)
+            return method(nnx.merge(graphdef, state), x, *args)
+
         policy_ = checkpoint_policy(policy)
-        return jax.checkpoint(pure_, policy=policy_, prevent_cse=prevent_cse)(state, *args)
+        return jax.checkpoint(pure, policy=policy_, prevent_cse=prevent_cse)(state, *args)
 
     return call
 

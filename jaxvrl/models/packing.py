@@ -156,7 +156,7 @@ def _split_gather(hidden, at, reader, axis, size, rows):
         buffers = k // reader.shape[0]
 
         def local(cot, reader):
-            g, j = cot.shape[:2]
+            g = cot.shape[0]
             full = jnp.concatenate([cot, jnp.zeros((g, 1, cot.shape[2]), cot.dtype)], axis=1)
             r = reader.reshape(g, -1)  # [g, buffers x T / size]
             out = jnp.take_along_axis(full, r[..., None], axis=1)
@@ -180,12 +180,12 @@ def _split_take(hidden, at, axis, size, rows):
     spec = jax.sharding.PartitionSpec
 
     def local(hidden, at):
-        k, tl, d = hidden.shape
+        k, tl = hidden.shape[:2]
         g = at.shape[0]
         buffers, t = k // g, tl * size
         buf, col = at // t, at % t - jax.lax.axis_index(axis) * tl
         mine = (at < buffers * t) & (col >= 0) & (col < tl)
-        flat = hidden.reshape(g, buffers * tl, d)
+        flat = hidden.reshape(g, buffers * tl, hidden.shape[2])
         index = jnp.where(mine, buf * tl + col, 0)
         out = jnp.take_along_axis(flat, index[..., None], axis=1)
         return jax.lax.psum(jnp.where(mine[..., None], out, 0), axis)

@@ -121,10 +121,10 @@ def sees_any(vis: Visibility, causal: bool, sliding: int = 0) -> jax.Array:
     valid key of the query's segment at or before its position is fewer than `sliding`
     positions back (`_last_at_or_before`)."""
     b, t = vis.key_valid.shape[0], vis.q_positions.shape[1]
-    never = jnp.iinfo(jnp.int32).max
     if vis.q_segments is None and not sliding:
         if not causal:
             return jnp.broadcast_to(jnp.any(vis.key_valid, axis=-1)[:, None], (b, t))
+        never = jnp.iinfo(jnp.int32).max
         first = jnp.min(jnp.where(vis.key_valid, vis.k_positions, never), axis=-1)  # [B]
         return jnp.broadcast_to(first[:, None] <= vis.q_positions, (b, t))
     if not (sliding and causal):

@@ -48,8 +48,8 @@ def streamed_update(tx, grads, opt_state, params, ok, clip: float | None):
         state = s_def.unflatten([next(host) if k in slots else n for k, n in enumerate(flat)])
         state = jax.device_put(state, jax.memory.Space.Device)
         updates, new_state = tx.update(g, state, p)
-        new_p = _pick(ok, optax.apply_updates(p, updates), p)
-        new_state = jax.device_put(_pick(ok, new_state, state), jax.memory.Space.Host)
+        new_p = pick(ok, optax.apply_updates(p, updates), p)
+        new_state = jax.device_put(pick(ok, new_state, state), jax.memory.Space.Host)
         return new_p, s_def.flatten_up_to(new_state)
 
     stacks: dict[int, list[int]] = {}  # layer count -> the leaves stacked over that many
@@ -94,5 +94,6 @@ def streamed_update(tx, grads, opt_state, params, ok, clip: float | None):
     return p_def.unflatten(new_p), s_def.unflatten(out)
 
 
-def _pick(ok, new, old):
+def pick(ok, new, old):
+    """The `new` tree where `ok` (a scalar), else the `old` one."""
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)

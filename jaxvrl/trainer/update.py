@@ -217,8 +217,7 @@ def _apply(tx, grads, opt_state, params, ok, host: bool = False, clip: float | N
         return offload.streamed_update(tx, grads, opt_state, params, ok, clip)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-    return pick(new_params, params), pick(new_opt, opt_state)
+    return offload.pick(ok, new_params, params), offload.pick(ok, new_opt, opt_state)
 
 
 def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows, cfg):

@@ -36,7 +36,6 @@ def test_streamed_update_keeps_a_layer_of_the_state_on_the_chips():
             "embed_tokens": {"embedding": jax.ShapeDtypeStruct((4096, d), "f4")},
         }
     }
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), params)
     spec = lambda x: P(*([None] * (x.ndim - 1)), "fsdp")  # noqa: E731
     dev = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), params)
     tx = build.make_optimizer(load_config("configs/grpo.py").optim)
