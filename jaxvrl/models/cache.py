@@ -32,6 +32,10 @@ class KVCache:
     v: tuple[jax.Array, ...] | jax.Array
     key_mask: jax.Array  # bool[B, S]
     index: jax.Array  # int32[]
+    # nothing written yet (`init`): the decoder runs the first tokens as a forward pass
+    # (`attention.attend`, its blocked kernels and sequence split) and writes their keys and
+    # values here after (`filled`); a prefill's cost is then the forward pass's
+    empty: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def init(
@@ -45,9 +49,8 @@ class KVCache:
         else:
             k = tuple(jnp.zeros((batch, kv, hd, length), dtype) for _ in range(n))
             v = tuple(jnp.zeros((batch, kv, length, hd), dtype) for _ in range(n))
-        return cls(
-            k=k, v=v, key_mask=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32)
-        )
+        mask, index = jnp.zeros((batch, length), bool), jnp.zeros((), jnp.int32)
+        return cls(k=k, v=v, key_mask=mask, index=index, empty=True)
 
     @property
     def stacked(self) -> bool:
@@ -56,6 +59,31 @@ class KVCache:
     def layer(self, i: int):
         """What layer i's attention takes: (keys, values, write position)."""
         return self.k[i], self.v[i], self.index
+
+    def filled(self, k, v, valid: jax.Array) -> KVCache:
+        """This empty cache with T tokens written at slots [0, T): their keys k and values v
+        [B, T, K, H] per layer (stacked [L, B, T, K, H], or a sequence of layers) and their
+        validity bool[B, T]."""
+        t = valid.shape[1]
+        if t > self.key_mask.shape[1]:
+            raise ValueError(f"{t} tokens do not fit a cache of {self.key_mask.shape[1]}")
+
+        def put(buf, new, order):  # new [.., B, T, K, H] into buf in the cache's layout
+            lead = tuple(range(new.ndim - 4))
+            new = new.transpose(*lead, *(len(lead) + i for i in order)).astype(buf.dtype)
+            return jax.lax.dynamic_update_slice(buf, new, (0,) * buf.ndim)
+
+        def layers(x):
+            return tuple(x) if isinstance(x, (tuple, list)) else tuple(x[i] for i in range(len(x)))
+
+        if self.stacked:
+            k = put(self.k, jnp.stack(k) if isinstance(k, (tuple, list)) else k, (0, 2, 3, 1))
+            v = put(self.v, jnp.stack(v) if isinstance(v, (tuple, list)) else v, (0, 2, 1, 3))
+        else:
+            k = tuple(put(c, x, (0, 2, 3, 1)) for c, x in zip(self.k, layers(k)))
+            v = tuple(put(c, x, (0, 2, 1, 3)) for c, x in zip(self.v, layers(v)))
+        key_mask = jax.lax.dynamic_update_slice(self.key_mask, valid, (0, 0))
+        return KVCache(k=k, v=v, key_mask=key_mask, index=self.index + t)
 
 
 @struct.dataclass

@@ -1,8 +1,9 @@
 """Attention over a KV cache, behind one function, `attend_cache`, with implementations chosen
 by name or given as a callable.
 
-Without a cache the decoder attends through `jaxvrl.models.attention.attend`. With one (the
-sampler's prefill and decode steps) each layer writes its new keys and values into the cache
+Without a cache, and in a prefill into an empty one, the decoder attends through
+`jaxvrl.models.attention.attend`. Over a written cache (the sampler's decode steps) each
+layer writes its new keys and values into the cache
 (`jaxvrl.models.cache`) and its queries attend over the whole cache here, under the mask
 bool[B, T, S] that the decoder builds once per call (valid keys, causality by slot, the
 sliding window).

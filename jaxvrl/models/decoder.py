@@ -12,8 +12,10 @@ Two attention paths, each behind its own function. Without a cache (training for
 scoring) every layer calls `jaxvrl.models.attention.attend` with the decoder's implementation
 (`attention`: auto | xla | flash | splash | cudnn), key validity from the attention mask and
 causality by index, so no [B, T, S] mask is built and the blocked implementations never hold
-a [T, S] block of logits. With a cache (prefill and decode steps of the sampler) the layer
-writes its keys and values into the cache and attends over it through
+a [T, S] block of logits. A prefill into an empty cache (`KVCache.init`) runs the same way,
+its keys and values written into the cache after the layers (`KVCache.filled`): blocked
+kernels and the sequence split serve prefills too. With a written cache (the sampler's decode
+steps) the layer writes its keys and values into the cache and attends over it through
 `jaxvrl.models.cached_attention.attend_cache`, under one bool[B, T, S] mask per call: "dense"
 by default, or the implementation of the caller's decode-step hook (`step`, see
 `TextDecoder.__call__`), which may also run a view of each layer with its projections
@@ -346,9 +348,10 @@ class TextDecoder(nnx.Module):
         heads-averaged probabilities summed over the queries), in place of (A_V, A_X).
 
         Without a cache, queries attend causally over the T given tokens (through `attend`,
-        with the decoder's `attention` implementation). With a cache, the T tokens are written
-        at `cache.index` and attend over every valid cached key up to their own slot (through
-        `attend_cache`). Returns (hidden [B, T, D], new cache or None, stats or None) where
+        with the decoder's `attention` implementation); so do the T tokens of a prefill into an
+        empty cache (`KVCache.empty`), whose keys and values are then written at slots [0, T).
+        With a written cache, the T tokens are written at `cache.index` and attend over every
+        valid cached key up to their own slot (through `attend_cache`). Returns (hidden [B, T, D], new cache or None, stats or None) where
         stats is (A_V, A_X), each float32[L, B, T].
 
         With scan_layers the layers run as a scan, over a stacked cache when there is one; a
@@ -409,7 +412,10 @@ class TextDecoder(nnx.Module):
             raise ValueError(f"{asked}: only for a forward pass without a cache")
         if record_routes:
             extra["experts"] = True
-        if cache is None:
+        # a prefill into an empty cache runs as a forward pass; its keys and values are
+        # written into the cache after the layers (`KVCache.filled`)
+        fill = isinstance(cache, KVCache) and cache.empty and step is None
+        if cache is None or fill:
             implementation = attention_implementation(self.attention)
         else:
             implementation = "dense" if step is None else step.attention
@@ -423,23 +429,29 @@ class TextDecoder(nnx.Module):
             if deepstack is not None:
                 raise ValueError("a paged cache runs decode steps, which have no vision tokens")
             return self._paged(layer_call, x, cos, sin, valid, cache, pools, step)
-        if cache is None:
+        run = None if fill else cache  # the cache the layers attend over
+        if run is None:
             # key validity [B, T] (or the segment ids); `attend` adds causality block by block
             mask = attention_mask if segmented else valid
+            if fill and pools is not None:  # the keys are the T tokens, slots [0, T)
+                pools = {k: v[:, :t] for k, v in pools.items()}
         else:
             key_mask = jax.lax.dynamic_update_slice(cache.key_mask, valid, (0, cache.index))
             q_pos = cache.index + jnp.arange(t)
             k_pos = jnp.arange(cache.key_mask.shape[1])
             mask = (k_pos[None, :] <= q_pos[:, None])[None] & key_mask[:, None, :]
             mask = self._window(mask, key_mask, q_pos[None])
-        scanned = self.scan_layers and step is None and (cache is None or cache.stacked)
-        args = (layer_call, x, cos, sin, mask, cache, pools)
+        scanned = self.scan_layers and step is None and (run is None or run.stacked)
+        args = (layer_call, x, cos, sin, mask, run, pools)
         if scanned:
-            x, kv, stats, *router = self._scan(*args, deepstack, routes)
+            x, kv, stats, *router = self._scan(*args, deepstack, routes, keep=fill)
         else:
-            x, kv, stats, *router = self._loop(*args, step, deepstack, routes)
+            x, kv, stats, *router = self._loop(*args, step, deepstack, routes, keep=fill)
         x = self.norm(x)
-        new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
+        if fill:
+            new_cache = cache.filled(*kv, valid)
+        else:
+            new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
         return (x, new_cache, stats, *router)
 
     def _window(self, mask, key_mask, q_slot):
@@ -468,9 +480,12 @@ class TextDecoder(nnx.Module):
         new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
         return self.norm(x), new, stats, *router
 
-    def _scan(self, layer_call, x, cos, sin, mask, cache, pools, deepstack=None, routes=None):
+    def _scan(
+        self, layer_call, x, cos, sin, mask, cache, pools, deepstack=None, routes=None, keep=False
+    ):
         """The layers as one scan: remat inside the body, the stacked cache's layers as xs,
-        the new caches and the statistics as ys. With DeepStack, each layer's index rides
+        the new caches (keep, without a cache: the layers' keys and values) and the
+        statistics as ys. With DeepStack, each layer's index rides
         along as xs too, and every layer adds its level times 1 (layers below
         `deepstack.levels`) or 0 (the others: x + 0 = x exactly): one layer program and no
         branch (a `lax.cond` there was priced, and its collectives counted, at its costlier
@@ -486,7 +501,7 @@ class TextDecoder(nnx.Module):
             if deepstack is not None:
                 level = features[jnp.minimum(i, deepstack.levels - 1)].astype(x.dtype)
                 x = x + level * (i < deepstack.levels).astype(x.dtype)
-            return x, (kv if cache is not None else None, stats, *router)
+            return x, (kv if cache is not None or keep else None, stats, *router)
 
         kv_xs = None if cache is None else (cache.k, cache.v)
         index = None if deepstack is None else jnp.arange(self.cfg.num_hidden_layers)
@@ -495,9 +510,13 @@ class TextDecoder(nnx.Module):
         x, (kv, stats, *router) = scan_layers(self.layers, body, x, (kv_xs, index, routes))
         return (x, kv, stats, *router)  # routing (when asked) stacked [L, ...]
 
-    def _loop(self, layer_call, x, cos, sin, mask, cache, pools, step, deepstack=None, routes=None):
+    def _loop(
+        self, layer_call, x, cos, sin, mask, cache, pools, step, deepstack=None, routes=None,
+        keep=False,
+    ):  # fmt: skip
         """The layers one by one (unrolled), each as `step.layer` gives it where there is a
-        hook; a stacked cache gives back a stacked one, a paged one its pages."""
+        hook; a stacked cache gives back a stacked one, a paged one its pages, keep (without
+        a cache) the layers' keys and values."""
         call = remat(layer_call, self.remat_policy)
         ks, vs, all_stats, routers = [], [], [], []
         sparse = sparse_layers(self.cfg)
@@ -517,7 +536,7 @@ class TextDecoder(nnx.Module):
             vs.append(v)
             if stats is not None:
                 all_stats.append(stats)
-        kv = None
+        kv = (tuple(ks), tuple(vs)) if keep else None
         if cache is not None:
             kv = (jnp.stack(ks), jnp.stack(vs)) if cache.stacked else (tuple(ks), tuple(vs))
         stats = jax.tree.map(lambda *s: jnp.stack(s), *all_stats) if all_stats else None

@@ -176,8 +176,9 @@ class Model(nnx.Module):
         `jaxvrl.models.attention`. "auto" is resolved when a program is traced, for the
         platform of the devices it is compiled for: splash on TPUs, flash on GPUs, xla on the
         CPU. The vision tower's window blocks run the banded dense form with any but xla, its
-        full-attention blocks flash in place of cudnn (see `vision.py`); the KV-cache path
-        (the sampler's prefill and decode steps) keeps its dense form. block: the query and
+        full-attention blocks flash in place of cudnn (see `vision.py`); so does the sampler's
+        prefill (into an empty cache), while decode steps attend over the cache in its dense
+        form. block: the query and
         key block size of flash and splash (splash rounds it up to a multiple of 128). Part
         of the graphdef, so set it before `nnx.split`."""
         resolve(name, "cpu")  # validates the name

@@ -192,7 +192,8 @@ def abstract_loop_state(model_config, rows: int, prompt_len: int, cfg: SamplingC
     n = cfg.max_new_tokens
 
     def make():
-        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype)
+        # as the prefill leaves it: written (decode steps attend over it)
+        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype).replace(empty=False)
         tok, lp = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.float32)
         return _loop_state(cache, tok, lp, n, cfg)
 
