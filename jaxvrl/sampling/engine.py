@@ -31,7 +31,7 @@ from flax import nnx, struct
 
 from jaxvrl.models import KVCache, PagedKVCache, continue_positions
 from jaxvrl.sampling import steps
-from jaxvrl.sampling.layout import compute_params
+from jaxvrl.sampling.layout import compute_params, for_decode
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig
 
 
@@ -146,8 +146,8 @@ def prefill_slots(
     tail = ((0, 0), (0, width - p_len))
     if pools is not None:
         pools = {k: jnp.pad(v.astype(bool), tail) for k, v in pools.items()}
-    return SlotsCarry(
-        pages=(k_pages, v_pages),
+    carry = SlotsCarry(
+        pages=(),
         prompt_valid=jnp.pad(out.cache.key_mask, tail),
         pools=pools,
         start=jnp.sum(attention_mask, axis=1).astype(jnp.int32) + deltas,
@@ -161,6 +161,9 @@ def prefill_slots(
         prompt_of=prompt_of,
         routes=None if out.routes is None else steps.step_routes(model, out.routes, r),
     )
+    # on a prefill mesh, rows over its data and sequence axes: the decode mesh's rows
+    pages = jax.tree.map(lambda x: for_decode(x, (None, "heads")), (k_pages, v_pages))
+    return jax.tree.map(for_decode, carry).replace(pages=pages)
 
 
 def decode_slots(

@@ -81,6 +81,76 @@ def rollout_mesh(
     return Mesh(grid, sharding.MESH_AXES)
 
 
+def prefill_mesh(mesh: Mesh, sequence: int) -> Mesh:
+    """The prefill's mesh for the rollout mesh `mesh` (data, 1, 1, 1, tensor): its data axis
+    cut into (data / sequence, sequence), over the same devices in the same order. A prompt's
+    tokens split over `sequence` neighbouring data groups (sequence parallelism:
+    `models/attention.py`); rows over (data, sequence) there are the decode mesh's rows, so
+    the prefill hands its carry to the decode steps in place (`for_decode`). Raises
+    ValueError naming the sizes where `sequence` does not divide the data groups."""
+    if sequence == 1:
+        return mesh
+    if any(mesh.shape[a] != 1 for a in ("fsdp", "expert", "sequence")):
+        raise ValueError(f"a rollout mesh has only data and tensor axes, got {dict(mesh.shape)}")
+    data, tensor = mesh.shape["data"], mesh.shape["tensor"]
+    if sequence < 1 or data % sequence:
+        raise ValueError(
+            f"a prompt split over {sequence} devices needs a number of data groups it divides, "
+            f"the rollout mesh has {data} (of {tensor} devices each)"
+        )
+    grid = mesh.devices.reshape(data // sequence, 1, 1, sequence, tensor)
+    return Mesh(grid, sharding.MESH_AXES)
+
+
+# the decode steps' layout seen from a prefill mesh: rows over its data and sequence axes (the
+# decode mesh's data axis), a row's positions whole
+_DECODE_RULES = {
+    **sharding.LOGICAL_RULES,
+    "batch": (*sharding.ROW_AXES, "sequence"),
+    "length": None,
+}
+
+
+def for_decode(x: jax.Array, axes: tuple = ("batch",)) -> jax.Array:
+    """A prefill's output `x` in the layout decode steps take it (logical `axes` of its
+    leading dimensions, the rest whole) where the program is traced for a prefill mesh
+    (`prefill_mesh`, a sequence axis); else `x` as it is."""
+    mesh = sharding.traced_mesh()
+    if mesh is None or mesh.shape["sequence"] == 1:
+        return x
+    axes = (*axes, *(None,) * (x.ndim - len(axes)))
+    spec = sharding.logical_to_spec(axes, x.shape, mesh, _DECODE_RULES)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def onto(tree, mesh: Mesh | None):
+    """The arrays of `tree` that lie on another mesh over the same devices put on `mesh`,
+    split alike: rows over a prefill mesh's (data, sequence) become rows over the decode
+    mesh's data (`prefill_mesh`: the same devices in the same order, so no copy), other
+    splits keep their axes' names (a dimension the new mesh's axes do not divide whole)."""
+    if mesh is None:
+        return tree
+
+    def one(x):
+        s = getattr(x, "sharding", None)
+        if not isinstance(s, NamedSharding) or s.mesh == mesh:
+            return x
+        spec = []
+        for dim, names in zip(x.shape, (*s.spec, *(None,) * (x.ndim - len(s.spec)))):
+            axes = (names,) if isinstance(names, str) else tuple(names or ())
+            if "sequence" in axes and mesh.shape["sequence"] == 1:  # prefill rows -> decode
+                axes = tuple(a for a in axes if a not in ("data", "sequence"))
+                axes = ("data", *axes) if s.mesh.shape["data"] == 1 or "data" in names else axes
+            size = int(np.prod([mesh.shape[a] for a in axes]))
+            spec.append((axes[0] if len(axes) == 1 else axes) if axes and dim % size == 0 else None)
+        target = NamedSharding(mesh, P(*spec))
+        if isinstance(x, jax.ShapeDtypeStruct):  # compiling ahead of time
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+        return jax.device_put(x, target)
+
+    return jax.tree.map(one, tree)
+
+
 def rollout_sizes(
     devices: int,
     hosts: int,

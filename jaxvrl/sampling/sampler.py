@@ -38,7 +38,7 @@ from jaxvrl.models import rope_index, stack_vision_inputs, vision_inputs, vision
 from jaxvrl.sampling import engine, static, steps
 from jaxvrl.sampling.cpu import decode as cpu_decode
 from jaxvrl.sampling.cpu.decode import DecodeWeights
-from jaxvrl.sampling.layout import Layout, Preparer
+from jaxvrl.sampling.layout import Layout, Preparer, onto, prefill_mesh
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig
 
 Carry = static.StaticCarry | engine.SlotsCarry
@@ -226,16 +226,25 @@ class Sampler:
     are traced and run under it (activation constraints and the KV cache follow the rows'
     sharding and the tensor axis; CPU forms only on a one-device CPU mesh); dtype: the
     compute dtype of sampling (None: the model's).
+
+    sequence: the devices each prompt's prefill splits its tokens over (sequence parallelism;
+    1: none). The prefill then runs on `layout.prefill_mesh(mesh, sequence)` (the mesh's data
+    groups joined `sequence` at a time, the same devices) and hands its carry to the decode
+    steps, on `mesh`, in place; prompt lengths that `sequence` divides split evenly.
     """
 
-    def __init__(self, graphdef, cfg: SamplingConfig, mesh=None, dtype=None):
+    def __init__(self, graphdef, cfg: SamplingConfig, mesh=None, dtype=None, sequence: int = 1):
         self.graphdef, self.cfg, self.mesh = graphdef, cfg, mesh
         self.layout = Layout(mesh, None if dtype is None else jnp.dtype(dtype).name)
+        if sequence != 1 and mesh is None:
+            raise ValueError(f"a prefill split over {sequence} devices needs a rollout mesh")
+        self.prefill_mesh = None if mesh is None else prefill_mesh(mesh, sequence)
         self.prepare = Preparer(graphdef, self.layout)
         self._seen: set = set()  # the argument shapes of this sampler's calls (`compiles`)
 
-    def _mesh(self):
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+    def _mesh(self, mesh=None):
+        mesh = mesh or self.mesh
+        return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
     def __call__(self, params, input_ids, *args, **kwargs) -> SampleOutput:
         return self.timed(params, input_ids, *args, **kwargs)[0]
@@ -254,14 +263,15 @@ class Sampler:
         ready = self.prepare(params)
         self._seen.add((_shapes((args, kwargs)), num_samples, prefill_once))
         how = dict(cfg=self.cfg, prefill_once=prefill_once)
-        with self._mesh():
-            t0 = time.perf_counter()
-            carry = jax.block_until_ready(
-                prefill_program(
-                    ready.graphdef, ready.params, *args, num_samples=num_samples, **how, **kwargs
-                )
+        t0 = time.perf_counter()
+        with self._mesh(self.prefill_mesh):
+            params, args, kwargs = onto((ready.params, args, kwargs), self.prefill_mesh)
+            carry = prefill_program(
+                ready.graphdef, params, *args, num_samples=num_samples, **how, **kwargs
             )
-            t1 = time.perf_counter()
+            carry = jax.block_until_ready(onto(carry, self.mesh))
+        t1 = time.perf_counter()
+        with self._mesh():
             out, _ = decode_program(ready.graphdef, ready.params, carry, decode_weights, **how)
             out = jax.block_until_ready(out)
         return out, {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
@@ -290,8 +300,18 @@ class Sampler:
 
     def lower(self, params, input_ids, *args, **kwargs):
         """The sampling program lowered for these (abstract) arguments, without running or
-        keeping anything: for compiling it ahead of time (`jaxvrl.aot`)."""
+        keeping anything: for compiling it ahead of time (`jaxvrl.aot`). With the prefill
+        split over a sequence axis (`sequence`), the prefill program on its mesh: the decode
+        steps run as a program of their own, on the rollout mesh."""
         ready = self.prepare(params)
+        if self.prefill_mesh is not self.mesh:
+            with self._mesh(self.prefill_mesh):
+                params, input_ids, args, kwargs = onto(
+                    (ready.params, input_ids, args, kwargs), self.prefill_mesh
+                )
+                return prefill_program.lower(
+                    ready.graphdef, params, input_ids, *args, cfg=self.cfg, **kwargs
+                )
         with self._mesh():
             return sample_program.lower(
                 ready.graphdef, ready.params, input_ids, *args, cfg=self.cfg, **kwargs

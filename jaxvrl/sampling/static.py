@@ -23,7 +23,7 @@ from flax import nnx, struct
 
 from jaxvrl.models import KVCache, continue_positions
 from jaxvrl.sampling import steps
-from jaxvrl.sampling.layout import compute_params
+from jaxvrl.sampling.layout import compute_params, for_decode
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig
 
 
@@ -91,7 +91,7 @@ def prefill(
     routes = _repeat(steps.step_routes(model, out.routes, rows), expand) if record else None
     if pools is not None:
         pools = {k: _repeat(jnp.pad(v, ((0, 0), (0, n))), expand) for k, v in pools.items()}
-    return StaticCarry(
+    carry = StaticCarry(
         # One copy of the prompt's cache per sample: decode steps write each row's own slots
         # (the slots engine shares a prompt's pages between its samples instead).
         cache=_repeat_cache(out.cache, expand),
@@ -102,6 +102,14 @@ def prefill(
         limits=limits,
         routes=routes,
     )
+    # on a prefill mesh, rows over its data and sequence axes: the decode mesh's rows
+    cache = carry.cache
+    kv = dict(
+        k=tuple(for_decode(x, ("batch", "heads")) for x in cache.k),
+        v=tuple(for_decode(x, ("batch", "heads")) for x in cache.v),
+    )
+    carry = jax.tree.map(for_decode, carry.replace(cache=cache.replace(k=(), v=())))
+    return carry.replace(cache=carry.cache.replace(**kv))
 
 
 def decode(

@@ -12,6 +12,8 @@ the vision tower's patches split over 2 or 4 devices give what one unsplit mesh 
   to one): the log-probs, entropies and attention masses of padded rows, and of packed
   rows (padding-free, buffers a multiple of the split long) a loss of every completion
   token's log-prob and entropy and its gradients.
+- The rollout sampler's prefill split over the rollout mesh's sequence (its data groups
+  joined): the same tokens, log-probs and masses, static and slots engines.
 
 Tolerance: float32; the split changes only the order of sums (the gradients' over the
 sequence devices, the attention masses' over heads): attention outputs and gradients agree
@@ -140,6 +142,49 @@ for name, mesh in meshes.items():
     report[name]["grads"] = {".".join(map(str, p)): np.asarray(v.get_value()).tolist()
                              for p, v in nnx.to_flat_state(grads)}
     report[name]["pack_length"] = int(packed.pack_length)
+
+# the sampler's prefill split over the rollout mesh's sequence (data 8, sequence 2: Ulysses;
+# data 4 x tensor 2, sequence 4: context parallel), static and slots engines
+import dataclasses
+from jaxvrl.sampling import Sampler, layout, rollout_mesh
+from jaxvrl.sampling.sampler import generation_config, row_vision_inputs
+from tests.models import hf_tiny as T
+rng = np.random.default_rng(4)
+rows = [T.prompt(rng, images=[[1, 4, 4]]), T.prompt(rng, text_len=(9, 12)),
+        T.prompt(rng, images=[[1, 4, 4], [1, 2, 2]]), T.prompt(rng, videos=[[2, 4, 4]])]
+P = -(-max(map(len, rows)) // 4) * 4 + 4
+ids, mask = T.left_pad(rows, length=P)
+grids, vgrids = np.array([[1, 4, 4], [1, 4, 4], [1, 2, 2]]), np.array([[2, 4, 4]])
+cfg = model.config
+pos, deltas = qwen.get_rope_index(ids, mask, cfg, grids, vgrids, np.array([1.0]))
+images = row_vision_inputs(T.patches(rng, grids), grids, ids, cfg.image_token_id, cfg)
+videos = row_vision_inputs(T.patches(rng, vgrids), vgrids, ids, cfg.video_token_id, cfg)
+pools = qwen.attention_pools(ids, mask, P, **T.POOL_IDS)
+args = jax.tree.map(jnp.asarray, (ids, mask, pos, deltas))
+kw = jax.tree.map(jnp.asarray, dict(images=images, videos=videos, pools=pools))
+gen = generation_config(cfg, max_new_tokens=6, temperature=1.0, eos_token_ids=T.IM_END)
+SAMPLERS = {"one": (1, 1), "ulysses": (1, 2), "context": (2, 4)}  # tensor, sequence
+for name, (tensor, seq) in SAMPLERS.items():
+    rmesh = rollout_mesh(meshes["one"], -1, tensor)
+    got = {}
+    for kind, c in (("static", gen), ("slots", dataclasses.replace(gen, slots=4))):
+        sampler = Sampler(graphdef, c, rmesh, sequence=seq)
+        ready = sampler.prepare(params0)
+        out = sampler(ready, *args, jax.random.key(3), **kw, num_samples=2)
+        got[kind] = [np.asarray(x).tolist() for x in (out.tokens, out.mask, out.logprobs,
+                                                      out.vision_mass, out.text_mass)]
+    report[name]["sampler"] = got
+    text = sampler.lower(ready, *args, jax.random.key(3), **kw, num_samples=2).as_text()
+    report[name]["prefill_collectives"] = [op for op in ("all_to_all", "all_gather") if op in text]
+    pm = sampler.prefill_mesh
+    report[name]["prefill_mesh"] = [int(pm.shape[a]) for a in S.MESH_AXES]
+    # equivalent shardings across the two meshes: no copy either way
+    leaf = jax.tree.leaves(ready.params)[0]
+    rows8 = jax.device_put(jnp.zeros((8, 4)), jax.NamedSharding(pm, jax.P(("data", "sequence"))))
+    same = [onto_ is not None and [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+            == [s.data.unsafe_buffer_pointer() for s in onto_.addressable_shards]
+            for a, onto_ in ((leaf, layout.onto(leaf, pm)), (rows8, layout.onto(rows8, rmesh)))]
+    report[name]["in_place"] = same
 print("REPORT" + json.dumps(report))
 """
 
@@ -193,3 +238,28 @@ def test_a_vision_language_model_on_split_rows_equals_unsplit(report, split):
     for p, g in want["grads"].items():
         np.testing.assert_allclose(np.asarray(got["grads"][p]), np.asarray(g), atol=1e-5 * scale,
                                    err_msg=p)  # fmt: skip
+
+
+@pytest.mark.parametrize("split", ["ulysses", "context"])
+def test_a_sampler_prefill_split_over_the_sequence_axis_equals_unsplit(report, split):
+    """The prompts' prefill on the rollout mesh's data groups joined 2 (Ulysses) or 4 (context
+    parallel, with tensor 2) at a time: the same sampled tokens, log-probs and attention
+    masses (static and slots engines) as the unsplit sampler; the prefill program
+    splits attention; its weights and its carry cross between the meshes without a copy."""
+    want, got = report["one"], report[split]
+    size = {"ulysses": 2, "context": 4}[split]
+    tensor = {"ulysses": 1, "context": 2}[split]
+    assert got["prefill_mesh"] == [8 // size // tensor, 1, 1, size, tensor]
+    assert got["prefill_collectives"] == {"ulysses": ["all_to_all", "all_gather"],
+                                          "context": ["all_gather"]}[split]  # fmt: skip
+    assert got["in_place"] == [True, True]
+    for kind in ("static", "slots"):
+        tokens, mask, lp, vision, text = (np.asarray(x) for x in got["sampler"][kind])
+        w_tokens, w_mask, w_lp, w_vision, w_text = (np.asarray(x) for x in want["sampler"][kind])
+        np.testing.assert_array_equal(tokens, w_tokens, err_msg=kind)
+        np.testing.assert_array_equal(mask, w_mask, err_msg=kind)
+        np.testing.assert_allclose(lp, w_lp, atol=2e-5, err_msg=kind)
+        np.testing.assert_allclose(vision, w_vision, atol=1e-6, err_msg=kind)
+        np.testing.assert_allclose(text, w_text, atol=1e-6, err_msg=kind)
+        assert mask.sum() > 8 and w_vision.max() > 0.05
+
