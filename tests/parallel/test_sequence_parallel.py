@@ -262,4 +262,3 @@ def test_a_sampler_prefill_split_over_the_sequence_axis_equals_unsplit(report, s
         np.testing.assert_allclose(vision, w_vision, atol=1e-6, err_msg=kind)
         np.testing.assert_allclose(text, w_text, atol=1e-6, err_msg=kind)
         assert mask.sum() > 8 and w_vision.max() > 0.05
-
