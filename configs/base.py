@@ -216,6 +216,9 @@ def get_config(arg=None):
     # devices per group splitting heads, MLP, vocab; 0 = the divisor of a host's devices whose
     # decode step reads the fewest bytes per device (weights / group + its share of the cache)
     c.rollout.mesh.tensor = setting(0, NON_NEGATIVE)
+    # devices each prompt's prefill splits its tokens over (sequence parallelism: long prompts,
+    # videos); the prefill joins this many data groups, the decode steps run as before; 1 = off
+    c.rollout.mesh.sequence = setting(1, at_least(1))
     # compute dtype of sampling: auto (bfloat16 on accelerators, model.dtype on the CPU) |
     # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from
     # this dtype; recompute takes them from a pass in model.dtype.

@@ -213,7 +213,8 @@ class Plan:
     def sampler(self, cfg=None) -> Sampler:
         """The rollout sampler of the run, in the rollout's layout."""
         mesh, dtype = self.rollout
-        return Sampler(self.init.model_graphdef, cfg or self.sampling_config(), mesh, dtype)
+        cfg = cfg or self.sampling_config()
+        return Sampler(self.init.model_graphdef, cfg, mesh, dtype, self.c.rollout.mesh.sequence)
 
     @property
     def attention(self) -> str:

@@ -49,6 +49,7 @@ from jaxvrl.sampling import (
     SamplingConfig,
     decode_bytes,
     generation_config,
+    prefill_mesh,
     rollout_dtype,
     rollout_mesh,
 )
@@ -292,11 +293,20 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     length = c.data.max_prompt_length + c.rollout.max_new_tokens
     weights, cache = decode_bytes(text_cfg, rows * processes, length, dtype or c.model.dtype)
     kv = text_cfg.num_key_value_heads
+    m = c.rollout.mesh
     try:
-        m = c.rollout.mesh
         rmesh = rollout_mesh(mesh, m.data, m.tensor, kv, weights, cache)
     except ValueError as e:
         raise ConfigError(f"config.rollout.mesh: {e}") from None
+    try:
+        prefill_mesh(rmesh, m.sequence)
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.mesh.sequence={m.sequence}: {e}") from None
+    if c.data.prompt_bucket % m.sequence:
+        raise ConfigError(
+            f"config.rollout.mesh.sequence={m.sequence} splits every prompt's tokens: "
+            f"data.prompt_bucket={c.data.prompt_bucket} must be a multiple of it"
+        )
     groups = rmesh.shape["data"]
     if (rows * processes) % groups:
         raise ConfigError(
@@ -319,7 +329,8 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     rmesh, dtype = None, None
     if mesh is not None:
         rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
-    return Sampler(graph, cfg, rmesh, dtype), Sampler(graph, greedy, rmesh, dtype)
+    split = c.rollout.mesh.sequence if rmesh is not None else 1
+    return Sampler(graph, cfg, rmesh, dtype, split), Sampler(graph, greedy, rmesh, dtype, split)
 
 
 def make_rollout_phase(

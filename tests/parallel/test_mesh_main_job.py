@@ -1,7 +1,8 @@
 """`python -m jaxvrl.train` on a device mesh: on 8 simulated CPU devices the main job (GRPO
 with a KL loss, so the reference copy is sharded too) trains on the mesh (data=2, fsdp=2,
 sequence=2: every row's tokens and image patches split over 2 devices),
-samples on the rollout's own mesh (data=4, tensor=2), and matches the same run on one device
+samples on the rollout's own mesh (data=4, tensor=2; each prompt's prefill split over 2 of its
+data groups, rollout.mesh.sequence=2), and matches the same run on one device
 with its optimizer state and reference weights in host memory; a run resumed on the mesh equals an uninterrupted one bit
 for bit. One-step-off training (rollout.devices=4: the sampler on 4 devices, the train step
 on the other 4) equals a synchronous run whose sampler is one update behind, and resumes
@@ -87,6 +88,13 @@ if COMPARE:  # 3 x 2 rows do not split over data x fsdp = 8: a clear error befor
         run(c)
     except ConfigError as e:
         report["rows_error"] = str(e)
+    # a prefill split over 3 of the rollout mesh's 4 data groups
+    c = load_config("configs/grpo.py:runlocal", OVERRIDES + ["rollout.mesh.sequence=3",
+                                                   f"workdir={COMPARE[0]}_split"])
+    try:
+        run(c)
+    except ConfigError as e:
+        report["split_error"] = str(e)
 if COMPARE:  # checkpoints saved on 8 devices restore on 8 devices (orbax checks the topology)
     import numpy as np
     from jaxvrl.checkpoint import Checkpointer
@@ -133,9 +141,10 @@ def runs(tmp_path_factory):
     w = {k: str(d / k) for k in names}
     # the mesh runs keep their optimizer state and reference weights in host memory
     # (actor.offload_*): the same arithmetic, so they still match one device
-    # and every row's tokens (and image patches) split over 2 devices (sequence parallel)
+    # and every row's tokens (and image patches) split over 2 devices (sequence parallel),
+    # in the train step and in the sampler's prefill
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2", "actor.offload_optimizer=true",
-            "actor.offload_reference=true"]  # fmt: skip
+            "actor.offload_reference=true", "rollout.mesh.sequence=2"]  # fmt: skip
     # one-step-off: the sampler on devices 4-7, the train step on 0-3 (fsdp); two steps, the
     # resumed run stopped after one (its 1 s time budget spent) with the second step's batch in
     # flight. Two epochs per
@@ -246,6 +255,8 @@ def test_rows_that_do_not_split_over_the_mesh_are_a_config_error(runs):
     report, _ = runs
     assert "6 rows per process" in report["rows_error"], report.get("rows_error")
     assert "mesh.data x mesh.fsdp x mesh.expert = 8" in report["rows_error"]
+    assert report["split_error"].startswith("config.rollout.mesh.sequence=3: a prompt split over")
+    assert "the rollout mesh has 4 (of 2 devices each)" in report["split_error"]
 
 
 def test_mesh_run_matches_one_device(runs):
