@@ -323,6 +323,9 @@ THEIR_NAMES = {
     "ulysses_size": "mesh.sequence",
     "ulysses_sequence_parallel_size": "mesh.sequence",
     "max_grad_norm": "optim.grad_clip",
+    "enable_gradient_checkpointing": "model.remat_policy",
+    "optimizer_offload": "actor.offload_optimizer",
+    "tensor_model_parallel_size": "rollout.mesh.tensor",
 }
 
 

@@ -39,7 +39,7 @@ from jaxvrl.models import moe
 from jaxvrl.models.attention import resolve
 from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
-from jaxvrl.sampling import Sampler, static
+from jaxvrl.sampling import Sampler, prefill_mesh, static
 from jaxvrl.trainer import packing, setup
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.rollout import assemble
@@ -210,6 +210,11 @@ class Plan:
         chips = setup.sampling_devices(self.c, self.mesh, topology.tpu_devices(self.slice))
         return setup.rollout_layout(self.c, chips, text, processes=self.slice.hosts)
 
+    @property
+    def prompt_mesh(self):
+        """The mesh the sampler takes its prompts on: its prefill's (`Sampler.prefill_mesh`)."""
+        return prefill_mesh(self.rollout[0], self.c.rollout.mesh.sequence)
+
     def sampler(self, cfg=None) -> Sampler:
         """The rollout sampler of the run, in the rollout's layout."""
         mesh, dtype = self.rollout
@@ -278,7 +283,7 @@ class Plan:
         step's rows where the mesh's row shards do not divide the prompts (as the rollout,
         `trainer.rollout.sample_completions`, falls back to repeated rows)."""
         prompts = self.rows // self.c.rollout.num_generations
-        return prompts if prompts % row_shards(self.rollout[0]) == 0 else self.rows
+        return prompts if prompts % row_shards(self.prompt_mesh) == 0 else self.rows
 
     def prompts(self, pools: bool, rows: int | None = None) -> dict:
         """The sampler's inputs for `rows` prompts (default: the step's rows): the collated
@@ -292,7 +297,7 @@ class Plan:
             images=self._images(b),
             pools=self._pools(p, b) if pools else None,
         )
-        return _with_shardings(tree, self.rollout[0], b)
+        return _with_shardings(tree, self.prompt_mesh, b)
 
     def _positions(self, b: int, p: int) -> np.ndarray:
         """The model family's positions of b prompts of p tokens (their shape is what

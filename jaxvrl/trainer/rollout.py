@@ -271,8 +271,16 @@ def repeat_prompts(batch: dict, g: int) -> dict:
 
 def prefills_once(prompts: int, mesh) -> bool:
     """Whether a process's `prompts` are sampled with one prefill each: where the mesh's row
-    shards divide them (else they are repeated on the host, `sample_completions`)."""
+    shards (the prefill's: `prompt_mesh`) divide them (else they are repeated on the host,
+    `sample_completions`)."""
     return prompts * jax.process_count() % row_shards(mesh) == 0
+
+
+def prompt_mesh(sampler, mesh):
+    """The mesh `sampler` takes its prompts on: its prefill's (`Sampler.prefill_mesh`: the
+    rollout mesh `mesh` with data groups joined where each prompt's tokens split over
+    several), else `mesh`."""
+    return mesh if mesh is None else getattr(sampler, "prefill_mesh", None) or mesh
 
 
 def sample_completions(
@@ -298,13 +306,15 @@ def sample_completions(
     divide the R prompts, the prompts are repeated on the host and each row prefilled (the
     same tokens: per-row keys, `steps.row_keys`).
 
-    mesh: None puts the inputs on the default device. With a mesh the prompt arrays become
+    mesh: None puts the inputs on the default device. With a mesh (the rollout's; the
+    prompts go to the sampler's prefill mesh, `prompt_mesh`) the prompt arrays become
     global arrays with rows split over (data, fsdp) (`runtime.place_batch`: on a pod each
     process passes its own rows), the key is replicated, and the outputs come back as this
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
     phase keeps `params` in the sampler's layout and their decode weights (None: the
     sampler prepares its own each call). limits int[rows], groups int[rows], need and
     prompt_of int[rows] (the sampler's: `sampling.sample`) are passed on, None: not given."""
+    mesh = prompt_mesh(sampler, mesh)
     prefill_once = prefills_once(len(batch["input_ids"]), mesh)
     if not prefill_once:
         batch = repeat_prompts(dict(batch, pools=pools), num_samples)
@@ -443,7 +453,7 @@ class RolloutPhase:
         batch = repeat_prompts(prompts, g)  # the completions' rows: G per prompt
         att = self.attention_metrics(out, batch)
         groups = self.make_groups(params, examples, batch["rows"], out, step, att, batch)
-        once = prefills_once(len(examples), self.mesh)
+        once = prefills_once(len(examples), prompt_mesh(self.sampler, self.mesh))
         return groups, dict(sampler_info(self.sampler, out, times, once), sample_s=t_sample)
 
     def make_groups(

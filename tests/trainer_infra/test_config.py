@@ -140,6 +140,12 @@ def test_unknown_key_lists_close_names_and_the_file():
         cfg_of("worker.actor.ulysses_size=2")
     with pytest.raises(ConfigError, match=r"close names: optim\.grad_clip"):
         cfg_of("actor.max_grad_norm=1.0")
+    with pytest.raises(ConfigError, match=r"close names: model\.remat_policy"):
+        cfg_of("worker.actor.model.enable_gradient_checkpointing=true")
+    with pytest.raises(ConfigError, match=r"close names: actor\.offload_optimizer"):
+        cfg_of("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
+    with pytest.raises(ConfigError, match=r"close names: rollout\.mesh\.tensor"):
+        cfg_of("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     with pytest.raises(ConfigError, match=r"'rollout' in .* is a group; set one of: .*top_k"):
         cfg_of("rollout=3")
     with pytest.raises(ConfigError, match="groups: "):  # nothing close: the groups are listed
