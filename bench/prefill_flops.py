@@ -4,6 +4,8 @@ vision tower and the prompts' prefill) compiled ahead of time for a TPU slice on
 in the rollout's layout, for the step's R prompts (G samples each start from one prefill)
 and for its R x G rows (each row prefilled, what the rollout does where the mesh's row
 shards do not divide the prompts). Prints the compiler's FLOPs and estimated time per device.
+With `--config.rollout.mesh.sequence=S` the prefill runs on its mesh (each prompt's tokens
+split over S devices).
 
     python bench/prefill_flops.py --config configs/tprl.py --topology=v5p-16 \
       --config.model.preset=qwen2.5-vl-7b --config.prompts_per_step=4 \
@@ -28,6 +30,7 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_platforms", "cpu")  # the host only traces; the programs are TPU's
     from jaxvrl.aot.plan import Plan
     from jaxvrl.config import load_config, parse_argv
+    from jaxvrl.sampling import layout
     from jaxvrl.sampling import sampler as S
     from jaxvrl.trainer import setup
 
@@ -38,6 +41,8 @@ def main(argv: list[str]) -> None:
     plan = Plan.build(c, topology[0])
     sampler = plan.sampler()
     ready = sampler.prepare(plan.init.state.params)
+    mesh = sampler.prefill_mesh  # the rollout mesh, its data groups joined by rollout.mesh.sequence
+    params = layout.onto(ready.params, mesh)
     g = c.rollout.num_generations
     runs = (("one prefill per prompt", plan.rows // g, True), ("every row", plan.rows, False))
     flops = []
@@ -53,9 +58,9 @@ def main(argv: list[str]) -> None:
             )
         )
         t = time.perf_counter()
-        with jax.set_mesh(sampler.mesh), setup.matmul_precision(c.model.matmul_precision):
+        with jax.set_mesh(mesh), setup.matmul_precision(c.model.matmul_precision):
             args = (p["input_ids"], p["attention_mask"], p["position_ids"], p["deltas"])
-            compiled = fn.lower(ready.params, *args, plan._rng(sampler.mesh), images=p["images"])
+            compiled = fn.lower(params, *args, plan._rng(mesh), images=p["images"])
             compiled = compiled.compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost

@@ -237,14 +237,15 @@ def test_the_runs_use_the_mesh(runs):
     assert sorted(report["one"]["placed"], key=str) == [[one, 1, 4, 4], [one, 1, 8, 8]]
     # the train batch on the training mesh, two rows per device (each split over the
     # sequence axis inside the step); the sampler's 4 prompts and
-    # the 8 validation rows on the rollout mesh (default: the tensor group reading the fewest
-    # bytes per device, for the tiny model 2 devices, its KV heads; 4 data groups), split
-    # over its data groups
+    # the 8 validation rows on the prefill's mesh: the rollout mesh (default: the tensor group
+    # reading the fewest bytes per device, for the tiny model 2 devices, its KV heads; 4 data
+    # groups) with its data groups joined two at a time (rollout.mesh.sequence=2), split over
+    # its 2 data groups
     placed = report["mesh"]["placed"]
-    rollout = {"data": 4, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 2}
+    prefill = {"data": 2, "fsdp": 1, "expert": 1, "sequence": 2, "tensor": 2}
     train = {"data": 2, "fsdp": 2, "expert": 1, "sequence": 2, "tensor": 1}
     assert [train, 8, 2, 8] in placed, placed
-    assert [rollout, 8, 1, 4] in placed and [rollout, 8, 2, 8] in placed, placed
+    assert [prefill, 8, 2, 4] in placed and [prefill, 8, 4, 8] in placed, placed
     assert len(placed) == 3, placed
     for name in ("one", "mesh", "resumed"):
         got = report[name]["compiles"]
