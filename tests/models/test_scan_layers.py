@@ -198,6 +198,31 @@ def test_stacked_and_per_layer_caches_agree(models, batch):
             _close(got, want)
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+def test_a_prefill_into_an_empty_cache_equals_attending_over_the_cache(models, batch, stacked):
+    """A prefill into an empty cache runs as a forward pass and fills the cache after the
+    layers (`KVCache.filled`); the same cache marked written takes the cached attention over
+    it: the same hidden states, keys, values, key mask and next slot, and the same next
+    decode step."""
+    scanned = models[0]
+    cfg = scanned.config.text
+    ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    b, p = ids.shape
+    empty = q.KVCache.init(cfg, b, p + 2, stacked=stacked)
+    vision = dict(images=batch["images"], videos=batch["videos"])
+    filled = scanned.forward(ids, mask, pos, **vision, cache=empty)
+    cached = scanned.forward(ids, mask, pos, **vision, cache=empty.replace(empty=False))
+    assert not filled.cache.empty and not cached.cache.empty
+    valid = np.asarray(mask) > 0
+    _close(np.asarray(filled.hidden)[valid], np.asarray(cached.hidden)[valid], rtol=1e-5)
+    for a, c in zip(jax.tree.leaves(filled.cache), jax.tree.leaves(cached.cache)):
+        _close(a, c, rtol=1e-5)
+    step_pos = jnp.broadcast_to(pos.max() + 1, (3, b, 1))
+    one = jnp.ones((b, 1), jnp.int32)
+    a, c = (scanned.forward(ids[:, -1:], one, step_pos, cache=o.cache) for o in (filled, cached))
+    _close(a.logits, c.logits, rtol=1e-5)
+
+
 def test_sampler_greedy_tokens_equal(models):
     rng = np.random.default_rng(3)
     grid = [1, 4, 6]
