@@ -139,8 +139,9 @@ def onto(tree, mesh: Mesh | None):
         for dim, names in zip(x.shape, (*s.spec, *(None,) * (x.ndim - len(s.spec)))):
             axes = (names,) if isinstance(names, str) else tuple(names or ())
             if "sequence" in axes and mesh.shape["sequence"] == 1:  # prefill rows -> decode
+                rows = "data" in axes or s.mesh.shape["data"] == 1
                 axes = tuple(a for a in axes if a not in ("data", "sequence"))
-                axes = ("data", *axes) if s.mesh.shape["data"] == 1 or "data" in names else axes
+                axes = ("data", *axes) if rows else axes
             size = int(np.prod([mesh.shape[a] for a in axes]))
             spec.append((axes[0] if len(axes) == 1 else axes) if axes and dim % size == 0 else None)
         target = NamedSharding(mesh, P(*spec))
