@@ -134,18 +134,18 @@ def test_unknown_key_lists_close_names_and_the_file():
     with pytest.raises(ConfigError, match=r"tprl\.top_p_perception_tokens"):
         cfg_of("tprl.top_p_perception=0.3")
     # EasyR1 / verl names of settings we name otherwise
-    with pytest.raises(
-        ConfigError, match=r"'worker.actor.ulysses_size'.*close names: mesh\.sequence"
-    ):
-        cfg_of("worker.actor.ulysses_size=2")
-    with pytest.raises(ConfigError, match=r"close names: optim\.grad_clip"):
-        cfg_of("actor.max_grad_norm=1.0")
-    with pytest.raises(ConfigError, match=r"close names: model\.remat_policy"):
-        cfg_of("worker.actor.model.enable_gradient_checkpointing=true")
-    with pytest.raises(ConfigError, match=r"close names: actor\.offload_optimizer"):
-        cfg_of("actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
-    with pytest.raises(ConfigError, match=r"close names: rollout\.mesh\.tensor"):
-        cfg_of("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    theirs = {
+        "worker.actor.ulysses_size=2": r"'worker.actor.ulysses_size'.*close names: mesh\.sequence",
+        "actor.max_grad_norm=1.0": r"close names: optim\.grad_clip",
+        "worker.actor.model.enable_gradient_checkpointing=true": r"close names: model\.remat_policy",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true":
+            r"close names: actor\.offload_optimizer",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2":
+            r"close names: rollout\.mesh\.tensor",
+    }  # fmt: skip
+    for item, message in theirs.items():
+        with pytest.raises(ConfigError, match=message):
+            cfg_of(item)
     with pytest.raises(ConfigError, match=r"'rollout' in .* is a group; set one of: .*top_k"):
         cfg_of("rollout=3")
     with pytest.raises(ConfigError, match="groups: "):  # nothing close: the groups are listed
