@@ -46,7 +46,8 @@ class SlotsCarry:
     cfg.entropies); `limits` int[W] or None; `groups` int32[W] each work row's group (-1:
     none) and `need` int32[], or None: the loop stops once `need` groups have ended whole
     (`decode_slots`); `prompt_of` int32[W] the prompt each work row continues; `routes` the
-    prompts' recorded routes [R, P, L', k] or None (`SamplingConfig.routes`). width =
+    prompts' recorded routes [R, P, L', k] or None (`SamplingConfig.routes`); `first_mass`
+    (A_V, A_X) float32[R, L] of each prompt's last query with pools, else None. width =
     (pp + pc) * ps."""
 
     pages: tuple
@@ -62,6 +63,7 @@ class SlotsCarry:
     need: jax.Array | None = None
     prompt_of: jax.Array | None = None
     routes: jax.Array | None = None
+    first_mass: tuple | None = None
 
 
 def _check(cfg: SamplingConfig):
@@ -119,6 +121,7 @@ def prefill_slots(
         images=images,
         videos=videos,
         cache=KVCache.init(tcfg, r, p_len, model.dtype),
+        pools=pools,
         return_logits=False,
         record_routes=steps.records_routes(model, cfg),
     )
@@ -160,6 +163,7 @@ def prefill_slots(
         need=None if need is None else jnp.asarray(need, jnp.int32),
         prompt_of=prompt_of,
         routes=None if out.routes is None else steps.step_routes(model, out.routes, r),
+        first_mass=None if pools is None else steps.last_query_masses(out),
     )
     # on a prefill mesh, rows over its data and sequence axes: the decode mesh's rows
     pages = jax.tree.map(lambda x: for_decode(x, (None, "heads")), (k_pages, v_pages))
@@ -216,9 +220,11 @@ def decode_slots(
         grp = jnp.where(carry.groups < 0, w, jnp.minimum(carry.groups, w))
         state["left"] = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)
         grouped = state["left"][:w] > 0  # the groups that have rows
-    if layers:
+    if layers:  # token 0's masses: its prompt's last query's
         state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
         state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
+        for name, first in zip(("vmass", "xmass"), carry.first_mass):
+            state[name] = state[name].at[:, :w, 0].set(first[prompt_of].T)
     if cfg.entropies:
         state["next_ent"] = first_ent[:s]
         state["entropies"] = jnp.zeros((w + 1, n), jnp.float32)
@@ -254,9 +260,10 @@ def decode_slots(
         new["mask"] = st["mask"].at[out_row, t].set(live.astype(jnp.float32))
         if "routes" in st:
             new["routes"] = new_routes
-        if layers:
-            new["vmass"] = st["vmass"].at[:, out_row, t].set(o.vision_mass[:, :, 0])
-            new["xmass"] = st["xmass"].at[:, out_row, t].set(o.text_mass[:, :, 0])
+        if layers:  # the query fed (token t) predicts token t+1: its masses are t+1's
+            at = (slice(None), out_row, t + 1)
+            new["vmass"] = st["vmass"].at[at].set(o.vision_mass[:, :, 0], mode="drop")
+            new["xmass"] = st["xmass"].at[at].set(o.text_mass[:, :, 0], mode="drop")
         nxt, nlp, nent = steps.pick(
             steps.logits(model, forms, o.hidden[:, 0]), keys[safe], t + 1, cfg
         )

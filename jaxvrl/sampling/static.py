@@ -33,7 +33,9 @@ class StaticCarry:
     layer), `last` float[B, D] the hidden state of each row's last prompt token (token 0 is
     picked from its logits), `start` int32[B] each row's next position, `keys` key[B]
     (`steps.row_keys`), `pools` {name: bool[B, P + N]} or None, `limits` int[B] or None,
-    `routes` the prompts' recorded routes [B, P, L', k] or None (`SamplingConfig.routes`)."""
+    `routes` the prompts' recorded routes [B, P, L', k] or None (`SamplingConfig.routes`),
+    `first_mass` (A_V, A_X) float32[B, L] of each row's last prompt query (the one that
+    predicts token 0) with pools, else None."""
 
     cache: KVCache
     last: jax.Array
@@ -42,6 +44,7 @@ class StaticCarry:
     pools: dict | None = None
     limits: jax.Array | None = None
     routes: jax.Array | None = None
+    first_mass: tuple | None = None
 
 
 def prefill(
@@ -85,12 +88,15 @@ def prefill(
         images=images,
         videos=videos,
         cache=cache,
+        pools=pools,
         return_logits=False,
         record_routes=record,
     )
     routes = _repeat(steps.step_routes(model, out.routes, rows), expand) if record else None
+    first = None
     if pools is not None:
         pools = {k: _repeat(jnp.pad(v, ((0, 0), (0, n))), expand) for k, v in pools.items()}
+        first = steps.last_query_masses(out, expand)
     carry = StaticCarry(
         # One copy of the prompt's cache per sample: decode steps write each row's own slots
         # (the slots engine shares a prompt's pages between its samples instead).
@@ -101,6 +107,7 @@ def prefill(
         pools=pools,
         limits=limits,
         routes=routes,
+        first_mass=first,
     )
     # on a prefill mesh, rows over its data and sequence axes: the decode mesh's rows
     cache = carry.cache
@@ -126,6 +133,9 @@ def decode(
     tok, lp, ent = steps.pick(steps.logits(model, forms, carry.last), keys, 0, cfg)
     layers = model.config.text.num_hidden_layers if pools is not None else 0
     state = _loop_state(carry.cache, tok, lp, n, cfg, layers, ent)
+    if layers:  # token 0's masses: the prefill's last query's
+        state["vmass"] = state["vmass"].at[:, :, 0].set(carry.first_mass[0].T)
+        state["xmass"] = state["xmass"].at[:, :, 0].set(carry.first_mass[1].T)
     if carry.routes is not None:  # [B, N, L', k]: each completion token's, as it is fed
         b, _, *per_token = carry.routes.shape
         state["routes"] = jnp.zeros((b, n, *per_token), carry.routes.dtype)
@@ -269,7 +279,8 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
         fed = jnp.where(live[:, None, None], fed, 0)
         new["routes"] = s["routes"].at[:, i].set(fed)
     if pools is not None:
-        # masses of the query fed at step i (token i), the one that predicts token i+1
-        new["vmass"] = s["vmass"].at[:, :, i].set(out.vision_mass[:, :, 0])
-        new["xmass"] = s["xmass"].at[:, :, i].set(out.text_mass[:, :, 0])
+        # the query fed at step i (token i) predicts token i+1: its masses are token i+1's
+        # (none after the last token)
+        new["vmass"] = s["vmass"].at[:, :, i + 1].set(out.vision_mass[:, :, 0], mode="drop")
+        new["xmass"] = s["xmass"].at[:, :, i + 1].set(out.text_mass[:, :, 0], mode="drop")
     return new

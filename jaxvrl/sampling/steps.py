@@ -78,7 +78,9 @@ class SampleOutput:
     """tokens int32[B, N] (pad after the end); logprobs float32[B, N] of the sampled tokens
     under logits / temperature (the full distribution, before top-k/top-p; temperature 0
     uses 1); mask float32[B, N] 1 up to and including the first EOS; truncated bool[B] (no
-    EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given; steps
+    EOS within N); vision_mass / text_mass float32[L, B, N] when pools were given: token
+    i's masses are those of the query that predicts it (the last prompt token's for token 0,
+    token i-1's after), as a teacher-forced pass's at the completion's predictors; steps
     int32[]: decode steps run (< N when every row ended early); entropies float32[B, N] of
     the distributions the tokens were drawn from (under logits / temperature, 0 on padding)
     with `SamplingConfig.entropies`; ended bool[B] the rows that ended (EOS or their last
@@ -111,6 +113,14 @@ def step_routes(model, routes: jax.Array, rows: int) -> jax.Array:
     dtype = moe.route_dtype(model.config.text.num_experts)
     per_row = routes.reshape(routes.shape[0], rows, -1, routes.shape[-1])
     return jnp.moveaxis(per_row, 0, 2).astype(dtype)
+
+
+def last_query_masses(out, repeat: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(A_V, A_X) float32[rows, L] of a prefill's last query (`out`: the forward's output with
+    pools; left-padded prompts end at the last position), the one that predicts a row's
+    first token; each row repeated `repeat` times in a row (prompt-major)."""
+    masses = (out.vision_mass[:, :, -1].T, out.text_mass[:, :, -1].T)
+    return masses if repeat == 1 else tuple(jnp.repeat(x, repeat, axis=0) for x in masses)
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:

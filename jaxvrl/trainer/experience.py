@@ -120,6 +120,12 @@ def no_grad_passes(
             "actor.shaping_source=sampler reads them; sample with entropies or set "
             "actor.shaping_source=recompute"
         )
+    if cfg.sampler_shaping and cfg.needs_attention and batch.old_vision_mass is None:
+        raise ValueError(
+            "the batch carries no sampler attention masses (RolloutBatch.old_vision_mass): "
+            "actor.shaping_source=sampler reads them for the token weights; sample with "
+            "pools or set actor.shaping_source=recompute"
+        )
 
     # the policy's passes over the rollout replay its routes (actor.routing_replay)
     policy_routing = "replay" if cfg.actor.routing_replay else "fresh"
@@ -159,7 +165,13 @@ def no_grad_passes(
         return res
 
     sampled = (batch.old_logprobs, batch.old_entropy)
-    batch = batch.replace(old_logprobs=None, old_entropy=None)  # the passes do not read them
+    # [B, L, N] -> [L, B, N], as the passes give them
+    sampled_masses = [None if x is None else jnp.moveaxis(x, 1, 0)
+                      for x in (batch.old_vision_mass, batch.old_text_mass)]  # fmt: skip
+    # the passes do not read them
+    batch = batch.replace(
+        old_logprobs=None, old_entropy=None, old_vision_mass=None, old_text_mass=None
+    )
     order = batch.pack_order
     if order is not None:  # packed micro-batches take the rows in the plan's balanced order
         starts = batch.pack_start
@@ -182,6 +194,8 @@ def no_grad_passes(
     res = jax.tree.map(merge_rows, res)  # every row back in its place
     if cfg.sampler_shaping:
         res["old_logp"], res["entropy"] = sampled
+        if cfg.needs_attention:
+            res["vision_mass"], res["text_mass"] = sampled_masses
     return Passes(**res)
 
 

@@ -50,7 +50,9 @@ class Group:
     versions int32[G, N] the step whose policy sampled each token (-1: none) where rows were
     carried across steps (partial rollouts), else None (all this step's); routes int[G, p +
     N, L', k] the experts each sparse layer routed every real prompt token (p of them) and
-    completion token to in the sampler (`SampleOutput.routes`), or None.
+    completion token to in the sampler (`SampleOutput.routes`), or None; masses (A_V, A_X)
+    float32[G, L, N] the sampler's attention masses of each token's predictor per decoder
+    layer, where the train step reads them (VGR weights shaped from the sampler), else None.
     """
 
     example: dict
@@ -66,6 +68,7 @@ class Group:
     entropies: np.ndarray | None = None
     versions: np.ndarray | None = None
     routes: np.ndarray | None = None
+    masses: tuple | None = None
 
     def __post_init__(self):
         if self.baseline is None:
@@ -91,6 +94,18 @@ class Group:
             texts=[""] * group_size,
             att={},
         )
+
+
+def masses(groups: list[Group], layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """The groups' sampler masses (A_V, A_X) [rows, L, N] (zeros for groups without them:
+    padding)."""
+
+    def of(x, i):
+        if x.masses is None:
+            return np.zeros((x.tokens.shape[0], layers, x.tokens.shape[1]), np.float32)
+        return x.masses[i]
+
+    return tuple(np.concatenate([of(x, i) for x in groups]) for i in (0, 1))
 
 
 def entropies(groups: list[Group]) -> np.ndarray:

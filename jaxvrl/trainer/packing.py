@@ -55,6 +55,8 @@ def cut_completions(batch: RolloutBatch, n: int) -> RolloutBatch:
         pools=None if batch.pools is None else {k: cut(v) for k, v in batch.pools.items()},
         old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[:, :n],
         old_entropy=None if batch.old_entropy is None else batch.old_entropy[:, :n],
+        old_vision_mass=None if batch.old_vision_mass is None else batch.old_vision_mass[..., :n],
+        old_text_mass=None if batch.old_text_mass is None else batch.old_text_mass[..., :n],
         routes=None if batch.routes is None else batch.routes[:, :keep],
     )
 

@@ -41,6 +41,8 @@ class RolloutBatch:
                      logits / rollout temperature (0 on padding), or None.
     old_entropy:     float32[B, N] the sampler's entropies of the distributions it drew
                      the completion tokens from (0 on padding), or None.
+    old_vision_mass, old_text_mass: float32[B, L, N] the sampler's attention masses of the
+                     completion tokens' predictors (A_V, A_X per decoder layer), or None.
     routes:          int[B, L, L', k] the experts the sampler routed each token to in the
                      model's L' sparse layers (top k; 0 on padding), or None.
     pack_order:      int32[B] with padding-free passes (`trainer/packing.py`): the rows in
@@ -72,6 +74,8 @@ class RolloutBatch:
     pools: dict | None = None
     old_logprobs: jax.Array | None = None
     old_entropy: jax.Array | None = None
+    old_vision_mass: jax.Array | None = None
+    old_text_mass: jax.Array | None = None
     routes: jax.Array | None = None
     pack_order: jax.Array | None = None
     pack_start: jax.Array | None = None

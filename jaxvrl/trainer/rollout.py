@@ -32,6 +32,7 @@ from jaxvrl.trainer.groups import (
     collect_groups,
     entropies,
 )
+from jaxvrl.trainer.groups import masses as group_masses
 from jaxvrl.trainer.groups import routes as group_routes
 from jaxvrl.trainer.passes import RolloutBatch
 from jaxvrl.trainer.scoring import RewardScorer
@@ -48,6 +49,7 @@ def assemble_prompts(
     old_logprobs: np.ndarray | None = None,
     old_entropy: np.ndarray | None = None,
     routes: np.ndarray | None = None,
+    masses: tuple | None = None,
 ) -> RolloutBatch:
     """`assemble` over a collated prompt batch (the data loader's dict: input_ids,
     attention_mask, position_ids, deltas, has_image, images and, with_pools, pools)."""
@@ -66,6 +68,7 @@ def assemble_prompts(
         old_logprobs=old_logprobs,
         old_entropy=old_entropy,
         routes=routes,
+        masses=masses,
     )
 
 
@@ -94,13 +97,15 @@ def assemble(
     old_logprobs: np.ndarray | None = None,
     old_entropy: np.ndarray | None = None,
     routes: np.ndarray | None = None,
+    masses: tuple | None = None,
 ) -> RolloutBatch:
     """Concatenate prompt [B, P] and completion [B, N] into one RolloutBatch (numpy arrays).
 
     Completion tokens after the first EOS get attention_mask 0; they never influence a loss.
     old_logprobs: the sampler's log-probs of the completion tokens float32[B, N], or None;
     old_entropy: the sampler's entropies there, or None; routes: the sampler's routes of
-    every token [B, P + N, L', k], or None.
+    every token [B, P + N, L', k], or None; masses: the sampler's (A_V, A_X) float32[B, L, N]
+    of the completion tokens, or None.
     """
     n = tokens.shape[1]
     comp_mask = completion_mask.astype(np.int32)
@@ -121,6 +126,8 @@ def assemble(
         pools=pools,
         old_logprobs=None if old_logprobs is None else np.asarray(old_logprobs, np.float32),
         old_entropy=None if old_entropy is None else np.asarray(old_entropy, np.float32),
+        old_vision_mass=None if masses is None else np.asarray(masses[0], np.float32),
+        old_text_mass=None if masses is None else np.asarray(masses[1], np.float32),
         routes=routes,
     )
 
@@ -390,6 +397,8 @@ class RolloutPhase:
     reward_weights(step) -> {name: weight}; attention: None, or (layer_set, last_k) to compute
     rollout attention metrics from the sampler's masses (needed by the MDI reward and the
     attention log); with_pools: the train batch carries the attention pools (VGR weights);
+    sampled_masses: L (the decoder's layers) where the train batch carries the sampler's
+    attention masses (VGR weights shaped from the sampler: no clean pass), else 0;
     greedy: the greedy sampler, to score each prompt's greedy completion as the remax baseline
     (reward columns only: the MDI reward sees no attention statistics there and gives 0);
     accuracy: the reward whose mean is also logged as `accuracy` (None: none is).
@@ -403,6 +412,7 @@ class RolloutPhase:
     opts: FilterOptions
     attention: tuple[str, int] | None = None
     with_pools: bool = False
+    sampled_masses: int = 0
     mdi_balance_ratio: float = 2.0
     replay: rl.ReplayBuffer | None = None
     greedy: Sampler | None = None
@@ -470,6 +480,7 @@ class RolloutPhase:
         # per-row rollout statistics the rewards may read besides the rows' columns
         extra = {"mdi": list(att["mdi"])} if "mdi" in att else {}
         mask = np.asarray(out.mask, np.float32)
+        masses = (out.vision_mass, out.text_mass)
         totals, parts = self._score(step, rows, texts, mask.sum(1), extra)
         totals, parts = self._score_model(totals, parts, rows, texts)
         baseline = np.zeros(len(texts))
@@ -495,6 +506,9 @@ class RolloutPhase:
                     entropies=None
                     if out.entropies is None
                     else np.asarray(out.entropies[s], np.float32),
+                    masses=None
+                    if not self.sampled_masses
+                    else tuple(np.moveaxis(np.asarray(m[:, s]), 0, 1) for m in masses),
                     # the real prompt tokens' and the completion's (width-independent)
                     routes=None
                     if out.routes is None
@@ -610,6 +624,7 @@ class RolloutPhase:
             old_logprobs=np.concatenate([x.logprobs for x in groups]),
             old_entropy=entropies(groups) if self.sampler.cfg.entropies else None,
             routes=group_routes(groups, prompts["input_ids"].shape[1]),
+            masses=group_masses(groups, self.sampled_masses) if self.sampled_masses else None,
         )
 
     def _assemble_rows(self, rows: list[tuple[Group, int]]) -> RolloutBatch:

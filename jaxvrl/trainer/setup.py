@@ -378,6 +378,7 @@ def make_rollout_phase(
         filter_high=f.filter_high,
     )
     stats = "mdi" in c.reward.funcs or step_cfg.needs_attention
+    layers = model_config.text.num_hidden_layers
     replay = None
     if rb.enable:
         replay = rl.ReplayBuffer(rb.capacity, rb.min_std, rb.min_mean, rb.max_mean)
@@ -399,15 +400,14 @@ def make_rollout_phase(
         opts=opts,
         attention=(c.vgr.layer_set, c.vgr.token_weight_last_k_layers) if stats else None,
         with_pools=step_cfg.needs_attention,
+        sampled_masses=layers if step_cfg.needs_attention and step_cfg.sampler_shaping else 0,
         mdi_balance_ratio=c.reward.mdi_balance_ratio,
         replay=replay,
         greedy=greedy if c.algorithm.adv_estimator == "remax" else None,
         mesh=mesh,
         accuracy=by_spec.get("mc_idx"),
         reward_model=reward_model(c, names, mesh),
-        partial=partial_rollouts(
-            c, model_config.text.num_hidden_layers if stats else 0, sampler.cfg.entropies
-        ),
+        partial=partial_rollouts(c, layers if stats else 0, sampler.cfg.entropies),
     )
 
 

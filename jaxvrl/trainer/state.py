@@ -305,19 +305,19 @@ class StepConfig:
 
     @property
     def sampler_shaping(self) -> bool:
-        """Whether the old-policy log-probs and entropies token shaping reads are the
-        sampler's (RolloutBatch.old_logprobs, old_entropy) rather than a no-grad clean
-        pass's: with an old-policy pass to replace, actor.old_logprobs sampler (the sampler
-        drew the batch from the old policy), actor.shaping_source sampler ("auto" is
-        resolved when a run starts, else counts as recompute) and nothing else reading the
-        clean pass (VGR masses, the critic, the KL in the reward, groups replayed from an
-        earlier policy, batches sampled behind the policy they train). With one update the ratio still takes the loss pass's own
-        log-probs."""
+        """Whether the old-policy quantities token shaping reads (log-probs, entropies and
+        attention masses) are the sampler's (RolloutBatch.old_logprobs, old_entropy,
+        old_vision_mass, old_text_mass) rather than a no-grad clean pass's: with an
+        old-policy pass to replace, actor.old_logprobs sampler (the sampler drew the batch
+        from the old policy), actor.shaping_source sampler ("auto" is resolved when a run
+        starts, else counts as recompute) and nothing else reading the clean pass (the
+        critic, the KL in the reward, groups replayed from an earlier policy, batches
+        sampled behind the policy they train). With one update the ratio still takes the
+        loss pass's own log-probs."""
         return (
             self.old_pass
             and self.actor.old_logprobs == "sampler"
             and self.actor.shaping_source == "sampler"
-            and not self.needs_attention
             and not self.has_critic
             and not self.algorithm.use_kl_in_reward
             and not self.filter.replay_buffer.enable

@@ -86,40 +86,55 @@ def test_interleave_rows_pairs_every_field(model):  # noqa: F811
     np.testing.assert_array_equal(both.pools["vision"][0::2], batch.pools["vision"])
 
 
-def test_sampler_shaping_reads_the_samplers_quantities_and_runs_no_clean_pass(model):
-    """TPRL with the sampler's log-probs as the ratio's (2 updates): shaping_source=sampler
-    skips the clean pass (one forward per micro-batch, the perturbed one) and shapes from
-    the batch's old_logprobs / old_entropy; given the recompute pass's values there, the
-    step equals the recompute step."""
+TPRL = {
+    "tprl.enable_perception_filtering": True,
+    "tprl.enable_entropy_filtering": True,
+    "tprl.enable_trajectory_reweighting": True,
+}
+VGR = {"vgr.enable_token_weights": True, "vgr.token_weight_smooth_sigma": 1.0}
+
+
+@pytest.mark.parametrize("methods", [TPRL, {**TPRL, **VGR}, VGR], ids=["tprl", "tprl-vgr", "vgr"])
+def test_sampler_shaping_reads_the_samplers_quantities_and_runs_no_clean_pass(model, methods):
+    """Token shaping from the sampler's quantities (2 updates): shaping_source=sampler skips
+    the clean pass (TPRL: one forward per micro-batch, the perturbed one; VGR alone: none)
+    and shapes from the batch's old_logprobs / old_entropy / attention masses; given the
+    recompute pass's values there, the step equals the recompute step."""
     import optax
 
     from jaxvrl.trainer.step import make_train_step
     from tests.helpers import init_state
 
-    values = {
-        "tprl.enable_perception_filtering": True,
-        "tprl.enable_entropy_filtering": True,
-        "tprl.enable_trajectory_reweighting": True,
-        "actor.ppo_epochs": 2,
-    }
+    values = {**methods, "actor.ppo_epochs": 2}
     recompute = step_config(dict(values, **{"actor.shaping_source": "recompute"}))
     sampler = step_config(dict(values, **{"actor.shaping_source": "sampler"}))
     assert sampler.sampler_shaping and not recompute.sampler_shaping
+    assert sampler.needs_attention == ("vgr.enable_token_weights" in methods)
     graphdef, params = nnx.split(model, nnx.Param)
     batch = make_batch(model, seed=5, old_logprobs=np.full((4, N), -2.0, np.float32))
     key = jax.random.key(1)
     passes = no_grad_passes(graphdef, params, None, batch, key, recompute)
     batch = batch.replace(old_logprobs=passes.old_logp, old_entropy=passes.entropy)
+    if sampler.needs_attention:  # the sampler's rows-first [B, L, N]
+        batch = batch.replace(
+            old_vision_mass=jnp.moveaxis(passes.vision_mass, 0, 1),
+            old_text_mass=jnp.moveaxis(passes.text_mass, 0, 1),
+        )
 
     def flops(cfg):  # the experience phase's, as XLA counts them
         fn = jax.jit(lambda b: no_grad_passes(graphdef, params, None, b, key, cfg))
-        return fn.lower(batch).compile().cost_analysis()["flops"]
+        return fn.lower(batch).compile().cost_analysis().get("flops", 0.0)
 
-    # the clean rows ran paired with the perturbed ones: half the rows now
-    assert flops(sampler) < 0.6 * flops(recompute)
+    # the clean rows ran paired with the perturbed ones: half the rows now (none without a
+    # perturbed pass)
+    assert flops(sampler) < (0.6 if sampler.needs_perturbed else 0.01) * flops(recompute)
     got = no_grad_passes(graphdef, params, None, batch, key, sampler)
     np.testing.assert_array_equal(got.old_logp, passes.old_logp)
-    np.testing.assert_allclose(got.aug_logp, passes.aug_logp, atol=1e-5)
+    if sampler.needs_perturbed:
+        np.testing.assert_allclose(got.aug_logp, passes.aug_logp, atol=1e-5)
+    if sampler.needs_attention:
+        np.testing.assert_array_equal(got.vision_mass, passes.vision_mass)
+        np.testing.assert_array_equal(got.text_mass, passes.text_mass)
     tx = optax.sgd(0.3)
     outs = [
         make_train_step(graphdef, tx, cfg)(init_state(model, tx), None, batch, key)
@@ -128,7 +143,18 @@ def test_sampler_shaping_reads_the_samplers_quantities_and_runs_no_clean_pass(mo
     (a, ma, _), (b, mb, _) = outs
     for (path, x), (_, y) in zip(nnx.to_flat_state(a.params), nnx.to_flat_state(b.params)):
         np.testing.assert_allclose(x.get_value(), y.get_value(), atol=1e-6, err_msg=str(path))
-    for k in ("loss", "sensitivity_score_mean", "perception_token_fraction", "entropy"):
-        np.testing.assert_allclose(float(mb[k]), float(ma[k]), rtol=1e-5, atol=1e-7)
+    names = ["loss", "entropy"]
+    if sampler.needs_perturbed:
+        names += ["sensitivity_score_mean", "perception_token_fraction"]
+    if sampler.needs_attention:
+        names += [k for k in ma if "token_weight" in k]
+        assert any("token_weight" in k for k in ma), sorted(ma)
+    for k in names:
+        np.testing.assert_allclose(float(mb[k]), float(ma[k]), rtol=1e-5, atol=1e-7, err_msg=k)
     with pytest.raises(ValueError, match="old_entropy"):
         no_grad_passes(graphdef, params, None, batch.replace(old_entropy=None), key, sampler)
+    if sampler.needs_attention:
+        with pytest.raises(ValueError, match="old_vision_mass"):
+            no_grad_passes(
+                graphdef, params, None, batch.replace(old_vision_mass=None), key, sampler
+            )

@@ -251,6 +251,7 @@ def test_carried_rows_keep_each_tokens_attention_masses(setup):
         vm, tm = np.asarray(out.vision_mass), np.asarray(out.text_mass)
         for r, ((ex, toks, vmass, tmass), v) in enumerate(zip(rows, versions_of)):
             at = v == ver
-            q = len(ex["prompt_ids"]) + np.arange(len(toks))[at]  # token i's query: p + i
+            # token i's masses: its predictor's query, p - 1 + i
+            q = len(ex["prompt_ids"]) - 1 + np.arange(len(toks))[at]
             np.testing.assert_allclose(vmass[:, at], vm[:, r, q], atol=1e-5)
             np.testing.assert_allclose(tmass[:, at], tm[:, r, q], atol=1e-5)

@@ -80,3 +80,51 @@ def test_one_prefill_per_prompt_gives_the_repeated_rows_completions(setup):
         for out in (once, rows)
     ]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), *metrics)
+
+
+@pytest.mark.parametrize("slots", [0, 4])
+def test_the_samplers_masses_are_the_clean_passes(setup, slots):
+    """The attention masses the rollout hands the train step (VGR token weights shaped from
+    the sampler, no clean pass) equal the clean pass's at every completion token, both
+    engines: a token's masses are those of the query that predicts it."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxvrl.trainer.experience import no_grad_passes
+    from jaxvrl.trainer.rollout import assemble_prompts
+    from tests.helpers import step_config
+
+    tokenizer, model, examples = setup
+    prompts = collate(examples, 1, model.config, tokenizer)
+    cfg = generation_config(
+        model.config, max_new_tokens=8, temperature=1.0, eos_token_ids=tokenizer.eos_token_id
+    )
+    sampler = Sampler(nnx.graphdef(model), dataclasses.replace(cfg, slots=slots))
+    out = sample_completions(
+        sampler, nnx.state(model), prompts, jax.random.key(5), prompts["pools"], num_samples=G
+    )
+    rows = lambda m: np.moveaxis(np.asarray(m), 0, 1)  # noqa: E731  [L, B, N] -> [B, L, N]
+    batch = assemble_prompts(
+        repeat_prompts(prompts, G),
+        np.asarray(out.tokens),
+        np.asarray(out.mask),
+        np.zeros(len(out.tokens)),
+        with_pools=True,
+        masses=(rows(out.vision_mass), rows(out.text_mass)),
+    )
+    values = {"vgr.enable_token_weights": True, "actor.ppo_epochs": 2}
+    recompute = step_config({**values, "actor.shaping_source": "recompute"})
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = jax.tree.map(jnp.asarray, batch)
+    passes = no_grad_passes(graphdef, params, None, batch, jax.random.key(0), recompute)
+    m = np.asarray(out.mask) > 0
+    assert m.sum() > len(m)  # several tokens a row
+    for got, want in ((batch.old_vision_mass, passes.vision_mass),
+                      (batch.old_text_mass, passes.text_mass)):  # fmt: skip
+        np.testing.assert_allclose(rows(got)[:, m], np.asarray(want)[:, m], atol=1e-5)
+    assert np.asarray(passes.vision_mass)[:, m].max() > 0.01  # the queries look at the image
+    sampler_cfg = step_config({**values, "actor.shaping_source": "sampler"})
+    batch = batch.replace(old_entropy=passes.entropy)
+    got = no_grad_passes(graphdef, params, None, batch, jax.random.key(0), sampler_cfg)
+    np.testing.assert_array_equal(got.vision_mass, rows(batch.old_vision_mass))
