@@ -15,6 +15,9 @@ S = n * ps). Implementations:
 
 - "dense": two einsums around the model's masked softmax, over every row's cache (pages are
   first gathered into the dense layouts); every platform;
+- "tpu": one query per row (decode steps; more fall back to "dense") in one Pallas TPU
+  kernel that keeps scores and probabilities on chip and reads only the written blocks of
+  the cache (`jaxvrl.models.cached_kernels`; "tpu_interpret" runs it on the CPU);
 - a callable impl(qg, k, v, mask, *, scale, pools, dtype) -> (out, stats) over the dense
   layouts (the sampler's CPU kernel, `jaxvrl.sampling.cpu.decode.attention`).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxvrl.models import cached_kernels
 from jaxvrl.models.layers import masked_softmax, pool_masses
 from jaxvrl.parallel.sharding import constrain
 
@@ -43,7 +47,22 @@ def _dense(qg, k, v, mask, *, scale, pools, dtype):
     return out.transpose(0, 3, 1, 2, 4), stats
 
 
-IMPLEMENTATIONS = {"dense": _dense}
+def _decode_kernel(interpret: bool):
+    def impl(qg, k, v, mask, *, scale, pools, dtype):
+        if qg.shape[1] != 1:  # the kernel takes decode steps' single queries
+            return _dense(qg, k, v, mask, scale=scale, pools=pools, dtype=dtype)
+        return cached_kernels.tpu_decode(
+            qg, k, v, mask, scale=scale, pools=pools, dtype=dtype, interpret=interpret
+        )
+
+    return impl
+
+
+IMPLEMENTATIONS = {
+    "dense": _dense,
+    "tpu": _decode_kernel(False),
+    "tpu_interpret": _decode_kernel(True),
+}
 
 
 def gather_pages(k_pages, v_pages, table):

@@ -57,6 +57,12 @@ class SamplingConfig:
     # (a prompt's pages shared by its samples). The same completions either way.
     slots: int = 0
     page_size: int = 16
+    # How decode steps attend over the KV cache: "auto" (the kernel of the devices the
+    # program is compiled for: the Pallas kernel on TPUs, `jaxvrl.models.cached_kernels`;
+    # the CPU form on the CPU; dense elsewhere) or a name of
+    # `jaxvrl.models.cached_attention.IMPLEMENTATIONS` ("dense": XLA's einsums around a
+    # masked softmax). The same completions, log-probs and masses, to rounding.
+    decode_attention: str = "auto"
     # Also return each sampled token's entropy (of softmax(logits / temperature), the full
     # distribution, as the trainer's passes compute it): a trainer whose old-policy
     # quantities come from the sampler reads them instead of recomputing them.
@@ -217,11 +223,14 @@ def transposed_decode(cfg: SamplingConfig) -> bool:
 
 
 def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights | None):
-    """What decode steps use in place of the model's own modules, chosen here only: in
-    programs compiled for the CPU (the mesh in context decides), the CPU cached attention,
-    and with the transposed layout the decode weights (given, or prepared here); elsewhere
-    None (the model's own layers)."""
-    cpu = sharding.target_platform() == "cpu"
+    """What decode steps use in place of the model's own modules, chosen here only, by the
+    devices the program is compiled for (the mesh in context decides): the cached
+    attention's implementation (`cfg.decode_attention`; "auto": the CPU form on the CPU,
+    `DECODE_KERNELS`' elsewhere), and with the transposed layout the decode weights (given,
+    or prepared here); None where the model's own layers and dense attention run."""
+    platform = sharding.target_platform()
+    auto = cfg.decode_attention == "auto"
+    cpu = platform == "cpu" and auto
     if transposed_decode(cfg):
         if weights is None:
             weights = cpu_decode.prepare(model, rows)
@@ -233,9 +242,14 @@ def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights |
             )
     else:
         weights = None
-    if weights is None and not cpu:
+    cached = DECODE_KERNELS.get(platform, "dense") if auto else cfg.decode_attention
+    if weights is None and not cpu and cached == "dense":
         return None
-    return cpu_decode.DecodeForms(weights, cpu_attention=cpu)
+    return cpu_decode.DecodeForms(weights, cpu_attention=cpu, cached=cached)
+
+
+# the cached attention `decode_attention="auto"` takes on each platform (the CPU's: its form)
+DECODE_KERNELS = {"tpu": "tpu"}
 
 
 def logits(model, forms, hidden: jax.Array) -> jax.Array:

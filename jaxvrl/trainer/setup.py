@@ -275,6 +275,7 @@ def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> Samplin
         cfg,
         slots=r.slots,
         page_size=r.page_size,
+        decode_attention=r.decode_attention,
         entropies=entropies,
         routes=records_routes(c, mcfg),
     )

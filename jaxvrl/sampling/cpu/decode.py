@@ -218,13 +218,14 @@ class DecodeForms:
 
     weights: DecodeWeights | None
     cpu_attention: bool = True  # the CPU form of the cached attention
+    cached: str = "dense"  # else: the `attend_cache` implementation, by name
 
     @property
     def attention(self):
         """The cached attention's `attend_cache` implementation: the CPU form (looked up
-        when traced; None switches it off) or the model's "dense"."""
+        when traced; None switches it off) or `cached`."""
         cpu = attention if self.cpu_attention else None
-        return "dense" if cpu is None else cpu
+        return self.cached if cpu is None else cpu
 
     def layer(self, i: int, layer):
         """Decoder layer i to run: `layer`, or a view of it whose plain projections multiply

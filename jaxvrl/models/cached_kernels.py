@@ -1,0 +1,203 @@
+"""A decode step's attention over a KV cache as one Pallas TPU kernel (`tpu_decode`): the
+`attend_cache` implementation "tpu" (`jaxvrl.models.cached_attention`).
+
+XLA compiles the dense form (two einsums around a masked softmax) into several fusions that
+pass the float32 scores [rows, heads, S] through HBM between them, and reads every slot of
+the cache whether written or not. Here each (block of rows, key/value head) streams its keys
+[H, S] and values [S, H] through VMEM once, in blocks of positions, with an online softmax:
+scores, probabilities and the pool masses never leave the chip, and blocks past the last
+written slot (the same for every row of a static cache) are neither read nor computed.
+
+Arrays are the cache's layouts (`KVCache`): queries qg [B, 1, K, G, H], keys [B, K, H, S],
+values [B, K, S, H], the mask bool[B, 1, S] of the slots each row's query sees; pools (the
+attention masses' key pools) {"vision", "text", "prompt"} bool[B, S]. Under a mesh it runs
+per device (shard_map: rows as the batch is split, key/value heads as the heads); the heads
+average of the pool masses is taken after, across devices. `interpret=True` runs it on the
+CPU (Pallas's interpreter: the tests' reference check).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from jaxvrl.parallel.sharding import logical_to_spec, traced_mesh
+
+POOLS = ("vision", "text", "prompt")
+_NEG = -1e30  # a finite "minus infinity": a block with no visible key adds exp(-huge) = 0
+_LANES = 128
+
+
+def _divisor(n: int, sizes: tuple[int, ...]) -> int:
+    """The first of `sizes` that divides n, else n (a block of the whole axis)."""
+    return next((s for s in sizes if n % s == 0), n)
+
+
+def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools):
+    """One (block of rows, key/value head, block of positions) grid step: the online softmax
+    of every row's G queries over this block of keys, and at the last block its output (and
+    the probability mass on each pool, lanes 0..2 of a [G, 128] tile)."""
+    if pools:
+        pool_ref, o_ref, mass_ref, m_sc, l_sc, acc_sc, p_sc = refs
+    else:
+        o_ref, m_sc, l_sc, acc_sc = refs
+    j = pl.program_id(2)
+    # bfloat16 products are exact at the default precision (Mosaic refuses float32 contract
+    # precision for them, which the training programs set as the default); float32: highest
+    exact = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=exact)
+
+    @pl.when(j == 0)
+    def _():
+        m_sc[...] = jnp.full(m_sc.shape, _NEG, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        if pools:
+            p_sc[...] = jnp.zeros(p_sc.shape, jnp.float32)
+
+    @pl.when(j < filled[0])  # blocks past the last written slot: nothing to see
+    def _():
+        for r in range(rows):
+            s = dot(q_ref[r], k_ref[r]) * scale
+            ok = valid_ref[r] > 0  # [1, bs]
+            s = jnp.where(ok, s, _NEG)  # [G, bs]
+            m_prev = m_sc[r]  # [G, 128], every lane alike
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_sc[r] = alpha * l_sc[r] + jnp.sum(p, axis=1, keepdims=True)
+            acc_sc[r] = alpha[:, :1] * acc_sc[r] + dot(p.astype(v_ref.dtype), v_ref[r])
+            m_sc[r] = m_new
+            if pools:
+                lane = jax.lax.broadcasted_iota(jnp.int32, p_sc.shape[1:], 1)
+                add = jnp.zeros(p_sc.shape[1:], jnp.float32)
+                for i in range(len(POOLS)):
+                    mass = jnp.sum(p * pool_ref[r, i : i + 1, :], axis=1, keepdims=True)
+                    add = jnp.where(lane == i, mass, add)
+                p_sc[r] = alpha * p_sc[r] + add
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        for r in range(rows):
+            total = l_sc[r]
+            inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+            o_ref[r] = (acc_sc[r] * inv[:, :1]).astype(o_ref.dtype)
+            if pools:
+                mass_ref[r] = p_sc[r] * inv
+
+
+def _local(q, k, v, valid, pool, *, scale, interpret):
+    """The kernel on one device's rows and heads: q [b, K, G, H], k [b, K, H, S], v [b, K, S,
+    H], valid int32[b, 1, S], pool float32[b, 3, S] or None -> (out [b, K, G, H], pool
+    masses float32[b, K, G, 128] (lanes 0..2) or None)."""
+    b, kh, g, h = q.shape
+    s = k.shape[-1]
+    rows = _divisor(b, (8, 4, 2, 1))
+    bs = _divisor(s, (512, 256, 128))
+    blocks = s // bs
+    # the key blocks holding a visible slot: the rows' last one, at least one block
+    pos = jnp.arange(s, dtype=jnp.int32)
+    last = jnp.max(jnp.where(valid[:, 0] > 0, pos[None], -1))
+    filled = jnp.clip(last // bs + 1, 1, blocks).astype(jnp.int32)[None]
+
+    def keys(i, hh, j, n):  # blocks past the filled ones stay on the last filled block
+        return (i, hh, 0, jnp.minimum(j, n[0] - 1))
+
+    def values(i, hh, j, n):
+        return (i, hh, jnp.minimum(j, n[0] - 1), 0)
+
+    def per_row(i, hh, j, n):
+        return (i, 0, jnp.minimum(j, n[0] - 1))
+
+    def heads(i, hh, j, n):
+        return (i, hh, 0, 0)
+
+    sq = pl.Squeezed()
+    in_specs = [
+        pl.BlockSpec((rows, sq, g, h), heads),
+        pl.BlockSpec((rows, sq, h, bs), keys),
+        pl.BlockSpec((rows, sq, bs, h), values),
+        pl.BlockSpec((rows, 1, bs), per_row),
+    ]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [pl.BlockSpec((rows, sq, g, h), heads)]
+    scratch = [pltpu.VMEM((rows, g, _LANES), jnp.float32)] * 2
+    scratch.append(pltpu.VMEM((rows, g, h), jnp.float32))
+    args = [q, k, v, valid]
+    if pool is not None:
+        in_specs.append(pl.BlockSpec((rows, len(POOLS), bs), per_row))
+        out_shape.append(jax.ShapeDtypeStruct((b, kh, g, _LANES), jnp.float32))
+        out_specs.append(pl.BlockSpec((rows, sq, g, _LANES), heads))
+        scratch.append(pltpu.VMEM((rows, g, _LANES), jnp.float32))
+        args.append(pool)
+    cache_bytes = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=4 * b * kh * g * h * s,
+        transcendentals=b * kh * g * s,
+        bytes_accessed=cache_bytes + 2 * q.size * q.dtype.itemsize + valid.size * 4,
+    )
+    call = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, rows=rows, pools=pool is not None),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b // rows, kh, blocks),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="jaxvrl_decode_attention",
+    )
+    out = call(filled, *args)
+    return out[0], (out[1] if pool is not None else None)
+
+
+def tpu_decode(qg, k, v, mask, *, scale, pools, dtype, interpret: bool = False):
+    """`attend_cache` for one query per row (T == 1): (out [B, 1, K, G, H] in `dtype`,
+    (A_V, A_X) float32[B, 1] with pools, else None)."""
+    b, t, kh, g, h = qg.shape
+    if t != 1:
+        raise ValueError(f"the decode kernel takes one query per row, got {t}")
+    q = qg[:, 0].astype(dtype)
+    valid = mask.astype(jnp.int32)  # [B, 1, S]
+    pool = None
+    if pools is not None:
+        pool = jnp.stack([pools[name].astype(jnp.float32) for name in POOLS], axis=1)
+    args = [q, k.astype(dtype), v.astype(dtype), valid] + ([] if pool is None else [pool])
+
+    def local(*args):
+        q, k, v, valid, *pool = args
+        return _local(q, k, v, valid, pool[0] if pool else None, scale=float(scale),
+                      interpret=interpret)  # fmt: skip
+
+    mesh = traced_mesh()
+    if mesh is not None and mesh.size > 1:
+        spec = logical_to_spec(("batch", "heads", None, None), q.shape, mesh)
+        kv_spec = logical_to_spec(("batch", "heads", None, None), k.shape, mesh)
+        qkv = P(spec[0], spec[1] if spec[1] == kv_spec[1] else None, None, None)
+        per_row = P(spec[0], None, None)
+        local = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(qkv, qkv, qkv, *[per_row] * (len(args) - 3)),
+            out_specs=(qkv, None if pool is None else qkv),
+            check_vma=False,
+        )
+    out, masses = local(*args)
+    stats = None
+    if masses is not None:  # heads-averaged, then renormalised over the prompt's keys
+        m = jnp.mean(masses[..., : len(POOLS)], axis=(1, 2))  # [B, 3]
+        vision, text, prompt = m[:, 0:1], m[:, 1:2], m[:, 2:3]
+        safe = jnp.where(prompt > 0, prompt, 1.0)
+        stats = (jnp.where(prompt > 0, vision / safe, 0.0), jnp.where(prompt > 0, text / safe, 0.0))
+    return out[:, None], stats

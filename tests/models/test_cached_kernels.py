@@ -1,0 +1,112 @@
+"""The decode steps' Pallas TPU attention kernel (`jaxvrl.models.cached_kernels`): in Pallas's
+interpreter on the CPU it equals the dense form (`cached_attention._dense`: outputs and the
+pool masses) for grouped heads, several row and key blocks, partly written caches, a row
+that sees no key, and bfloat16; compiled for a TPU by the TPU compiler, XLA prices it by the
+bytes it reads (the cache, the queries and outputs), where the dense form passes several
+times the cache; and the samplers' tokens, log-probs and masses with it are the CPU form's.
+
+Tolerances: float32 sums over at most S = 1,152 keys in another order (blocks of 512 with an
+online softmax): 2e-6 on outputs of magnitude ~1 and on masses in [0, 1]. bfloat16: the
+products' inputs round alike in both; the sums differ by a bf16 rounding of the output (2^-8).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxvrl.models import cached_kernels as ck
+from jaxvrl.models.cached_attention import IMPLEMENTATIONS, _dense
+
+
+def _problem(seed, b, kh, g, h, s, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    qg = jnp.asarray(rng.normal(size=(b, 1, kh, g, h)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, kh, h, s)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, kh, s, h)), dtype)
+    # each row: left padding, then its keys up to a written slot; row 1 sees nothing
+    mask = np.zeros((b, 1, s), bool)
+    written = int(rng.integers(s // 3, s - 1))
+    for r in range(b):
+        mask[r, 0, int(rng.integers(0, 9)) : written - int(rng.integers(0, 5))] = True
+    mask[1 % b] = False
+    pools = {name: jnp.asarray(rng.random((b, s)) < 0.3) for name in ck.POOLS}
+    return qg, k, v, jnp.asarray(mask), pools
+
+
+@pytest.mark.parametrize(
+    "b,kh,g,h,s",
+    [(3, 2, 3, 16, 200), (16, 2, 4, 32, 1152), (2, 1, 7, 128, 1024)],
+    ids=["one-block", "row-and-key-blocks", "7b-heads"],
+)
+def test_the_kernel_equals_the_dense_form(b, kh, g, h, s):
+    qg, k, v, mask, pools = _problem(b * s, b, kh, g, h, s)
+    for with_pools in (None, pools):
+        want, want_stats = _dense(qg, k, v, mask, scale=0.3, pools=with_pools, dtype=jnp.float32)
+        got, stats = ck.tpu_decode(
+            qg, k, v, mask, scale=0.3, pools=with_pools, dtype=jnp.float32, interpret=True
+        )
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        assert not np.asarray(got[1]).any()  # a row that sees no key: zeros, not NaN
+        if with_pools is None:
+            assert stats is None
+            continue
+        for a, w in zip(stats, want_stats):
+            np.testing.assert_allclose(a, w, atol=2e-6)
+        assert np.asarray(stats[0]).max() > 0.1
+
+
+def test_the_kernel_in_bfloat16():
+    qg, k, v, mask, pools = _problem(1, 8, 2, 4, 64, 640, jnp.bfloat16)
+    want, (wv, wx) = _dense(qg, k, v, mask, scale=0.125, pools=pools, dtype=jnp.bfloat16)
+    got, (gv, gx) = ck.tpu_decode(
+        qg, k, v, mask, scale=0.125, pools=pools, dtype=jnp.bfloat16, interpret=True
+    )
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2**-7, rtol=2**-7)
+    np.testing.assert_allclose(gv, wv, atol=2e-3)
+    np.testing.assert_allclose(gx, wx, atol=2e-3)
+
+
+def test_more_than_one_query_falls_back_to_the_dense_form():
+    qg, k, v, mask, _ = _problem(2, 2, 1, 2, 8, 40)
+    qg2 = jnp.concatenate([qg, qg * 0.5], axis=1)
+    mask2 = jnp.concatenate([mask, mask], axis=1)
+    want = _dense(qg2, k, v, mask2, scale=1.0, pools=None, dtype=jnp.float32)[0]
+    got = IMPLEMENTATIONS["tpu_interpret"](qg2, k, v, mask2, scale=1.0, pools=None,
+                                           dtype=jnp.float32)[0]  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_tpu_compiler_prices_the_kernel_by_the_bytes_it_reads():
+    """The 7B's decode attention per chip (32 rows, 1 KV head of 7 queries, 2,048 slots,
+    bfloat16) compiled for a v5p chip: XLA's cost analysis of the kernel is the cache, the
+    queries, the outputs and the mask; of the dense form several times the cache."""
+    pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxvrl.parallel import topology as T
+
+    mesh = Mesh(np.array(T.tpu_devices(T.parse("v5p-8"))[:1]), ("d",))
+    at = NamedSharding(mesh, PartitionSpec())
+    b, kh, g, h, s = 32, 1, 7, 128, 2048
+    bf = jnp.bfloat16
+    shapes = [(b, 1, kh, g, h), (b, kh, h, s), (b, kh, s, h), (b, 1, s)]
+    dtypes = [bf, bf, bf, bool]
+    args = [jax.ShapeDtypeStruct(x, d, sharding=at) for x, d in zip(shapes, dtypes)]
+    cache = 2 * b * kh * h * s * 2
+
+    def priced(impl):
+        fn = jax.jit(lambda q, k, v, m: impl(q, k, v, m, scale=0.09, pools=None, dtype=bf))
+        with jax.set_mesh(mesh):
+            compiled = fn.lower(*args).compile()
+        assert "jaxvrl_decode_attention" in compiled.as_text() or impl is _dense
+        return compiled.cost_analysis()["bytes accessed"]
+
+    kernel, dense = priced(IMPLEMENTATIONS["tpu"]), priced(_dense)
+    # besides the cache (512 bytes a slot here): queries and outputs (0.3%), the mask as
+    # int32 (4 bytes a slot, written once and read twice: 2.3%)
+    assert cache <= kernel <= 1.05 * cache, kernel / cache
+    assert dense > 2.5 * cache, dense / cache
