@@ -229,10 +229,11 @@ def get_config(arg=None):
     c.rollout.slots = setting(0, NON_NEGATIVE)
     # positions per KV-cache page (with rollout.slots > 0)
     c.rollout.page_size = setting(16, at_least(1))
-    # how decode steps attend over the KV cache: auto (the kernel of the rollout mesh's
-    # devices: the Pallas kernel on TPUs, the CPU form on the CPU, dense elsewhere) | dense
-    # (XLA's einsums around a masked softmax, every platform). Same completions.
-    c.rollout.decode_attention = setting("auto", one_of("auto", "dense"))
+    # how decode steps attend over the KV cache: auto (the CPU form on the CPU, dense
+    # elsewhere) | dense (XLA's einsums around a masked softmax, every platform) | tpu (one
+    # Pallas kernel per layer on TPUs, jaxvrl/models/cached_kernels.py; not yet faster in the
+    # compiled 7B step: docs/scaling.md). Same completions.
+    c.rollout.decode_attention = setting("auto", one_of("auto", "dense", "tpu"))
     # Partial rollouts (docs/algorithms.md#partial-rollouts): a step's rollout starts
     # oversample x prompts_per_step prompts, stops once prompts_per_step groups are complete
     # and carries the unfinished rows (their tokens and log-probs so far) into the next step's

@@ -2,9 +2,8 @@
 by name or given as a callable.
 
 Without a cache, and in a prefill into an empty one, the decoder attends through
-`jaxvrl.models.attention.attend`. Over a written cache (the sampler's decode steps) each
-layer writes its new keys and values into the cache
-(`jaxvrl.models.cache`) and its queries attend over the whole cache here, under the mask
+`jaxvrl.models.attention.attend`. Over a written cache (the sampler's decode steps) each layer
+writes its new keys and values into it (`jaxvrl.models.cache`) and attends here, under the mask
 bool[B, T, S] that the decoder builds once per call (valid keys, causality by slot, the
 sliding window).
 
@@ -21,9 +20,8 @@ S = n * ps). Implementations:
 - a callable impl(qg, k, v, mask, *, scale, pools, dtype) -> (out, stats) over the dense
   layouts (the sampler's CPU kernel, `jaxvrl.sampling.cpu.decode.attention`).
 
-A paged kernel would be one more implementation, dispatched before the gather so that it reads
-the pages where they lie. Einsum letters: B batch, T query positions, S cache slots, K key/value
-heads, G query heads per key/value head, H head dim.
+A paged kernel would be dispatched before the gather, reading the pages where they lie.
+Letters: B batch, T queries, S cache slots, K key/value heads, G query heads per K, H head dim.
 """
 
 from __future__ import annotations

@@ -57,11 +57,11 @@ class SamplingConfig:
     # (a prompt's pages shared by its samples). The same completions either way.
     slots: int = 0
     page_size: int = 16
-    # How decode steps attend over the KV cache: "auto" (the kernel of the devices the
-    # program is compiled for: the Pallas kernel on TPUs, `jaxvrl.models.cached_kernels`;
-    # the CPU form on the CPU; dense elsewhere) or a name of
-    # `jaxvrl.models.cached_attention.IMPLEMENTATIONS` ("dense": XLA's einsums around a
-    # masked softmax). The same completions, log-probs and masses, to rounding.
+    # How decode steps attend over the KV cache: "auto" (the form of the devices the program
+    # is compiled for, `DECODE_KERNELS`: the CPU form on the CPU, dense elsewhere) or a name
+    # of `jaxvrl.models.cached_attention.IMPLEMENTATIONS` ("dense": XLA's einsums around a
+    # masked softmax; "tpu": the Pallas TPU kernel, `jaxvrl.models.cached_kernels`). The
+    # same completions, log-probs and masses, to rounding.
     decode_attention: str = "auto"
     # Also return each sampled token's entropy (of softmax(logits / temperature), the full
     # distribution, as the trainer's passes compute it): a trainer whose old-policy
@@ -248,8 +248,10 @@ def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights |
     return cpu_decode.DecodeForms(weights, cpu_attention=cpu, cached=cached)
 
 
-# the cached attention `decode_attention="auto"` takes on each platform (the CPU's: its form)
-DECODE_KERNELS = {"tpu": "tpu"}
+# the cached attention `decode_attention="auto"` takes on each platform besides the CPU (its
+# own form) and "dense". Not "tpu" yet: the Pallas kernel reads the cache once, but the 7B
+# decode step compiled with it is priced no lower than with the dense form (docs/scaling.md)
+DECODE_KERNELS: dict[str, str] = {}
 
 
 def logits(model, forms, hidden: jax.Array) -> jax.Array:

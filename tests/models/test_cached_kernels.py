@@ -110,3 +110,39 @@ def test_the_tpu_compiler_prices_the_kernel_by_the_bytes_it_reads():
     # int32 (4 bytes a slot, written once and read twice: 2.3%)
     assert cache <= kernel <= 1.05 * cache, kernel / cache
     assert dense > 2.5 * cache, dense / cache
+
+
+def test_the_kernel_per_device_on_a_rollout_mesh():
+    """On 8 CPU devices, rows over data 2 and key/value heads over tensor 4 (the rollout
+    mesh's split of the cache): each device runs the kernel on its rows and heads, the pool
+    masses are averaged over every device's heads; equal to the dense form on one device."""
+    from tests.parallel.common import run_with_devices
+
+    out = run_with_devices(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxvrl.parallel.sharding import make_mesh
+        from jaxvrl.models.cached_attention import IMPLEMENTATIONS, _dense
+        from tests.models.test_cached_kernels import _problem
+
+        qg, k, v, mask, pools = _problem(3, 4, 4, 2, 16, 300)
+        want, stats = _dense(qg, k, v, mask, scale=0.3, pools=pools, dtype=jnp.float32)
+        mesh = make_mesh(data=2, fsdp=1, tensor=4)
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+        args = (put(qg, P("data", None, "tensor")), put(k, P("data", "tensor")),
+                put(v, P("data", "tensor")), put(mask, P("data")),
+                {n: put(x, P("data")) for n, x in pools.items()})
+        fn = jax.jit(lambda q, k, v, m, p: IMPLEMENTATIONS["tpu_interpret"](
+            q, k, v, m, scale=0.3, pools=p, dtype=jnp.float32))
+        with jax.set_mesh(mesh):
+            got, got_stats = fn(*args)
+            text = fn.lower(*args).as_text()
+        assert "shard_map" in text or "sdy.manual_computation" in text
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        for a, b in zip(got_stats, stats):
+            np.testing.assert_allclose(a, b, atol=2e-6)
+        print("OK")
+        """
+    )
+    assert out.strip().endswith("OK")
