@@ -20,7 +20,9 @@ for a bad argument or no TPU compiler. Flags besides --config: --topology=NAME (
 v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compiles at once),
 --suggest (micro-batches, host offload, then mesh.sequence from fsdp, until the step fits),
 --lengths=FILE of integers or lognormal:median=M,sigma=S (completion lengths for the step's
-rows: compiled for the completion columns and packing they imply; MFU on real tokens). Meshes: --config.mesh.*.
+rows: compiled for the completion columns and packing they imply; MFU on real tokens; with
+the decode step, that mix's decode loop against the sum of its steps' bounds, each the
+weights and the running rows' filled cache). Meshes: --config.mesh.*.
 --iteration=K|auto prices one RL iteration for the --lengths mix: synchronous, partial,
 one-step-off with the rollout on K chips (auto: every split, the fastest kept), and both.
 """
@@ -31,6 +33,8 @@ import concurrent.futures
 import json
 import os
 import sys
+
+import numpy as np
 
 from jaxvrl.aot.report import format_report, knobs, with_decode_steps
 
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
         reports[reports.index(by_name["sampler"])] = r
     for r in reports:
         print(format_report(r), flush=True)
+    loop = _decode_loop(plan, by_name) if plan.lengths is not None else None
     failed = [r.name for r in reports if not r.fits]
     suggestion = None
     if failed:
@@ -121,10 +126,42 @@ def main(argv=None) -> int:
     }
     if suggestion:
         out["suggest"] = suggestion
+    if loop:
+        out["decode_loop"] = loop
     if "iteration" in ours and not failed:
         out["iteration"] = out_iteration
     print(json.dumps(out), flush=True)
     return 1 if failed else 0
+
+
+def _decode_loop(plan, reports: dict) -> dict | None:
+    """The --lengths mix's decode loop (`iteration.decode_loop`) on the static sampler, printed
+    against the sum of its steps' bounds; None without a fitting decode step."""
+    from jaxvrl.aot import iteration
+    from jaxvrl.parallel import topology
+
+    step = reports.get("decode_step")
+    if step is None or not step.fits or step.bound_s is None:
+        return None
+    bandwidth = topology.bandwidth(plan.slice)
+    cache = step.breakdown["kv_cache"]
+    loop = iteration.decode_loop(
+        plan.completions, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
+        weights=step.bound_s * bandwidth - cache, cache=cache, bandwidth=bandwidth,
+        written_only=plan.c.rollout.decode_attention == "tpu",  # (the kernel)
+    )  # fmt: skip
+    lengths, kernel = plan.completions, plan.c.rollout.decode_attention == "tpu"
+    print(
+        f"decode loop of the {len(lengths)} rows (completions median {int(np.median(lengths))}, "
+        f"max {int(lengths.max())} of {plan.new_tokens}): {loop['steps']} steps of every row "
+        f"(the static sampler{', the kernel reading the written slots only' if kernel else ''}) "
+        f"{loop['loop_s'] * 1e3:,.0f} ms; the steps' bounds (weights and "
+        f"the running rows' filled cache) {loop['bound_s'] * 1e3:,.0f} ms: "
+        f"{loop['loop_s'] / loop['bound_s']:.2f}x (at the full cache's bound "
+        f"{loop['full_bound_s'] * 1e3:,.0f} ms)",
+        flush=True,
+    )
+    return loop
 
 
 def _suggest(plan, step, lengths) -> dict | None:

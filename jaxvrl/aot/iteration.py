@@ -54,6 +54,49 @@ def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int
     return stop, made, made == lengths
 
 
+def decode_loop(
+    lengths,
+    prompt_len: int,
+    n: int,
+    *,
+    step_s: float,
+    weights: float,
+    cache: float,
+    bandwidth: float,
+    check_every: int = 8,
+    written_only: bool = False,
+) -> dict:
+    """A generation batch's decode loop on the static sampler, priced for completion
+    `lengths` (int[B], at most n) against the sum of its steps' bounds.
+
+    The static sampler runs every row until the longest has ended (checked every
+    `check_every` steps), each step at the compiled step's time `step_s`. A step's bound is
+    what it must read over the chip's HBM `bandwidth`: the decode weights (`weights` bytes
+    per chip) and only the filled cache of the rows still running, each holding its prompt
+    and its tokens so far (`cache`: the whole cache's bytes per chip, B rows of prompt_len +
+    n slots, read in proportion). written_only: the step's attention reads the cache only up
+    to the slot just written, every row alike (the decode kernel, `rollout.decode_attention=
+    tpu`), where the compiled step is priced at the whole cache: each step is priced at
+    `step_s` less the unwritten slots' bytes over the bandwidth. -> {"steps", "loop_s",
+    "bound_s", "full_bound_s"} (full_bound_s: the steps at the full cache's bound, what the
+    step's own bound says)."""
+    lengths = np.minimum(np.asarray(lengths, np.int64), n)
+    rows = len(lengths)
+    k = max(d for d in range(1, max(1, min(n, check_every)) + 1) if n % d == 0)
+    steps = min(n, -(-int(lengths.max()) // k) * k) if rows else 0
+    t = np.arange(steps)
+    live = (lengths[None, :] > t[:, None]).sum(axis=1)  # rows fed a token at step t
+    slots = live * (prompt_len + t + 1)  # their filled slots after step t's write
+    per_slot = cache / (rows * (prompt_len + n))
+    bound = (steps * weights + per_slot * float(slots.sum())) / bandwidth
+    loop = steps * step_s
+    if written_only:  # slots past t + prompt_len + 1 of every row are not read at step t
+        unwritten = rows * float((n - 1 - t).sum())
+        loop -= per_slot * unwritten / bandwidth
+    return dict(steps=steps, loop_s=loop, bound_s=bound,
+                full_bound_s=steps * (weights + cache) / bandwidth)  # fmt: skip
+
+
 class _Queued(PartialRollouts):
     """`PartialRollouts` whose sampler calls are the engine's queue (`engine_run`) on the rows'
     forced lengths; counts decode steps and prefilled tokens."""

@@ -3,13 +3,15 @@ steps are each step's longest row when every row has a slot; partial rollouts (t
 own `PartialRollouts` over the engine's queue) train the step's groups every step in fewer
 decode steps on a long-tailed mix, and count the carried rows' prefills; one-step-off is the
 larger of the two sides plus the weight copy. (That the queue model counts the engine's steps:
-tests/sampling/test_engine.py.)"""
+tests/sampling/test_engine.py.) A static sampler's decode loop for a length mix runs to its
+longest row (rounded up to its checks) at the compiled step's time; its bound sums each
+step's weights and the filled cache of the rows still running."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxvrl.aot.iteration import engine_run, price, rollout_work
+from jaxvrl.aot.iteration import decode_loop, engine_run, price, rollout_work
 from jaxvrl.aot.plan import completion_lengths
 
 P, G, N, PROMPT = 4, 4, 256, 32
@@ -45,3 +47,25 @@ def test_one_step_off_takes_the_larger_side_plus_the_copy():
     off = price(**whole, split_train_s=5.0, split_decode_s=0.02, split_prefill_s_per_token=2e-4,
                 copy_s=0.5)  # fmt: skip
     assert off["rollout_s"] == pytest.approx(2.2) and off["iteration_s"] == pytest.approx(5.5)
+
+
+def test_the_decode_loop_against_the_running_rows_filled_cache():
+    # rows of 3, 1 and 5 tokens after prompts of 4 slots, caches of 4 + 6: at steps 0..4 the
+    # running rows are 3, 2, 2, 1, 1, holding 5, 6, 7, 8, 9 slots each after the step's write
+    got = decode_loop([3, 1, 5], 4, 6, step_s=2.0, weights=100.0, cache=30.0, bandwidth=1.0,
+                      check_every=1)  # fmt: skip
+    slots = 3 * 5 + 2 * 6 + 2 * 7 + 1 * 8 + 1 * 9
+    want = dict(steps=5, loop_s=10.0, bound_s=5 * 100 + slots * 30 / (3 * 10),
+                full_bound_s=5 * 130.0)  # fmt: skip
+    assert got == pytest.approx(want)
+    # the decode kernel reads 4 + t + 1 of each row's 10 slots at step t (ended rows too): the
+    # other 5 - t are not read; the compiled step (130 here) is priced at all 10
+    kernel = decode_loop([3, 1, 5], 4, 6, step_s=130.0, weights=100.0, cache=30.0,
+                         bandwidth=1.0, check_every=1, written_only=True)  # fmt: skip
+    unread = 3 * sum(6 - 1 - t for t in range(5))
+    assert kernel["loop_s"] == pytest.approx(5 * 130.0 - unread * 30 / (3 * 10))
+    # checked every 8 steps (the largest divisor of n = 6 up to 8: 6), the 5-token row's loop
+    # runs 6 steps; checked every 4 (divisor 3), rows of 2 and 1 tokens: 3
+    assert decode_loop([3, 1, 5], 4, 6, step_s=1, weights=1, cache=1, bandwidth=1)["steps"] == 6
+    assert decode_loop([2, 1], 4, 6, step_s=1, weights=1, cache=1, bandwidth=1,
+                       check_every=4)["steps"] == 3  # fmt: skip
