@@ -145,16 +145,16 @@ def _decode_loop(plan, reports: dict) -> dict | None:
         return None
     bandwidth = topology.bandwidth(plan.slice)
     cache = step.breakdown["kv_cache"]
-    loop = iteration.decode_loop(
-        plan.completions, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
-        weights=step.bound_s * bandwidth - cache, cache=cache, bandwidth=bandwidth,
-        written_only=plan.c.rollout.decode_attention == "tpu",  # (the kernel)
-    )  # fmt: skip
     lengths, kernel = plan.completions, plan.c.rollout.decode_attention == "tpu"
+    loop = iteration.decode_loop(
+        lengths, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
+        weights=step.bound_s * bandwidth - cache, cache=cache, bandwidth=bandwidth,
+        written_only=kernel, row_block=_kernel_rows(plan, len(lengths)),
+    )  # fmt: skip
     print(
         f"decode loop of the {len(lengths)} rows (completions median {int(np.median(lengths))}, "
         f"max {int(lengths.max())} of {plan.new_tokens}): {loop['steps']} steps of every row "
-        f"(the static sampler{', the kernel reading the written slots only' if kernel else ''}) "
+        f"(the static sampler{', the kernel reading running rows to the written slot' if kernel else ''}) "
         f"{loop['loop_s'] * 1e3:,.0f} ms; the steps' bounds (weights and "
         f"the running rows' filled cache) {loop['bound_s'] * 1e3:,.0f} ms: "
         f"{loop['loop_s'] / loop['bound_s']:.2f}x (at the full cache's bound "
@@ -162,6 +162,17 @@ def _decode_loop(plan, reports: dict) -> dict | None:
         flush=True,
     )
     return loop
+
+
+def _kernel_rows(plan, rows: int) -> int:
+    """The decode kernel's block of rows on a chip of the rollout mesh (`cached_kernels`)."""
+    from jaxvrl.models.cached_kernels import row_block
+    from jaxvrl.parallel.sharding import logical_to_spec
+
+    mesh = plan.rollout[0]
+    axes = logical_to_spec(("batch",), (rows,), mesh)[0] or ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return row_block(rows // int(np.prod([mesh.shape[a] for a in axes])))
 
 
 def _suggest(plan, step, lengths) -> dict | None:

@@ -65,6 +65,7 @@ def decode_loop(
     bandwidth: float,
     check_every: int = 8,
     written_only: bool = False,
+    row_block: int = 8,
 ) -> dict:
     """A generation batch's decode loop on the static sampler, priced for completion
     `lengths` (int[B], at most n) against the sum of its steps' bounds.
@@ -74,10 +75,11 @@ def decode_loop(
     what it must read over the chip's HBM `bandwidth`: the decode weights (`weights` bytes
     per chip) and only the filled cache of the rows still running, each holding its prompt
     and its tokens so far (`cache`: the whole cache's bytes per chip, B rows of prompt_len +
-    n slots, read in proportion). written_only: the step's attention reads the cache only up
-    to the slot just written, every row alike (the decode kernel, `rollout.decode_attention=
-    tpu`), where the compiled step is priced at the whole cache: each step is priced at
-    `step_s` less the unwritten slots' bytes over the bandwidth. -> {"steps", "loop_s",
+    n slots, read in proportion). written_only: the decode kernel's reading
+    (`rollout.decode_attention=tpu`), where the compiled step is priced at the whole cache:
+    each block of `row_block` rows (consecutive rows) reads up to the slot just written while
+    one of its rows runs, and nothing once they have all ended; each step is priced at
+    `step_s` less the unread slots' bytes over the bandwidth. -> {"steps", "loop_s",
     "bound_s", "full_bound_s"} (full_bound_s: the steps at the full cache's bound, what the
     step's own bound says)."""
     lengths = np.minimum(np.asarray(lengths, np.int64), n)
@@ -90,9 +92,11 @@ def decode_loop(
     per_slot = cache / (rows * (prompt_len + n))
     bound = (steps * weights + per_slot * float(slots.sum())) / bandwidth
     loop = steps * step_s
-    if written_only:  # slots past t + prompt_len + 1 of every row are not read at step t
-        unwritten = rows * float((n - 1 - t).sum())
-        loop -= per_slot * unwritten / bandwidth
+    if written_only:
+        blocks = lengths.reshape(-1, row_block).max(axis=1)  # when each block's last row ends
+        running = (blocks[None, :] > t[:, None]).sum(axis=1) * row_block
+        read = running * (prompt_len + t + 1)
+        loop -= per_slot * float((rows * (prompt_len + n) - read).sum()) / bandwidth
     return dict(steps=steps, loop_s=loop, bound_s=bound,
                 full_bound_s=steps * (weights + cache) / bandwidth)  # fmt: skip
 

@@ -5,8 +5,9 @@ XLA compiles the dense form (two einsums around a masked softmax) into several f
 pass the float32 scores [rows, heads, S] through HBM between them, and reads every slot of
 the cache whether written or not. Here each (block of rows, key/value head) streams its keys
 [H, S] and values [S, H] through VMEM once, in blocks of positions, with an online softmax:
-scores, probabilities and the pool masses never leave the chip, and blocks past the last
-written slot (the same for every row of a static cache) are neither read nor computed.
+scores, probabilities and the pool masses never leave the chip, and key blocks past a block
+of rows' last visible slot are neither read nor computed (none at all for rows that see no
+key: the static sampler hides the cache of rows that have ended).
 
 Arrays are the cache's layouts (`KVCache`): queries qg [B, 1, K, G, H], keys [B, K, H, S],
 values [B, K, S, H], the mask bool[B, 1, S] of the slots each row's query sees; pools (the
@@ -38,6 +39,11 @@ def _divisor(n: int, sizes: tuple[int, ...]) -> int:
     return next((s for s in sizes if n % s == 0), n)
 
 
+def row_block(rows: int) -> int:
+    """The rows a grid step of the kernel takes, of one device's `rows`."""
+    return _divisor(rows, (8, 4, 2, 1))
+
+
 def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools):
     """One (block of rows, key/value head, block of positions) grid step: the online softmax
     of every row's G queries over this block of keys, and at the last block its output (and
@@ -60,7 +66,7 @@ def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools):
         if pools:
             p_sc[...] = jnp.zeros(p_sc.shape, jnp.float32)
 
-    @pl.when(j < filled[0])  # blocks past the last written slot: nothing to see
+    @pl.when(j < filled[pl.program_id(0)])  # past the block's last visible slot: nothing
     def _():
         for r in range(rows):
             s = dot(q_ref[r], k_ref[r]) * scale
@@ -97,22 +103,26 @@ def _local(q, k, v, valid, pool, *, scale, interpret):
     masses float32[b, K, G, 128] (lanes 0..2) or None)."""
     b, kh, g, h = q.shape
     s = k.shape[-1]
-    rows = _divisor(b, (8, 4, 2, 1))
+    rows = row_block(b)
     bs = _divisor(s, (512, 256, 128))
     blocks = s // bs
-    # the key blocks holding a visible slot: the rows' last one, at least one block
+    # per block of rows, the key blocks up to its last visible slot (0: its rows see nothing,
+    # e.g. rows that have ended): the others are neither fetched nor computed
     pos = jnp.arange(s, dtype=jnp.int32)
-    last = jnp.max(jnp.where(valid[:, 0] > 0, pos[None], -1))
-    filled = jnp.clip(last // bs + 1, 1, blocks).astype(jnp.int32)[None]
+    last = jnp.max(jnp.where(valid[:, 0] > 0, pos[None], -1).reshape(b // rows, -1), axis=1)
+    filled = jnp.where(last < 0, 0, last // bs + 1).astype(jnp.int32)
 
-    def keys(i, hh, j, n):  # blocks past the filled ones stay on the last filled block
-        return (i, hh, 0, jnp.minimum(j, n[0] - 1))
+    def upto(i, j, n):  # a block past the filled ones: the last filled one again (no copy)
+        return jnp.minimum(j, jnp.maximum(n[i] - 1, 0))
+
+    def keys(i, hh, j, n):
+        return (i, hh, 0, upto(i, j, n))
 
     def values(i, hh, j, n):
-        return (i, hh, jnp.minimum(j, n[0] - 1), 0)
+        return (i, hh, upto(i, j, n), 0)
 
     def per_row(i, hh, j, n):
-        return (i, 0, jnp.minimum(j, n[0] - 1))
+        return (i, 0, upto(i, j, n))
 
     def heads(i, hh, j, n):
         return (i, hh, 0, 0)

@@ -243,16 +243,19 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
     or None) is i + 1 is done after token i.
     """
     i = s["i"]
-    b = s["done"].shape[0]
     live = ~s["done"]
     tok = jnp.where(live, s["next_tok"], cfg.pad_token_id)
     eos = steps.eos_ids(cfg)
     pos = continue_positions(model.position_rank, start + i, 1)
+    # a row that has ended feeds a pad no query sees and sees no key itself: a decode kernel
+    # reads nothing of its cache (`jaxvrl.models.cached_kernels`); its outputs are dropped
+    cache = s["cache"]
+    cache = cache.replace(key_mask=cache.key_mask & live[:, None])
     out = model.forward(
         tok[:, None],
-        jnp.ones((b, 1), jnp.int32),
+        live[:, None].astype(jnp.int32),
         pos,
-        cache=s["cache"],
+        cache=cache,
         pools=pools,
         return_logits=False,
         step=forms,
@@ -275,12 +278,13 @@ def _decode_step(model, forms, cfg: SamplingConfig, keys, start, pools, s: dict,
         new["next_ent"] = next_ent
         new["entropies"] = s["entropies"].at[:, i].set(jnp.where(live, s["next_ent"], 0.0))
     if "routes" in s:  # token i's routes (a done row's pad: 0)
-        fed = steps.step_routes(model, out.routes, b)[:, 0]  # [B, L', k]
+        fed = steps.step_routes(model, out.routes, tok.shape[0])[:, 0]  # [B, L', k]
         fed = jnp.where(live[:, None, None], fed, 0)
         new["routes"] = s["routes"].at[:, i].set(fed)
     if pools is not None:
         # the query fed at step i (token i) predicts token i+1: its masses are token i+1's
         # (none after the last token)
-        new["vmass"] = s["vmass"].at[:, :, i + 1].set(out.vision_mass[:, :, 0], mode="drop")
-        new["xmass"] = s["xmass"].at[:, :, i + 1].set(out.text_mass[:, :, 0], mode="drop")
+        for name, mass in (("vmass", out.vision_mass), ("xmass", out.text_mass)):
+            mass = jnp.where(live, mass[:, :, 0], 0.0)
+            new[name] = s[name].at[:, :, i + 1].set(mass, mode="drop")
     return new
