@@ -549,6 +549,14 @@ class Plan:
         print(f"  {as_flags(values)}: {r.peak_bytes / 2**30:.2f} GiB per device", flush=True)
         return r.fits
 
+    def _decode_words(self) -> str:
+        if self.c.rollout.decode_attention == "tpu":
+            return (
+                "tpu (the Pallas kernel, priced by XLA from its cost estimate: the whole cache, "
+                "the queries and outputs it reads)"
+            )
+        return "dense (XLA)"
+
     def describe(self) -> str:
         m = self.model.config
         shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
@@ -568,7 +576,7 @@ class Plan:
         return (
             (
                 f"{topology.describe(self.slice)}; mesh {shape}; rollout mesh {rshape}, "
-                f"{rdtype or self.c.model.dtype}\n"
+                f"{rdtype or self.c.model.dtype}, decode attention {self._decode_words()}\n"
                 f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
                 f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "
                 f"{self.c.model.remat_policy}, attention {self.attention}), text "
