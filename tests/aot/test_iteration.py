@@ -9,6 +9,8 @@ step's weights and the filled cache of the rows still running."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from jaxvrl.aot.iteration import decode_loop, engine_run, price, rollout_work
@@ -60,33 +62,14 @@ def test_the_decode_loop_against_the_running_rows_filled_cache():
     assert got == pytest.approx(want)
     # the decode kernel, blocks of one row: row r reads 4 + t + 1 of its 10 slots at step t
     # while it runs, nothing after; the compiled step (130 here) is priced at all 10
-    kernel = decode_loop(
-        [3, 1, 5],
-        4,
-        6,
-        step_s=130.0,
-        weights=100.0,
-        cache=30.0,
-        bandwidth=1.0,
-        check_every=1,
-        written_only=True,
-        row_block=1,
+    kernel_loop = functools.partial(
+        decode_loop, step_s=130.0, weights=100.0, bandwidth=1.0, check_every=1, written_only=True
     )
+    kernel = kernel_loop([3, 1, 5], 4, 6, cache=30.0, row_block=1)
     unread = 5 * 3 * 10 - slots
     assert kernel["loop_s"] == pytest.approx(5 * 130.0 - unread * 30 / (3 * 10))
     # blocks of rows (0, 1) and (2, 3): the first reads while row 0 runs (3 steps)
-    two = decode_loop(
-        [3, 1, 5, 2],
-        4,
-        6,
-        step_s=130.0,
-        weights=100.0,
-        cache=40.0,
-        bandwidth=1.0,
-        check_every=1,
-        written_only=True,
-        row_block=2,
-    )
+    two = kernel_loop([3, 1, 5, 2], 4, 6, cache=40.0, row_block=2)
     read = 2 * sum(5 + t for t in range(3)) + 2 * sum(5 + t for t in range(5))
     assert two["loop_s"] == pytest.approx(5 * 130.0 - (5 * 4 * 10 - read) * 40 / (4 * 10))
     # checked every 8 steps (the largest divisor of n = 6 up to 8: 6), the 5-token row's loop
