@@ -20,11 +20,9 @@ for a bad argument or no TPU compiler. Flags besides --config: --topology=NAME (
 v5p-16, v6e-8, ...), --programs=train_step,sampler,decode_step, --jobs=N (compiles at once),
 --suggest (micro-batches, host offload, then mesh.sequence from fsdp, until the step fits),
 --lengths=FILE of integers or lognormal:median=M,sigma=S (completion lengths for the step's
-rows: compiled for the completion columns and packing they imply; MFU on real tokens; with
-the decode step, that mix's decode loop against the sum of its steps' bounds, each the
-weights and the running rows' filled cache). Meshes: --config.mesh.*.
---iteration=K|auto prices one RL iteration for the --lengths mix: synchronous, partial,
-one-step-off with the rollout on K chips (auto: every split, the fastest kept), and both.
+rows: packing, MFU on real tokens; with the decode step, the mix's decode loop against its
+steps' bounds). --iteration=K|auto prices one RL iteration for the --lengths mix:
+synchronous, partial, one-step-off with the rollout on K chips (auto: the fastest), both.
 """
 
 from __future__ import annotations
