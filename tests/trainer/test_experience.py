@@ -94,12 +94,12 @@ TPRL = {
 VGR = {"vgr.enable_token_weights": True, "vgr.token_weight_smooth_sigma": 1.0}
 
 
-@pytest.mark.parametrize("methods", [TPRL, {**TPRL, **VGR}, VGR], ids=["tprl", "tprl-vgr", "vgr"])
+@pytest.mark.parametrize("methods", [{**TPRL, **VGR}, VGR], ids=["tprl-vgr", "vgr"])
 def test_sampler_shaping_reads_the_samplers_quantities_and_runs_no_clean_pass(model, methods):
     """Token shaping from the sampler's quantities (2 updates): shaping_source=sampler skips
-    the clean pass (TPRL: one forward per micro-batch, the perturbed one; VGR alone: none)
-    and shapes from the batch's old_logprobs / old_entropy / attention masses; given the
-    recompute pass's values there, the step equals the recompute step."""
+    the clean pass (TPRL with VGR: one forward per micro-batch, the perturbed one; VGR alone:
+    none) and shapes from the batch's old_logprobs / old_entropy / attention masses; given
+    the recompute pass's values there, the step equals the recompute step."""
     import optax
 
     from jaxvrl.trainer.step import make_train_step
@@ -109,17 +109,16 @@ def test_sampler_shaping_reads_the_samplers_quantities_and_runs_no_clean_pass(mo
     recompute = step_config(dict(values, **{"actor.shaping_source": "recompute"}))
     sampler = step_config(dict(values, **{"actor.shaping_source": "sampler"}))
     assert sampler.sampler_shaping and not recompute.sampler_shaping
-    assert sampler.needs_attention == ("vgr.enable_token_weights" in methods)
+    assert sampler.needs_attention
     graphdef, params = nnx.split(model, nnx.Param)
     batch = make_batch(model, seed=5, old_logprobs=np.full((4, N), -2.0, np.float32))
     key = jax.random.key(1)
     passes = no_grad_passes(graphdef, params, None, batch, key, recompute)
     batch = batch.replace(old_logprobs=passes.old_logp, old_entropy=passes.entropy)
-    if sampler.needs_attention:  # the sampler's rows-first [B, L, N]
-        batch = batch.replace(
-            old_vision_mass=jnp.moveaxis(passes.vision_mass, 0, 1),
-            old_text_mass=jnp.moveaxis(passes.text_mass, 0, 1),
-        )
+    batch = batch.replace(  # the sampler's masses, rows first [B, L, N]
+        old_vision_mass=jnp.moveaxis(passes.vision_mass, 0, 1),
+        old_text_mass=jnp.moveaxis(passes.text_mass, 0, 1),
+    )
 
     def flops(cfg):  # the experience phase's, as XLA counts them
         fn = jax.jit(lambda b: no_grad_passes(graphdef, params, None, b, key, cfg))
@@ -132,9 +131,8 @@ def test_sampler_shaping_reads_the_samplers_quantities_and_runs_no_clean_pass(mo
     np.testing.assert_array_equal(got.old_logp, passes.old_logp)
     if sampler.needs_perturbed:
         np.testing.assert_allclose(got.aug_logp, passes.aug_logp, atol=1e-5)
-    if sampler.needs_attention:
-        np.testing.assert_array_equal(got.vision_mass, passes.vision_mass)
-        np.testing.assert_array_equal(got.text_mass, passes.text_mass)
+    np.testing.assert_array_equal(got.vision_mass, passes.vision_mass)
+    np.testing.assert_array_equal(got.text_mass, passes.text_mass)
     tx = optax.sgd(0.3)
     outs = [
         make_train_step(graphdef, tx, cfg)(init_state(model, tx), None, batch, key)
@@ -146,15 +144,11 @@ def test_sampler_shaping_reads_the_samplers_quantities_and_runs_no_clean_pass(mo
     names = ["loss", "entropy"]
     if sampler.needs_perturbed:
         names += ["sensitivity_score_mean", "perception_token_fraction"]
-    if sampler.needs_attention:
-        names += [k for k in ma if "token_weight" in k]
-        assert any("token_weight" in k for k in ma), sorted(ma)
+    names += [k for k in ma if "token_weight" in k]
+    assert any("token_weight" in k for k in ma), sorted(ma)
     for k in names:
         np.testing.assert_allclose(float(mb[k]), float(ma[k]), rtol=1e-5, atol=1e-7, err_msg=k)
     with pytest.raises(ValueError, match="old_entropy"):
         no_grad_passes(graphdef, params, None, batch.replace(old_entropy=None), key, sampler)
-    if sampler.needs_attention:
-        with pytest.raises(ValueError, match="old_vision_mass"):
-            no_grad_passes(
-                graphdef, params, None, batch.replace(old_vision_mass=None), key, sampler
-            )
+    with pytest.raises(ValueError, match="old_vision_mass"):
+        no_grad_passes(graphdef, params, None, batch.replace(old_vision_mass=None), key, sampler)

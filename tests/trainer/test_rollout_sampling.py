@@ -82,13 +82,11 @@ def test_one_prefill_per_prompt_gives_the_repeated_rows_completions(setup):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), *metrics)
 
 
-@pytest.mark.parametrize("slots", [0, 4])
-def test_the_samplers_masses_are_the_clean_passes(setup, slots):
+def test_the_samplers_masses_are_the_clean_passes(setup):
     """The attention masses the rollout hands the train step (VGR token weights shaped from
-    the sampler, no clean pass) equal the clean pass's at every completion token, both
-    engines: a token's masses are those of the query that predicts it."""
-    import dataclasses
-
+    the sampler, no clean pass) equal the clean pass's at every completion token: a token's
+    masses are those of the query that predicts it. (The slots engine's masses are the static
+    sampler's: tests/sampling/test_engine.py.)"""
     import jax.numpy as jnp
 
     from jaxvrl.trainer.experience import no_grad_passes
@@ -100,7 +98,7 @@ def test_the_samplers_masses_are_the_clean_passes(setup, slots):
     cfg = generation_config(
         model.config, max_new_tokens=8, temperature=1.0, eos_token_ids=tokenizer.eos_token_id
     )
-    sampler = Sampler(nnx.graphdef(model), dataclasses.replace(cfg, slots=slots))
+    sampler = Sampler(nnx.graphdef(model), cfg)
     out = sample_completions(
         sampler, nnx.state(model), prompts, jax.random.key(5), prompts["pools"], num_samples=G
     )
