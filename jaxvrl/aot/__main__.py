@@ -136,7 +136,9 @@ def _decode_loop(plan, reports: dict) -> dict | None:
     """The --lengths mix's decode loop (`iteration.decode_loop`) on the static sampler, printed
     against the sum of its steps' bounds; None without a fitting decode step."""
     from jaxvrl.aot import iteration
+    from jaxvrl.models.cached_kernels import row_block
     from jaxvrl.parallel import topology
+    from jaxvrl.parallel.sharding import row_shards
 
     step = reports.get("decode_step")
     if step is None or not step.fits or step.bound_s is None:
@@ -147,7 +149,7 @@ def _decode_loop(plan, reports: dict) -> dict | None:
     loop = iteration.decode_loop(
         lengths, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
         weights=step.bound_s * bandwidth - cache, cache=cache, bandwidth=bandwidth,
-        written_only=kernel, row_block=_kernel_rows(plan, len(lengths)),
+        written_only=kernel, row_block=row_block(len(lengths) // row_shards(plan.rollout[0])),
     )  # fmt: skip
     print(
         f"decode loop of the {len(lengths)} rows (completions median {int(np.median(lengths))}, "
@@ -160,17 +162,6 @@ def _decode_loop(plan, reports: dict) -> dict | None:
         flush=True,
     )
     return loop
-
-
-def _kernel_rows(plan, rows: int) -> int:
-    """The decode kernel's block of rows on a chip of the rollout mesh (`cached_kernels`)."""
-    from jaxvrl.models.cached_kernels import row_block
-    from jaxvrl.parallel.sharding import logical_to_spec
-
-    mesh = plan.rollout[0]
-    axes = logical_to_spec(("batch",), (rows,), mesh)[0] or ()
-    axes = (axes,) if isinstance(axes, str) else axes
-    return row_block(rows // int(np.prod([mesh.shape[a] for a in axes])))
 
 
 def _suggest(plan, step, lengths) -> dict | None:

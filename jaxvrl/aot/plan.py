@@ -349,7 +349,9 @@ class Plan:
             old_logprobs=np.zeros((b, n), np.float32),  # the sampler's, as the rollout gives
             old_entropy=np.zeros((b, n), np.float32) if cfg.sampler_shaping else None,
             routes=self._routes(b, p + n),
-            masses=self._sampled_masses(b, n) if cfg.sampler_shaping else None,
+            masses=self._sampled_masses(b, n)
+            if cfg.sampler_shaping and cfg.needs_attention
+            else None,
         )
         batch = dataclasses.replace(batch, images=self._images(b))
         plan = packing.plan_batch(p + comp, comp, p + n, jax.random.key(0), cfg, self.mesh)
@@ -357,9 +359,7 @@ class Plan:
         return _with_shardings(batch, self.mesh, self.rows)
 
     def _sampled_masses(self, b: int, n: int):
-        """The sampler's attention masses a batch carries for the token weights, or None."""
-        if not self.step_config.needs_attention:
-            return None
+        """The sampler's attention masses (A_V, A_X) a batch carries for the token weights."""
         layers = self.model.config.text.num_hidden_layers
         return (np.zeros((b, layers, n), np.float32),) * 2
 

@@ -147,7 +147,7 @@ def attend(
         out, masses = _attend(q, k, v, pool, **rows, **settings)
     else:
         out, masses = _split_attend(split, q, k, v, pool, rows, settings)
-    return out, (None if masses is None else _pool_ratios(lax.stop_gradient(masses)))
+    return out, (None if masses is None else pool_ratios(lax.stop_gradient(masses)))
 
 
 def _attend(
@@ -193,7 +193,7 @@ def _attend(
     return out, masses
 
 
-def _pool_ratios(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
+def pool_ratios(masses: jax.Array) -> tuple[jax.Array, jax.Array]:
     """float32[B, T, P] heads-averaged pool masses (POOLS order) -> (A_V, A_X) float32[B, T]."""
     vision, text, prompt = masses[..., 0], masses[..., 1], masses[..., 2]
     safe = jnp.where(prompt > 0, prompt, 1.0)

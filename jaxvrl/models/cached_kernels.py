@@ -27,9 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from jaxvrl.models.attention import POOLS, pool_ratios
 from jaxvrl.parallel.sharding import logical_to_spec, traced_mesh
 
-POOLS = ("vision", "text", "prompt")
 _NEG = -1e30  # a finite "minus infinity": a block with no visible key adds exp(-huge) = 0
 _LANES = 128
 
@@ -205,9 +205,6 @@ def tpu_decode(qg, k, v, mask, *, scale, pools, dtype, interpret: bool = False):
         )
     out, masses = local(*args)
     stats = None
-    if masses is not None:  # heads-averaged, then renormalised over the prompt's keys
-        m = jnp.mean(masses[..., : len(POOLS)], axis=(1, 2))  # [B, 3]
-        vision, text, prompt = m[:, 0:1], m[:, 1:2], m[:, 2:3]
-        safe = jnp.where(prompt > 0, prompt, 1.0)
-        stats = (jnp.where(prompt > 0, vision / safe, 0.0), jnp.where(prompt > 0, text / safe, 0.0))
+    if masses is not None:  # heads-averaged [B, T = 1, P], then renormalised over the prompt
+        stats = pool_ratios(jnp.mean(masses[..., : len(POOLS)], axis=(1, 2))[:, None])
     return out[:, None], stats
