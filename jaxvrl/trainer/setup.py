@@ -330,8 +330,19 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     rmesh, dtype = None, None
     if mesh is not None:
         rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
+    check_decode_attention(c, jax.devices()[0] if rmesh is None else rmesh.devices.flat[0])
     split = c.rollout.mesh.sequence if rmesh is not None else 1
     return Sampler(graph, cfg, rmesh, dtype, split), Sampler(graph, greedy, rmesh, dtype, split)
+
+
+def check_decode_attention(c, device) -> None:
+    """A ConfigError where rollout.decode_attention names a kernel the rollout's devices (those
+    of `device`'s platform) cannot run."""
+    if c.rollout.decode_attention == "tpu" and device.platform != "tpu":
+        raise ConfigError(
+            f"config.rollout.decode_attention='tpu': the Pallas TPU kernel runs on TPUs, the "
+            f"rollout runs on {device.platform}; set it to 'auto' or 'dense'"
+        )
 
 
 def make_rollout_phase(

@@ -149,3 +149,16 @@ def test_the_kernel_per_device_on_a_rollout_mesh():
         """
     )
     assert out.strip().endswith("OK")
+
+
+def test_the_kernel_asked_for_elsewhere_than_on_tpus_is_a_config_error():
+    import types
+
+    from jaxvrl.config import ConfigError, load_config
+    from jaxvrl.trainer.setup import check_decode_attention
+
+    asked = load_config("configs/tprl.py", ["rollout.decode_attention=tpu"])
+    with pytest.raises(ConfigError, match=r"rollout.decode_attention='tpu'.* runs on cpu"):
+        check_decode_attention(asked, types.SimpleNamespace(platform="cpu"))
+    check_decode_attention(asked, types.SimpleNamespace(platform="tpu"))
+    check_decode_attention(load_config("configs/tprl.py"), types.SimpleNamespace(platform="cpu"))
