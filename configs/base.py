@@ -219,6 +219,10 @@ def get_config(arg=None):
     # devices each prompt's prefill splits its tokens over (sequence parallelism: long prompts,
     # videos); the prefill joins this many data groups, the decode steps run as before; 1 = off
     c.rollout.mesh.sequence = setting(1, at_least(1))
+    # groups of tensor devices each holding 1/expert of a mixture-of-experts model's experts
+    # (the decode step sends each token to its experts' devices and back; the rows split over
+    # it as over data, the other weights whole in each group); 1 = off; it divides the experts
+    c.rollout.mesh.expert = setting(1, at_least(1))
     # compute dtype of sampling: auto (bfloat16 on accelerators, model.dtype on the CPU) |
     # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from
     # this dtype; recompute takes them from a pass in model.dtype.

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxvrl import models
 from jaxvrl.models import lora
+from jaxvrl.models.moe import sparse_layers
 from jaxvrl.parallel import sharding
 
 DTYPES = ("auto", *models.DTYPES)
@@ -63,19 +64,25 @@ def rollout_mesh(
     kv_heads: int = 0,
     weight_bytes: float = 0,
     cache_bytes: float = 0,
+    expert: int = 1,
 ) -> Mesh:
-    """A mesh (data, fsdp=1, expert=1, sequence=1, tensor) over the devices of `mesh` for the
+    """A mesh (data, fsdp=1, expert, sequence=1, tensor) over the devices of `mesh` for the
     sampler.
 
     tensor: devices per tensor group (0: chosen among the divisors of a host's devices by
-    `rollout_sizes`, so a decode step reads as few bytes per device as it can); data: the
-    number of groups (-1: the devices left). Devices are taken host by host (in `mesh`'s
-    order within a host), so a tensor group that fits in a host lies within one, its
-    all-reduces never leave it, and each host's prompts stay on its own devices. Raises
-    ValueError naming the sizes when they do not fit the devices."""
+    `rollout_sizes`, so a decode step reads as few bytes per device as it can); expert:
+    tensor groups whose devices each hold 1 / expert of a mixture-of-experts model's experts
+    (the rows split over them as over data, every other weight whole in each); data: the
+    number of groups of expert x tensor devices (-1: the devices left). Devices are taken
+    host by host (in `mesh`'s order within a host), so a group that fits in a host lies
+    within one, its all-reduces and all-to-alls never leave it, and each host's prompts stay
+    on its own devices. Raises ValueError naming the sizes when they do not fit the
+    devices."""
     devices = list(mesh.devices.reshape(-1))
     hosts = len({d.process_index for d in devices})
-    sizes = rollout_sizes(len(devices), hosts, data, tensor, kv_heads, weight_bytes, cache_bytes)
+    sizes = rollout_sizes(
+        len(devices), hosts, data, tensor, kv_heads, weight_bytes, cache_bytes, expert
+    )
     order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, i))
     grid = np.asarray([devices[i] for i in order]).reshape(tuple(sizes.values()))
     return Mesh(grid, sharding.MESH_AXES)
@@ -90,8 +97,13 @@ def prefill_mesh(mesh: Mesh, sequence: int) -> Mesh:
     ValueError naming the sizes where `sequence` does not divide the data groups."""
     if sequence == 1:
         return mesh
-    if any(mesh.shape[a] != 1 for a in ("fsdp", "expert", "sequence")):
-        raise ValueError(f"a rollout mesh has only data and tensor axes, got {dict(mesh.shape)}")
+    if any(mesh.shape[a] != 1 for a in ("fsdp", "sequence")):
+        raise ValueError(f"a rollout mesh has no fsdp or sequence axis, got {dict(mesh.shape)}")
+    if mesh.shape["expert"] != 1:
+        raise ValueError(
+            f"a prompt split over {sequence} devices and experts split over "
+            f"{mesh.shape['expert']} are not supported together: set one of them to 1"
+        )
     data, tensor = mesh.shape["data"], mesh.shape["tensor"]
     if sequence < 1 or data % sequence:
         raise ValueError(
@@ -160,12 +172,14 @@ def rollout_sizes(
     kv_heads: int = 0,
     weight_bytes: float = 0,
     cache_bytes: float = 0,
+    expert: int = 1,
 ) -> dict:
-    """The rollout mesh's axis sizes {data, fsdp: 1, expert: 1, sequence: 1, tensor} for
+    """The rollout mesh's axis sizes {data, fsdp: 1, expert, sequence: 1, tensor} for
     `devices` over `hosts` (`rollout_mesh`).
 
-    tensor 0 picks t among the divisors of a host's devices. A decode step reads per device
-    the weights over t and its group's share of the KV cache (the group's rows: 1 / (devices
+    tensor 0 picks t among the divisors of a host's devices (of its devices / `expert`, where
+    that divides them: an expert group within a host). A decode step reads per device the
+    weights over t and its group's share of the KV cache (the group's rows: 1 / (devices
     / t) of them), split over the group's devices by KV head where t divides the KV heads;
     otherwise every device of the group holds the group's whole cache (the model's sharding
     leaves an axis that does not divide a dimension unsplit). With the sizes given
@@ -174,7 +188,8 @@ def rollout_sizes(
     """
     if not tensor:
         per_host = max(devices // hosts, 1)
-        fits = [t for t in range(1, per_host + 1) if per_host % t == 0]
+        room = per_host // expert if per_host % expert == 0 else per_host
+        fits = [t for t in range(1, room + 1) if room % t == 0]
         if kv_heads and weight_bytes:
 
             def read(t):
@@ -184,18 +199,26 @@ def rollout_sizes(
             tensor = min(fits, key=lambda t: (read(t), t))
         else:
             tensor = max(t for t in fits if not kv_heads or kv_heads % t == 0)
-    return sharding.mesh_sizes(devices, data, 1, tensor)
+    return sharding.mesh_sizes(devices, data, 1, tensor, expert)
 
 
 def decode_bytes(text_cfg, rows: int, length: int, dtype) -> tuple[int, int]:
     """(weights, cache): the bytes of the text decoder's and LM head's weights one decode
-    step multiplies by, and of the KV cache of `rows` rows of `length` positions, in `dtype`."""
-    d, f, hd = text_cfg.hidden_size, text_cfg.intermediate_size, text_cfg.head_dim
-    q, kv = text_cfg.num_attention_heads * hd, text_cfg.num_key_value_heads * hd
-    per_layer = d * (q + 2 * kv) + q * d + 3 * d * f
+    step of `rows` rows multiplies by (a mixture-of-experts layer: its router and the experts
+    its rows' tokens can reach, min(experts, rows x top k)), and of the KV cache of `rows`
+    rows of `length` positions, in `dtype`."""
+    c = text_cfg
+    d, hd = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    attention = d * (q + 2 * kv) + q * d
+    sparse = sum(sparse_layers(c))
+    reached = min(c.num_experts, rows * c.num_experts_per_tok)
+    experts = d * c.num_experts + reached * 3 * d * c.moe_intermediate_size
+    dense = 3 * d * c.intermediate_size
     size = jnp.dtype(dtype).itemsize
-    weights = (text_cfg.num_hidden_layers * per_layer + d * text_cfg.vocab_size) * size
-    cache = 2 * text_cfg.num_hidden_layers * kv * rows * length * size
+    layers = c.num_hidden_layers * attention + sparse * experts
+    weights = (layers + (c.num_hidden_layers - sparse) * dense + d * c.vocab_size) * size
+    cache = 2 * c.num_hidden_layers * kv * rows * length * size
     return weights, cache
 
 
@@ -245,6 +268,16 @@ def compute_params(graphdef, params):
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+# the rollout's weights: an expert axis splits the experts only (each device of an expert group
+# holds every other weight as a data group's devices do), the rows split over it
+_ROLLOUT_RULES = {**sharding.LOGICAL_RULES, "embed": ("fsdp", "sequence")}
+
+
+def param_shardings(state, mesh: Mesh):
+    """The shardings of the sampling model's parameters `state` on the rollout mesh `mesh`."""
+    return sharding.param_shardings(state, mesh, _ROLLOUT_RULES)
+
+
 def _is_abstract(tree) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
@@ -275,7 +308,7 @@ class Preparer:
 
             abstract = jax.eval_shape(state, params)
             mesh = self.layout.mesh
-            shardings = None if mesh is None else sharding.param_shardings(abstract, mesh)
+            shardings = None if mesh is None else param_shardings(abstract, mesh)
             self._targets[key] = (seen["graph"], abstract, shardings)
         return self._targets[key]
 

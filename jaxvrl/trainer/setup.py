@@ -147,15 +147,9 @@ def check_model_settings(c, model_config) -> None:
         )
     if c.actor.routing_replay:
         check_routing_replay(c, model_config)
-    if c.mesh.expert > 1:
-        experts = model_config.text.num_experts if any(sparse_layers(model_config.text)) else 0
-        if not experts or experts % c.mesh.expert:
-            has = f"{experts} experts" if experts else "no mixture-of-experts layers"
-            raise ConfigError(
-                f"config.mesh.expert={c.mesh.expert}: model type {model_config.model_type!r} "
-                f"has {has}; set mesh.expert to 1 or a divisor of the experts"
-            )
-    elif c.model.expert_capacity:
+    check_expert_axis("mesh.expert", c.mesh.expert, model_config)
+    check_expert_axis("rollout.mesh.expert", c.rollout.mesh.expert, model_config)
+    if c.mesh.expert == 1 and c.model.expert_capacity:
         raise ConfigError(
             f"config.model.expert_capacity={c.model.expert_capacity}: it bounds what each "
             "device sends each other device on an expert mesh axis, and mesh.expert is 1; "
@@ -281,6 +275,18 @@ def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> Samplin
     )
 
 
+def check_expert_axis(key: str, size: int, model_config) -> None:
+    """A ConfigError where the expert mesh axis `key` of `size` devices (> 1) has no experts
+    to split, or does not divide them."""
+    experts = model_config.text.num_experts if any(sparse_layers(model_config.text)) else 0
+    if size > 1 and (not experts or experts % size):
+        has = f"{experts} experts" if experts else "no mixture-of-experts layers"
+        raise ConfigError(
+            f"config.{key}={size}: model type {model_config.model_type!r} has {has}; set "
+            f"{key} to 1 or a divisor of the experts"
+        )
+
+
 def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     """(mesh, dtype) the samplers run with: `rollout.mesh` over the devices of the training
     mesh `mesh` (tensor 0: the tensor group that reads the fewest bytes per device in a
@@ -296,7 +302,7 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     kv = text_cfg.num_key_value_heads
     m = c.rollout.mesh
     try:
-        rmesh = rollout_mesh(mesh, m.data, m.tensor, kv, weights, cache)
+        rmesh = rollout_mesh(mesh, m.data, m.tensor, kv, weights, cache, m.expert)
     except ValueError as e:
         raise ConfigError(f"config.rollout.mesh: {e}") from None
     try:
@@ -308,13 +314,13 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
             f"config.rollout.mesh.sequence={m.sequence} splits every prompt's tokens: "
             f"data.prompt_bucket={c.data.prompt_bucket} must be a multiple of it"
         )
-    groups = rmesh.shape["data"]
+    groups = row_shards(rmesh)
     if (rows * processes) % groups:
         raise ConfigError(
             f"config.prompts_per_step x rollout.num_generations = {rows} rows per process "
-            f"({processes} processes) do not split evenly over the rollout's {groups} data "
-            "groups (rollout.mesh.data): set rollout.mesh.data or rollout.mesh.tensor so "
-            "that they do"
+            f"({processes} processes) do not split evenly over the rollout's {groups} row "
+            "groups (rollout.mesh.data x rollout.mesh.expert): set rollout.mesh.data or "
+            "rollout.mesh.tensor so that they do"
         )
     return rmesh, dtype  # the same devices' platform as `mesh`'s
 

@@ -152,10 +152,10 @@ def runs(tmp_path_factory):
     # too (one-step-off always does)
     off = ["rollout.devices=4", "mesh.data=1", "mesh.fsdp=4", "actor.ppo_epochs=2"]
     off.append("logging.attention_samples=0")
-    # a mixture of experts (tiny Qwen3-MoE, 4 experts) on fsdp 2 x expert 4, replaying the
-    # rollout's routes, on the arithmetic task
+    # a mixture of experts (tiny Qwen3-MoE, 4 experts) on fsdp 2 x expert 4, sampled with its
+    # experts split 4 ways too, replaying the rollout's routes, on the arithmetic task
     moe = [f"model.path={_tiny_moe(d / 'qwen3_moe')}", "data.builtin_task=arithmetic",
-           "mesh.fsdp=2", "mesh.expert=4", "actor.routing_replay=True",
+           "mesh.fsdp=2", "mesh.expert=4", "rollout.mesh.expert=4", "actor.routing_replay=True",
            "actor.old_logprobs=recompute", "val_before_train=False", "val_size=0"]  # fmt: skip
     report = _run(
         [
@@ -338,12 +338,15 @@ def test_one_step_off_resumes_with_its_batch_in_flight(runs):
 
 
 def test_a_mixture_of_experts_trains_on_an_expert_axis_and_resumes_exactly(runs):
-    """Its experts split over expert 4 (the rows over fsdp 2 x expert 4, one per device),
-    the rollout's routes replayed: two steps, and a run stopped after one and resumed equals
+    """Its experts split over expert 4 (the rows over fsdp 2 x expert 4, one per device), in
+    the train step and in the sampler, the rollout's routes replayed: two steps, and a run stopped after one and resumed equals
     them bit for bit."""
     report, w = runs
     moe = {"data": 1, "fsdp": 2, "expert": 4, "sequence": 1, "tensor": 1}
-    assert [moe, 8, 1, 8] in report["moe"]["placed"]
+    placed = report["moe"]["placed"]
+    assert [moe, 8, 1, 8] in placed, placed
+    # the prompts on the rollout mesh: its experts over 4 devices, rows over data x expert
+    assert any(p[0]["expert"] == 4 and p[0]["fsdp"] == 1 for p in placed), placed
     final = report["final_params"][2]
     assert final["steps"] == [2, 2] and final["differ"] == [], final  # bit for bit
     a, b = _rows(w["moe"]), _rows(w["moe_resumed"])

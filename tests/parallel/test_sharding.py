@@ -139,16 +139,53 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
         want = np.maximum(per_device - cap, 0).sum(axis=(1, 2)) / (8 * n * 2)
         got = [float(x) for x in np.asarray(out.expert_dropped)]
         print("dropped" + json.dumps([got, [float(x) for x in want]]))
+
+        # the sampler on rollout meshes with an expert axis (8 rows: the decode steps send
+        # tokens to their experts' devices; the prefill's 4 prompts do not split over 8 or 4
+        # row groups: every device runs its own experts), static and slots engines
+        import dataclasses
+        from jaxvrl.sampling import Sampler, rollout_mesh
+        from jaxvrl.sampling.sampler import generation_config
+        model.set_expert_capacity(0.0)
+        graphdef, params = nnx.split(model)
+        ids, mask = T.prompts(seed=2, lengths=(5, 9, 7, 3))
+        gen = generation_config(cfg, max_new_tokens=5, temperature=1.0, routes=True)
+        args = (ids, mask, *M.rope_index(cfg, ids, mask), jax.random.key(4))
+        want = Sampler(graphdef, gen)(params, *args, num_samples=2)
+        for sizes, slots in ((dict(data=2, expert=4, tensor=1), 0),
+                             (dict(data=1, expert=4, tensor=2), 0),
+                             (dict(data=2, expert=4, tensor=1), 8)):
+            rmesh = rollout_mesh(S.make_mesh(fsdp=-1), **sizes)
+            sampler = Sampler(graphdef, dataclasses.replace(gen, slots=slots, page_size=4), rmesh)
+            ready = sampler.prepare(params).params
+            shards = [x.addressable_shards[0].data.shape for x in (
+                ready["model"]["layers"]["mlp"]["experts"]["gate_proj"]["kernel"],
+                ready["model"]["layers"]["self_attn"]["q_proj"]["kernel"])]
+            got = sampler(params, *args, num_samples=2)
+            print("sampled" + json.dumps([
+                dict(rmesh.shape), shards, bool(np.array_equal(got.tokens, want.tokens)),
+                bool(np.array_equal(got.routes, want.routes)),
+                float(np.abs(np.asarray(got.logprobs) - np.asarray(want.logprobs)).max())]))
         """
     )
     errors = [float(x.split()[0]) for x in out.split("errors")[1:]]
     assert len(errors) == 2 and max(errors) < 1e-5, errors
-    got, want = json.loads(out.split("dropped")[-1])
+    got, want = json.loads(out.split("dropped")[-1].split("sampled")[0])
     assert len(want) == 2 and min(want) > 0, want  # the capacity binds
     np.testing.assert_allclose(got, want, rtol=1e-6)
+    sampled = [json.loads(x.splitlines()[0]) for x in out.split("sampled")[1:]]
+    assert [s[0]["expert"] for s in sampled] == [4, 4, 4], sampled
+    # the experts split 4 ways (and their width over tensor), attention whole over the expert
+    # axis (over tensor by head): [L, E, D, F], [L, D, H]
+    assert [s[1] for s in sampled] == [
+        [[2, 2, 64, 32], [2, 64, 64]], [[2, 2, 64, 16], [2, 64, 32]], [[2, 2, 64, 32], [2, 64, 64]]
+    ], sampled
+    for mesh, _, tokens, routes, logprobs in sampled:
+        assert tokens and routes and logprobs < 1e-5, (mesh, tokens, routes, logprobs)
 
 
 def test_an_expert_axis_is_refused_where_it_does_not_divide_the_experts(tmp_path):
+    """The train step's expert axis and the sampler's."""
     from configs import base
     from jaxvrl import models as M
     from jaxvrl.config import ConfigError, set_values
@@ -160,13 +197,13 @@ def test_an_expert_axis_is_refused_where_it_does_not_divide_the_experts(tmp_path
         tmp_path / "moe"
     )
     c = base.get_config()
-    set_values(c, {"mesh.expert": 4, "data.builtin_task": "arithmetic"})
-    for name, says in (("dense", "no mixture-of-experts layers"), ("moe", "6 experts")):
-        with pytest.raises(
-            ConfigError, match=rf"^config\.mesh\.expert=4: model type .* has {says}; "
-        ):
-            check_model_settings(c, M.load_config(tmp_path / name))
-    set_values(c, {"mesh.expert": 3, "model.expert_capacity": 1.25})
+    set_values(c, {"data.builtin_task": "arithmetic"})
+    for key in ("mesh.expert", "rollout.mesh.expert"):  # the train step's, the sampler's
+        set_values(c, {"mesh.expert": 1, "rollout.mesh.expert": 1, key: 4})
+        for name, says in (("dense", "no mixture-of-experts layers"), ("moe", "6 experts")):
+            with pytest.raises(ConfigError, match=rf"^config\.{key}=4: model type .* has {says}; "):
+                check_model_settings(c, M.load_config(tmp_path / name))
+    set_values(c, {"mesh.expert": 3, "rollout.mesh.expert": 2, "model.expert_capacity": 1.25})
     check_model_settings(c, M.load_config(tmp_path / "moe"))
     set_values(c, {"mesh.expert": 1})  # a capacity with nothing to bound
     with pytest.raises(ConfigError, match=r"^config\.model\.expert_capacity=1.25: it bounds "):

@@ -114,8 +114,8 @@ def test_lora_is_merged_for_sampling(path, batch):
     assert np.abs(got.logprobs).max() > 0.1  # not a test of zeros
 
 
-def _sizes(data: int, tensor: int) -> dict:
-    return {"data": data, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": tensor}
+def _sizes(data: int, tensor: int, expert: int = 1) -> dict:
+    return {"data": data, "fsdp": 1, "expert": expert, "sequence": 1, "tensor": tensor}
 
 
 def test_rollout_sizes_and_dtype():
@@ -140,6 +140,25 @@ def test_rollout_sizes_and_dtype():
     # 8: 3.09 + 0.60 at t = 2 against 1.54 + 2.42 at t = 4 and 0.77 + 4.83 at t = 8
     assert rollout_sizes(8, 1, kv_heads=2, weight_bytes=w, cache_bytes=c)["tensor"] == 2
     assert rollout_sizes(8, 1, kv_heads=2, weight_bytes=w, cache_bytes=c / 2)["tensor"] == 4
+    # an expert axis: tensor groups within what is left of a host by its expert groups
+    assert rollout_sizes(8, 1, kv_heads=4, expert=4) == _sizes(1, 2, expert=4)
+    assert rollout_sizes(16, 2, kv_heads=4, expert=2) == _sizes(2, 4, expert=2)
+    assert rollout_sizes(8, 1, tensor=1, expert=2) == _sizes(4, 1, expert=2)
+    with pytest.raises(ValueError, match="does not divide"):
+        rollout_sizes(8, 1, tensor=4, expert=3)
+    # a mixture of experts: every layer's attention, and the router and the experts its rows
+    # can reach (min(E, rows x k)) where a layer is sparse (here every second one)
+    moe = TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+    )  # fmt: skip
+    attention = 64 * (64 + 2 * 32) + 64 * 64
+    for rows, reached in ((2, 4), (64, 8)):
+        w, c = decode_bytes(moe, rows=rows, length=10, dtype=jnp.float32)
+        sparse = 64 * 8 + reached * 3 * 64 * 32
+        assert w == 4 * (4 * attention + 2 * sparse + 2 * 3 * 64 * 96 + 64 * 100), rows
+        assert c == 4 * 2 * 4 * 32 * rows * 10
     assert rollout_dtype("auto", None, jnp.float32) is None  # this CPU: the model's
     assert rollout_dtype("bfloat16", None, jnp.float32) == "bfloat16"
     assert rollout_dtype("float32", None, jnp.float32) is None
