@@ -188,7 +188,7 @@ class Stored:
 
 @dataclasses.dataclass(frozen=True)
 class Dequantized:
-    """A QLoRA kernel: qwix fields of a QuantLinear."""
+    """A QLoRA kernel: qwix fields of a QuantLinear or QuantExpertKernel."""
 
     qvalue: str
     scale: str

@@ -8,8 +8,9 @@ weight, and `trainable_filter` picks the adapters out of it.
     n = apply_lora(model, rank=8, alpha=16, dropout=0.05, targets=("q_proj", "v_proj"))
     merged = merge_lora(model)          # plain model, W + A B alpha / r; save() it to HF
 
-QLoRA (quantize="int8" | "int4" | "nf4"): every Linear of the text decoder keeps its kernel
-quantized by qwix (google's JAX quantisation library; per output channel, blocks of `tile`
+QLoRA (quantize="int8" | "int4" | "nf4"): every Linear of the text decoder, and every
+mixture-of-experts projection (`QuantExpertKernel`), keeps its kernel quantized by qwix
+(google's JAX quantisation library; per output channel, expert and layer, blocks of `tile`
 input rows) and dequantizes it on the fly; only the adapters are trained.
 
 Scanned layers (`Model(scan_layers=True)`): a Linear of the stacked decoder layer holds
@@ -22,6 +23,7 @@ projection for all layers.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxvrl.models.interface import Family, family_of
+from jaxvrl.models.moe import ExpertKernel
 
 # Where every family keeps its text decoder (LoRA's default targets) and its vision tower.
 TEXT_PREFIX = Family.lora_prefix
@@ -47,33 +50,35 @@ class QuantParam(nnx.Param):
 QTYPES = ("int8", "int4", "nf4")
 
 
-class QuantLinear(nnx.Module):
-    """A frozen nnx.Linear whose kernel [D_in, D_out] is stored quantized (qwix QArray
-    fields: qvalue, scale per output channel and tile of input rows)."""
+class _QuantKernel(nnx.Module):
+    """A frozen kernel [..., D_in, D_out] stored quantized (qwix QArray fields: qvalue, scale
+    per output channel, leading index (layer, expert) and tile of input rows, zero_point where
+    the type has one)."""
 
-    def __init__(self, base: nnx.Linear, qtype: str, tile: int = 0):
-        import qwix  # optional dependency: only QLoRA needs it
-
+    def _store(self, w: jax.Array, qtype: str, tile: int) -> None:
         if qtype not in QTYPES:
             raise ValueError(f"lora.quantize={qtype!r}: expected none or one of {QTYPES}")
-        w = base.kernel[...]
-        rows = w.ndim - 2  # the input axis (1 on stacked layers' [L, D_in, D_out])
-        din = w.shape[rows]
-        tiled = {rows: tile} if tile and din % tile == 0 and din > tile else None
-        # stacked layers: per layer and output channel, like each layer's own kernel
-        channels = tuple(a for a in range(w.ndim) if a != rows)
-        q = qwix.quantize(w, _qtype(qtype), channelwise_axes=channels, tiled_axes=tiled)
-        self.qvalue = QuantParam(q.qvalue)
-        self.scale = QuantParam(q.scale)
-        self.zero_point = None if q.zero_point is None else QuantParam(q.zero_point)
+        qvalue, scale, zero_point = _quantize(w, qtype, tile)
+        self.qvalue = QuantParam(qvalue)
+        self.scale = QuantParam(scale)
+        self.zero_point = None if zero_point is None else QuantParam(zero_point)
         self.qtype = qtype
+
+    def kernel(self) -> jax.Array:
+        """The kernel dequantized, in `param_dtype`."""
+        zp = None if self.zero_point is None else self.zero_point[...]
+        return dequantize(self.qvalue[...], self.scale[...], zp, self.qtype, self.param_dtype)
+
+
+class QuantLinear(_QuantKernel):
+    """A frozen nnx.Linear whose kernel [D_in, D_out] ([L, D_in, D_out] on stacked layers) is
+    stored quantized."""
+
+    def __init__(self, base: nnx.Linear, qtype: str, tile: int = 0):
+        self._store(base.kernel[...], qtype, tile)
         self.bias = base.bias
         self.in_features, self.out_features = base.in_features, base.out_features
         self.dtype, self.param_dtype = base.dtype, base.param_dtype
-
-    def kernel(self) -> jax.Array:
-        zp = None if self.zero_point is None else self.zero_point[...]
-        return dequantize(self.qvalue[...], self.scale[...], zp, self.qtype, self.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
@@ -86,13 +91,15 @@ class QuantLinear(nnx.Module):
     def to_linear(self, kernel: jax.Array | None = None) -> nnx.Linear:
         """An ordinary nnx.Linear with the dequantized (or the given) kernel (stacked layers:
         a Linear of the stacked layer, kernel [L, D_in, D_out])."""
-        lin = nnx.Linear(
-            self.in_features,
-            self.out_features,
-            use_bias=self.bias is not None,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            rngs=nnx.Rngs(0),
+        lin = nnx.eval_shape(  # no weights initialised: they are set below
+            lambda: nnx.Linear(
+                self.in_features,
+                self.out_features,
+                use_bias=self.bias is not None,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                rngs=nnx.Rngs(0),
+            )
         )
         lin.kernel = nnx.Param(self.kernel() if kernel is None else kernel)
         if self.bias is not None:
@@ -100,14 +107,54 @@ class QuantLinear(nnx.Module):
         return lin
 
 
+class QuantExpertKernel(_QuantKernel):
+    """A frozen `moe.ExpertKernel` whose kernel [E, D_in, D_out] ([L, E, D_in, D_out] on
+    stacked layers) is stored quantized; `array` dequantizes it where the experts run."""
+
+    def __init__(self, base: ExpertKernel, qtype: str, tile: int = 0):
+        self._store(base.kernel[...], qtype, tile)
+        self.param_dtype = base.kernel.dtype
+
+    def array(self, dtype) -> jax.Array:
+        return self.kernel().astype(dtype)
+
+    def to_float(self) -> ExpertKernel:
+        """An ExpertKernel holding the dequantized kernel."""
+        dtype = self.param_dtype
+        out = nnx.eval_shape(lambda: ExpertKernel(1, 1, 1, param_dtype=dtype, rngs=nnx.Rngs(0)))
+        out.kernel = nnx.Param(self.kernel())  # its only weight, abstract until here
+        return out
+
+
+@functools.partial(jax.jit, static_argnames=("qtype", "tile"))
+def _quantize(w: jax.Array, qtype: str, tile: int):
+    """(qvalue, scale, zero_point) of kernel w [..., D_in, D_out] by qwix: per output channel
+    and leading index, in tiles of `tile` input rows where it divides D_in. Jitted: one
+    program per shape, not one per qwix op and shape."""
+    import qwix  # optional dependency: only QLoRA needs it
+
+    rows = w.ndim - 2  # the input axis
+    din = w.shape[rows]
+    tiled = {rows: tile} if tile and din % tile == 0 and din > tile else None
+    channels = tuple(a for a in range(w.ndim) if a != rows)
+    q = qwix.quantize(w, _qtype(qtype), channelwise_axes=channels, tiled_axes=tiled)
+    qvalue = q.qvalue
+    if qvalue.dtype == jnp.uint4:  # nf4's codes, kept as int4 bits: checkpoints have no uint4
+        qvalue = jax.lax.bitcast_convert_type(qvalue, jnp.int4)
+    return qvalue, q.scale, q.zero_point
+
+
 def _qtype(name: str):
     return {"int8": jnp.int8, "int4": jnp.int4}.get(name, name)
 
 
+@functools.partial(jax.jit, static_argnames=("qtype", "dtype"))
 def dequantize(qvalue, scale, zero_point, qtype: str, dtype):
-    """The float kernel [D_in, D_out] of a QuantLinear's stored fields."""
+    """The float kernel of a quantized kernel's stored fields (QuantLinear, QuantExpertKernel)."""
     import qwix
 
+    if qtype == "nf4" and qvalue.dtype != jnp.uint4:  # stored as int4 bits (`_quantize`)
+        qvalue = jax.lax.bitcast_convert_type(qvalue, jnp.uint4)
     return qwix.dequantize(qwix.QArray(qvalue, scale, zero_point, _qtype(qtype))).astype(dtype)
 
 
@@ -165,16 +212,7 @@ def _matches(name: str, targets) -> bool:
 
 def _linears(model: nnx.Module, prefix: str):
     """(parent, attribute, dotted path) of every nnx.Linear under `prefix`."""
-    out = []
-    for path, node in nnx.iter_graph(model):
-        if not isinstance(node, nnx.Module):
-            continue
-        for key, child in vars(node).items():
-            if isinstance(child, nnx.Linear):
-                name = ".".join(str(p) for p in (*path, key))
-                if name.startswith(prefix + ".") or not prefix:
-                    out.append((node, key, name))
-    return out
+    return _sites(model, nnx.Linear, prefix)
 
 
 def apply_lora(
@@ -191,8 +229,8 @@ def apply_lora(
 ) -> list[str]:
     """Wrap, in place, every nnx.Linear under `prefix` (default: the family's text decoder)
     whose name matches one of `targets` by a LoRALinear. Returns the wrapped paths; raises if
-    none matched (a typo in the targets). quantize != "none": every Linear under `prefix`
-    (targets or not) gets a quantized frozen kernel (QLoRA)."""
+    none matched (a typo in the targets). quantize != "none": every Linear and ExpertKernel
+    under `prefix` (targets or not) gets a quantized frozen kernel (QLoRA)."""
     if prefix is None:
         prefix = family_of(model).lora_prefix
     if isinstance(targets, str):
@@ -203,6 +241,8 @@ def apply_lora(
     if wrapped and quantize != "none":
         for parent, key, _ in sites:
             setattr(parent, key, QuantLinear(getattr(parent, key), quantize, quant_tile))
+        for parent, key, _ in _sites(model, ExpertKernel, prefix):
+            setattr(parent, key, QuantExpertKernel(getattr(parent, key), quantize, quant_tile))
     for parent, key, name in sites:
         if name in wrapped:
             setattr(parent, key, LoRALinear(getattr(parent, key), rank, alpha, dropout, rngs=rngs))
@@ -257,18 +297,22 @@ def lora_off(params: nnx.State) -> nnx.State:
 
 def wrapped(model: nnx.Module) -> bool:
     """Whether `model` holds LoRA adapters or quantized layers (what `merge_lora` undoes)."""
-    return bool(_sites(model, (LoRALinear, QuantLinear)))
+    return bool(_sites(model, (LoRALinear, QuantLinear, QuantExpertKernel)))
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
     """A copy of `model` with each LoRALinear replaced by its base Linear holding
-    W + A B alpha / r (float32 sum, cast back): an ordinary model for save() and sampling."""
+    W + A B alpha / r (float32 sum, cast back) and every quantized kernel dequantized: an
+    ordinary model for save() and sampling."""
     graphdef, state = nnx.split(model)
     out = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
-    for parent, key, _ in _sites(out, (LoRALinear, QuantLinear)):
+    for parent, key, _ in _sites(out, (LoRALinear, QuantLinear, QuantExpertKernel)):
         if isinstance(parent, LoRALinear):
             continue  # its base is merged with it below
         mod = getattr(parent, key)
+        if isinstance(mod, QuantExpertKernel):
+            setattr(parent, key, mod.to_float())
+            continue
         if isinstance(mod, QuantLinear):  # a frozen layer without adapter: dequantize
             setattr(parent, key, mod.to_linear())
             continue
@@ -292,13 +336,15 @@ def merged_kernel(w, a, b, scale: float) -> jax.Array:
     return (w.astype(jnp.float32) + delta * scale).astype(w.dtype)
 
 
-def _sites(model: nnx.Module, types):
+def _sites(model: nnx.Module, types, prefix: str = ""):
+    """(parent, attribute, dotted path) of every module of `types` under `prefix`."""
     out = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
             for key, child in vars(node).items():
-                if isinstance(child, types):
-                    out.append((node, key, ".".join(str(p) for p in (*path, key))))
+                name = ".".join(str(p) for p in (*path, key))
+                if isinstance(child, types) and (not prefix or name.startswith(prefix + ".")):
+                    out.append((node, key, name))
     return out
 
 

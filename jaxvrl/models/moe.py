@@ -11,7 +11,8 @@ The experts run behind one seam, `EXPERTS[name](x, weights, experts, kernels, ac
 "ragged" (the default) sorts the N * k (token, expert) pairs by expert and runs each
 projection as one grouped matmul over all experts (`jax.lax.ragged_dot`, group sizes the
 experts' counts); "dense" (the reference for tests) runs every expert on every token and
-weights the outputs by the sparse routing weights.
+weights the outputs by the sparse routing weights. The kernels go in as `Experts.kernels`
+gives them (QLoRA's quantized ones, `lora.QuantExpertKernel`, dequantized).
 
 Qwen3-VL-MoE's checkpoints hold each layer's experts fused, `experts.gate_up_proj` (gate's F
 columns, then up's) and `experts.down_proj`; a config with `fused_gate_up` keeps the same one
@@ -225,6 +226,10 @@ class ExpertKernel(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.kernel = nnx.Param(init(rngs.params(), (experts, din, dout), param_dtype))
 
+    def array(self, dtype) -> jax.Array:
+        """The kernel in `dtype` (QLoRA's `lora.QuantExpertKernel` gives its own dequantized)."""
+        return self.kernel[...].astype(dtype)
+
 
 class Experts(nnx.Module):
     """Every expert's gated MLP: gate_proj, up_proj [E, D, F] (or, `fused`, gate_up_proj
@@ -244,13 +249,12 @@ class Experts(nnx.Module):
 
     def kernels(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(gate [E, D, F], up [E, D, F], down [E, F, D]) in `dtype`."""
-        down = self.down_proj.kernel[...].astype(dtype)
+        down = self.down_proj.array(dtype)
         if self.fused:
-            gate_up = self.gate_up_proj.kernel[...].astype(dtype)
+            gate_up = self.gate_up_proj.array(dtype)
             width = down.shape[-2]
             return gate_up[..., :width], gate_up[..., width:], down
-        gate, up = (p.kernel[...].astype(dtype) for p in (self.gate_proj, self.up_proj))
-        return gate, up, down
+        return self.gate_proj.array(dtype), self.up_proj.array(dtype), down
 
 
 class SparseMoE(nnx.Module):

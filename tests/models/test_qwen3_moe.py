@@ -3,8 +3,8 @@ checkpoints saved with save_pretrained (per-expert tensors, as the published che
 them) and read by our loader: float32 logits of left-padded rows (all layers sparse, and
 dense layers mixed in), greedy tokens of HF `generate`, the grouped-matmul experts against
 the dense reference, scanned against unrolled layers, an export transformers loads to the
-same logits, the load-balancing loss against a numpy formula and transformers', and the
-Qwen3-30B-A3B preset's parameter count."""
+same logits, QLoRA's quantized experts and a QLoRA run's export, the load-balancing loss
+against a numpy formula and transformers', and the Qwen3-30B-A3B preset's parameter count."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from flax import nnx
 
 from jaxvrl import models as M
 from jaxvrl.config import ConfigError
-from jaxvrl.models import moe
+from jaxvrl.models import lora, moe
 from jaxvrl.models.layers import GatedMLP
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny_text as T
-from tests.models.export_check import export_equals_checkpoint
+from tests.models.export_check import export_equals_checkpoint, run_export_equals_merged
 from tests.models.test_qwen2_5_vl_parity import assert_close
 from tests.models.test_text_families import hf_logits, ours
 from tests.tolerance import assert_reduction_close, term_scale
@@ -271,3 +271,110 @@ def test_preset_has_the_published_parameter_count():
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d))
     assert count == sum(p.numel() for p in hf.parameters())
     assert abs(count / 1e9 - 30.5) <= 0.01 * 30.5, count
+
+
+def randomise_adapters(model, seed=0) -> None:
+    """Non-zero B (a fresh adapter is exactly the identity: nothing to merge)."""
+    rng = np.random.default_rng(seed)
+    for m in lora.lora_modules(model):
+        m.lora_b[...] = rng.normal(0, 0.1, m.lora_b.shape).astype(np.float32)
+
+
+def dequantized_experts(model):
+    """A copy of `model` whose expert projections are plain ExpertKernels holding
+    `lora.dequantize` of their stored fields (the other quantized layers left as they are)."""
+    copy = nnx.merge(*nnx.split(model))
+    sites = [
+        (node, name, q)
+        for _, node in nnx.iter_graph(copy)
+        if isinstance(node, moe.Experts)
+        for name, q in vars(node).items()
+        if isinstance(q, lora.QuantExpertKernel)
+    ]
+    for node, name, q in sites:
+        plain = moe.ExpertKernel(1, 1, 1, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        w = lora.dequantize(q.qvalue[...], q.scale[...], None, q.qtype, jnp.float32)
+        plain.kernel = nnx.Param(w)
+        setattr(node, name, plain)
+    return copy
+
+
+def check_quantized_experts(model, shapes: dict, dtype) -> None:
+    """Every expert param of `model` is a frozen QuantParam qvalue or scale of the given
+    {path: (qvalue shape, scale shape)} and stored dtype, split over the experts axis; no
+    float expert kernel is left and none is trainable."""
+    from jaxvrl.parallel.sharding import param_axes
+
+    params = nnx.state(model, nnx.Param)
+    experts = {
+        ".".join(map(str, path)): v for path, v in nnx.to_flat_state(params) if "experts" in path
+    }
+    assert experts and all(isinstance(v, lora.QuantParam) for v in experts.values())
+    assert {n.rsplit(".", 1)[-1] for n in experts} == {"qvalue", "scale"}  # no float kernel
+    for name, (qshape, sshape) in shapes.items():
+        q, s = experts[f"{name}.qvalue"], experts[f"{name}.scale"]
+        assert (q.shape, q.dtype, s.shape, s.dtype) == (qshape, dtype, sshape, jnp.float32)
+        for leaf in ("qvalue", "scale"):
+            axes = param_axes(f"{name}.{leaf}", len(qshape))
+            assert axes[len(qshape) - 3] == "experts", (name, axes)
+    trainable, _ = lora.split_params(params, lora.trainable_filter(True))
+    flat = nnx.to_flat_state(trainable)
+    assert flat and not [path for path, _ in flat if "experts" in path]
+
+
+@pytest.fixture(scope="module")
+def qlora(sparse):
+    """The scanned model of `sparse` under int8 QLoRA (tiles of 16 input rows), adapters on
+    q_proj with non-zero B."""
+    pytest.importorskip("qwix")
+    _, _, path = sparse
+    model = M.load(path)
+    lora.apply_lora(model, 4, 8.0, 0.0, ("q_proj",), quantize="int8", quant_tile=16)
+    randomise_adapters(model)
+    return model
+
+
+def test_qlora_quantizes_the_experts(sparse, qlora):
+    """int8 QLoRA stores every expert projection quantized per layer, expert and output channel
+    (gate and up in tiles of 16 of their 32 input rows, down untiled: 16 rows), frozen; the
+    model runs on the dequantized kernels: its logits are those of the model holding them as
+    float kernels, and near the float model's."""
+    _, base, _ = sparse
+    e = "model.layers.mlp.experts"
+    shapes = {
+        f"{e}.gate_proj": ((2, EXPERTS, 32, 16), (2, EXPERTS, 2, 16)),
+        f"{e}.up_proj": ((2, EXPERTS, 32, 16), (2, EXPERTS, 2, 16)),
+        f"{e}.down_proj": ((2, EXPERTS, 16, 32), (2, EXPERTS, 1, 32)),
+    }
+    check_quantized_experts(qlora, shapes, jnp.int8)
+    ids, mask = T.prompts(seed=1)
+    got = np.asarray(ours(qlora, ids, mask).logits)
+    want = np.asarray(ours(dequantized_experts(qlora), ids, mask).logits)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    frozen = lora.lora_off(nnx.state(qlora, nnx.Param))  # B = 0: the quantized base model
+    off = np.asarray(ours(nnx.merge(nnx.graphdef(qlora), frozen), ids, mask).logits)
+    ref = np.asarray(ours(base, ids, mask).logits)
+    err = np.abs(off - ref)[mask.astype(bool)].max() / np.abs(ref).max()
+    assert 0 < err < 0.1, err  # int8 quantization error, not garbage
+
+
+def test_qlora_run_exports_the_merged_experts(sparse, qlora, tmp_path):
+    """A QLoRA run's checkpoint exports (`jaxvrl.export`) the merged model: float experts
+    under their per-expert HF names, which transformers loads to the merged model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    hf, _, path = sparse
+    merged = lora.merge_lora(qlora)
+    kernel = merged.model.layers.mlp.experts.down_proj
+    assert type(kernel) is moe.ExpertKernel and kernel.kernel.dtype == jnp.float32
+    assert not lora.wrapped(merged)
+    ids, mask = T.prompts(seed=1)
+    got = np.asarray(ours(merged, ids, mask).logits)
+    want = np.asarray(ours(qlora, ids, mask).logits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    settings = {"alpha": 8.0, "quantize": "int8"}
+    exported = run_export_equals_merged(qlora, path, tmp_path, settings)
+    assert exported["model.layers.1.mlp.experts.7.down_proj.weight"].dtype == np.float32
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(back) is type(hf)
+    assert_close(got, hf_logits(back, ids, mask), mask)

@@ -2,8 +2,8 @@
 (2 sparse layers of 4 experts, top 2; a 2-block vision tower with DeepStack at block 0) and
 read by our loader: float32 logits of a left-padded batch with an image, a video and text
 only, greedy tokens of HF `generate` on an image prompt, an export transformers loads to the
-same logits, the published checkpoints' expert layout, and the Qwen3-VL-30B-A3B preset's
-parameter count."""
+same logits, the published checkpoints' expert layout, nf4 QLoRA's quantized fused experts
+and a QLoRA run's export, and the Qwen3-VL-30B-A3B preset's parameter count."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxvrl import models as M
-from jaxvrl.models import moe
+from jaxvrl.models import lora, moe
 from jaxvrl.parallel.sharding import param_axes
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny_qwen3_vl as T
@@ -237,3 +238,39 @@ def test_replayed_routes_give_the_sampled_logprobs(tiny, batch, monkeypatch):
     # (routed afresh it is not: tests/trainer/test_routing_replay.py)
     gap, mismatch = logprobs(True)
     assert gap <= 5e-6 * 6 and mismatch > 0.5  # log-sum-exps of ~6 (300 tokens)
+
+
+def test_nf4_qlora_on_unscanned_fused_experts(tiny, tmp_path):
+    """nf4 QLoRA on unrolled layers stores each layer's fused experts quantized (gate_up
+    [E, D, 2F] in tiles of 32 of D's 64 rows; down [E, F, D] untiled: 32 does not divide F's
+    48), frozen; a sparse block runs on the dequantized kernels; a run's export holds the
+    merged model's fused experts."""
+    pytest.importorskip("qwix")
+    from tests.models.export_check import run_export_equals_merged
+    from tests.models.test_qwen3_moe import (
+        check_quantized_experts,
+        dequantized_experts,
+        randomise_adapters,
+    )
+
+    _, _, path = tiny
+    model = M.load(path, scan_layers=False)
+    lora.apply_lora(model, 4, 8.0, 0.0, ("q_proj",), quantize="nf4", quant_tile=32)
+    randomise_adapters(model)
+    shapes = {
+        f"model.layers.{i}.mlp.experts.{name}": shape
+        for i in range(2)
+        for name, shape in (
+            ("gate_up_proj", ((EXPERTS, HIDDEN, 2 * WIDTH), (EXPERTS, 2, 2 * WIDTH))),
+            ("down_proj", ((EXPERTS, WIDTH, HIDDEN), (EXPERTS, 1, HIDDEN))),
+        )
+    }
+    check_quantized_experts(model, shapes, jnp.int4)  # nf4's 4-bit codes, as int4 bits
+    block = model.model.layers[1].mlp  # a sparse block (the model's logits: test_qwen3_moe)
+    x = jax.random.normal(jax.random.key(0), (2, 5, HIDDEN))
+    run = nnx.jit(lambda m, x: m(x))
+    got, want = np.asarray(run(block, x)), np.asarray(run(dequantized_experts(block), x))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    settings = {"alpha": 8.0, "quantize": "nf4"}
+    exported = run_export_equals_merged(model, path, tmp_path, settings)
+    assert exported[GATE_UP.format(1)].shape == (EXPERTS, 2 * WIDTH, HIDDEN)

@@ -31,6 +31,13 @@ def test_param_axes_table():
         "mlp",
         "embed",
     )
+    # QLoRA's quantized experts: qvalue like the kernel, scale [E, D_in / tile, D_out]
+    q = "model.layers.mlp.experts.gate_up_proj."
+    assert S.param_axes(q + "qvalue", 4) == ("layers", "experts", "embed", "mlp")
+    assert S.param_axes(q + "scale", 4) == ("layers", "experts", None, "mlp")
+    q = "model.layers.0.mlp.experts.down_proj."
+    assert S.param_axes(q + "qvalue", 3) == ("experts", "mlp", "embed")
+    assert S.param_axes(q + "scale", 3) == ("experts", None, "embed")
     assert S.param_axes("model.layers.0.mlp.gate.kernel", 2) == ("embed", None)
 
 

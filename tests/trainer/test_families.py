@@ -170,6 +170,15 @@ def test_ppo_with_lora_or_dapo_with_qlora_runs(checkpoint, tmp_path):
                         "val_before_train=False", "val_size=0", *extra]  # fmt: skip
     metrics = run(load_config(os.path.join(ROOT, config), overrides))
     assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
+    if family == "qwen3_vl_moe":  # QLoRA stores the experts quantized too
+        from jaxvrl.export import StateReader, checkpoint_steps
+
+        directory, steps = checkpoint_steps(str(tmp_path))
+        shapes = StateReader(directory, steps[-1]).shapes
+        experts = {k: v for k, v in shapes.items() if k.startswith("params/") and "/experts/" in k}
+        assert {k.split("/")[-2] for k in experts} == {"qvalue", "scale"}, sorted(experts)
+        stored = {dtype for k, (_, dtype) in experts.items() if "/qvalue/" in k}
+        assert stored == {np.dtype(np.int8)}
 
 
 def test_slots_sample_what_the_static_sampler_samples(checkpoint):
