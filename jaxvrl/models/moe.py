@@ -157,8 +157,9 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
     each device: all its n k pairs with `capacity` 0 (none is ever dropped), else
     ceil(capacity x n k / expert); a pair past C is dropped (its expert's output left out of
     its token's sum, as GShard and Switch drop). Otherwise every device routes all its
-    tokens through its own experts and the partial sums are added over the axis. Elsewhere
-    `run` itself."""
+    tokens through its own experts and the partial sums are added over the axis. A tensor
+    axis splits each expert's width, as a dense MLP's (its partial sums added too).
+    Elsewhere `run` itself."""
     mesh = jax.sharding.get_abstract_mesh()
     ep = 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
     e = kernels[0].shape[0]
@@ -169,32 +170,36 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
     split = sequence_split(x.shape[0] // rows)  # a row's tokens over the sequence axis too
     axes = row_axes(rows) + ((split[0],) if split else ())
     tokens = P(axes or None, None)
+    # a tensor axis splits each expert's width F (as a dense MLP's): partial sums, added
+    tp = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
+    width = "tensor" if tp > 1 and kernels[2].shape[1] % tp == 0 else None
+    specs = (P("expert", None, width),) * 2 + (P("expert", width, None),)
     per_device = functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + ((P("expert", None, None),) * 3,),
-        check_vma=False,
-    )  # fmt: skip
+        jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + (specs,), check_vma=False
+    )
     if "expert" not in axes:
-        summed = per_device(functools.partial(_summed, run, act), out_specs=tokens)
+        summed = per_device(functools.partial(_summed, run, act, width), out_specs=tokens)
         return summed(x, weights, experts, kernels), None
     n, k = x.shape[0] // math.prod(mesh.shape[a] for a in axes), experts.shape[1]
     cap = n * k if not capacity else min(n * k, math.ceil(capacity * n * k / ep))
-    fn = functools.partial(_dispatched, run, act, cap, tuple(mesh.axis_names))
+    fn = functools.partial(_dispatched, run, act, cap, tuple(mesh.axis_names), width)
     return per_device(fn, out_specs=(tokens, P()))(x, weights, experts, kernels)
 
 
-def _summed(run, act, x, weights, experts, kernels):
-    """Per device: its tokens [n, D] through its own experts only, summed over the axis."""
+def _summed(run, act, width, x, weights, experts, kernels):
+    """Per device: its tokens [n, D] through its own experts only (their columns of the
+    `width` axis), summed over the axes."""
     local = kernels[0].shape[0]
     ids = experts - jax.lax.axis_index("expert") * local
     mine = (ids >= 0) & (ids < local)
     y = run(x, jnp.where(mine, weights, 0), jnp.where(mine, ids, local), kernels, act)
-    return jax.lax.psum(y, "expert")
+    return jax.lax.psum(y, ("expert", width) if width else "expert")
 
 
-def _dispatched(run, act, cap: int, names: tuple, x, weights, experts, kernels):
+def _dispatched(run, act, cap: int, names: tuple, width, x, weights, experts, kernels):
     """Per device: its tokens [n, D] and their routes [n, k] to the experts' devices (cap
-    pairs each) and back (see `expert_parallel`); -> (y [n, D], the share of the mesh's
-    pairs dropped)."""
+    pairs each) and back (see `expert_parallel`), the partial sums of the experts' columns
+    on the `width` axis added; -> (y [n, D], the share of the mesh's pairs dropped)."""
     ep, local = jax.lax.axis_size("expert"), kernels[0].shape[0]
     n, k = experts.shape
     flat = experts.reshape(-1)  # [n * k] pairs, pair p = token p // k
@@ -214,7 +219,8 @@ def _dispatched(run, act, cap: int, names: tuple, x, weights, experts, kernels):
     # the share over every device's pairs (those of a tensor group counted alike)
     dropped = jax.lax.psum(jnp.sum(~kept, dtype=jnp.float32), names)
     dropped = dropped / jax.lax.psum(jnp.float32(n * k), names)
-    return jnp.einsum("NKD,NK->ND", pairs, weights.astype(pairs.dtype)), dropped
+    y = jnp.einsum("NKD,NK->ND", pairs, weights.astype(pairs.dtype))
+    return (jax.lax.psum(y, width) if width else y), dropped
 
 
 class ExpertKernel(nnx.Module):

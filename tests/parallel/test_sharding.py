@@ -185,7 +185,9 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
     # the experts split 4 ways (and their width over tensor), attention whole over the expert
     # axis (over tensor by head): [L, E, D, F], [L, D, H]
     assert [s[1] for s in sampled] == [
-        [[2, 2, 64, 32], [2, 64, 64]], [[2, 2, 64, 16], [2, 64, 32]], [[2, 2, 64, 32], [2, 64, 64]]
+        [[2, 2, 64, 32], [2, 64, 64]],
+        [[2, 2, 64, 16], [2, 64, 32]],
+        [[2, 2, 64, 32], [2, 64, 64]],
     ], sampled
     for mesh, _, tokens, routes, logprobs in sampled:
         assert tokens and routes and logprobs < 1e-5, (mesh, tokens, routes, logprobs)
