@@ -18,6 +18,7 @@ than training's, a device-to-device move of whole shards; onto devices of the sa
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any
 
@@ -177,8 +178,9 @@ def rollout_sizes(
     """The rollout mesh's axis sizes {data, fsdp: 1, expert, sequence: 1, tensor} for
     `devices` over `hosts` (`rollout_mesh`).
 
-    tensor 0 picks t among the divisors of a host's devices (of its devices / `expert`, where
-    that divides them: an expert group within a host). A decode step reads per device the
+    tensor 0 picks t among the divisors of what a host's devices leave of `expert` groups
+    (an expert group within a host where it fits one, else whole hosts of it). A decode step
+    reads per device the
     weights over t and its group's share of the KV cache (the group's rows: 1 / (devices
     / t) of them), split over the group's devices by KV head where t divides the KV heads;
     otherwise every device of the group holds the group's whole cache (the model's sharding
@@ -188,8 +190,9 @@ def rollout_sizes(
     """
     if not tensor:
         per_host = max(devices // hosts, 1)
-        room = per_host // expert if per_host % expert == 0 else per_host
-        fits = [t for t in range(1, room + 1) if room % t == 0]
+        room = per_host // math.gcd(per_host, expert)  # what a host's expert groups leave
+        fits = [t for t in range(1, room + 1) if room % t == 0 and devices % (t * expert) == 0]
+        fits = fits or [1]
         if kv_heads and weight_bytes:
 
             def read(t):

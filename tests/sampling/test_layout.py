@@ -144,6 +144,7 @@ def test_rollout_sizes_and_dtype():
     assert rollout_sizes(8, 1, kv_heads=4, expert=4) == _sizes(1, 2, expert=4)
     assert rollout_sizes(16, 2, kv_heads=4, expert=2) == _sizes(2, 4, expert=2)
     assert rollout_sizes(8, 1, tensor=1, expert=2) == _sizes(4, 1, expert=2)
+    assert rollout_sizes(16, 4, kv_heads=4, expert=16) == _sizes(1, 1, expert=16)  # over hosts
     with pytest.raises(ValueError, match="does not divide"):
         rollout_sizes(8, 1, tensor=4, expert=3)
     # a mixture of experts: every layer's attention, and the router and the experts its rows
