@@ -221,8 +221,10 @@ def get_config(arg=None):
     c.rollout.mesh.sequence = setting(1, at_least(1))
     # groups of tensor devices each holding 1/expert of a mixture-of-experts model's experts
     # (the decode step sends each token to its experts' devices and back; the rows split over
-    # it as over data, the other weights whole in each group); 1 = off; it divides the experts
-    c.rollout.mesh.expert = setting(1, at_least(1))
+    # it as over data, the other weights whole in each group); it divides the experts. 0 =
+    # auto: the most devices that divide the experts and leave the rows a split (1 without
+    # experts or with rollout.mesh.sequence > 1); 1 = off
+    c.rollout.mesh.expert = setting(0, NON_NEGATIVE)
     # compute dtype of sampling: auto (bfloat16 on accelerators, model.dtype on the CPU) |
     # float32 | bfloat16. With actor.old_logprobs=sampler the ratio's old log-probs come from
     # this dtype; recompute takes them from a pass in model.dtype.

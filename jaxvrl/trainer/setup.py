@@ -287,6 +287,24 @@ def check_expert_axis(key: str, size: int, model_config) -> None:
         )
 
 
+def auto_experts(mesh, sizes: tuple, text_cfg, rows: int, sequence: int) -> int:
+    """rollout.mesh.expert=0 resolved over the devices of `mesh` (the rollout mesh's other
+    `sizes` as `rollout_mesh` takes them): 1 for a model without experts or with each
+    prompt's prefill split over devices, else the most devices that split the experts evenly
+    and leave a mesh the step's `rows` split over (a decode step then reads 1 / expert of
+    the experts per device)."""
+    experts = text_cfg.num_experts if any(sparse_layers(text_cfg)) else 0
+    if not experts or sequence > 1:
+        return 1
+    for e in sorted((e for e in range(2, mesh.size + 1) if mesh.size % e == 0), reverse=True):
+        try:
+            if experts % e == 0 and rows % row_shards(rollout_mesh(mesh, *sizes, e)) == 0:
+                return e
+        except ValueError:
+            continue
+    return 1
+
+
 def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     """(mesh, dtype) the samplers run with: `rollout.mesh` over the devices of the training
     mesh `mesh` (tensor 0: the tensor group that reads the fewest bytes per device in a
@@ -301,8 +319,10 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     weights, cache = decode_bytes(text_cfg, rows * processes, length, dtype or c.model.dtype)
     kv = text_cfg.num_key_value_heads
     m = c.rollout.mesh
+    sizes = (m.data, m.tensor, kv, weights, cache)
+    expert = m.expert or auto_experts(mesh, sizes, text_cfg, rows * processes, m.sequence)
     try:
-        rmesh = rollout_mesh(mesh, m.data, m.tensor, kv, weights, cache, m.expert)
+        rmesh = rollout_mesh(mesh, *sizes, expert)
     except ValueError as e:
         raise ConfigError(f"config.rollout.mesh: {e}") from None
     try:

@@ -153,9 +153,10 @@ def runs(tmp_path_factory):
     off = ["rollout.devices=4", "mesh.data=1", "mesh.fsdp=4", "actor.ppo_epochs=2"]
     off.append("logging.attention_samples=0")
     # a mixture of experts (tiny Qwen3-MoE, 4 experts) on fsdp 2 x expert 4, sampled with its
-    # experts split 4 ways too, replaying the rollout's routes, on the arithmetic task
+    # experts split 4 ways too (rollout.mesh.expert=0, auto: the most devices that divide
+    # them), replaying the rollout's routes, on the arithmetic task
     moe = [f"model.path={_tiny_moe(d / 'qwen3_moe')}", "data.builtin_task=arithmetic",
-           "mesh.fsdp=2", "mesh.expert=4", "rollout.mesh.expert=4", "actor.routing_replay=True",
+           "mesh.fsdp=2", "mesh.expert=4", "actor.routing_replay=True",
            "actor.old_logprobs=recompute", "val_before_train=False", "val_size=0"]  # fmt: skip
     report = _run(
         [

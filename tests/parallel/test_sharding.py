@@ -153,6 +153,12 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
         import dataclasses
         from jaxvrl.sampling import Sampler, rollout_mesh
         from jaxvrl.sampling.sampler import generation_config
+        # rollout.mesh.expert=0: the most devices that divide the 8 experts and the rows' split
+        from jaxvrl.trainer.setup import auto_experts
+        eight = S.make_mesh(fsdp=-1)
+        picks = [auto_experts(eight, (-1, 0, 2, 0, 0), cfg.text, rows, sequence)
+                 for rows, sequence in ((8, 1), (4, 1), (8, 2))]
+        print("auto" + json.dumps(picks))
         model.set_expert_capacity(0.0)
         graphdef, params = nnx.split(model)
         ids, mask = T.prompts(seed=2, lengths=(5, 9, 7, 3))
@@ -177,9 +183,12 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
     )
     errors = [float(x.split()[0]) for x in out.split("errors")[1:]]
     assert len(errors) == 2 and max(errors) < 1e-5, errors
-    got, want = json.loads(out.split("dropped")[-1].split("sampled")[0])
+    got, want = json.loads(out.split("dropped")[-1].splitlines()[0])
     assert len(want) == 2 and min(want) > 0, want  # the capacity binds
     np.testing.assert_allclose(got, want, rtol=1e-6)
+    # 8 rows: all 8 devices; 4 rows: 4 (tensor 2: its 2 KV heads); a prompt split over
+    # devices: none
+    assert json.loads(out.split("auto")[1].splitlines()[0]) == [8, 4, 1]
     sampled = [json.loads(x.splitlines()[0]) for x in out.split("sampled")[1:]]
     assert [s[0]["expert"] for s in sampled] == [4, 4, 4], sampled
     # the experts split 4 ways (and their width over tensor), attention whole over the expert
