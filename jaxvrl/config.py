@@ -326,6 +326,8 @@ THEIR_NAMES = {
     "enable_gradient_checkpointing": "model.remat_policy",
     "optimizer_offload": "actor.offload_optimizer",
     "tensor_model_parallel_size": "rollout.mesh.tensor",
+    "expert_model_parallel_size": "mesh.expert",
+    "expert_parallel_size": "rollout.mesh.expert",
 }
 
 

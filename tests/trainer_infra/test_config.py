@@ -142,6 +142,9 @@ def test_unknown_key_lists_close_names_and_the_file():
             r"close names: actor\.offload_optimizer",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2":
             r"close names: rollout\.mesh\.tensor",
+        "actor_rollout_ref.rollout.expert_parallel_size=8": r"close names: rollout\.mesh\.expert",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8":
+            r"close names: mesh\.expert",
     }  # fmt: skip
     for item, message in theirs.items():
         with pytest.raises(ConfigError, match=message):
