@@ -16,7 +16,7 @@ gives them (QLoRA's quantized ones, `lora.QuantExpertKernel`, dequantized).
 
 Qwen3-VL-MoE's checkpoints hold each layer's experts fused, `experts.gate_up_proj` (gate's F
 columns, then up's) and `experts.down_proj`; a config with `fused_gate_up` keeps the same one
-kernel [E, D, 2F] (`Experts.gate_up_proj`), split into gate and up where the experts run.
+kernel [E, D, 2F] (`Experts.gate_up_proj`): one grouped matmul, its output split in two.
 
 The block also gives its router logits float32[N, E] (`load_balancing_loss`: transformers'
 auxiliary loss) and its routes, which a training pass may replay (`SparseMoE.apply`; Rollout
@@ -109,18 +109,27 @@ def route(logits: jax.Array, top_k: int, normalize: bool, selected: jax.Array | 
     return weights, experts.astype(jnp.int32)
 
 
+def _gated(project, kernels, act):
+    """act(gate) * up of `project`(kernel) for kernels (gate, up, down) or, fused, (gate_up,
+    down): one projection by the fused kernel, its output split (the kernel is not)."""
+    if len(kernels) == 2:
+        h, width = project(kernels[0]), kernels[1].shape[-2]
+        return act(h[..., :width]) * h[..., width:]
+    return act(project(kernels[0])) * project(kernels[1])
+
+
 def ragged_experts(x, weights, experts, kernels, act):
     """sum_j weights[n, j] * expert_{experts[n, j]}(x[n]) for x [N, D] -> [N, D], each
     projection one grouped matmul (`jax.lax.ragged_dot`) over the N * k (token, expert)
-    pairs sorted by expert. kernels: (gate [E, D, F], up [E, D, F], down [E, F, D]);
-    weights [N, k] (x's dtype); experts int[N, k]."""
-    gate, up, down = kernels
+    pairs sorted by expert. kernels: (gate [E, D, F], up [E, D, F], down [E, F, D]) or
+    (gate_up [E, D, 2F], down); weights [N, k] (x's dtype); experts int[N, k]."""
+    down = kernels[-1]
     n, k = experts.shape
     flat = experts.reshape(-1)  # [N*k], pair p = n * k + j
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # [E]
+    sizes = jnp.bincount(flat, length=down.shape[0]).astype(jnp.int32)  # [E]
     xs = x[order // k]  # [N*k, D]
-    h = act(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    h = _gated(lambda w: jax.lax.ragged_dot(xs, w, sizes), kernels, act)
     ys = jax.lax.ragged_dot(h, down, sizes)  # [N*k, D], sorted
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to pair order
     return jnp.einsum("NKD,NK->ND", y, weights.astype(y.dtype))
@@ -129,11 +138,11 @@ def ragged_experts(x, weights, experts, kernels, act):
 def dense_experts(x, weights, experts, kernels, act):
     """The reference of `ragged_experts`: every expert on every token [E, N, D], summed under
     the sparse routing weights (zero for the experts a token did not pick)."""
-    gate, up, down = kernels
-    h = act(jnp.einsum("ND,EDF->ENF", x, gate)) * jnp.einsum("ND,EDF->ENF", x, up)
+    down = kernels[-1]
+    h = _gated(lambda w: jnp.einsum("ND,EDF->ENF", x, w), kernels, act)
     y = jnp.einsum("ENF,EFD->END", h, down)
     n = x.shape[0]
-    dense = jnp.zeros((n, gate.shape[0]), y.dtype)
+    dense = jnp.zeros((n, down.shape[0]), y.dtype)
     dense = dense.at[jnp.arange(n)[:, None], experts].add(weights.astype(y.dtype))  # [N, E]
     return jnp.einsum("END,NE->ND", y, dense)
 
@@ -159,10 +168,10 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
     its token's sum, as GShard and Switch drop). Otherwise every device routes all its
     tokens through its own experts and the partial sums are added over the axis. A tensor
     axis splits each expert's width, as a dense MLP's (its partial sums added too).
-    Elsewhere `run` itself."""
+    Elsewhere `run` itself. kernels: as `ragged_experts` takes them."""
     mesh = jax.sharding.get_abstract_mesh()
     ep = 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
-    e = kernels[0].shape[0]
+    e = kernels[-1].shape[0]
     if ep == 1:
         return run(x, weights, experts, kernels, act), None
     if e % ep:
@@ -172,14 +181,17 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
     tokens = P(axes or None, None)
     # a tensor axis splits each expert's width F (as a dense MLP's): partial sums, added
     tp = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
-    width = "tensor" if tp > 1 and kernels[2].shape[1] % tp == 0 else None
-    specs = (P("expert", None, width),) * 2 + (P("expert", width, None),)
+    width = "tensor" if tp > 1 and kernels[-1].shape[-2] % tp == 0 else None
+    if width and len(kernels) == 2:  # a fused gate_up's columns do not split so: split it
+        f = kernels[1].shape[-2]
+        kernels = (kernels[0][..., :f], kernels[0][..., f:], kernels[1])
+    specs = (P("expert", None, width),) * (len(kernels) - 1) + (P("expert", width, None),)
     per_device = functools.partial(
         jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + (specs,), check_vma=False
     )
     if "expert" not in axes:
-        summed = per_device(functools.partial(_summed, run, act, width), out_specs=tokens)
-        return summed(x, weights, experts, kernels), None
+        fn = functools.partial(_summed, run, act, width)
+        return per_device(fn, out_specs=tokens)(x, weights, experts, kernels), None
     n, k = x.shape[0] // math.prod(mesh.shape[a] for a in axes), experts.shape[1]
     cap = n * k if not capacity else min(n * k, math.ceil(capacity * n * k / ep))
     fn = functools.partial(_dispatched, run, act, cap, tuple(mesh.axis_names), width)
@@ -189,7 +201,7 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
 def _summed(run, act, width, x, weights, experts, kernels):
     """Per device: its tokens [n, D] through its own experts only (their columns of the
     `width` axis), summed over the axes."""
-    local = kernels[0].shape[0]
+    local = kernels[-1].shape[0]
     ids = experts - jax.lax.axis_index("expert") * local
     mine = (ids >= 0) & (ids < local)
     y = run(x, jnp.where(mine, weights, 0), jnp.where(mine, ids, local), kernels, act)
@@ -200,7 +212,7 @@ def _dispatched(run, act, cap: int, names: tuple, width, x, weights, experts, ke
     """Per device: its tokens [n, D] and their routes [n, k] to the experts' devices (cap
     pairs each) and back (see `expert_parallel`), the partial sums of the experts' columns
     on the `width` axis added; -> (y [n, D], the share of the mesh's pairs dropped)."""
-    ep, local = jax.lax.axis_size("expert"), kernels[0].shape[0]
+    ep, local = jax.lax.axis_size("expert"), kernels[-1].shape[0]
     n, k = experts.shape
     flat = experts.reshape(-1)  # [n * k] pairs, pair p = token p // k
     dest = flat // local
@@ -253,13 +265,12 @@ class Experts(nnx.Module):
         self.down_proj = ExpertKernel(experts, width, dim, **kw)
         self.fused = fused
 
-    def kernels(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(gate [E, D, F], up [E, D, F], down [E, F, D]) in `dtype`."""
+    def kernels(self, dtype) -> tuple[jax.Array, ...]:
+        """(gate [E, D, F], up [E, D, F], down [E, F, D]) or, fused, (gate_up [E, D, 2F],
+        down) in `dtype`."""
         down = self.down_proj.array(dtype)
         if self.fused:
-            gate_up = self.gate_up_proj.array(dtype)
-            width = down.shape[-2]
-            return gate_up[..., :width], gate_up[..., width:], down
+            return self.gate_up_proj.array(dtype), down
         return self.gate_proj.array(dtype), self.up_proj.array(dtype), down
 
 
@@ -279,8 +290,8 @@ class SparseMoE(nnx.Module):
         # with an expert mesh axis: `expert_parallel`'s capacity (Model.set_expert_capacity)
         self.capacity = 0.0
 
-    def kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(gate [E, D, F], up [E, D, F], down [E, F, D]) in the compute dtype."""
+    def kernels(self) -> tuple[jax.Array, ...]:
+        """`Experts.kernels` in the compute dtype."""
         return self.experts.kernels(self.dtype)
 
     def apply(self, x: jax.Array, given: jax.Array | None = None, *, replay: bool = False):

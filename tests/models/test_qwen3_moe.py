@@ -134,6 +134,11 @@ def test_ragged_experts_equal_the_dense_reference():
 
     for ga, gb in zip(grads(moe.ragged_experts), grads(moe.dense_experts)):
         np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-5 * float(np.abs(gb).max()))
+    # a fused gate_up [E, D, 2F] (gate's columns first): one grouped matmul, its output split
+    fused = (jnp.concatenate(kernels[:2], axis=-1), kernels[2])
+    for run, want in ((moe.ragged_experts, a), (moe.dense_experts, b)):
+        got = run(x, weights, experts, fused, jax.nn.silu)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
 
 
 def test_model_with_dense_experts(sparse):
