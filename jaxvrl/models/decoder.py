@@ -159,6 +159,7 @@ class Attention(nnx.Module):
         block=512,
         queries=None,
         segmented=False,
+        last_query=False,
     ):
         """x: [B, T, D]; kv: None, (k_cache, v_cache, index) to write the new keys at `index`
         and attend over the whole cache (see KVCache), or a `PagedLayer` (each row writes at
@@ -169,8 +170,11 @@ class Attention(nnx.Module):
         a callable); queries: None, or bool[B, T] (without kv):
         stats are then the keys' attention masses from those queries, float32[B, T]
         (`attend_key_masses`); segmented: without kv, `mask` is int32[B, T] segment ids of
-        packed rows (0: an empty slot), and queries see only keys of their own segment.
-        Returns (out, (k, v), stats); k, v are the updated caches when kv is given."""
+        packed rows (0: an empty slot), and queries see only keys of their own segment;
+        last_query: without kv, with pools, the pool masses of each row's last query only
+        (stats [B, 1]: what a prefill keeps), by one query's dense attention beside the
+        implementation's. Returns (out, (k, v), stats); k, v are the updated caches when kv
+        is given."""
         b, t, _ = x.shape
         q, k, v = self.project(x)
         if kv is not None and t == 1:
@@ -196,9 +200,11 @@ class Attention(nnx.Module):
         if kv is None:
             valid = mask > 0 if segmented else mask
             segments = dict(q_segments=mask, k_segments=mask) if segmented else {}
+            pos = jnp.arange(t)
             if self.sliding:  # a token's position: the valid tokens before it
                 pos = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
                 segments.update(q_positions=pos, k_positions=pos, sliding=self.sliding)
+            last = last_query and pools is not None and not segmented
             out, stats = attend(
                 q,
                 k,
@@ -207,11 +213,16 @@ class Attention(nnx.Module):
                 key_valid=valid,
                 **segments,
                 causal=True,
-                pools=pools,
+                pools=None if last else pools,
                 implementation=implementation,
                 block_q=block,
                 block_k=block,
             )
+            if last:  # the last query's masses: one query over every key, densely
+                _, stats = attend(
+                    q[:, -1:], k, v, scale=scale, key_valid=valid, q_positions=pos[..., -1:],
+                    k_positions=pos, causal=True, pools=pools, sliding=self.sliding,
+                )  # fmt: skip
             return self.o_proj(out.reshape(b, t, -1)), (k, v), stats
         g = self.n_heads // self.n_kv
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
@@ -268,9 +279,12 @@ class DecoderLayer(nnx.Module):
         router=False,
         experts=False,
         replay=False,
+        last_query=False,
     ):
         x_in = self.input_layernorm(x)
         kw = dict(implementation=implementation, block=block, queries=queries, segmented=segmented)
+        if last_query:
+            kw["last_query"] = True
         h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, **kw)
         x = x + h
         routing = router or experts or given is not None
@@ -415,6 +429,8 @@ class TextDecoder(nnx.Module):
         # a prefill into an empty cache runs as a forward pass; its keys and values are
         # written into the cache after the layers (`KVCache.filled`)
         fill = isinstance(cache, KVCache) and cache.empty and step is None
+        if fill and pools is not None:  # a prefill's masses: its rows' last queries' only
+            extra["last_query"] = True
         if cache is None or fill:
             implementation = attention_implementation(self.attention)
         else:

@@ -221,6 +221,17 @@ def test_a_prefill_into_an_empty_cache_equals_attending_over_the_cache(models, b
     one = jnp.ones((b, 1), jnp.int32)
     a, c = (scanned.forward(ids[:, -1:], one, step_pos, cache=o.cache) for o in (filled, cached))
     _close(a.logits, c.logits, rtol=1e-5)
+    # with pools the prefill keeps each row's last query's masses only ([L, B, 1], the query
+    # that predicts the first token): those of a forward pass at its last position
+    pools = {"vision": np.random.default_rng(0).random((b, p)) < 0.5, "prompt": valid}
+    pools["text"] = valid & ~pools["vision"]
+    wider = {k: np.pad(v, ((0, 0), (0, 2))) for k, v in pools.items()}  # the cache's slots
+    full = scanned.forward(ids, mask, pos, **vision, pools=pools)
+    first = scanned.forward(ids, mask, pos, **vision, cache=empty, pools=wider)
+    for name in ("vision_mass", "text_mass"):
+        got, want = getattr(first, name), getattr(full, name)
+        assert got.shape == (cfg.num_hidden_layers, b, 1), got.shape
+        _close(got, np.asarray(want)[:, :, -1:], rtol=1e-5)
 
 
 def test_sampler_greedy_tokens_equal(models):
