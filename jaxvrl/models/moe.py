@@ -10,9 +10,8 @@ MLP of `intermediate_size`.
 The experts run behind one seam, `EXPERTS[name](x, weights, experts, kernels, act)`:
 "ragged" (the default) sorts the N * k (token, expert) pairs by expert and runs each
 projection as one grouped matmul over all experts (`jax.lax.ragged_dot`, group sizes the
-experts' counts); "dense" (the reference for tests) runs every expert on every token and
-weights the outputs by the sparse routing weights. The kernels go in as `Experts.kernels`
-gives them (QLoRA's quantized ones, `lora.QuantExpertKernel`, dequantized).
+experts' counts); "dense" (the reference) runs every expert on every token, weighted by the
+sparse routing weights. Both take `Experts.kernels` (QLoRA's dequantized).
 
 Qwen3-VL-MoE's checkpoints hold each layer's experts fused, `experts.gate_up_proj` (gate's F
 columns, then up's) and `experts.down_proj`; a config with `fused_gate_up` keeps the same one
