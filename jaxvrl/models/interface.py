@@ -59,6 +59,8 @@ class Model(Protocol):
 
     def set_remat_policy(self, policy: str) -> None: ...
 
+    def set_expert_capacity(self, capacity: float) -> None: ...
+
 
 def load(
     path, dtype=None, param_dtype=None, attention: str = "auto", scan_layers: bool = True

@@ -180,11 +180,11 @@ def rollout_sizes(
 
     tensor 0 picks t among the divisors of what a host's devices leave of `expert` groups
     (an expert group within a host where it fits one, else whole hosts of it). A decode step
-    reads per device the
-    weights over t and its group's share of the KV cache (the group's rows: 1 / (devices
-    / t) of them), split over the group's devices by KV head where t divides the KV heads;
-    otherwise every device of the group holds the group's whole cache (the model's sharding
-    leaves an axis that does not divide a dimension unsplit). With the sizes given
+    reads per device the weights over t and its group's share of the KV cache (the group's
+    rows: 1 / (devices / t) of them), split over the group's devices by KV head where t
+    divides the KV heads; otherwise every device of the group holds the group's whole cache
+    (the model's sharding leaves an axis that does not divide a dimension unsplit). With the
+    sizes given
     (`weight_bytes`: the weights a decode step reads, `cache_bytes`: the whole rollout's
     cache), t minimises that sum; without them, t is the largest that divides the KV heads.
     """
@@ -240,12 +240,13 @@ def rollout_dtype(name: str, mesh: Mesh | None, model_dtype) -> str | None:
 def sampling_state(graphdef, params, dtype: str | None):
     """(graphdef, state) of the sampling model: LoRA merged into the base weights, compute
     dtype `dtype` (None: the model's), every floating weight the model casts where it uses
-    it cast to that dtype."""
+    it cast to that dtype, no expert capacity (an expert axis drops no pair)."""
     model = nnx.merge(graphdef, params)
     if lora.wrapped(model):
         model = lora.merge_lora(model)
     if dtype is not None:
         model.set_dtype(jnp.dtype(dtype))
+    model.set_expert_capacity(0.0)  # the sampler drops no (token, expert) pair
     graph, state = nnx.split(model)
     return graph, compute_params(graph, state)
 
