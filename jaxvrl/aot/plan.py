@@ -128,17 +128,33 @@ def _with_shardings(tree, mesh, rows: int):
     return jax.tree.map(lambda x, s: _abstract(x, s), tree, shardings)
 
 
-def decoder_params(params, model_config):
-    """The parameters a decode step multiplies by: the text decoder's layers and the LM head
-    (an embedding lookup reads only the fed tokens' rows; a tied table is the head)."""
+def _in_decoder(name: str, model_config) -> bool:
+    """Whether the parameter `name` is one a decode step multiplies by: the text decoder's
+    layers and the LM head (an embedding lookup reads only the fed tokens' rows; a tied
+    table is the head)."""
     tied = bool(model_config.tie_word_embeddings)
+    return not name.startswith("visual.") and (tied or "embed_tokens" not in name)
 
-    def keep(path) -> bool:
-        name = leaf_name(path)
-        return not name.startswith("visual.") and (tied or "embed_tokens" not in name)
 
+def decoder_params(params, model_config):
+    """The parameters a decode step multiplies by (`_in_decoder`)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return [x for path, x in flat if keep(path)]
+    return [x for path, x in flat if _in_decoder(leaf_name(path), model_config)]
+
+
+def active_count(params, model_config, decoder: bool = False) -> int:
+    """Parameters one token multiplies by (of the decode step's, `decoder`): each whole, but
+    a mixture of experts' expert kernels k / E of theirs (a token runs k of the E experts).
+    What model FLOPs and MFU count."""
+    t = model_config.text
+    share = t.num_experts_per_tok / t.num_experts if t.num_experts else 1.0
+    total = 0.0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = leaf_name(path)
+        if not decoder or _in_decoder(name, model_config):
+            n = math.prod(x.shape)
+            total += n * share if ".experts." in f".{name}" else n
+    return round(total)
 
 
 def decode_shardings(state, mesh):
@@ -250,6 +266,11 @@ class Plan:
     @functools.cached_property
     def params_count(self) -> int:
         return sum(math.prod(x.shape) for x in jax.tree.leaves(self.init.state.params))
+
+    @functools.cached_property
+    def active_params(self) -> int:
+        """Parameters a token multiplies by (`active_count`: a mixture of experts' k of E)."""
+        return active_count(self.init.state.params, self.model.config)
 
     def _images(self, rows: int):
         if self.grid is None:
@@ -424,7 +445,7 @@ class Plan:
         }
         for part in setup.check_offload(self.c, self.mesh):  # in host memory, not HBM
             breakdown[f"host: {part}"] = breakdown.pop(part)
-        flops = 6.0 * self.params_count * self.real_tokens  # MFU counts real tokens
+        flops = 6.0 * self.active_params * self.real_tokens  # MFU counts real tokens
         lower = lambda: step.lower(st, i.ref_params, batch, self._rng())  # noqa: E731
         return lower, flops, breakdown, None
 
@@ -454,7 +475,7 @@ class Plan:
         breakdown = {"params": per_device_bytes(ready.params), "prompts": per_device_bytes(p)}
         # one prefill per prompt, then every row's decode steps
         tokens = prompts * self.prompt_len + self.rows * self.new_tokens
-        flops = 2.0 * self.params_count * tokens
+        flops = 2.0 * self.active_params * tokens
         return lower, flops, breakdown, None
 
     def _decode_step(self):
@@ -484,9 +505,8 @@ class Plan:
 
     @functools.cached_property
     def _decoder_params(self) -> int:
-        """Parameters a decode step multiplies by (`decoder_params`)."""
-        tree = decoder_params(self.init.state.params, self.model.config)
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+        """Parameters a decode step's token multiplies by (`active_count`)."""
+        return active_count(self.init.state.params, self.model.config, decoder=True)
 
     def suggest_micro_batches(self, failed: Report) -> int | None:
         """The smallest optim.micro_batches whose train step fits, trying first the count at
@@ -559,6 +579,9 @@ class Plan:
 
     def describe(self) -> str:
         m = self.model.config
+        active = ""
+        if self.active_params != self.params_count:  # MFU counts these
+            active = f" ({self.active_params / 1e9:.2f}B active per token)"
         shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
         cfg = self.step_config
         updates = cfg.mini_batches  # per epoch; each reads rows / updates rows
@@ -577,7 +600,7 @@ class Plan:
             (
                 f"{topology.describe(self.slice)}; mesh {shape}; rollout mesh {rshape}, "
                 f"{rdtype or self.c.model.dtype}, decode attention {self._decode_words()}\n"
-                f"model {self.model_name}: {self.params_count / 1e9:.2f}B params "
+                f"model {self.model_name}: {self.params_count / 1e9:.2f}B params{active} "
                 f"({self.c.model.param_dtype} weights, {self.c.model.dtype} compute, remat "
                 f"{self.c.model.remat_policy}, attention {self.attention}), text "
                 f"{m.text.num_hidden_layers} layers\n"

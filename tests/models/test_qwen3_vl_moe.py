@@ -196,6 +196,13 @@ def test_preset_has_the_published_parameter_count():
         hf = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**d))
     assert count == sum(p.numel() for p in hf.parameters())
     assert abs(count / 1e9 - 31.07) <= 0.01 * 31.07, count
+    # what a token multiplies by (the AOT tool's model FLOPs): 8 of the 128 experts' weights
+    from jaxvrl.aot.plan import active_count
+
+    share = 8 / 128
+    active = sum(p.numel() * (share if ".experts." in n else 1) for n, p in hf.named_parameters())
+    assert active_count(nnx.state(model, nnx.Param), cfg) == round(active)
+    assert 3.0e9 < active < 4.5e9, active  # "A3B": about 3B active in the text decoder
 
 
 def test_replayed_routes_give_the_sampled_logprobs(tiny, batch, monkeypatch):
