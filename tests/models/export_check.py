@@ -4,25 +4,32 @@ those of its merged model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+
+
+def same_tensors(a, b) -> dict:
+    """The model.safetensors of directories `a` and `b` hold the same tensors: names, dtypes
+    and values. Returns b's by name."""
+    from safetensors.numpy import load_file
+
+    want, got = (load_file(Path(d) / "model.safetensors") for d in (a, b))
+    assert set(want) == set(got)
+    for k in want:
+        assert want[k].dtype == got[k].dtype, k
+        np.testing.assert_array_equal(want[k], got[k], err_msg=k)
+    return got
 
 
 def export_equals_checkpoint(model, checkpoint, out) -> dict:
     """`jaxvrl.models.save(model, out)`, then every tensor of out's model.safetensors equals the
     one of `checkpoint`'s (the directory `model` was loaded from), and no tensor is missing or
     extra. Returns the exported tensors by name."""
-    from safetensors.numpy import load_file
-
     from jaxvrl import models
 
     models.save(model, out)
-    original = load_file(checkpoint / "model.safetensors")
-    exported = load_file(out / "model.safetensors")
-    assert set(original) == set(exported)
-    for k in original:
-        assert original[k].dtype == exported[k].dtype, k
-        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
-    return exported
+    return same_tensors(checkpoint, out)
 
 
 def run_export_equals_merged(model, base, tmp, lora_settings: dict) -> dict:
@@ -31,7 +38,6 @@ def run_export_equals_merged(model, base, tmp, lora_settings: dict) -> dict:
     those `models.save` writes of `lora.merge_lora(model)`. Returns them by name (the export
     is at tmp / "hf")."""
     from flax import nnx
-    from safetensors.numpy import load_file
 
     from jaxvrl import export, models
     from jaxvrl.checkpoint import Checkpointer
@@ -45,9 +51,4 @@ def run_export_equals_merged(model, base, tmp, lora_settings: dict) -> dict:
     export.write_run_info(str(tmp / "run"), info)
     export.export(str(tmp / "run"), str(tmp / "hf"))
     models.save(lora.merge_lora(model), tmp / "merged")
-    exported = load_file(tmp / "hf" / "model.safetensors")
-    merged = load_file(tmp / "merged" / "model.safetensors")
-    assert set(exported) == set(merged)
-    for k in merged:
-        np.testing.assert_array_equal(exported[k], merged[k], err_msg=k)
-    return exported
+    return same_tensors(tmp / "merged", tmp / "hf")

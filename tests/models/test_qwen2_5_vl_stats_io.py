@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxvrl.models import qwen2_5_vl as q
 from tests.models import hf_tiny as T
+from tests.models.export_check import same_tensors
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +93,7 @@ def test_export_round_trip(tiny, tmp_path):
 
     model = q.load(tiny)
     q.save(model, tmp_path / "export")
-    original = load_file(os.path.join(tiny, "model.safetensors"))
-    exported = load_file(tmp_path / "export" / "model.safetensors")
-    assert set(original) == set(exported)
-    for k in original:
-        np.testing.assert_array_equal(original[k], exported[k], err_msg=k)
+    same_tensors(tiny, tmp_path / "export")
     hf_a = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny)
     hf_b = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "export")
     sd_a, sd_b = hf_a.state_dict(), hf_b.state_dict()

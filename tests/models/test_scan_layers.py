@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
 
 from jaxvrl.models import lora
 from jaxvrl.models import qwen2_5_vl as q
 from jaxvrl.models.weights import stacked_path
 from jaxvrl.sampling import generate
 from tests.models import hf_tiny as T
+from tests.models.export_check import same_tensors
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +137,8 @@ def test_hf_save_equal_and_load_round_trip(models, ckpt, tmp_path):
     scanned, unrolled = models
     q.save(scanned, tmp_path / "scanned")
     q.save(unrolled, tmp_path / "unrolled")
-    a = load_file(tmp_path / "scanned" / "model.safetensors")
-    b = load_file(tmp_path / "unrolled" / "model.safetensors")
-    original = load_file(ckpt / "model.safetensors")
-    assert set(a) == set(b) == set(original)
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-        np.testing.assert_array_equal(a[k], original[k], err_msg=k)
+    same_tensors(ckpt, tmp_path / "scanned")
+    same_tensors(ckpt, tmp_path / "unrolled")
     again = _flat(nnx.state(q.load(tmp_path / "scanned"), nnx.Param))
     for path, x in _flat(nnx.state(scanned, nnx.Param)).items():
         np.testing.assert_array_equal(again[path], x, err_msg=path)
@@ -164,11 +159,7 @@ def test_stacked_lora_equals_per_layer_lora(ckpt, batch, tmp_path):
     _close(_forward(scanned, batch).logits, _forward(unrolled, batch).logits)
     q.save(lora.merge_lora(scanned), tmp_path / "scanned")
     q.save(lora.merge_lora(unrolled), tmp_path / "unrolled")
-    a = load_file(tmp_path / "scanned" / "model.safetensors")
-    b = load_file(tmp_path / "unrolled" / "model.safetensors")
-    assert set(a) == set(b)
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    same_tensors(tmp_path / "scanned", tmp_path / "unrolled")
 
 
 def test_stacked_and_per_layer_caches_agree(models, batch):
