@@ -158,6 +158,10 @@ class TextConfig:
     # the experts' gate and up projections held as one kernel [E, D, 2F], gate's F columns
     # first, as Qwen3-VL-MoE's checkpoints hold them (`moe.Experts`)
     fused_gate_up: bool = False
+    # a shared expert beside the routed ones (Qwen2-MoE, `moe.SparseMoE`): a dense gated MLP
+    # of this width that every token of a sparse layer runs, its output scaled by a sigmoid
+    # gate; 0: none
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if not self.head_dim:

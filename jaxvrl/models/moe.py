@@ -1,21 +1,21 @@
-"""A sparse mixture-of-experts feed-forward block (Qwen3-MoE), as transformers computes it.
+"""A sparse mixture-of-experts feed-forward block (Qwen3-MoE, Qwen2-MoE), as transformers
+computes it.
 
 A router Linear(D, E) (no bias) scores the E experts of each token; their softmax, in
 float32, keeps the top k, renormalised to sum 1 where `norm_topk_prob`; each kept expert is a
 gated MLP down(act(gate(x)) * up(x)) of width F, and the token's output is the weighted sum
-of its k experts' outputs. Decoder layer i is sparse where `(i + 1) % decoder_sparse_step ==
-0` and i is not in `mlp_only_layers` (`sparse_layers`); the other layers keep the dense gated
-MLP of `intermediate_size`.
+of its k experts' outputs, plus, where `shared_expert_intermediate_size` > 0 (Qwen2-MoE), a
+shared expert's: a dense gated MLP every token runs, scaled by sigmoid(Linear(D, 1)(x)).
+Decoder layer i is sparse where `(i + 1) % decoder_sparse_step == 0` and i is not in
+`mlp_only_layers` (`sparse_layers`); the others keep the dense MLP of `intermediate_size`.
 
 The experts run behind one seam, `EXPERTS[name](x, weights, experts, kernels, act)`:
 "ragged" (the default) sorts the N * k (token, expert) pairs by expert and runs each
 projection as one grouped matmul over all experts (`jax.lax.ragged_dot`, group sizes the
 experts' counts); "dense" (the reference) runs every expert on every token, weighted by the
-sparse routing weights. Both take `Experts.kernels` (QLoRA's dequantized).
-
-Qwen3-VL-MoE's checkpoints hold each layer's experts fused, `experts.gate_up_proj` (gate's F
-columns, then up's) and `experts.down_proj`; a config with `fused_gate_up` keeps the same one
-kernel [E, D, 2F] (`Experts.gate_up_proj`): one grouped matmul, its output split in two.
+sparse routing weights. Both take `Experts.kernels` (QLoRA's dequantized). Qwen3-VL-MoE's
+checkpoints fuse gate and up (`experts.gate_up_proj`, gate's F columns first): `fused_gate_up`
+keeps that kernel [E, D, 2F] (`Experts.gate_up_proj`), one grouped matmul, its output split.
 
 The block also gives its router logits float32[N, E] (`load_balancing_loss`: transformers'
 auxiliary loss) and its routes, which a training pass may replay (`SparseMoE.apply`; Rollout
@@ -50,12 +50,23 @@ MOE_KEYS = (
     "mlp_only_layers",
     "router_aux_loss_coef",
 )
+# config.json's width of a block's shared expert (Qwen2-MoE; 0: none), read where the
+# family has one
+SHARED_EXPERT_KEY = "shared_expert_intermediate_size"
 
 
-def config_fields(d: dict, source: str) -> dict:
-    """TextConfig's mixture-of-experts fields from config.json `d` (defaults applied)."""
+def config_fields(d: dict, source: str, shared_expert: bool = False) -> dict:
+    """TextConfig's mixture-of-experts fields from config.json `d` (defaults applied), with
+    `shared_expert` also the shared expert's width (SHARED_EXPERT_KEY)."""
     d = d | ({"num_experts": d["num_local_experts"]} if "num_local_experts" in d else {})
     kw = {k: d[k] for k in MOE_KEYS}
+    if shared_expert:
+        kw[SHARED_EXPERT_KEY] = d[SHARED_EXPERT_KEY]
+        if not isinstance(kw[SHARED_EXPERT_KEY], int) or kw[SHARED_EXPERT_KEY] < 0:
+            raise ConfigError(
+                f"{source}: {SHARED_EXPERT_KEY} must be a non-negative integer, got "
+                f"{kw[SHARED_EXPERT_KEY]!r}"
+            )
     kw["mlp_only_layers"] = tuple(int(i) for i in kw["mlp_only_layers"] or ())
     kw["norm_topk_prob"] = bool(kw["norm_topk_prob"])
     kw["router_aux_loss_coef"] = float(kw["router_aux_loss_coef"])
@@ -275,13 +286,19 @@ class Experts(nnx.Module):
 
 class SparseMoE(nnx.Module):
     """The sparse MoE feed-forward of a decoder layer: router `gate` (Linear(D, E), no
-    bias) and `experts` (gate_proj, up_proj [E, D, F], down_proj [E, F, D]).
-    `implementation`: a name of EXPERTS (part of the graphdef)."""
+    bias), `experts` (gate_proj, up_proj [E, D, F], down_proj [E, F, D]) and, where the
+    config has one (`shared_expert_intermediate_size` S > 0), `shared_expert` (a GatedMLP of
+    width S, no biases) with its gate `shared_expert_gate` (Linear(D, 1), no bias), else
+    None. `implementation`: a name of EXPERTS (part of the graphdef)."""
 
     def __init__(self, cfg: TextConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.gate = linear(d, e, bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = linear(d, e, bias=False, **kw)
         self.experts = Experts(e, d, f, fused=cfg.fused_gate_up, param_dtype=param_dtype, rngs=rngs)
+        s = cfg.shared_expert_intermediate_size
+        self.shared_expert = GatedMLP(d, s, cfg.hidden_act, bias=False, **kw) if s else None
+        self.shared_expert_gate = linear(d, 1, bias=False, **kw) if s else None
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act_name = cfg.hidden_act
         self.dtype = dtype
@@ -317,7 +334,17 @@ class SparseMoE(nnx.Module):
         out, dropped = expert_parallel(run, b, xf, weights, experts, kernels, act, self.capacity)
         if dropped is not None:
             aux["dropped"] = dropped
-        return out.reshape(b, t, d), aux
+        return self.shared(x, out.reshape(b, t, d)), aux
+
+    def shared(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """The experts' output `out` [B, T, D] plus the shared expert's on x [B, T, D],
+        sigmoid(shared_expert_gate(x)) * shared_expert(x) (`out` itself without one). It runs
+        on every token as the dense MLP does, outside the experts' dispatch: its kernels
+        shard like the dense MLP's."""
+        if self.shared_expert is None:
+            return out
+        x = x.astype(self.dtype)
+        return out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.apply(x)[0]

@@ -33,7 +33,10 @@ class TextFamily:
     config.json's attention_bias sets all four; qk_norm: per-head q/k RMSNorm before the
     rotary; sliding_window: config.json's `sliding_window` bounds every layer's attention
     (Mistral), else a sliding window is refused at load; moe: config.json's mixture-of-experts
-    keys (moe.MOE_KEYS) are read, and its sparse layers run `moe.SparseMoE` (Qwen3-MoE)."""
+    keys (moe.MOE_KEYS) are read, and its sparse layers run `moe.SparseMoE` (Qwen3-MoE);
+    shared_expert: config.json's `shared_expert_intermediate_size` is read too, the width of
+    each sparse layer's shared expert (Qwen2-MoE); qkv_bias: config.json's `qkv_bias` sets
+    the q/k/v biases that `bias` fixes otherwise (Qwen2-MoE)."""
 
     model_type: str
     architecture: str
@@ -42,6 +45,8 @@ class TextFamily:
     qk_norm: bool = False
     sliding_window: bool = False
     moe: bool = False
+    shared_expert: bool = False
+    qkv_bias: bool = False
 
     @property
     def classifier_architecture(self) -> str:
@@ -155,6 +160,37 @@ TEXT_FAMILIES: dict[str, TextFamily] = {
         ),
         qk_norm=True,
         moe=True,
+    ),  # fmt: skip
+    # Qwen1.5-MoE and Qwen2-MoE: Qwen2's attention (q/k/v biases by config.json's qkv_bias),
+    # sparse feed-forwards with a shared expert
+    "qwen2_moe": TextFamily(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        _defaults(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            hidden_act="silu",
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            router_aux_loss_coef=0.001,
+            qkv_bias=True,
+        ),
+        bias=(True, False),
+        moe=True,
+        shared_expert=True,
+        qkv_bias=True,
     ),  # fmt: skip
 }
 
@@ -305,9 +341,11 @@ class CausalLMConfig:
         kw["head_dim"] = d.get("head_dim") or d["hidden_size"] // heads
         bias = bool(d.get("attention_bias", False))
         kw["attention_bias"], kw["output_bias"] = (bias, bias) if entry.bias is None else entry.bias
+        if entry.qkv_bias:
+            kw["attention_bias"] = bool(d["qkv_bias"])
         kw |= _rope(d, source, dict(entry.defaults).get("rope_theta", 10000.0))
         if entry.moe:
-            kw |= moe.config_fields(d, source)
+            kw |= moe.config_fields(d, source, entry.shared_expert)
         text = TextConfig(**kw, qk_norm=entry.qk_norm, mrope_section=(), sliding_window=window)
         if heads % text.num_key_value_heads:
             raise ConfigError(f"{source}: num_attention_heads not divisible by num_key_value_heads")
@@ -319,6 +357,8 @@ class CausalLMConfig:
             raise ConfigError(f"{source}: {e}") from None
         read = TEXT_KEYS | ({"sliding_window"} if entry.sliding_window else set())
         read |= {*moe.MOE_KEYS, "num_local_experts"} if entry.moe else set()
+        read |= {moe.SHARED_EXPERT_KEY} if entry.shared_expert else set()
+        read |= {"qkv_bias"} if entry.qkv_bias else set()
         extra = tuple(sorted((k, v) for k, v in d.items() if k not in read and jsonable(v)))
         eos = d.get("eos_token_id")
         num_labels = None
@@ -358,6 +398,10 @@ class CausalLMConfig:
         if entry.moe:
             d.update({k: getattr(t, k) for k in moe.MOE_KEYS})
             d["mlp_only_layers"] = list(t.mlp_only_layers)
+        if entry.shared_expert:
+            d[moe.SHARED_EXPERT_KEY] = t.shared_expert_intermediate_size
+        if entry.qkv_bias:
+            d["qkv_bias"] = t.attention_bias
         if self.num_labels and len(d.get("id2label") or ()) != self.num_labels:
             d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
             d["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
@@ -404,8 +448,14 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
         "copy",
     ),
     ("model.layers.{i}.mlp.{proj}.weight", "model.layers.{i}.mlp.{proj}.kernel", "linear"),
-    # a sparse layer: its router is `mlp.gate` (the row above); expert e's projections are
-    # index e of the experts' stacked kernels (`weights.expert_path`)
+    # a sparse layer: its router is `mlp.gate` (the row above), as is its shared expert's
+    # gate `mlp.shared_expert_gate`; expert e's projections are index e of the experts'
+    # stacked kernels (`weights.expert_path`)
+    (
+        "model.layers.{i}.mlp.shared_expert.{proj}.weight",
+        "model.layers.{i}.mlp.shared_expert.{proj}.kernel",
+        "linear",
+    ),
     (
         "model.layers.{i}.mlp.experts.{e}.{proj}.weight",
         "model.layers.{i}.mlp.experts.{e}.{proj}.kernel",

@@ -79,12 +79,13 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (_DOWN + r"\.lora_a$", ("mlp", None)),
     (_DOWN + r"\.lora_b$", (None, "embed")),
     # a mixture-of-experts layer (`models/moe.py`): experts' kernels [E, D_in, D_out] (QLoRA:
-    # qvalue, and scale [E, D_in / tile, D_out]), router
+    # qvalue, and scale [E, D_in / tile, D_out]), router and shared expert's gate (the shared
+    # expert's projections are a dense MLP's, above)
     (_UP + r"\.(kernel|qvalue)$", ("experts", "embed", "mlp")),
     (_UP + r"\.scale$", ("experts", None, "mlp")),
     (_DOWN + r"\.(kernel|qvalue)$", ("experts", "mlp", "embed")),
     (_DOWN + r"\.scale$", ("experts", None, "embed")),
-    (r"mlp\.gate\.kernel$", ("embed", None)),
+    (r"mlp\.(gate|shared_expert_gate)\.kernel$", ("embed", None)),
     (r"patch_embed\.kernel$", (None, "embed")),
     (r"\.(bias|weight)$", ("norm",)),
 )
