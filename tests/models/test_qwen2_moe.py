@@ -24,6 +24,7 @@ from jaxvrl.sampling import generate
 from tests.models import hf_tiny_text as T
 from tests.models.export_check import export_equals_checkpoint
 from tests.models.test_qwen2_5_vl_parity import assert_close
+from tests.models.test_qwen3_moe import build_spread
 from tests.models.test_text_families import hf_logits, ours
 
 EXPERTS, TOP_K, SHARED = 6, 2, 24
@@ -34,22 +35,9 @@ def build(path, seed=0, **kw):
     a shared expert of width 24, q/k/v biases) saved at `path`, its experts' weights, the
     shared expert's and its gate's spread so that each expert's output and the gate's
     sigmoid count."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    cfg = T.make_config(
-        "qwen2_moe", num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=16,
-        shared_expert_intermediate_size=SHARED, norm_topk_prob=False, qkv_bias=True, **kw,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    T._spread(hf)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if ".experts." in name or ".shared_expert" in name:
-                p.normal_(0.0, 0.3)
-    hf.save_pretrained(path)
-    return hf
+    cfg = dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=16,
+               shared_expert_intermediate_size=SHARED, norm_topk_prob=False, qkv_bias=True)  # fmt: skip
+    return build_spread("qwen2_moe", path, seed, (".experts.", ".shared_expert"), **cfg, **kw)
 
 
 @pytest.fixture(scope="module")

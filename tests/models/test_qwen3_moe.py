@@ -34,19 +34,24 @@ EXPERTS, TOP_K = 8, 2
 def build(path, seed=0, **kw):
     """A tiny Qwen3MoeForCausalLM (hidden 32, head_dim 16, 8 experts of width 16, top 2)
     saved at `path`, its expert weights spread so that each expert's output counts."""
+    cfg = dict(head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+               moe_intermediate_size=16, norm_topk_prob=True)  # fmt: skip
+    return build_spread("qwen3_moe", path, seed, (".experts.",), **cfg, **kw)
+
+
+def build_spread(model_type: str, path, seed: int, spread: tuple[str, ...], **kw):
+    """A tiny random `model_type` model (hf_tiny_text's config with `kw`) saved at `path`,
+    the weights whose names hold one of `spread` drawn from N(0, 0.3) so that each counts."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = T.make_config(
-        "qwen3_moe", head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        moe_intermediate_size=16, norm_topk_prob=True, **kw,
-    )  # fmt: skip
+    cfg = T.make_config(model_type, **kw)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg).eval()
     T._spread(hf)
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if ".experts." in name:
+            if any(s in name for s in spread):
                 p.normal_(0.0, 0.3)
     hf.save_pretrained(path)
     return hf
