@@ -17,10 +17,21 @@ tokenizer's chat template: 56 tokens each, so no side pads them.
     python bench/peers.py --peer tunix --size compute
     python bench/peers.py --peer easydel --family llama
     python bench/peers.py --peer none --unrolled      # jaxvrl alone, model.scan_layers=False
+    python bench/peers.py --family qwen3_vl           # vision-language, tiny size only
 
 EasyDeL runs twice: as shipped (its GRPOTrainer traces its compiled generate again every
-step) and with that generate kept ("easydel, generate kept"). No vision-language case: tunix
-has no Qwen-VL family and EasyDeL no Qwen2.5-VL (bench/RESULTS.md).
+step) and with that generate kept ("easydel, generate kept").
+
+The vision-language case (`--family qwen3_vl`): a random tiny Qwen3-VL (the tiny text shape
+under a 2-layer vision tower), saved with its image processor's settings; each prompt is the
+arithmetic question after one 64 x 64 picture (`picture`, the same on every side), 2 prompts x
+4 samples, 32 new tokens, 4 iterations. jaxvrl encodes the rows with its pipeline (its own
+image processor) and samples as its trainer does (vision tokens suppressed); EasyDeL gets the
+same prompts pretokenized by transformers' processor (ids checked equal), with their
+`pixel_values` and `image_grid_thw`, the way its GRPOTrainer takes images. tunix has no Qwen-VL
+family (0.1.7), so its row is that reason; EasyDeL 0.3.0's Qwen3-VL reads `image_grid_thw` with
+numpy inside its jitted generate (a TracerArrayConversionError), so its row is that error
+(bench/RESULTS.md).
 
 Sizes: `tiny` (0.85M parameters over the shipped 448-row vocabulary: per-call overhead
 dominates) and `compute` (Qwen3-0.6B's published shape, hidden 1024, 16 heads, 8 KV heads,
@@ -47,6 +58,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -101,7 +113,19 @@ SIZES = {
 }
 # the default work per size: (prompts, samples per prompt, new tokens, iterations)
 WORK = {"tiny": (2, 8, 64, 5), "compute": (1, 4, 32, 3)}
-ROPE_THETA = {"qwen3": 1_000_000.0, "llama": 10_000.0, "qwen2_5_vl": 1_000_000.0}
+ROPE_THETA = {"qwen3": 1_000_000.0, "llama": 10_000.0, "qwen3_vl": 5_000_000.0}
+TEXT_FAMILIES = ("qwen3", "llama")
+# the vision-language case: the tiny text shape under Qwen3-VL's vision tower, sized down
+# (depth, hidden, heads, intermediate, patch, merge, position embeddings, deepstack layers),
+# with Qwen3-VL's interleaved multimodal rope split of a 32-wide head (6, 5, 5 of 16 pairs)
+VL_FAMILIES = ("qwen3_vl",)
+VISION = (2, 64, 2, 128, 16, 2, 64, (0, 1))
+MROPE = (6, 5, 5)
+VL_WORK = (2, 4, 32, 4)
+IMAGE_SIDE = 64  # px: 4 x 4 patches of 16, 4 image tokens after the 2 x 2 merge
+# the image processor's pixel limits: jaxvrl's EncodeOptions defaults, written into the
+# checkpoint's preprocessor_config.json for the peer (a 64 x 64 picture keeps its size)
+PIXELS = (56 * 56, 28 * 28 * 256)
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -150,6 +174,36 @@ def score(texts, answers) -> np.ndarray:
     from jaxvrl.rl.rewards import accuracy_reward
 
     return np.asarray(accuracy_reward(list(texts), answer=list(answers)), np.float64)
+
+
+def picture(side: int = IMAGE_SIDE):
+    """The one image of every vision-language prompt: a fixed RGB gradient, `side` px square."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:side, 0:side] * 255 // (side - 1)
+    return Image.fromarray(np.stack([y, x, (x + y) // 2], -1).astype(np.uint8), "RGB")
+
+
+def task_examples(job: dict, tok):
+    """The built-in arithmetic task's rows (each with `picture()` for a vision-language
+    family) encoded by jaxvrl's pipeline: the chat-rendered prompt's ids (and patches)."""
+    from jaxvrl import models
+    from jaxvrl.data import arithmetic
+    from jaxvrl.data.pipeline import EncodeOptions, encode_rows
+
+    rows = arithmetic.make_split("train", job["prompts"] * job["iters"], seed=SEED)
+    processor = None
+    if job["family"] in VL_FAMILIES:
+        rows = [dict(r, images=[picture()]) for r in rows]
+        processor = models.processor(models.load_config(job["ckpt"]))
+    opts = EncodeOptions(
+        processor=processor,
+        system_prompt=arithmetic.SYSTEM_PROMPT,
+        min_pixels=PIXELS[0],
+        max_pixels=PIXELS[1],
+    )
+    examples, _ = encode_rows(rows, tok, opts, source="builtin:arithmetic")
+    return examples
 
 
 class Clock:
@@ -216,10 +270,9 @@ def side_jaxvrl(job: dict) -> dict:
 
     from configs import base as base_config
     from jaxvrl.config import set_values
-    from jaxvrl.data import arithmetic
-    from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
+    from jaxvrl.data.pipeline import collate
     from jaxvrl.models import load
-    from jaxvrl.sampling import Sampler, SamplingConfig
+    from jaxvrl.sampling import Sampler, generation_config
     from jaxvrl.trainer.experience import experience
     from jaxvrl.trainer.rollout import assemble_prompts
     from jaxvrl.trainer.step import StepConfig, TrainState, make_train_step
@@ -228,11 +281,12 @@ def side_jaxvrl(job: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(job["ckpt"])
     model = load(job["ckpt"], scan_layers=job.get("scan_layers", True))
     mcfg = model.config
-    rows = arithmetic.make_split("train", P * job["iters"], seed=SEED)
-    opts = EncodeOptions(processor=None, system_prompt=arithmetic.SYSTEM_PROMPT)
-    examples, _ = encode_rows(rows, tok, opts, source="builtin:arithmetic")
-    scfg = SamplingConfig(
-        N,
+    examples = task_examples(job, tok)
+    # as the trainer's rollout samples: a vision-language model's image/video pads and vision
+    # start/end tokens suppressed (none for a text model)
+    scfg = generation_config(
+        mcfg,
+        max_new_tokens=N,
         temperature=1.0,
         eos_token_ids=(job["eos_id"],),
         pad_token_id=job["pad_id"],
@@ -262,8 +316,8 @@ def side_jaxvrl(job: dict) -> dict:
     prompt_len = 0
     for i in range(job["iters"]):
         clock.start()
-        batch = collate(examples[i * P : (i + 1) * P], G, mcfg, tok, prompt_bucket=8,
-                        with_pools=False)  # fmt: skip
+        batch = collate(examples[i * P : (i + 1) * P], G, mcfg, tok,
+                        prompt_bucket=job["prompt_len"], with_pools=False)  # fmt: skip
         prompt_len = batch["input_ids"].shape[1]
         rng, k_sample, k_step = jax.random.split(rng, 3)
         t = time.perf_counter()
@@ -275,6 +329,7 @@ def side_jaxvrl(job: dict) -> dict:
             jnp.asarray(batch["position_ids"]),
             jnp.asarray(batch["deltas"]),
             k_sample,
+            images=None if batch["images"] is None else jax.tree.map(jnp.asarray, batch["images"]),
             decode_weights=kept["w"],
         )
         tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
@@ -465,8 +520,10 @@ def side_easydel(job: dict) -> dict:
 
     P, G, N = job["prompts"], job["group"], job["new_tokens"]
     tok = AutoTokenizer.from_pretrained(job["ckpt"], padding_side="left")
+    vl = job["family"] in VL_FAMILIES
+    auto = ed.AutoEasyDeLModelForImageTextToText if vl else ed.AutoEasyDeLModelForCausalLM
     # HF safetensors go through its torch converter (from_torch); one device, no sharding
-    model = ed.AutoEasyDeLModelForCausalLM.from_pretrained(
+    model = auto.from_pretrained(
         job["ckpt"],
         dtype=jnp.float32,
         param_dtype=jnp.float32,
@@ -475,7 +532,8 @@ def side_easydel(job: dict) -> dict:
         verbose=False,
     )
     with open(os.path.join(job["ckpt"], "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+        hf = json.load(f)
+    vocab = hf.get("text_config", hf)["vocab_size"]
     workdir = tempfile.mkdtemp(prefix="easydel_bench_")
     args = ed.GRPOConfig(
         save_directory=workdir,
@@ -509,9 +567,13 @@ def side_easydel(job: dict) -> dict:
         log_steps=10**9,
         progress_bar_type="json",
     )
-    data = Dataset.from_list(
-        [{"prompt": t, "answer": a} for t, a in zip(job["prompt_texts"], job["answers"])]
-    )
+    if vl:  # prompts tokenized by transformers' processor, with their patches
+        tok = easydel_processor(job["ckpt"], tok)
+        data = Dataset.from_list(easydel_image_rows(job, tok))
+    else:
+        data = Dataset.from_list(
+            [{"prompt": t, "answer": a} for t, a in zip(job["prompt_texts"], job["answers"])]
+        )
 
     # its batches keep no text columns for the reward functions: each prompt's answer is found
     # by the question the prompt holds
@@ -562,6 +624,44 @@ def side_easydel(job: dict) -> dict:
     p0 = jax.tree.leaves(trainer.model_state.graphstate)[0]
     loss = f"GRPO ({args.loss_type}), clip {args.epsilon}, k3 KL {args.beta}, seq-mean-token-mean"
     return clock.result(settings("easydel", job, job["prompt_len"], p0, loss))
+
+
+def easydel_processor(ckpt: str, tok):
+    """transformers' Qwen3-VL processor over the checkpoint's image processor settings (the PIL
+    image processor: the torchvision one and the video processor need torchvision, which the
+    CPU torch pin does not bring) and the tokenizer `tok`."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    class ImageTextProcessor(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):  # no video processor
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, arg)
+
+    images = Qwen2VLImageProcessorPil.from_pretrained(ckpt)
+    return ImageTextProcessor(image_processor=images, tokenizer=tok, video_processor=None)
+
+
+def easydel_image_rows(job: dict, processor) -> list[dict]:
+    """One pretokenized row per prompt, as its GRPO trainer takes images (a dataset with
+    `input_ids`, `attention_mask` and the model's inputs `pixel_values`, `image_grid_thw`):
+    the rendered prompt text and `picture()` through the processor, checked equal to the ids
+    jaxvrl's pipeline gives."""
+    rows = []
+    for text, ids in zip(job["prompt_texts"], job["prompt_ids"]):
+        enc = processor(text=[text], images=[picture()], return_tensors="np")
+        assert enc["input_ids"][0].tolist() == ids, "the processor gives other prompt ids"
+        rows.append(
+            dict(
+                input_ids=enc["input_ids"][0],
+                attention_mask=enc["attention_mask"][0],
+                pixel_values=enc["pixel_values"],
+                image_grid_thw=enc["image_grid_thw"],
+            )
+        )
+    return rows
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -627,33 +727,79 @@ def make_checkpoint(family: str, size: str, path: str) -> int:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     elif family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif family == "qwen3_vl":
+        model = transformers.Qwen3VLForConditionalGeneration(qwen3_vl_config(common))
     else:
         raise SystemExit(f"no checkpoint maker for {family!r}")
     model.save_pretrained(path)
     tok_dir = default_tokenizer_path()
     for name in os.listdir(tok_dir):
         shutil.copy(os.path.join(tok_dir, name), os.path.join(path, name))
+    if family in VL_FAMILIES:  # the image processor's settings (transformers' PIL processor)
+        patch, merge = VISION[4:6]
+        pre = dict(
+            image_processor_type="Qwen2VLImageProcessor",
+            processor_class="Qwen3VLProcessor",
+            patch_size=patch,
+            merge_size=merge,
+            temporal_patch_size=2,
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+            size={"shortest_edge": PIXELS[0], "longest_edge": PIXELS[1]},
+        )
+        with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+            json.dump(pre, f, indent=2)
     return sum(p.numel() for p in model.parameters())
+
+
+def qwen3_vl_config(text: dict):
+    """Qwen3-VL's config over the text settings `text` (the tiny shape) and `VISION`, with
+    the shipped tokenizer's image/video pad and vision start/end ids."""
+    import transformers
+
+    from jaxvrl.data.prompts import default_tokenizer_path, special_token_ids
+
+    sp = special_token_ids(transformers.AutoTokenizer.from_pretrained(default_tokenizer_path()))
+    depth, vh, vheads, vinter, patch, merge, npos, deepstack = VISION
+    rope = dict(text["rope_parameters"], mrope_section=list(MROPE), mrope_interleaved=True)
+    return transformers.Qwen3VLConfig(
+        text_config=dict(text, rope_parameters=rope),
+        vision_config=dict(
+            depth=depth,
+            hidden_size=vh,
+            num_heads=vheads,
+            intermediate_size=vinter,
+            out_hidden_size=text["hidden_size"],
+            patch_size=patch,
+            spatial_merge_size=merge,
+            temporal_patch_size=2,
+            num_position_embeddings=npos,
+            deepstack_visual_indexes=list(deepstack),
+        ),
+        image_token_id=sp["image_token_id"],
+        video_token_id=sp["video_token_id"],
+        vision_start_token_id=sp["vision_start_token_id"],
+        vision_end_token_id=sp["vision_end_token_id"],
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
 
 
 def make_job(args, ckpt: str) -> dict:
     from transformers import AutoTokenizer
 
-    from jaxvrl.data import arithmetic
-    from jaxvrl.data.pipeline import EncodeOptions, encode_rows
-
     tok = AutoTokenizer.from_pretrained(ckpt)
-    rows = arithmetic.make_split("train", args.prompts * args.iters, seed=SEED)
-    opts = EncodeOptions(processor=None, system_prompt=arithmetic.SYSTEM_PROMPT)
-    examples, _ = encode_rows(rows, tok, opts, source="builtin:arithmetic")
-    ids = [list(map(int, e["prompt_ids"])) for e in examples]
-    return dict(
+    job = dict(
         ckpt=ckpt,
         family=args.family,
         prompts=args.prompts,
         group=args.group,
         new_tokens=args.new_tokens,
         iters=args.iters,
+    )
+    examples = task_examples(job, tok)
+    ids = [list(map(int, e["prompt_ids"])) for e in examples]
+    return dict(
+        job,
         prompt_ids=ids,
         prompt_texts=[e["prompt_text"] for e in examples],
         answers=[e["answer"] for e in examples],
@@ -681,8 +827,15 @@ def run_side(name: str, python: str, job_path: str, out_dir: str, timeout: int) 
     if proc.returncode or not os.path.exists(out):
         tail = [ln for ln in proc.stdout.splitlines() if ln.strip()][-25:]
         print("\n".join(f"  | {ln}" for ln in tail), flush=True)
-        last = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), tail[-1:])
-        return dict(error=last if isinstance(last, str) else " ".join(last))
+        # the last exception line ("NameError: ..."), else the last line that names an error;
+        # for an error in tracing, the argument whose value it needed
+        raised = [i for i, ln in enumerate(tail) if re.match(r"[\w.]+(Error|Exception): ", ln)]
+        named = [ln for ln in tail if "Error" in ln or "error" in ln]
+        if not raised:
+            return dict(error=(named or tail[-1:] or ["no output"])[-1])
+        i = raised[-1]
+        traced = re.search(r"value of the argument (.+?)\.?$", " ".join(tail[i + 1 : i + 2]))
+        return dict(error=tail[i] + (f" (in tracing: {traced[1]})" if traced else ""))
     with open(out) as f:
         return json.load(f)
 
@@ -737,7 +890,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peer", default="all", choices=["all", "none", *PEERS])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    ap.add_argument("--family", default="qwen3", choices=["qwen3", "llama"])
+    ap.add_argument(
+        "--family",
+        default="qwen3",
+        choices=[*TEXT_FAMILIES, *VL_FAMILIES],
+        help="qwen3_vl: a vision-language case, one image per prompt (tiny size only)",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="prompts per iteration (P)")
     ap.add_argument("--group", type=int, default=None, help="completions per prompt (G)")
     ap.add_argument("--new-tokens", type=int, default=None)
@@ -759,11 +917,14 @@ def main(argv=None):
             json.dump(result, f)
         return
 
+    vl = args.family in VL_FAMILIES
+    if vl and args.size != "tiny":
+        raise SystemExit(f"--family {args.family}: tiny size only (--size {args.size} asked)")
     peers = list(PEERS) if args.peer == "all" else [] if args.peer == "none" else [args.peer]
     pythons = {p: venv_python(p) for p in peers}
     if args.setup_only:
         return
-    d = dict(zip(("prompts", "group", "new_tokens", "iters"), WORK[args.size]))
+    d = dict(zip(("prompts", "group", "new_tokens", "iters"), VL_WORK if vl else WORK[args.size]))
     for k, v in d.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -784,9 +945,13 @@ def main(argv=None):
         job_path = os.path.join(tmp, "job.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
+        vision = ""
+        if vl:
+            vision = (f", vision tower {VISION[:4]} depth/hidden/heads/intermediate, one "
+                      f"{IMAGE_SIDE}x{IMAGE_SIDE} image per prompt")  # fmt: skip
         print(
             f"# model: random {args.family} {args.size} ({n / 1e6:.2f}M params, "
-            f"{SIZES[args.size]} hidden/layers/heads/kv/head_dim/intermediate/vocab), "
+            f"{SIZES[args.size]} hidden/layers/heads/kv/head_dim/intermediate/vocab{vision}), "
             f"P={args.prompts} x G={args.group} rows, {job['prompt_len']} prompt + "
             f"{args.new_tokens} new tokens, {args.iters} iterations, float32, one update, "
             f"project env jax {jax.__version__}",
@@ -794,8 +959,12 @@ def main(argv=None):
         )
         results["jaxvrl"] = run_side("jaxvrl", sys.executable, job_path, tmp, args.timeout)
         for p in peers:
+            if p == "tunix" and vl:  # its model families (0.1.7): Gemma, Gemma 3/4, Llama 3, ...
+                results[p] = dict(error=f"tunix {PINS[p][0].split('==')[1]} has no Qwen-VL "
+                                        "family (Gemma, Gemma 3/4, Llama 3, Qwen2, Qwen3)")  # fmt: skip
+                continue
             results[p] = run_side(p, pythons[p], job_path, tmp, args.timeout)
-            if p == "easydel":  # and with its compiled generate kept from step to step
+            if p == "easydel" and "error" not in results[p]:  # and with its generate kept
                 kept = os.path.join(tmp, "job_keep.json")
                 with open(kept, "w") as f:
                     json.dump(dict(job, keep_generate=True), f)
