@@ -25,7 +25,11 @@ from tests.models import hf_tiny_text as T
 from tests.models.export_check import export_equals_checkpoint
 from tests.models.test_qwen2_5_vl_parity import assert_close
 from tests.models.test_qwen3_moe import build_spread
-from tests.models.test_text_families import hf_logits, ours
+from tests.models.test_text_families import (
+    hf_logits,
+    ours,
+    sampled_logprobs_match_teacher_forcing_and_slots,
+)
 
 EXPERTS, TOP_K, SHARED = 6, 2, 24
 
@@ -100,6 +104,13 @@ def test_greedy_tokens_match_hf_generate(mixed):
     ids, mask = T.prompts(seed=3)
     out = generate(model, ids, mask, max_new_tokens=6, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), T.hf_greedy(hf, ids, mask, 6))
+
+
+def test_sampled_logprobs_match_teacher_forcing_and_slots(sparse):
+    """Sampled at temperature 1 (scanned layers, the CPU decode forms), the log-probs equal
+    HF's teacher-forced pass and the refilling slots sample the same tokens."""
+    hf, model, _ = sparse
+    sampled_logprobs_match_teacher_forcing_and_slots(hf, model)
 
 
 def test_scanned_and_unrolled_layers_agree(sparse):

@@ -198,6 +198,11 @@ def test_sampled_logprobs_match_teacher_forcing_and_slots(checkpoints, case):
     slots over a paged cache (pages with gaps: the window counts positions, not slots)
     sample the same tokens and log-probs."""
     hf, model, _ = checkpoints(case)
+    sampled_logprobs_match_teacher_forcing_and_slots(hf, model)
+
+
+def sampled_logprobs_match_teacher_forcing_and_slots(hf, model):
+    """The check above for HF model `hf` and our `model` of the same checkpoint."""
     ids, mask = T.prompts(seed=3)
     pos, deltas = M.rope_index(model.config, ids, mask)
     base = generation_config(model.config, max_new_tokens=6, temperature=1.0)
