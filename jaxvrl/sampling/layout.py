@@ -184,9 +184,9 @@ def rollout_sizes(
     rows: 1 / (devices / t) of them), split over the group's devices by KV head where t
     divides the KV heads; otherwise every device of the group holds the group's whole cache
     (the model's sharding leaves an axis that does not divide a dimension unsplit). With the
-    sizes given
-    (`weight_bytes`: the weights a decode step reads, `cache_bytes`: the whole rollout's
-    cache), t minimises that sum; without them, t is the largest that divides the KV heads.
+    sizes given (`weight_bytes`: the weights a decode step reads, `cache_bytes`: the whole
+    rollout's cache), t minimises that sum; without them, t is the largest that divides the
+    KV heads.
     """
     if not tensor:
         per_host = max(devices // hosts, 1)
