@@ -145,7 +145,7 @@ def _decode_loop(plan, reports: dict) -> dict | None:
         return None
     bandwidth = topology.bandwidth(plan.slice)
     cache = step.breakdown["kv_cache"]
-    lengths, kernel = plan.completions, plan.c.rollout.decode_attention == "tpu"
+    lengths, kernel = plan.completions, plan.decode_kernel
     loop = iteration.decode_loop(
         lengths, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
         weights=step.bound_s * bandwidth - cache, cache=cache, bandwidth=bandwidth,

@@ -39,7 +39,7 @@ from jaxvrl.models import moe
 from jaxvrl.models.attention import resolve
 from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
-from jaxvrl.sampling import Sampler, prefill_mesh, static
+from jaxvrl.sampling import Sampler, prefill_mesh, static, steps
 from jaxvrl.trainer import packing, setup
 from jaxvrl.trainer.build import init_train_state, step_config
 from jaxvrl.trainer.rollout import assemble
@@ -159,12 +159,14 @@ def active_count(params, model_config, decoder: bool = False) -> int:
 
 def decode_shardings(state, mesh):
     """Shardings of the decode loop's carry as the sampler lays it out on `mesh`: rows over
-    (data, fsdp), and the KV cache's keys [B, K, H, S] and values [B, K, S, H] also over the
-    tensor axis by KV head (the attention layers' constraint)."""
+    (data, fsdp), and the KV cache's keys [B, K, H, S] (or [B, K, S, H]) and values
+    [B, K, S, H] also over the tensor axis by KV head (the attention layers' constraint)."""
     rows = state["done"].shape[0]
     out = runtime.batch_shardings(state, mesh, rows=rows)
-    axes = {"k": ("batch", "heads", None, "length"), "v": ("batch", "heads", "length", None)}
     cache = state["cache"]
+    by_length = ("batch", "heads", "length", None)
+    keys = ("batch", "heads", None, "length") if cache.key_layout == "BKHS" else by_length
+    axes = {"k": keys, "v": by_length}
     for field, ax in axes.items():
         leaves = getattr(cache, field)
         specs = tuple(NamedSharding(mesh, logical_to_spec(ax, x.shape, mesh)) for x in leaves)
@@ -236,6 +238,13 @@ class Plan:
         mesh, dtype = self.rollout
         cfg = cfg or self.sampling_config()
         return Sampler(self.init.model_graphdef, cfg, mesh, dtype, self.c.rollout.mesh.sequence)
+
+    @functools.cached_property
+    def decode_kernel(self) -> bool:
+        """Whether the rollout's decode steps attend through the Pallas kernel (as
+        `rollout.decode_attention` resolves on the rollout's devices)."""
+        with jax.set_mesh(self.rollout[0]):
+            return steps.cached_attention(self.sampling_config()) == "tpu"
 
     @property
     def attention(self) -> str:
@@ -570,7 +579,7 @@ class Plan:
         return r.fits
 
     def _decode_words(self) -> str:
-        if self.c.rollout.decode_attention == "tpu":
+        if self.decode_kernel:
             return (
                 "tpu (the Pallas kernel, priced by XLA from its cost estimate: the whole cache, "
                 "the queries and outputs it reads)"

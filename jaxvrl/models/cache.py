@@ -9,11 +9,16 @@ from flax import struct
 
 from jaxvrl.models.config import TextConfig
 
+# The keys' layouts: positions minor ("BKHS", what the CPU decode kernels read as it lies) or
+# second-minor like the values ("BKSH": on accelerators, whose (8, 128) tiles would pad a
+# decode step's one new position of a positions-minor key to 128 at every write)
+KEY_LAYOUTS = ("BKHS", "BKSH")
+
 
 @struct.dataclass
 class KVCache:
-    """Keys [B, K, H, S] and values [B, K, S, H] of every layer, the valid-key mask and the
-    next write position.
+    """Keys [B, K, H, S] (or [B, K, S, H], `key_layout`) and values [B, K, S, H] of every
+    layer, the valid-key mask and the next write position.
 
     Two layouts of the layers: a tuple of per-layer arrays, or one array with a leading layer
     axis (k float[L, B, K, H, S], v float[L, B, K, S, H]) that a scanned decoder scans over
@@ -36,29 +41,39 @@ class KVCache:
     # (`attention.attend`, its blocked kernels and sequence split) and writes their keys and
     # values here after (`filled`); a prefill's cost is then the forward pass's
     empty: bool = struct.field(pytree_node=False, default=False)
+    key_layout: str = struct.field(pytree_node=False, default="BKHS")  # of KEY_LAYOUTS
 
     @classmethod
     def init(
-        cls, cfg: TextConfig, batch: int, length: int, dtype=jnp.float32, stacked: bool = False
+        cls,
+        cfg: TextConfig,
+        batch: int,
+        length: int,
+        dtype=jnp.float32,
+        stacked: bool = False,
+        key_layout: str = "BKHS",
     ) -> KVCache:
         """Zeros for `length` positions; stacked: the layer-axis layout, else the tuple."""
+        if key_layout not in KEY_LAYOUTS:
+            raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
         kv, hd, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+        k_shape = (batch, kv, hd, length) if key_layout == "BKHS" else (batch, kv, length, hd)
         if stacked:
-            k = jnp.zeros((n, batch, kv, hd, length), dtype)
+            k = jnp.zeros((n, *k_shape), dtype)
             v = jnp.zeros((n, batch, kv, length, hd), dtype)
         else:
-            k = tuple(jnp.zeros((batch, kv, hd, length), dtype) for _ in range(n))
+            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(n))
             v = tuple(jnp.zeros((batch, kv, length, hd), dtype) for _ in range(n))
         mask, index = jnp.zeros((batch, length), bool), jnp.zeros((), jnp.int32)
-        return cls(k=k, v=v, key_mask=mask, index=index, empty=True)
+        return cls(k=k, v=v, key_mask=mask, index=index, empty=True, key_layout=key_layout)
 
     @property
     def stacked(self) -> bool:
         return not isinstance(self.k, tuple)
 
     def layer(self, i: int):
-        """What layer i's attention takes: (keys, values, write position)."""
-        return self.k[i], self.v[i], self.index
+        """What layer i's attention takes: (keys, values, write position, key layout)."""
+        return self.k[i], self.v[i], self.index, self.key_layout
 
     def filled(self, k, v, valid: jax.Array) -> KVCache:
         """This empty cache with T tokens written at slots [0, T): their keys k and values v
@@ -76,14 +91,15 @@ class KVCache:
         def layers(x):
             return tuple(x) if isinstance(x, (tuple, list)) else tuple(x[i] for i in range(len(x)))
 
+        k_order = (0, 2, 3, 1) if self.key_layout == "BKHS" else (0, 2, 1, 3)
         if self.stacked:
-            k = put(self.k, jnp.stack(k) if isinstance(k, (tuple, list)) else k, (0, 2, 3, 1))
+            k = put(self.k, jnp.stack(k) if isinstance(k, (tuple, list)) else k, k_order)
             v = put(self.v, jnp.stack(v) if isinstance(v, (tuple, list)) else v, (0, 2, 1, 3))
         else:
-            k = tuple(put(c, x, (0, 2, 3, 1)) for c, x in zip(self.k, layers(k)))
+            k = tuple(put(c, x, k_order) for c, x in zip(self.k, layers(k)))
             v = tuple(put(c, x, (0, 2, 1, 3)) for c, x in zip(self.v, layers(v)))
         key_mask = jax.lax.dynamic_update_slice(self.key_mask, valid, (0, 0))
-        return KVCache(k=k, v=v, key_mask=key_mask, index=self.index + t)
+        return self.replace(k=k, v=v, key_mask=key_mask, index=self.index + t, empty=False)
 
 
 @struct.dataclass

@@ -8,7 +8,7 @@ bool[B, T, S] that the decoder builds once per call (valid keys, causality by sl
 sliding window).
 
 The arrays are in the caches' layouts: queries grouped by key/value head qg [B, T, K, G, H],
-keys [B, K, H, S], values [B, K, S, H] (`KVCache`); or, with `table` int32[B, n], pages
+keys [B, K, H, S] or [B, K, S, H] (`KVCache.key_layout`), values [B, K, S, H]; or, with `table` int32[B, n], pages
 [P, K, H, ps] and [P, K, ps, H] that row b reads in the order table[b] (`PagedKVCache`,
 S = n * ps). Implementations:
 
@@ -18,7 +18,8 @@ S = n * ps). Implementations:
   kernel that keeps scores and probabilities on chip and reads only the written blocks of
   the cache (`jaxvrl.models.cached_kernels`; "tpu_interpret" runs it on the CPU);
 - a callable impl(qg, k, v, mask, *, scale, pools, dtype) -> (out, stats) over the dense
-  layouts (the sampler's CPU kernel, `jaxvrl.sampling.cpu.decode.attention`).
+  layouts with the keys positions-minor (the sampler's CPU kernel,
+  `jaxvrl.sampling.cpu.decode.attention`).
 
 A paged kernel would be dispatched before the gather, reading the pages where they lie.
 Letters: B batch, T queries, S cache slots, K key/value heads, G query heads per K, H head dim.
@@ -34,9 +35,9 @@ from jaxvrl.models.layers import masked_softmax, pool_masses
 from jaxvrl.parallel.sharding import constrain
 
 
-def _dense(qg, k, v, mask, *, scale, pools, dtype):
+def _dense(qg, k, v, mask, *, scale, pools, dtype, key_layout="BKHS"):
     """The reference: out [B, T, K, G, H] in `dtype`, stats (A_V, A_X) or None."""
-    logits = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k.astype(qg.dtype))
+    logits = jnp.einsum(f"BTKGH,{key_layout}->BKGTS", qg, k.astype(qg.dtype))
     probs = masked_softmax(logits * scale, mask[:, None, None])
     stats = pool_masses(probs, pools) if pools is not None else None
     # [B, K, G, T, H] then [B, T, ...]: asked for in [B, T, ...] order, XLA's CPU backend
@@ -46,12 +47,11 @@ def _dense(qg, k, v, mask, *, scale, pools, dtype):
 
 
 def _decode_kernel(interpret: bool):
-    def impl(qg, k, v, mask, *, scale, pools, dtype):
+    def impl(qg, k, v, mask, *, scale, pools, dtype, key_layout="BKHS"):
+        kw = dict(scale=scale, pools=pools, dtype=dtype, key_layout=key_layout)
         if qg.shape[1] != 1:  # the kernel takes decode steps' single queries
-            return _dense(qg, k, v, mask, scale=scale, pools=pools, dtype=dtype)
-        return cached_kernels.tpu_decode(
-            qg, k, v, mask, scale=scale, pools=pools, dtype=dtype, interpret=interpret
-        )
+            return _dense(qg, k, v, mask, **kw)
+        return cached_kernels.tpu_decode(qg, k, v, mask, **kw, interpret=interpret)
 
     return impl
 
@@ -85,23 +85,30 @@ def attend_cache(
     pools: dict | None = None,
     table: jax.Array | None = None,
     implementation="dense",
+    key_layout: str = "BKHS",
 ):
-    """Queries qg [B, T, K, G, H] over a layer's cache: keys k [B, K, H, S] and values
-    v [B, K, S, H], or with `table` int32[B, n] pages k [P, K, H, ps] and v [P, K, ps, H];
+    """Queries qg [B, T, K, G, H] over a layer's cache: keys k [B, K, H, S] (key_layout
+    "BKHS") or [B, K, S, H] ("BKSH") and values v [B, K, S, H], or with `table` int32[B, n]
+    pages k [P, K, H, ps] and v [P, K, ps, H];
     mask bool[B, T, S]: which cache slots each query sees; pools: None or the
     {"vision", "text", "prompt"} bool[B, S] key pools; implementation: a name of
     IMPLEMENTATIONS or a callable (see the module docstring).
 
     Returns (out [B, T, K, G, H] in `dtype`, stats: (A_V, A_X) float32[B, T] with pools, else
     None)."""
+    kw = dict(scale=scale, pools=pools, dtype=dtype)
     if isinstance(implementation, str):
         if implementation not in IMPLEMENTATIONS:
             known = ", ".join(IMPLEMENTATIONS)
             raise ValueError(f"unknown cached attention {implementation!r}; known: {known}")
         implementation = IMPLEMENTATIONS[implementation]
+        kw["key_layout"] = key_layout
+    elif key_layout != "BKHS":  # a callable reads the keys positions-minor
+        k, key_layout = jnp.swapaxes(k, -1, -2), "BKHS"
     if table is not None:
         k, v = gather_pages(k, v, table)
     # the cache stays split like the rows (and over kv heads with tensor parallelism)
-    k = constrain(k, ("batch", "heads", None, "length"))
-    v = constrain(v, ("batch", "heads", "length", None))
-    return implementation(qg, k, v, mask, scale=scale, pools=pools, dtype=dtype)
+    by_length = ("batch", "heads", "length", None)
+    k = constrain(k, ("batch", "heads", None, "length") if key_layout == "BKHS" else by_length)
+    v = constrain(v, by_length)
+    return implementation(qg, k, v, mask, **kw)

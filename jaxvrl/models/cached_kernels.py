@@ -9,8 +9,8 @@ scores, probabilities and the pool masses never leave the chip, and key blocks p
 of rows' last visible slot are neither read nor computed (none at all for rows that see no
 key: the static sampler hides the cache of rows that have ended).
 
-Arrays are the cache's layouts (`KVCache`): queries qg [B, 1, K, G, H], keys [B, K, H, S],
-values [B, K, S, H], the mask bool[B, 1, S] of the slots each row's query sees; pools (the
+Arrays are the cache's layouts (`KVCache`): queries qg [B, 1, K, G, H], keys [B, K, H, S] or
+[B, K, S, H] (`key_layout`: the latter is what accelerators' caches hold), values [B, K, S, H], the mask bool[B, 1, S] of the slots each row's query sees; pools (the
 attention masses' key pools) {"vision", "text", "prompt"} bool[B, S]. Under a mesh it runs
 per device (shard_map: rows as the batch is split, key/value heads as the heads); the heads
 average of the pool masses is taken after, across devices. `interpret=True` runs it on the
@@ -44,7 +44,7 @@ def row_block(rows: int) -> int:
     return _divisor(rows, (8, 4, 2, 1))
 
 
-def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools):
+def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools, keys_minor):
     """One (block of rows, key/value head, block of positions) grid step: the online softmax
     of every row's G queries over this block of keys, and at the last block its output (and
     the probability mass on each pool, lanes 0..2 of a [G, 128] tile)."""
@@ -57,6 +57,10 @@ def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools):
     # precision for them, which the training programs set as the default); float32: highest
     exact = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=exact)
+    dot_nt = functools.partial(
+        jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32, precision=exact,
+    )  # fmt: skip
 
     @pl.when(j == 0)
     def _():
@@ -69,7 +73,8 @@ def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools):
     @pl.when(j < filled[pl.program_id(0)])  # past the block's last visible slot: nothing
     def _():
         for r in range(rows):
-            s = dot(q_ref[r], k_ref[r]) * scale
+            # [G, H] x [H, bs], or [G, H] x [bs, H] contracted over H
+            s = (dot(q_ref[r], k_ref[r]) if keys_minor else dot_nt(q_ref[r], k_ref[r])) * scale
             ok = valid_ref[r] > 0  # [1, bs]
             s = jnp.where(ok, s, _NEG)  # [G, bs]
             m_prev = m_sc[r]  # [G, 128], every lane alike
@@ -97,12 +102,13 @@ def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools):
                 mass_ref[r] = p_sc[r] * inv
 
 
-def _local(q, k, v, valid, pool, *, scale, interpret):
-    """The kernel on one device's rows and heads: q [b, K, G, H], k [b, K, H, S], v [b, K, S,
-    H], valid int32[b, 1, S], pool float32[b, 3, S] or None -> (out [b, K, G, H], pool
-    masses float32[b, K, G, 128] (lanes 0..2) or None)."""
+def _local(q, k, v, valid, pool, *, scale, interpret, key_layout="BKHS"):
+    """The kernel on one device's rows and heads: q [b, K, G, H], k [b, K, H, S] (or
+    [b, K, S, H]), v [b, K, S, H], valid int32[b, 1, S], pool float32[b, 3, S] or None ->
+    (out [b, K, G, H], pool masses float32[b, K, G, 128] (lanes 0..2) or None)."""
     b, kh, g, h = q.shape
-    s = k.shape[-1]
+    s = v.shape[-2]
+    keys_minor = key_layout == "BKHS"
     rows = row_block(b)
     bs = _divisor(s, (512, 256, 128))
     blocks = s // bs
@@ -128,10 +134,11 @@ def _local(q, k, v, valid, pool, *, scale, interpret):
         return (i, hh, 0, 0)
 
     sq = pl.Squeezed()
+    by_slot = pl.BlockSpec((rows, sq, bs, h), values)  # the values, and keys [b, K, S, H]
     in_specs = [
         pl.BlockSpec((rows, sq, g, h), heads),
-        pl.BlockSpec((rows, sq, h, bs), keys),
-        pl.BlockSpec((rows, sq, bs, h), values),
+        pl.BlockSpec((rows, sq, h, bs), keys) if keys_minor else by_slot,
+        by_slot,
         pl.BlockSpec((rows, 1, bs), per_row),
     ]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -152,7 +159,9 @@ def _local(q, k, v, valid, pool, *, scale, interpret):
         bytes_accessed=cache_bytes + 2 * q.size * q.dtype.itemsize + valid.size * 4,
     )
     call = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, rows=rows, pools=pool is not None),
+        functools.partial(
+            _kernel, scale=scale, rows=rows, pools=pool is not None, keys_minor=keys_minor
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(b // rows, kh, blocks),
@@ -172,7 +181,7 @@ def _local(q, k, v, valid, pool, *, scale, interpret):
     return out[0], (out[1] if pool is not None else None)
 
 
-def tpu_decode(qg, k, v, mask, *, scale, pools, dtype, interpret: bool = False):
+def tpu_decode(qg, k, v, mask, *, scale, pools, dtype, key_layout="BKHS", interpret=False):
     """`attend_cache` for one query per row (T == 1): (out [B, 1, K, G, H] in `dtype`,
     (A_V, A_X) float32[B, 1] with pools, else None)."""
     b, t, kh, g, h = qg.shape
@@ -188,7 +197,7 @@ def tpu_decode(qg, k, v, mask, *, scale, pools, dtype, interpret: bool = False):
     def local(*args):
         q, k, v, valid, *pool = args
         return _local(q, k, v, valid, pool[0] if pool else None, scale=float(scale),
-                      interpret=interpret)  # fmt: skip
+                      interpret=interpret, key_layout=key_layout)  # fmt: skip
 
     mesh = traced_mesh()
     if mesh is not None and mesh.size > 1:

@@ -161,9 +161,9 @@ class Attention(nnx.Module):
         segmented=False,
         last_query=False,
     ):
-        """x: [B, T, D]; kv: None, (k_cache, v_cache, index) to write the new keys at `index`
-        and attend over the whole cache (see KVCache), or a `PagedLayer` (each row writes at
-        its own slot and attends over its pages); mask: without kv, bool[B, T] key
+        """x: [B, T, D]; kv: None, (k_cache, v_cache, index, key_layout) to write the new keys
+        at `index` and attend over the whole cache (see KVCache), or a `PagedLayer` (each row
+        writes at its own slot and attends over its pages); mask: without kv, bool[B, T] key
         validity (the T tokens attend causally to each other), with kv, bool[B, T, S] which
         cached keys each query sees; implementation: without kv the `attend` implementation
         (block: its block size, queries and keys), with kv the `attend_cache` one (a name or
@@ -228,19 +228,21 @@ class Attention(nnx.Module):
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
         if isinstance(kv, PagedLayer):  # each row writes at its own slot, reads its pages
             kv = kv.store(k, v)
-            new_kv, table = (kv.k, kv.v), kv.table
+            new_kv, table, key_layout = (kv.k, kv.v), kv.table, "BKHS"
         else:
-            k_cache, v_cache, index = kv
-            k = jax.lax.dynamic_update_slice(
-                k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype), (0, 0, 0, index)
-            )  # [B, K, H, S]
+            k_cache, v_cache, index, key_layout = kv
+            if key_layout == "BKHS":  # [B, K, H, S]
+                order, at = (0, 2, 3, 1), (0, 0, 0, index)
+            else:  # [B, K, S, H]
+                order, at = (0, 2, 1, 3), (0, 0, index, 0)
+            k = jax.lax.dynamic_update_slice(k_cache, k.transpose(order).astype(k_cache.dtype), at)
             v = jax.lax.dynamic_update_slice(
                 v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
             )  # [B, K, S, H]
             new_kv, table = (k, v), None
         out, stats = attend_cache(
             qg, *new_kv, mask, scale=scale, dtype=x.dtype, pools=pools, table=table,
-            implementation=implementation,
+            implementation=implementation, key_layout=key_layout,
         )  # fmt: skip
         return self.o_proj(out.reshape(b, t, -1)), new_kv, stats
 
@@ -467,7 +469,8 @@ class TextDecoder(nnx.Module):
         if fill:
             new_cache = cache.filled(*kv, valid)
         else:
-            new_cache = None if cache is None else KVCache(*kv, key_mask, cache.index + t)
+            new_cache = None if cache is None else cache.replace(
+                k=kv[0], v=kv[1], key_mask=key_mask, index=cache.index + t, empty=False)  # fmt: skip
         return (x, new_cache, stats, *router)
 
     def _window(self, mask, key_mask, q_slot):
@@ -512,7 +515,7 @@ class TextDecoder(nnx.Module):
 
         def body(layer, x, xs):
             kv_xs, i, given = xs
-            kv = None if cache is None else (*kv_xs, cache.index)
+            kv = None if cache is None else (*kv_xs, cache.index, cache.key_layout)
             x, kv, stats, *router = call(layer, x, cos, sin, mask, kv, pools, given)
             if deepstack is not None:
                 level = features[jnp.minimum(i, deepstack.levels - 1)].astype(x.dtype)

@@ -79,7 +79,9 @@ def prefill(
     # its layer's buffer in place. A stacked cache run through the decoder's scan made every
     # decode step write out the whole cache again (docs/scaling.md, scanned layers), and the
     # CPU decode forms read each layer's buffer as it lies.
-    cache = KVCache.init(model.config.text, rows, t + n, model.dtype)
+    cache = KVCache.init(
+        model.config.text, rows, t + n, model.dtype, key_layout=steps.key_layout(cfg)
+    )
     record = steps.records_routes(model, cfg)
     out = model.forward(
         input_ids,
@@ -176,7 +178,7 @@ def _repeat_cache(cache: KVCache, g: int) -> KVCache:
         return cache
     k = tuple(_repeat(x, g) for x in cache.k)
     v = tuple(_repeat(x, g) for x in cache.v)
-    return KVCache(k=k, v=v, key_mask=_repeat(cache.key_mask, g), index=cache.index)
+    return cache.replace(k=k, v=v, key_mask=_repeat(cache.key_mask, g))
 
 
 def _loop_state(cache, tok, lp, n: int, cfg: SamplingConfig, layers: int = 0, ent=None) -> dict:
@@ -211,7 +213,9 @@ def abstract_loop_state(model_config, rows: int, prompt_len: int, cfg: SamplingC
 
     def make():
         # as the prefill leaves it: written (decode steps attend over it)
-        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype).replace(empty=False)
+        layout = steps.key_layout(cfg)
+        cache = KVCache.init(model_config.text, rows, prompt_len + n, dtype, key_layout=layout)
+        cache = cache.replace(empty=False)
         tok, lp = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.float32)
         return _loop_state(cache, tok, lp, n, cfg)
 

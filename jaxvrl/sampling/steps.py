@@ -58,10 +58,12 @@ class SamplingConfig:
     slots: int = 0
     page_size: int = 16
     # How decode steps attend over the KV cache: "auto" (the form of the devices the program
-    # is compiled for, `DECODE_KERNELS`: the CPU form on the CPU, dense elsewhere) or a name
-    # of `jaxvrl.models.cached_attention.IMPLEMENTATIONS` ("dense": XLA's einsums around a
-    # masked softmax; "tpu": the Pallas TPU kernel, `jaxvrl.models.cached_kernels`). The
-    # same completions, log-probs and masses, to rounding.
+    # is compiled for, `DECODE_KERNELS`: the CPU form on the CPU, the Pallas kernel on TPUs,
+    # dense elsewhere) or a name of `jaxvrl.models.cached_attention.IMPLEMENTATIONS`
+    # ("dense": XLA's einsums around a masked softmax; "tpu": the Pallas TPU kernel,
+    # `jaxvrl.models.cached_kernels`). The same completions, log-probs and masses, to
+    # rounding. The static sampler's cache keeps its keys positions-minor for the CPU form
+    # and positions second-minor for the others (`key_layout`).
     decode_attention: str = "auto"
     # Also return each sampled token's entropy (of softmax(logits / temperature), the full
     # distribution, as the trainer's passes compute it): a trainer whose old-policy
@@ -222,15 +224,31 @@ def transposed_decode(cfg: SamplingConfig) -> bool:
     return cfg.decode_layout == "transposed"
 
 
+def cached_attention(cfg: SamplingConfig) -> str:
+    """The cached attention decode steps run on the devices the program is compiled for:
+    `cfg.decode_attention`, or with "auto" "cpu" (the CPU form) on the CPU and
+    `DECODE_KERNELS`' (else "dense") elsewhere."""
+    if cfg.decode_attention != "auto":
+        return cfg.decode_attention
+    platform = sharding.target_platform()
+    return "cpu" if platform == "cpu" else DECODE_KERNELS.get(platform, "dense")
+
+
+def key_layout(cfg: SamplingConfig) -> str:
+    """The static sampler's cache keys' layout (`KVCache.key_layout`): positions minor where
+    the CPU form reads them as they lie, else second-minor (on accelerators' (8, 128) tiles a
+    positions-minor key pads each step's one new position to 128, docs/scaling.md)."""
+    return "BKHS" if cached_attention(cfg) == "cpu" else "BKSH"
+
+
 def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights | None):
     """What decode steps use in place of the model's own modules, chosen here only, by the
     devices the program is compiled for (the mesh in context decides): the cached
     attention's implementation (`cfg.decode_attention`; "auto": the CPU form on the CPU,
     `DECODE_KERNELS`' elsewhere), and with the transposed layout the decode weights (given,
     or prepared here); None where the model's own layers and dense attention run."""
-    platform = sharding.target_platform()
-    auto = cfg.decode_attention == "auto"
-    cpu = platform == "cpu" and auto
+    cached = cached_attention(cfg)
+    cpu = cached == "cpu"
     if transposed_decode(cfg):
         if weights is None:
             weights = cpu_decode.prepare(model, rows)
@@ -242,16 +260,16 @@ def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights |
             )
     else:
         weights = None
-    cached = DECODE_KERNELS.get(platform, "dense") if auto else cfg.decode_attention
-    if weights is None and not cpu and cached == "dense":
+    if weights is None and cached == "dense":
         return None
-    return cpu_decode.DecodeForms(weights, cpu_attention=cpu, cached=cached)
+    return cpu_decode.DecodeForms(weights, cpu_attention=cpu, cached="dense" if cpu else cached)
 
 
 # the cached attention `decode_attention="auto"` takes on each platform besides the CPU (its
-# own form) and "dense". Not "tpu" yet: the Pallas kernel reads the cache once, but the 7B
-# decode step compiled with it is priced no lower than with the dense form (docs/scaling.md)
-DECODE_KERNELS: dict[str, str] = {}
+# own form) and "dense": on TPUs the Pallas kernel, which keeps the scores on chip and reads
+# only the written blocks of the cache (with the keys positions second-minor, the 7B decode
+# step is priced 7-11% lower than the dense form's, docs/scaling.md)
+DECODE_KERNELS: dict[str, str] = {"tpu": "tpu"}
 
 
 def logits(model, forms, hidden: jax.Array) -> jax.Array:
