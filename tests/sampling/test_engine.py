@@ -81,17 +81,22 @@ def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page):
     assert slots > 1 or got.steps == lengths.sum()
 
 
-@pytest.mark.parametrize("slots", [0, 4])
-def test_the_tpu_decode_kernel_samples_what_the_cpu_form_samples(model, slots):
-    """Decode steps through the Pallas TPU kernel (in Pallas's interpreter): the static
-    sampler's and the slots engine's completions, log-probs and masses are those of the
-    CPU form (`decode_attention` "auto" on the CPU)."""
+@pytest.mark.parametrize(
+    "slots,attention", [(0, "tpu_interpret"), (4, "tpu_interpret"), (0, "dense")]
+)
+def test_accelerator_decode_forms_sample_what_the_cpu_form_samples(model, slots, attention):
+    """Decode steps through the Pallas TPU kernel (in Pallas's interpreter) or the dense
+    form, over the static sampler's cache with its keys positions second-minor (as on
+    accelerators) or the slots engine's pages: completions, log-probs and masses are those
+    of the CPU form (`decode_attention` "auto" on the CPU, keys positions-minor)."""
+    from jaxvrl.sampling import steps
+
     ids, mask, vis = prompts("image", np.random.default_rng(13))
     args, kw = inputs(model, ids, mask, **vis)
     want = _run(model, _cfg(model, slots=slots, page_size=5), args, kw)
-    got = _run(model, _cfg(model, slots=slots, page_size=5, decode_attention="tpu_interpret"),
-               args, kw)  # fmt: skip
-    _same(got, want)
+    cfg = _cfg(model, slots=slots, page_size=5, decode_attention=attention)
+    assert steps.key_layout(cfg) == "BKSH"
+    _same(_run(model, cfg, args, kw), want)
 
 
 def test_greedy_slots_and_more_slots_than_rows(model):
