@@ -492,9 +492,10 @@ class Plan:
         mesh = sampler.mesh
         ready = sampler.prepare(self.init.state.params)  # as the sampler's loop reads them
         dtype = nnx.merge(ready.graphdef, ready.params).dtype
-        state = static.abstract_loop_state(
-            self.model.config, self.rows, self.prompt_len, sampler.cfg, dtype
-        )
+        with jax.set_mesh(mesh):  # the cache's layout follows the rollout's devices
+            state = static.abstract_loop_state(
+                self.model.config, self.rows, self.prompt_len, sampler.cfg, dtype
+            )
         state = jax.tree.map(lambda x, s: _abstract(x, s), state, decode_shardings(state, mesh))
         start = _with_shardings(np.zeros((self.rows,), np.int32), mesh, self.rows)
         # the carry is donated, as the loop updates it in place (else the step copies the cache)
