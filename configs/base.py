@@ -235,10 +235,10 @@ def get_config(arg=None):
     c.rollout.slots = setting(0, NON_NEGATIVE)
     # positions per KV-cache page (with rollout.slots > 0)
     c.rollout.page_size = setting(16, at_least(1))
-    # how decode steps attend over the KV cache: auto (the CPU form on the CPU, dense
-    # elsewhere) | dense (XLA's einsums around a masked softmax, every platform) | tpu (one
-    # Pallas kernel per layer on TPUs, jaxvrl/models/cached_kernels.py; opt-in until timed on
-    # a TPU: docs/scaling.md). Same completions.
+    # how decode steps attend over the KV cache: auto (the CPU form on the CPU, tpu on TPUs,
+    # dense elsewhere) | dense (XLA's einsums around a masked softmax, every platform) | tpu
+    # (one Pallas kernel per layer on TPUs, jaxvrl/models/cached_kernels.py; docs/scaling.md).
+    # Same completions.
     c.rollout.decode_attention = setting("auto", one_of("auto", "dense", "tpu"))
     # Partial rollouts (docs/algorithms.md#partial-rollouts): a step's rollout starts
     # oversample x prompts_per_step prompts, stops once prompts_per_step groups are complete

@@ -150,6 +150,7 @@ def _decode_loop(plan, reports: dict) -> dict | None:
         lengths, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
         weights=step.bound_s * bandwidth - cache, cache=cache, bandwidth=bandwidth,
         written_only=kernel, row_block=row_block(len(lengths) // row_shards(plan.rollout[0])),
+        step_bytes=step.bytes_accessed,
     )  # fmt: skip
     print(
         f"decode loop of the {len(lengths)} rows (completions median {int(np.median(lengths))}, "

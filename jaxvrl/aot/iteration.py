@@ -66,6 +66,7 @@ def decode_loop(
     check_every: int = 8,
     written_only: bool = False,
     row_block: int = 8,
+    step_bytes: float = 0.0,
 ) -> dict:
     """A generation batch's decode loop on the static sampler, priced for completion
     `lengths` (int[B], at most n) against the sum of its steps' bounds.
@@ -75,11 +76,13 @@ def decode_loop(
     what it must read over the chip's HBM `bandwidth`: the decode weights (`weights` bytes
     per chip) and only the filled cache of the rows still running, each holding its prompt
     and its tokens so far (`cache`: the whole cache's bytes per chip, B rows of prompt_len +
-    n slots, read in proportion). written_only: the decode kernel's reading
-    (`rollout.decode_attention=tpu`), where the compiled step is priced at the whole cache:
-    each block of `row_block` rows (consecutive rows) reads up to the slot just written while
+    n slots, read in proportion). written_only: the decode kernel's reading (TPUs'
+    `rollout.decode_attention`), where the compiled step is priced at the whole cache: each
+    block of `row_block` rows (consecutive rows) reads up to the slot just written while
     one of its rows runs, and nothing once they have all ended; each step is priced at
-    `step_s` less the unread slots' bytes over the bandwidth. -> {"steps", "loop_s",
+    `step_s` less the unread slots' bytes at the rate the compiled step's bytes were priced
+    (`step_bytes` per `step_s`: XLA's TPU cost model charges a share of the bandwidth;
+    without step_bytes, at the bandwidth). -> {"steps", "loop_s",
     "bound_s", "full_bound_s"} (full_bound_s: the steps at the full cache's bound, what the
     step's own bound says)."""
     lengths = np.minimum(np.asarray(lengths, np.int64), n)
@@ -96,7 +99,8 @@ def decode_loop(
         blocks = lengths.reshape(-1, row_block).max(axis=1)  # when each block's last row ends
         running = (blocks[None, :] > t[:, None]).sum(axis=1) * row_block
         read = running * (prompt_len + t + 1)
-        loop -= per_slot * float((rows * (prompt_len + n) - read).sum()) / bandwidth
+        rate = step_s / step_bytes if step_bytes else 1.0 / bandwidth  # seconds per byte
+        loop -= per_slot * float((rows * (prompt_len + n) - read).sum()) * rate
     return dict(steps=steps, loop_s=loop, bound_s=bound,
                 full_bound_s=steps * (weights + cache) / bandwidth)  # fmt: skip
 

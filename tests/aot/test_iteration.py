@@ -72,6 +72,10 @@ def test_the_decode_loop_against_the_running_rows_filled_cache():
     two = kernel_loop([3, 1, 5, 2], 4, 6, cache=40.0, row_block=2)
     read = 2 * sum(5 + t for t in range(3)) + 2 * sum(5 + t for t in range(5))
     assert two["loop_s"] == pytest.approx(5 * 130.0 - (5 * 4 * 10 - read) * 40 / (4 * 10))
+    # the compiled step priced its 520 bytes at 130 s (a quarter of a second a byte, where
+    # the bandwidth says one): the unread bytes at that rate
+    rated = kernel_loop([3, 1, 5, 2], 4, 6, cache=40.0, row_block=2, step_bytes=520.0)
+    assert rated["loop_s"] == pytest.approx(5 * 130.0 - (5 * 4 * 10 - read) * 40 / (4 * 10) / 4)
     # checked every 8 steps (the largest divisor of n = 6 up to 8: 6), the 5-token row's loop
     # runs 6 steps; checked every 4 (divisor 3), rows of 2 and 1 tokens: 3
     assert decode_loop([3, 1, 5], 4, 6, step_s=1, weights=1, cache=1, bandwidth=1)["steps"] == 6
