@@ -217,7 +217,8 @@ def test_tiny_model_compiles_for_a_tpu_slice(tiny_report):
 
 def test_programs_compiled_for_a_tpu_use_no_cpu_kernels():
     """A decode step for one CPU device runs the CPU kernels (custom calls `jaxvrl_*`); the
-    same step traced on this CPU host for a TPU mesh must be the TPU program, without them."""
+    same step traced on this CPU host for a TPU mesh must be the TPU program, without them:
+    its cached attention is the Pallas kernel (a Mosaic call), over keys by slot."""
     import functools
 
     from jaxvrl.sampling import static
@@ -225,17 +226,24 @@ def test_programs_compiled_for_a_tpu_use_no_cpu_kernels():
 
     plan = Plan.build(load_config("configs/grpo.py:runlocal", []), "v5e-4")
     lower, *_ = plan._decode_step()
-    assert "jaxvrl_" not in lower().as_text()
+    tpu = lower().as_text()
+    assert "@jaxvrl_" not in tpu
+    assert "@tpu_custom_call" in tpu and 'kernel_name = "jaxvrl_decode_attention"' in tpu
+    cfg, config = plan.sampling_config(), plan.model.config
+    with jax.set_mesh(plan.rollout[0]):
+        assert (
+            static.abstract_loop_state(config, 2, 8, cfg, np.float32)["cache"].key_layout == "BKSH"
+        )
+    assert static.abstract_loop_state(config, 2, 8, cfg, np.float32)["cache"].key_layout == "BKHS"
     if cpu_kernels.available():  # the same step for this host's CPU does use them
-        cfg = plan.sampling_config()
-        state = static.abstract_loop_state(plan.model.config, 2, 8, cfg, np.float32)
+        state = static.abstract_loop_state(config, 2, 8, cfg, np.float32)
         fn = jax.jit(functools.partial(static.decode_step, plan.init.model_graphdef, cfg=cfg))
         params = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plan.init.state.params
         )
         start = jax.ShapeDtypeStruct((2,), np.int32)
         text = fn.lower(params, state, start, jax.random.key(0)).as_text()
-        assert "jaxvrl_" in text
+        assert "@jaxvrl_" in text
 
 
 def test_auto_attention_follows_the_mesh():
