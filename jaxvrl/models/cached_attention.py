@@ -8,9 +8,9 @@ bool[B, T, S] that the decoder builds once per call (valid keys, causality by sl
 sliding window).
 
 The arrays are in the caches' layouts: queries grouped by key/value head qg [B, T, K, G, H],
-keys [B, K, H, S] or [B, K, S, H] (`KVCache.key_layout`), values [B, K, S, H]; or, with `table` int32[B, n], pages
-[P, K, H, ps] and [P, K, ps, H] that row b reads in the order table[b] (`PagedKVCache`,
-S = n * ps). Implementations:
+keys [B, K, H, S] or [B, K, S, H] (`KVCache.key_layout`), values [B, K, S, H]; or, with
+`table` int32[B, n], pages [P, K, H, ps] and [P, K, ps, H] that row b reads in the order
+table[b] (`PagedKVCache`, S = n * ps). Implementations:
 
 - "dense": two einsums around the model's masked softmax, over every row's cache (pages are
   first gathered into the dense layouts); every platform;

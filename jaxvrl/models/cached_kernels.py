@@ -10,8 +10,9 @@ of rows' last visible slot are neither read nor computed (none at all for rows t
 key: the static sampler hides the cache of rows that have ended).
 
 Arrays are the cache's layouts (`KVCache`): queries qg [B, 1, K, G, H], keys [B, K, H, S] or
-[B, K, S, H] (`key_layout`: the latter is what accelerators' caches hold), values [B, K, S, H], the mask bool[B, 1, S] of the slots each row's query sees; pools (the
-attention masses' key pools) {"vision", "text", "prompt"} bool[B, S]. Under a mesh it runs
+[B, K, S, H] (`key_layout`: the latter is what accelerators' caches hold), values
+[B, K, S, H], the mask bool[B, 1, S] of the slots each row's query sees; pools (the attention
+masses' key pools) {"vision", "text", "prompt"} bool[B, S]. Under a mesh it runs
 per device (shard_map: rows as the batch is split, key/value heads as the heads); the heads
 average of the pool masses is taken after, across devices. `interpret=True` runs it on the
 CPU (Pallas's interpreter: the tests' reference check).
