@@ -468,9 +468,13 @@ class TextDecoder(nnx.Module):
         x = self.norm(x)
         if fill:
             new_cache = cache.filled(*kv, valid)
+        elif cache is None:
+            new_cache = None
         else:
-            new_cache = None if cache is None else cache.replace(
-                k=kv[0], v=kv[1], key_mask=key_mask, index=cache.index + t, empty=False)  # fmt: skip
+            k, v = kv
+            new_cache = cache.replace(
+                k=k, v=v, key_mask=key_mask, index=cache.index + t, empty=False
+            )
         return (x, new_cache, stats, *router)
 
     def _window(self, mask, key_mask, q_slot):
