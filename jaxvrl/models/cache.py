@@ -105,10 +105,10 @@ class KVCache:
 @struct.dataclass
 class PagedKVCache:
     """A KV cache in pages, for decode steps whose rows write at their own positions (the
-    sampler's slots, `jaxvrl/sampling/engine.py`): every layer's keys k [pages, K, H, ps] and
-    values v [pages, K, ps, H] (the dense cache's layouts with the length axis cut into
-    pages of ps positions), and per row a page table, the validity of its keys and the slot
-    its next token is written to.
+    sampler's slots, `jaxvrl/sampling/engine.py`): every layer's keys k [pages, K, H, ps] (or
+    [pages, K, ps, H], `key_layout` as `KVCache`'s) and values v [pages, K, ps, H] (the dense
+    cache's layouts with the length axis cut into pages of ps positions), and per row a page
+    table, the validity of its keys and the slot its next token is written to.
 
     A row's logical sequence is its pages in table order: slot j is position j % ps of page
     table[b, j // ps]. Rows may share pages that nobody writes (a prompt's pages, shared by
@@ -121,16 +121,17 @@ class PagedKVCache:
     table: jax.Array  # int32[B, n]: the pages of each row, in order
     valid: jax.Array  # bool[B, n * ps]: which of the row's slots hold a key
     write: jax.Array  # int32[B]: the slot the row's next token goes to
+    key_layout: str = struct.field(pytree_node=False, default="BKHS")  # of KEY_LAYOUTS
 
     stacked = False  # one buffer per layer (the layers run as a loop)
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[-1]
+        return self.v[0].shape[-2]
 
     def layer(self, i: int) -> PagedLayer:
         """What layer i's attention takes: its pages with the rows' tables and write slots."""
-        return PagedLayer(self.k[i], self.v[i], self.table, self.write)
+        return PagedLayer(self.k[i], self.v[i], self.table, self.write, self.key_layout)
 
 
 @struct.dataclass
@@ -141,13 +142,18 @@ class PagedLayer:
     v: jax.Array
     table: jax.Array
     write: jax.Array
+    key_layout: str = struct.field(pytree_node=False, default="BKHS")
 
     def store(self, k_new, v_new) -> PagedLayer:
         """The layer with each row's new key/value [B, 1, K, H] written at its write slot
         (its attention reads the pages through `cached_attention.attend_cache`)."""
-        ps = self.k.shape[-1]
+        ps = self.v.shape[-2]
         page = jnp.take_along_axis(self.table, (self.write // ps)[:, None], axis=1)[:, 0]
         off = self.write % ps
-        k_pages = self.k.at[page, :, :, off].set(k_new[:, 0].astype(self.k.dtype))
+        key = k_new[:, 0].astype(self.k.dtype)
+        if self.key_layout == "BKHS":
+            k_pages = self.k.at[page, :, :, off].set(key)
+        else:
+            k_pages = self.k.at[page, :, off, :].set(key)
         v_pages = self.v.at[page, :, off, :].set(v_new[:, 0].astype(self.v.dtype))
         return self.replace(k=k_pages, v=v_pages)

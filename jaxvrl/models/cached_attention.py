@@ -9,8 +9,8 @@ sliding window).
 
 The arrays are in the caches' layouts: queries grouped by key/value head qg [B, T, K, G, H],
 keys [B, K, H, S] or [B, K, S, H] (`KVCache.key_layout`), values [B, K, S, H]; or, with
-`table` int32[B, n], pages [P, K, H, ps] and [P, K, ps, H] that row b reads in the order
-table[b] (`PagedKVCache`, S = n * ps). Implementations:
+`table` int32[B, n], pages [P, K, H, ps] (or [P, K, ps, H]) and [P, K, ps, H] that row b
+reads in the order table[b] (`PagedKVCache`, S = n * ps). Implementations:
 
 - "dense": two einsums around the model's masked softmax, over every row's cache (pages are
   first gathered into the dense layouts); every platform;
@@ -63,15 +63,22 @@ IMPLEMENTATIONS = {
 }
 
 
-def gather_pages(k_pages, v_pages, table):
+def gather_pages(k_pages, v_pages, table, key_layout: str = "BKHS"):
     """Every row's keys [B, K, H, n * ps] and values [B, K, n * ps, H] (the dense cache's
-    layouts) from pages [P, K, H, ps] and [P, K, ps, H] in the order of its table int32[B, n]."""
+    layouts) from pages [P, K, H, ps] and [P, K, ps, H] in the order of its table int32[B, n];
+    key_layout "BKSH": keys [B, K, n * ps, H] from pages [P, K, ps, H]."""
     b, n = table.shape
-    kk = k_pages[table]  # [B, n, K, H, ps]
-    kk = kk.transpose(0, 2, 3, 1, 4).reshape(b, kk.shape[2], kk.shape[3], n * kk.shape[4])
-    vv = v_pages[table]  # [B, n, K, ps, H]
-    vv = vv.transpose(0, 2, 1, 3, 4).reshape(b, vv.shape[2], n * vv.shape[3], vv.shape[4])
-    return kk, vv
+
+    def by_slot(pages):  # [P, K, ps, H] -> [B, K, n * ps, H]
+        x = pages[table]  # [B, n, K, ps, H]
+        return x.transpose(0, 2, 1, 3, 4).reshape(b, x.shape[2], n * x.shape[3], x.shape[4])
+
+    if key_layout == "BKHS":
+        kk = k_pages[table]  # [B, n, K, H, ps]
+        kk = kk.transpose(0, 2, 3, 1, 4).reshape(b, kk.shape[2], kk.shape[3], n * kk.shape[4])
+    else:
+        kk = by_slot(k_pages)
+    return kk, by_slot(v_pages)
 
 
 def attend_cache(
@@ -89,7 +96,7 @@ def attend_cache(
 ):
     """Queries qg [B, T, K, G, H] over a layer's cache: keys k [B, K, H, S] (key_layout
     "BKHS") or [B, K, S, H] ("BKSH") and values v [B, K, S, H], or with `table` int32[B, n]
-    pages k [P, K, H, ps] and v [P, K, ps, H];
+    pages k [P, K, H, ps] (or [P, K, ps, H]) and v [P, K, ps, H];
     mask bool[B, T, S]: which cache slots each query sees; pools: None or the
     {"vision", "text", "prompt"} bool[B, S] key pools; implementation: a name of
     IMPLEMENTATIONS or a callable (see the module docstring).
@@ -106,7 +113,7 @@ def attend_cache(
     elif key_layout != "BKHS":  # a callable reads the keys positions-minor
         k, key_layout = jnp.swapaxes(k, -1, -2), "BKHS"
     if table is not None:
-        k, v = gather_pages(k, v, table)
+        k, v = gather_pages(k, v, table, key_layout)
     # the cache stays split like the rows (and over kv heads with tensor parallelism)
     by_length = ("batch", "heads", "length", None)
     k = constrain(k, ("batch", "heads", None, "length") if key_layout == "BKHS" else by_length)

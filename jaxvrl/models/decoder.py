@@ -228,7 +228,7 @@ class Attention(nnx.Module):
         qg = q.reshape(b, t, self.n_kv, g, self.head_dim)
         if isinstance(kv, PagedLayer):  # each row writes at its own slot, reads its pages
             kv = kv.store(k, v)
-            new_kv, table, key_layout = (kv.k, kv.v), kv.table, "BKHS"
+            new_kv, table, key_layout = (kv.k, kv.v), kv.table, kv.key_layout
         else:
             k_cache, v_cache, index, key_layout = kv
             if key_layout == "BKHS":  # [B, K, H, S]
@@ -500,7 +500,7 @@ class TextDecoder(nnx.Module):
         keys = cache.valid.at[jnp.arange(b), cache.write].set(valid[:, 0])
         mask = self._window(keys[:, None, :], keys, cache.write[:, None])
         x, (ks, vs), stats, *router = self._loop(layer_call, x, cos, sin, mask, cache, pools, step)
-        new = PagedKVCache(ks, vs, cache.table, keys, cache.write + 1)
+        new = cache.replace(k=ks, v=vs, valid=keys, write=cache.write + 1)
         return self.norm(x), new, stats, *router
 
     def _scan(

@@ -17,7 +17,9 @@ by `sampler.py` when `cfg.slots` is set):
   completions, log-probs and attention masses depend on neither `slots`, the page size nor
   the mesh: the static sampler is this engine's reference.
 - Decode attention reads each slot's pages through `jaxvrl.models.PagedKVCache` (a gather of
-  the table's pages, then the dense form: what a TPU or GPU paged kernel must match).
+  the table's pages, then the dense form: what a TPU or GPU paged kernel must match); keys
+  lie in pages as the static sampler's cache holds them (`steps.key_layout`: by slot on
+  accelerators).
 
 Shapes: R prompts of P tokens (left-padded), G samples each, W = R * G work rows, S slots,
 N = max_new_tokens, ps = page_size; pp = ceil(P / ps) and pc = ceil(N / ps) pages.
@@ -120,7 +122,7 @@ def prefill_slots(
         position_ids,
         images=images,
         videos=videos,
-        cache=KVCache.init(tcfg, r, p_len, model.dtype),
+        cache=KVCache.init(tcfg, r, p_len, model.dtype, key_layout=steps.key_layout(cfg)),
         pools=pools,
         return_logits=False,
         record_routes=steps.records_routes(model, cfg),
@@ -139,13 +141,16 @@ def prefill_slots(
         x = jnp.pad(x, ((0, 0), (0, 0), (0, gap), (0, 0)))
         return x.reshape(r, kv, pp, ps, hd).transpose(0, 2, 1, 3, 4).reshape(r * pp, kv, ps, hd)
 
-    own = s * pc
-    k_pages = tuple(
-        jnp.concatenate([prompt_k(x), jnp.zeros((own, kv, hd, ps), x.dtype)]) for x in out.cache.k
-    )
-    v_pages = tuple(
-        jnp.concatenate([prompt_v(x), jnp.zeros((own, kv, ps, hd), x.dtype)]) for x in out.cache.v
-    )
+    def pages(cache, prompt, page):  # the prompts' pages, then the slots' own (zeros)
+        return tuple(
+            jnp.concatenate([prompt(x), jnp.zeros((s * pc, *page), x.dtype)]) for x in cache
+        )
+
+    if out.cache.key_layout == "BKSH":  # keys by slot (accelerators): paged as the values
+        k_pages = pages(out.cache.k, prompt_v, (kv, ps, hd))
+    else:
+        k_pages = pages(out.cache.k, prompt_k, (kv, hd, ps))
+    v_pages = pages(out.cache.v, prompt_v, (kv, ps, hd))
     tail = ((0, 0), (0, width - p_len))
     if pools is not None:
         pools = {k: jnp.pad(v.astype(bool), tail) for k, v in pools.items()}
@@ -201,7 +206,14 @@ def decode_slots(
     rows0 = slot_ids  # the first S work rows
     layers = tcfg.num_hidden_layers if pools is not None else 0
     state = dict(
-        cache=PagedKVCache(k_pages, v_pages, table(rows0), valid(rows0), jnp.full((s,), pp * ps)),
+        cache=PagedKVCache(
+            k_pages,
+            v_pages,
+            table(rows0),
+            valid(rows0),
+            jnp.full((s,), pp * ps),
+            key_layout=steps.key_layout(cfg),
+        ),  # fmt: skip
         row=rows0,  # the work row each slot runs (w: idle)
         t=jnp.zeros((s,), jnp.int32),  # its token index
         next_tok=first_tok[:s],
@@ -291,12 +303,10 @@ def decode_slots(
         if cfg.entropies:
             new["next_ent"] = jnp.where(refill, first_ent[first], nent)
         c = o.cache
-        new["cache"] = PagedKVCache(
-            c.k,
-            c.v,
-            jnp.where(refill[:, None], table(row2), c.table),
-            jnp.where(ended[:, None], valid(row2), c.valid),
-            pp * ps + new["t"],
+        new["cache"] = c.replace(
+            table=jnp.where(refill[:, None], table(row2), c.table),
+            valid=jnp.where(ended[:, None], valid(row2), c.valid),
+            write=pp * ps + new["t"],
         )
         new["steps"] = st["steps"] + jnp.any(live).astype(jnp.int32)
         return new

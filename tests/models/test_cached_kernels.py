@@ -174,3 +174,48 @@ def test_the_kernel_asked_for_elsewhere_than_on_tpus_is_a_config_error():
         check_decode_attention(asked, types.SimpleNamespace(platform="cpu"))
     check_decode_attention(asked, types.SimpleNamespace(platform="tpu"))
     check_decode_attention(load_config("configs/tprl.py"), types.SimpleNamespace(platform="cpu"))
+
+
+def test_keys_by_slot_hold_what_positions_minor_keys_hold():
+    """The caches' two key layouts (`KVCache.key_layout`): a prefill's keys written by
+    `KVCache.filled`, a decode step's new keys stored into pages at each row's write slot
+    (`PagedLayer.store`) and gathered by the rows' tables are the same numbers, transposed;
+    the dense cached attention over either gives the same outputs and masses."""
+    from jaxvrl.models.cache import KVCache, PagedLayer
+    from jaxvrl.models.cached_attention import attend_cache, gather_pages
+    from jaxvrl.models.config import TextConfig
+
+    rng = np.random.default_rng(3)
+    b, kh, g, h, ps, n = 3, 2, 2, 8, 4, 3
+    cfg = TextConfig(num_key_value_heads=kh, head_dim=h, num_hidden_layers=2)
+    k_new = jnp.asarray(rng.normal(size=(2, b, 5, kh, h)), jnp.float32)
+    valid = jnp.asarray(rng.random((b, 5)) < 0.8)
+    caches = {lay: KVCache.init(cfg, b, 9, key_layout=lay).filled(k_new, k_new, valid)
+              for lay in ("BKHS", "BKSH")}  # fmt: skip
+    for a, c in zip(caches["BKHS"].k, caches["BKSH"].k):
+        np.testing.assert_array_equal(jnp.swapaxes(a, -1, -2), c)
+    assert caches["BKSH"].index == 5 and not caches["BKSH"].empty
+
+    pages = jnp.asarray(rng.normal(size=(10, kh, h, ps)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(10, kh, ps, h)), jnp.float32)
+    table = jnp.asarray(rng.permutation(10)[: b * n].reshape(b, n), jnp.int32)
+    write = jnp.asarray([0, 5, 11], jnp.int32)
+    new = jnp.asarray(rng.normal(size=(b, 1, kh, h)), jnp.float32)
+    hs = PagedLayer(pages, values, table, write).store(new, new)
+    sh = PagedLayer(jnp.swapaxes(pages, -1, -2), values, table, write, "BKSH").store(new, new)
+    k_hs, v_hs = gather_pages(hs.k, hs.v, table)
+    k_sh, v_sh = gather_pages(sh.k, sh.v, table, "BKSH")
+    np.testing.assert_array_equal(jnp.swapaxes(k_hs, -1, -2), k_sh)
+    np.testing.assert_array_equal(v_hs, v_sh)
+    rows = jnp.arange(b)
+    np.testing.assert_array_equal(k_sh[rows, :, write], new[:, 0])  # each row's write slot
+
+    qg = jnp.asarray(rng.normal(size=(b, 1, kh, g, h)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, 1, n * ps)) < 0.7)
+    pools = {name: jnp.asarray(rng.random((b, n * ps)) < 0.4) for name in ck.POOLS}
+    kw = dict(scale=0.3, dtype=jnp.float32, pools=pools, table=table)
+    out_hs, stats_hs = attend_cache(qg, hs.k, hs.v, mask, **kw)
+    out_sh, stats_sh = attend_cache(qg, sh.k, sh.v, mask, **kw, key_layout="BKSH")
+    np.testing.assert_allclose(out_sh, out_hs, atol=1e-6)
+    for a, c in zip(stats_sh, stats_hs):
+        np.testing.assert_allclose(a, c, atol=1e-6)
