@@ -16,16 +16,20 @@ reads in the order table[b] (`PagedKVCache`, S = n * ps). Implementations:
   first gathered into the dense layouts); every platform;
 - "tpu": one query per row (decode steps; more fall back to "dense") in one Pallas TPU
   kernel that keeps scores and probabilities on chip and reads only the written blocks of
-  the cache (`jaxvrl.models.cached_kernels`; "tpu_interpret" runs it on the CPU);
+  the cache (`jaxvrl.models.cached_kernels`; "tpu_interpret" runs it on the CPU); over pages
+  whose keys lie by slot, a kernel that copies each row's pages from where they lie
+  (`cached_kernels.tpu_paged_decode`), only those up to its last visible slot;
 - a callable impl(qg, k, v, mask, *, scale, pools, dtype) -> (out, stats) over the dense
   layouts with the keys positions-minor (the sampler's CPU kernel,
   `jaxvrl.sampling.cpu.decode.attention`).
 
-A paged kernel would be dispatched before the gather, reading the pages where they lie.
+Other implementations over pages gather them into the dense layouts first.
 Letters: B batch, T queries, S cache slots, K key/value heads, G query heads per K, H head dim.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +64,11 @@ IMPLEMENTATIONS = {
     "dense": _dense,
     "tpu": _decode_kernel(False),
     "tpu_interpret": _decode_kernel(True),
+}
+# decode steps over pages with the keys by slot, read where they lie
+PAGED = {
+    "tpu": cached_kernels.tpu_paged_decode,
+    "tpu_interpret": functools.partial(cached_kernels.tpu_paged_decode, interpret=True),
 }
 
 
@@ -104,6 +113,9 @@ def attend_cache(
     Returns (out [B, T, K, G, H] in `dtype`, stats: (A_V, A_X) float32[B, T] with pools, else
     None)."""
     kw = dict(scale=scale, pools=pools, dtype=dtype)
+    paged = table is not None and key_layout == "BKSH" and qg.shape[1] == 1
+    if paged and isinstance(implementation, str) and implementation in PAGED:
+        return PAGED[implementation](qg, k, v, table, mask, **kw)
     if isinstance(implementation, str):
         if implementation not in IMPLEMENTATIONS:
             known = ", ".join(IMPLEMENTATIONS)

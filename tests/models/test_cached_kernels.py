@@ -69,6 +69,40 @@ def test_the_kernel_equals_the_dense_form(b, kh, g, h, s, layout):
         assert np.asarray(stats[0]).max() > 0.1
 
 
+def test_the_paged_kernel_equals_the_dense_form_over_gathered_pages():
+    """The kernel reading each row's pages [P, K, ps, H] where they lie (Pallas's TPU
+    interpreter: its copies and semaphores): rows whose tables spread over the pages, a row
+    that sees nothing, tables padded to whole blocks of pages, several blocks per row (rows
+    that stop seeing keys early read fewer), pool masses; equal to the dense form over the
+    pages gathered by the tables."""
+    from jaxvrl.models.cached_attention import gather_pages
+
+    rng = np.random.default_rng(5)
+    b, kh, g, h, ps, n, pages = 4, 2, 2, 16, 8, 11, 50
+    kp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
+    table = jnp.asarray(rng.permutation(pages)[: b * n].reshape(b, n), jnp.int32)
+    qg = jnp.asarray(rng.normal(size=(b, 1, kh, g, h)), jnp.float32)
+    mask = np.zeros((b, 1, n * ps), bool)
+    for r, (lo, hi) in enumerate([(3, 80), (0, 0), (10, 30), (0, 88)]):
+        mask[r, 0, lo:hi] = True
+    mask = jnp.asarray(mask)
+    pools = {name: jnp.asarray(rng.random((b, n * ps)) < 0.3) for name in ck.POOLS}
+    k, v = gather_pages(kp, vp, table, "BKSH")
+    for with_pools in (None, pools):
+        want, want_stats = _dense(qg, k, v, mask, scale=0.3, pools=with_pools,
+                                  dtype=jnp.float32, key_layout="BKSH")  # fmt: skip
+        got, stats = ck.tpu_paged_decode(
+            qg, kp, vp, table, mask, scale=0.3, pools=with_pools, dtype=jnp.float32,
+            interpret=True, block=32,
+        )  # fmt: skip
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        assert not np.asarray(got[1]).any()
+        if with_pools is not None:
+            for a, w in zip(stats, want_stats):
+                np.testing.assert_allclose(a, w, atol=2e-6)
+
+
 def test_the_kernel_in_bfloat16():
     qg, k, v, mask, pools = _problem(1, 8, 2, 4, 64, 640, jnp.bfloat16)
     want, (wv, wx) = _dense(qg, k, v, mask, scale=0.125, pools=pools, dtype=jnp.bfloat16)
@@ -93,8 +127,9 @@ def test_more_than_one_query_falls_back_to_the_dense_form():
 
 def test_the_tpu_compiler_prices_the_kernel_by_the_bytes_it_reads():
     """The 7B's decode attention per chip (32 rows, 1 KV head of 7 queries, 2,048 slots,
-    bfloat16) compiled for a v5p chip: XLA's cost analysis of the kernel is the cache, the
-    queries, the outputs and the mask; of the dense form several times the cache."""
+    bfloat16) compiled for a v5p chip: XLA's cost analysis of the kernel (keys either way,
+    and the paged kernel) is the cache, the queries, the outputs and the mask; of the dense
+    form several times the cache."""
     pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -125,6 +160,17 @@ def test_the_tpu_compiler_prices_the_kernel_by_the_bytes_it_reads():
         assert cache <= kernel <= 1.05 * cache, (layout, kernel / cache)
     dense = priced(_dense)
     assert dense > 2.5 * cache, dense / cache
+    # the paged kernel (pages of 16 slots, the rows' tables over them) as the cache it reads
+    n = s // 16
+    shapes = [(b, 1, kh, g, h), (b * n, kh, 16, h), (b * n, kh, 16, h), (b, n), (b, 1, s)]
+    types = [bf, bf, bf, jnp.int32, bool]
+    args = [jax.ShapeDtypeStruct(x, d, sharding=at) for x, d in zip(shapes, types)]
+    fn = jax.jit(lambda *a: ck.tpu_paged_decode(*a, scale=0.09, pools=None, dtype=bf))
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(*args).compile()
+    assert "jaxvrl_decode_attention" in compiled.as_text()
+    paged = compiled.cost_analysis()["bytes accessed"]
+    assert cache <= paged <= 1.05 * cache, paged / cache
 
 
 def test_the_kernel_per_device_on_a_rollout_mesh():

@@ -82,13 +82,14 @@ def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page):
 
 
 @pytest.mark.parametrize(
-    "slots,attention", [(0, "tpu_interpret"), (4, "tpu_interpret"), (0, "dense")]
+    "slots,attention", [(0, "tpu_interpret"), (4, "tpu_interpret"), (0, "dense"), (4, "dense")]
 )
 def test_accelerator_decode_forms_sample_what_the_cpu_form_samples(model, slots, attention):
-    """Decode steps through the Pallas TPU kernel (in Pallas's interpreter) or the dense
-    form, over the static sampler's cache with its keys positions second-minor (as on
-    accelerators) or the slots engine's pages: completions, log-probs and masses are those
-    of the CPU form (`decode_attention` "auto" on the CPU, keys positions-minor)."""
+    """Decode steps through the Pallas TPU kernels (in Pallas's interpreters: over the
+    static sampler's cache, and over the slots engine's pages read where they lie) or the
+    dense form, with the keys positions second-minor (as on accelerators): completions,
+    log-probs and masses are those of the CPU form (`decode_attention` "auto" on the CPU,
+    keys positions-minor)."""
     from jaxvrl.sampling import steps
 
     ids, mask, vis = prompts("image", np.random.default_rng(13))
