@@ -28,6 +28,7 @@ synchronous, partial, one-step-off with the rollout on K chips (auto: the fastes
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import sys
@@ -146,12 +147,12 @@ def _decode_loop(plan, reports: dict) -> dict | None:
     bandwidth = topology.bandwidth(plan.slice)
     cache = step.breakdown["kv_cache"]
     lengths, kernel = plan.completions, plan.decode_kernel
-    loop = iteration.decode_loop(
-        lengths, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
+    priced = functools.partial(
+        iteration.decode_loop, lengths, plan.prompt_len, plan.new_tokens, step_s=step.estimate_s,
         weights=step.bound_s * bandwidth - cache, cache=cache, bandwidth=bandwidth,
-        written_only=kernel, row_block=row_block(len(lengths) // row_shards(plan.rollout[0])),
-        step_bytes=step.bytes_accessed,
+        written_only=kernel, step_bytes=step.bytes_accessed,
     )  # fmt: skip
+    loop = priced(row_block=row_block(len(lengths) // row_shards(plan.rollout[0])))
     print(
         f"decode loop of the {len(lengths)} rows (completions median {int(np.median(lengths))}, "
         f"max {int(lengths.max())} of {plan.new_tokens}): {loop['steps']} steps of every row "
@@ -162,6 +163,15 @@ def _decode_loop(plan, reports: dict) -> dict | None:
         f"{loop['full_bound_s'] * 1e3:,.0f} ms)",
         flush=True,
     )
+    if kernel:  # a slot per row: the paged kernel reads each running row's own pages
+        loop["paged_loop_s"] = priced(row_block=1)["loop_s"]
+        print(
+            f"  the slots engine with a slot per row (rollout.slots={len(lengths)}), the paged "
+            f"kernel reading each running row's pages to its written slot: "
+            f"{loop['paged_loop_s'] * 1e3:,.0f} ms ({loop['paged_loop_s'] / loop['bound_s']:.2f}x;"
+            " priced at the static decode step's other work)",
+            flush=True,
+        )
     return loop
 
 
