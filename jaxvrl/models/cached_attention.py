@@ -12,21 +12,16 @@ keys [B, K, H, S] or [B, K, S, H] (`KVCache.key_layout`), values [B, K, S, H]; o
 `table` int32[B, n], pages [P, K, H, ps] (or [P, K, ps, H]) and [P, K, ps, H] that row b
 reads in the order table[b] (`PagedKVCache`, S = n * ps). Implementations:
 
-- "dense": two einsums around the model's masked softmax, over every row's cache (pages are
-  first gathered into the dense layouts); every platform;
-- "tpu": one query per row (decode steps; more fall back to "dense") in one Pallas TPU
-  kernel that keeps scores and probabilities on chip and reads only the written blocks of
-  the cache (`jaxvrl.models.cached_kernels`; "tpu_interpret" runs it on the CPU); over pages
-  whose keys lie by slot, a kernel that copies each row's pages from where they lie
-  (`cached_kernels.tpu_paged_decode`), only those up to its last visible slot;
+- "dense": two einsums around the model's masked softmax (pages gathered first); everywhere;
+- "tpu": one query per row (more fall back to "dense") in one Pallas TPU kernel that keeps
+  scores on chip and reads only the written blocks (`jaxvrl.models.cached_kernels`;
+  "tpu_interpret" runs it on the CPU); over pages with keys by slot, a kernel that copies
+  each row's pages from where they lie, up to its last visible slot (`tpu_paged_decode`);
 - a callable impl(qg, k, v, mask, *, scale, pools, dtype) -> (out, stats) over the dense
-  layouts with the keys positions-minor (the sampler's CPU kernel,
-  `jaxvrl.sampling.cpu.decode.attention`).
+  layouts, keys positions-minor (the CPU kernel, `jaxvrl.sampling.cpu.decode.attention`).
 
-Other implementations over pages gather them into the dense layouts first.
 Letters: B batch, T queries, S cache slots, K key/value heads, G query heads per K, H head dim.
 """
-
 from __future__ import annotations
 
 import functools
