@@ -164,7 +164,8 @@ def _call(kernel, prefetch, in_specs, args, *, q, pool, bs, blocks, extra_scratc
           interpret):  # fmt: skip
     """The pallas_call of a decode kernel over grid (row blocks, key/value heads, `blocks`
     blocks of bs slots): queries (and the outputs) per (row block, head), validity and pools
-    per (row block, slot block) as the last index map argument `upto` gives it."""
+    per (row block, slot block), a block past the row block's filled ones (the first of
+    `prefetch`, per row block) fetched as its last filled one (no copy)."""
     b, kh, g, h = q.shape
     rows = row_block(b)
     sq = pl.Squeezed()
@@ -173,7 +174,6 @@ def _call(kernel, prefetch, in_specs, args, *, q, pool, bs, blocks, extra_scratc
         return (i, hh, 0, 0)
 
     def per_row(i, hh, j, blocks_filled, *_):
-        # a block past the filled ones: the last filled one again (no copy)
         return (i, 0, jnp.minimum(j, jnp.maximum(blocks_filled[i] - 1, 0)))
 
     in_specs = [pl.BlockSpec((rows, sq, g, h), heads), *in_specs]
