@@ -94,8 +94,8 @@ def test_accelerator_decode_forms_sample_what_the_cpu_form_samples(model, slots,
 
     ids, mask, vis = prompts("image", np.random.default_rng(13))
     args, kw = inputs(model, ids, mask, **vis)
-    want = _run(model, _cfg(model, slots=slots, page_size=5), args, kw)
-    cfg = _cfg(model, slots=slots, page_size=5, decode_attention=attention)
+    want = _run(model, _cfg(model, slots=slots, page_size=10), args, kw)
+    cfg = _cfg(model, slots=slots, page_size=10, decode_attention=attention)
     assert steps.key_layout(cfg) == "BKSH"
     _same(_run(model, cfg, args, kw), want)
 
