@@ -176,7 +176,9 @@ def test_the_tpu_compiler_prices_the_kernel_by_the_bytes_it_reads():
 def test_the_kernel_per_device_on_a_rollout_mesh():
     """On 8 CPU devices, rows over data 2 and key/value heads over tensor 4 (the rollout
     mesh's split of the cache): each device runs the kernel on its rows and heads, the pool
-    masses are averaged over every device's heads; equal to the dense form on one device."""
+    masses are averaged over every device's heads; equal to the dense form on one device.
+    Likewise the paged kernel, its pages split by head only (every row group reads any
+    page), over the same keys and values cut into shuffled pages of 20 slots."""
     from tests.parallel.common import run_with_devices
 
     out = run_with_devices(
@@ -200,6 +202,24 @@ def test_the_kernel_per_device_on_a_rollout_mesh():
             got, got_stats = fn(*args)
             text = fn.lower(*args).as_text()
         assert "shard_map" in text or "sdy.manual_computation" in text
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        for a, b in zip(got_stats, stats):
+            np.testing.assert_allclose(a, b, atol=2e-6)
+
+        from jaxvrl.models.cached_attention import PAGED
+        rows, kh, s, h, ps = 4, 4, 300, 16, 20
+        n = s // ps
+        by_slot = lambda x: np.asarray(x).reshape(rows, kh, n, ps, h).transpose(0, 2, 1, 3, 4)
+        order = np.random.default_rng(0).permutation(rows * n)  # page i lies at order[i]
+        kp, vp = np.zeros((2, rows * n, kh, ps, h), np.float32)
+        kp[order] = by_slot(np.swapaxes(k, 2, 3)).reshape(-1, kh, ps, h)
+        vp[order] = by_slot(v).reshape(-1, kh, ps, h)
+        table = order.reshape(rows, n).astype(np.int32)
+        paged = jax.jit(lambda q, kp, vp, t, m, p: PAGED["tpu_interpret"](
+            q, kp, vp, t, m, scale=0.3, pools=p, dtype=jnp.float32))
+        with jax.set_mesh(mesh):
+            got, got_stats = paged(args[0], put(kp, P(None, "tensor")), put(vp, P(None, "tensor")),
+                                   put(table, P("data")), args[3], args[4])
         np.testing.assert_allclose(got, want, atol=2e-6)
         for a, b in zip(got_stats, stats):
             np.testing.assert_allclose(a, b, atol=2e-6)
