@@ -37,6 +37,7 @@ from jaxvrl.data.from_config import builtin_task
 from jaxvrl.data.processor import smart_resize
 from jaxvrl.models import moe
 from jaxvrl.models.attention import resolve
+from jaxvrl.models.cache import KEY_AXES
 from jaxvrl.parallel import runtime, topology
 from jaxvrl.parallel.sharding import leaf_name, logical_to_spec, row_shards
 from jaxvrl.sampling import Sampler, prefill_mesh, static, steps
@@ -164,9 +165,7 @@ def decode_shardings(state, mesh):
     rows = state["done"].shape[0]
     out = runtime.batch_shardings(state, mesh, rows=rows)
     cache = state["cache"]
-    by_length = ("batch", "heads", "length", None)
-    keys = ("batch", "heads", None, "length") if cache.key_layout == "BKHS" else by_length
-    axes = {"k": keys, "v": by_length}
+    axes = {"k": KEY_AXES[cache.key_layout], "v": KEY_AXES["BKSH"]}
     for field, ax in axes.items():
         leaves = getattr(cache, field)
         specs = tuple(NamedSharding(mesh, logical_to_spec(ax, x.shape, mesh)) for x in leaves)

@@ -11,8 +11,11 @@ from jaxvrl.models.config import TextConfig
 
 # The keys' layouts: positions minor ("BKHS", what the CPU decode kernels read as it lies) or
 # second-minor like the values ("BKSH": on accelerators, whose (8, 128) tiles would pad a
-# decode step's one new position of a positions-minor key to 128 at every write)
-KEY_LAYOUTS = ("BKHS", "BKSH")
+# decode step's one new position of a positions-minor key to 128 at every write). Per
+# layout: the order that takes keys [B, T, K, H] into it, and its logical axes.
+KEY_ORDER = {"BKHS": (0, 2, 3, 1), "BKSH": (0, 2, 1, 3)}
+KEY_AXES = {"BKHS": ("batch", "heads", None, "length"), "BKSH": ("batch", "heads", "length", None)}
+KEY_LAYOUTS = tuple(KEY_ORDER)
 
 
 @struct.dataclass
@@ -91,13 +94,13 @@ class KVCache:
         def layers(x):
             return tuple(x) if isinstance(x, (tuple, list)) else tuple(x[i] for i in range(len(x)))
 
-        k_order = (0, 2, 3, 1) if self.key_layout == "BKHS" else (0, 2, 1, 3)
+        k_order, v_order = KEY_ORDER[self.key_layout], KEY_ORDER["BKSH"]
         if self.stacked:
             k = put(self.k, jnp.stack(k) if isinstance(k, (tuple, list)) else k, k_order)
-            v = put(self.v, jnp.stack(v) if isinstance(v, (tuple, list)) else v, (0, 2, 1, 3))
+            v = put(self.v, jnp.stack(v) if isinstance(v, (tuple, list)) else v, v_order)
         else:
             k = tuple(put(c, x, k_order) for c, x in zip(self.k, layers(k)))
-            v = tuple(put(c, x, (0, 2, 1, 3)) for c, x in zip(self.v, layers(v)))
+            v = tuple(put(c, x, v_order) for c, x in zip(self.v, layers(v)))
         key_mask = jax.lax.dynamic_update_slice(self.key_mask, valid, (0, 0))
         return self.replace(k=k, v=v, key_mask=key_mask, index=self.index + t, empty=False)
 

@@ -22,6 +22,7 @@ reads in the order table[b] (`PagedKVCache`, S = n * ps). Implementations:
 
 Letters: B batch, T queries, S cache slots, K key/value heads, G query heads per K, H head dim.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxvrl.models import cached_kernels
+from jaxvrl.models.cache import KEY_AXES
 from jaxvrl.models.layers import masked_softmax, pool_masses
 from jaxvrl.parallel.sharding import constrain
 
@@ -122,7 +124,5 @@ def attend_cache(
     if table is not None:
         k, v = gather_pages(k, v, table, key_layout)
     # the cache stays split like the rows (and over kv heads with tensor parallelism)
-    by_length = ("batch", "heads", "length", None)
-    k = constrain(k, ("batch", "heads", None, "length") if key_layout == "BKHS" else by_length)
-    v = constrain(v, by_length)
+    k, v = constrain(k, KEY_AXES[key_layout]), constrain(v, KEY_AXES["BKSH"])
     return implementation(qg, k, v, mask, **kw)

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxvrl.models.attention import attend, attend_key_masses
-from jaxvrl.models.cache import KVCache, PagedKVCache, PagedLayer
+from jaxvrl.models.cache import KEY_ORDER, KVCache, PagedKVCache, PagedLayer
 from jaxvrl.models.cached_attention import attend_cache
 from jaxvrl.models.config import TextConfig
 from jaxvrl.models.layers import (
@@ -231,20 +231,22 @@ class Attention(nnx.Module):
             new_kv, table, key_layout = (kv.k, kv.v), kv.table, kv.key_layout
         else:
             k_cache, v_cache, index, key_layout = kv
-            if key_layout == "BKHS":  # [B, K, H, S]
-                order, at = (0, 2, 3, 1), (0, 0, 0, index)
-            else:  # [B, K, S, H]
-                order, at = (0, 2, 1, 3), (0, 0, index, 0)
-            k = jax.lax.dynamic_update_slice(k_cache, k.transpose(order).astype(k_cache.dtype), at)
-            v = jax.lax.dynamic_update_slice(
-                v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, index, 0)
-            )  # [B, K, S, H]
-            new_kv, table = (k, v), None
+            k = _write(k_cache, k, index, key_layout)  # [B, K, H, S] or [B, K, S, H]
+            new_kv, table = (k, _write(v_cache, v, index, "BKSH")), None  # v [B, K, S, H]
         out, stats = attend_cache(
             qg, *new_kv, mask, scale=scale, dtype=x.dtype, pools=pools, table=table,
             implementation=implementation, key_layout=key_layout,
         )  # fmt: skip
         return self.o_proj(out.reshape(b, t, -1)), new_kv, stats
+
+
+def _write(cache: jax.Array, new: jax.Array, index, layout: str) -> jax.Array:
+    """`cache` (a layer's keys or values in `layout`, `KEY_ORDER`) with new [B, T, K, H]
+    written at slots [index, index + T)."""
+    order = KEY_ORDER[layout]
+    at = [0, 0, 0, 0]
+    at[order.index(1)] = index  # where the slots axis lies
+    return jax.lax.dynamic_update_slice(cache, new.transpose(order).astype(cache.dtype), at)
 
 
 class DecoderLayer(nnx.Module):
