@@ -22,11 +22,13 @@ from ml_collections.config_dict import placeholder
 
 from jaxvrl import models
 from jaxvrl.config import (
+    COUNT,
     FRACTION,
     NON_EMPTY,
     NON_NEGATIVE,
     POSITIVE,
     PROBABILITY,
+    AutoOr,
     Each,
     Range,
     agree,
@@ -232,9 +234,15 @@ def get_config(arg=None):
     # Decode rows at once (jaxvrl/sampling/engine.py): 0 = every row of a generation batch
     # until the longest ends; S > 0 = S slots, an ended row's slot taken by the next waiting
     # row, over a paged KV cache (a prompt's pages shared by its samples). Same completions.
-    c.rollout.slots = setting(0, NON_NEGATIVE)
-    # positions per KV-cache page (with rollout.slots > 0)
+    # auto: slots where decode steps read pages in place (TPUs' paged kernel) or with
+    # rollout.partial, a slot per row of the step (fewer where the pages would not fit in
+    # rollout.memory_fraction); else 0
+    c.rollout.slots = setting("auto", AutoOr(COUNT), type=object)
+    # positions per KV-cache page (with slots)
     c.rollout.page_size = setting(16, at_least(1))
+    # with rollout.slots=auto: the share of each rollout device's memory its decode weights
+    # and KV-cache pages may take (verl's gpu_memory_utilization)
+    c.rollout.memory_fraction = setting(0.5, FRACTION)
     # how decode steps attend over the KV cache: auto (the CPU form on the CPU, tpu on TPUs,
     # dense elsewhere) | dense (XLA's einsums around a masked softmax, every platform) | tpu
     # (one Pallas kernel per layer on TPUs, jaxvrl/models/cached_kernels.py; docs/scaling.md).
@@ -243,9 +251,9 @@ def get_config(arg=None):
     # Partial rollouts (docs/algorithms.md#partial-rollouts): a step's rollout starts
     # oversample x prompts_per_step prompts, stops once prompts_per_step groups are complete
     # and carries the unfinished rows (their tokens and log-probs so far) into the next step's
-    # rollout, where they continue first. Needs rollout.slots > 0.
+    # rollout, where they continue first. Needs slots (rollout.slots auto or > 0).
     c.rollout.partial = setting(
-        False, agree(lambda v, c: not v or c.rollout.slots > 0, "needs rollout.slots > 0")
+        False, agree(lambda v, c: not v or c.rollout.slots != 0, "needs rollout.slots auto or > 0")
     )
     c.rollout.oversample = setting(2.0, at_least(1))  # prompts a step starts, x prompts_per_step
     # with rollout.partial: the policy versions (steps) a row may span; a group with an older

@@ -154,6 +154,20 @@ def agree(test: Callable, text: str) -> Agree:
     return Agree(test, text)
 
 
+@dataclasses.dataclass(frozen=True)
+class AutoOr:
+    """ "auto", or a value `rule` allows (a setting declared with `type=object`, so that an
+    override parses as either)."""
+
+    rule: Callable
+
+    def __call__(self, value, config=None):
+        if value == "auto":
+            return None
+        why = self.rule(value, config)
+        return None if why is None else f"'auto' or {why}"
+
+
 def at_least(n) -> Range:
     return Range(n)
 
@@ -163,6 +177,9 @@ POSITIVE = Range(0, lo_open=True)
 NON_NEGATIVE = Range(0)
 FRACTION = Range(0, 1, lo_open=True)  # a share that keeps something: (0, 1]
 PROBABILITY = Range(0, 1)
+COUNT = Agree(
+    lambda v, c: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"
+)
 
 
 def get(config, key: str):
@@ -328,6 +345,7 @@ THEIR_NAMES = {
     "tensor_model_parallel_size": "rollout.mesh.tensor",
     "expert_model_parallel_size": "mesh.expert",
     "expert_parallel_size": "rollout.mesh.expert",
+    "gpu_memory_utilization": "rollout.memory_fraction",
 }
 
 

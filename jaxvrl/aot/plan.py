@@ -398,8 +398,16 @@ class Plan:
             key.shape, key.dtype, sharding=runtime.replicated(mesh or self.mesh)
         )
 
+    @functools.cached_property
+    def _sampling_config(self):
+        mesh, hbm = self.rollout[0], topology.hbm_bytes(self.slice)
+        return setup.sampling_config(
+            self.c, self.model.config, mesh=mesh, processes=self.slice.hosts, hbm=hbm
+        )
+
     def sampling_config(self):
-        return setup.sampling_config(self.c, self.model.config)
+        """The rollout's SamplingConfig as `jaxvrl.train` makes it on the slice's devices."""
+        return self._sampling_config
 
     # ------------------------------------------------------------------ programs
     def compile(self, name: str) -> Report:

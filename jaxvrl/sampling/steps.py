@@ -20,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from jaxvrl.models import moe
+from jaxvrl.models.cached_attention import PAGED
 from jaxvrl.parallel import sharding
 from jaxvrl.sampling import rules
 from jaxvrl.sampling.cpu import decode as cpu_decode
@@ -232,6 +233,13 @@ def cached_attention(cfg: SamplingConfig) -> str:
         return cfg.decode_attention
     platform = sharding.target_platform()
     return "cpu" if platform == "cpu" else DECODE_KERNELS.get(platform, "dense")
+
+
+def reads_pages(cfg: SamplingConfig) -> bool:
+    """Whether the slots engine's decode steps, on the devices the program is compiled for,
+    read each slot's pages where they lie (a paged kernel) rather than gathering every page
+    of the tables into the dense form at each step."""
+    return cached_attention(cfg) in PAGED
 
 
 def key_layout(cfg: SamplingConfig) -> str:

@@ -5,6 +5,7 @@ loop; the AOT tool builds the same programs from them)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -52,6 +53,7 @@ from jaxvrl.sampling import (
     prefill_mesh,
     rollout_dtype,
     rollout_mesh,
+    steps,
 )
 from jaxvrl.trainer.build import step_config
 from jaxvrl.trainer.counters import RunCounters
@@ -245,11 +247,14 @@ def records_routes(c, mcfg) -> bool:
     return any(sparse_layers(mcfg.text)) and not c.rollout.partial
 
 
-def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> SamplingConfig:
+def sampling_config(
+    c, mcfg, tokenizer=None, entropies: bool = False, mesh=None, **where
+) -> SamplingConfig:
     """The rollout's SamplingConfig for model config `mcfg`: EOS from the model config (else
     the tokenizer's), pad from the tokenizer (0 without one), vision tokens suppressed;
     entropies: return each token's entropy (the trainer's token shaping reads them); the
-    routes where `records_routes`."""
+    routes where `records_routes`; the slots `rollout_slots` gives on the rollout mesh
+    `mesh` (`where`: its processes and hbm)."""
     if mcfg.eos_token_id is not None:
         eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
     else:
@@ -267,12 +272,77 @@ def sampling_config(c, mcfg, tokenizer=None, entropies: bool = False) -> Samplin
     )
     return dataclasses.replace(
         cfg,
-        slots=r.slots,
+        slots=rollout_slots(c, mcfg.text, mesh, **where),
         page_size=r.page_size,
         decode_attention=r.decode_attention,
         entropies=entropies,
         routes=records_routes(c, mcfg),
     )
+
+
+def rollout_slots(c, text_cfg, mesh=None, processes: int | None = None, hbm=None) -> int:
+    """rollout.slots resolved on the rollout mesh `mesh` (None: this process's first device):
+    a count as set; "auto" slots where the engine's decode steps read pages in place on those
+    devices (`steps.reads_pages`) or rows are carried across steps (rollout.partial), else 0
+    (the static sampler, which reads its cache in place everywhere). Their count: a slot per
+    row of the step (every process's prompts_per_step x num_generations), or as many as keep
+    the decode weights and every page within rollout.memory_fraction of a device's memory
+    (hbm: its bytes; default what the device reports, none on the CPU), a multiple of the
+    rollout's row groups where that leaves any."""
+    r = c.rollout
+    if r.slots != "auto":
+        return r.slots
+    probe = SamplingConfig(max_new_tokens=1, decode_attention=r.decode_attention)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        paged = steps.reads_pages(probe)
+    if not (paged or r.partial):
+        return 0
+    processes = jax.process_count() if processes is None else processes
+    g = r.num_generations
+    rows = c.prompts_per_step * g * processes
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    hbm = device_memory(device) if hbm is None else hbm
+    if not hbm:
+        return rows
+    # a device holds the decode weights over its tensor group and every page (pages split by
+    # KV head only); with rollout.partial each carried row is a prompt of its own
+    tensor = 1 if mesh is None else mesh.shape.get("tensor", 1)
+    heads = tensor if text_cfg.num_key_value_heads % tensor == 0 else 1
+    dtype = rollout_dtype(r.dtype, mesh, c.model.dtype) or c.model.dtype
+    weights, position = decode_bytes(text_cfg, 1, 1, dtype)
+    position /= heads
+    ps = r.page_size
+    own = -(-r.max_new_tokens // ps) * ps * position  # a slot's pages
+    if r.partial:
+        width = max(c.prompts_per_step, math.ceil(r.oversample * c.prompts_per_step))
+        length, prompts = c.data.max_prompt_length + r.max_new_tokens, width * g * processes
+    else:
+        length, prompts = c.data.max_prompt_length, c.prompts_per_step * processes
+    shared = prompts * -(-length // ps) * ps * position
+    room = r.memory_fraction * hbm - weights / tensor - shared
+    fit = int(room // own)
+    if fit < 1:
+        gb = 1e9
+        raise ConfigError(
+            f"config.rollout.slots=auto: one slot's KV-cache pages ({own / gb:.2f} GB a device)"
+            f" do not fit beside the prompts' ({shared / gb:.2f} GB) and the decode weights "
+            f"({weights / tensor / gb:.2f} GB) in rollout.memory_fraction={r.memory_fraction} "
+            f"of the rollout devices' {hbm / gb:.1f} GB: raise rollout.memory_fraction or "
+            "rollout.mesh.tensor, or lower data.max_prompt_length or rollout.max_new_tokens"
+        )
+    slots = min(rows, fit)
+    groups = row_shards(mesh)
+    return slots // groups * groups if slots >= groups else slots
+
+
+def device_memory(device) -> int | None:
+    """A device's memory in bytes as it reports it; None where it does not (the CPU, a
+    compile-only device)."""
+    try:
+        stats = device.memory_stats()
+    except (AttributeError, RuntimeError):  # jax's errors for devices not of this process
+        return None
+    return (stats or {}).get("bytes_limit")
 
 
 def check_expert_axis(key: str, size: int, model_config) -> None:
@@ -351,11 +421,12 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     layout over the devices of the training mesh `mesh`, or the sampler's own with
     rollout.devices (`rollout_layout`, `sampling_devices`; None: one device, the model's
     dtype)."""
-    cfg = sampling_config(c, mcfg, tokenizer, entropies=step_config(c, mesh).sampler_shaping)
-    greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False, routes=False)
     rmesh, dtype = None, None
     if mesh is not None:
         rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
+    shaping = step_config(c, mesh).sampler_shaping
+    cfg = sampling_config(c, mcfg, tokenizer, entropies=shaping, mesh=rmesh)
+    greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False, routes=False)
     check_decode_attention(c, jax.devices()[0] if rmesh is None else rmesh.devices.flat[0])
     split = c.rollout.mesh.sequence if rmesh is not None else 1
     return Sampler(graph, cfg, rmesh, dtype, split), Sampler(graph, greedy, rmesh, dtype, split)

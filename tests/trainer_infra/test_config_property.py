@@ -52,6 +52,8 @@ def candidates(key: str, cfg) -> list:
     field, value = node._fields[leaf], node[leaf]
     typ = node.get_type(leaf) if value is None else type(value)
     extra = [None] if getattr(field, "nullable", False) else []
+    if node.get_type(leaf) is object:  # "auto" or a number (`AutoOr`)
+        return ["auto", "bogus", "", 2.5, True, *INTS]
     if typ is bool:
         return [True, False]
     if typ is int:
