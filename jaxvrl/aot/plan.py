@@ -587,12 +587,16 @@ class Plan:
         return r.fits
 
     def _decode_words(self) -> str:
+        words = "dense (XLA)"
         if self.decode_kernel:
-            return (
+            words = (
                 "tpu (the Pallas kernel, priced by XLA from its cost estimate: the whole cache, "
                 "the queries and outputs it reads)"
             )
-        return "dense (XLA)"
+        slots, ps = self.sampling_config().slots, self.c.rollout.page_size
+        if slots:  # the sampler program is the slots engine's; decode_step the static one's
+            return f"{words}; {slots} slots over pages of {ps} (rollout.slots)"
+        return f"{words}; the static sampler (rollout.slots=0)"
 
     def describe(self) -> str:
         m = self.model.config
