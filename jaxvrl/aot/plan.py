@@ -400,14 +400,19 @@ class Plan:
 
     @functools.cached_property
     def _sampling_config(self):
+        """(config, why): with rollout.slots=auto a slot per row where none would fit the
+        chip's memory share (a run stops at start; here the programs are compiled anyway,
+        `why` says so)."""
         mesh, hbm = self.rollout[0], topology.hbm_bytes(self.slice)
-        return setup.sampling_config(
-            self.c, self.model.config, mesh=mesh, processes=self.slice.hosts, hbm=hbm
-        )
+        kw = dict(mesh=mesh, processes=self.slice.hosts)
+        try:
+            return setup.sampling_config(self.c, self.model.config, hbm=hbm, **kw), ""
+        except ConfigError as e:
+            return setup.sampling_config(self.c, self.model.config, hbm=0, **kw), str(e)
 
     def sampling_config(self):
         """The rollout's SamplingConfig as `jaxvrl.train` makes it on the slice's devices."""
-        return self._sampling_config
+        return self._sampling_config[0]
 
     # ------------------------------------------------------------------ programs
     def compile(self, name: str) -> Report:
@@ -595,7 +600,10 @@ class Plan:
             )
         slots, ps = self.sampling_config().slots, self.c.rollout.page_size
         if slots:  # the sampler program is the slots engine's; decode_step the static one's
-            return f"{words}; {slots} slots over pages of {ps} (rollout.slots)"
+            why = self._sampling_config[1]
+            return f"{words}; {slots} slots over pages of {ps} (rollout.slots)" + (
+                f" although a run would stop: {why}" if why else ""
+            )
         return f"{words}; the static sampler (rollout.slots=0)"
 
     def describe(self) -> str:
