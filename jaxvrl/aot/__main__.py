@@ -236,9 +236,17 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
     def per_token(sampler, p):  # the prefill's seconds per prompt token
         return sampler.fixed_s / (p.sampler_prompts * p.prompt_len)
 
+    positions = plan.rows * (plan.prompt_len + n)  # the compiled decode step's cache
+
+    def per_position(decode, p):  # the step's price of a cache position the rows do not read
+        if not (p.decode_kernel and p.sampling_config().slots):
+            return 0.0  # gathered pages or the static sampler: the whole cache every step
+        return decode.breakdown["kv_cache"] / positions * decode.estimate_s / decode.bytes_accessed
+
     whole = dict(decode_s=reports["decode_step"].estimate_s,
                  prefill_s_per_token=per_token(reports["sampler"], plan),
-                 train_s=reports["train_step"].estimate_s)  # fmt: skip
+                 train_s=reports["train_step"].estimate_s, positions=positions,
+                 position_s=per_position(reports["decode_step"], plan))  # fmt: skip
     ici = iteration.ICI_GBPS.get(plan.slice.chip.name, 0.0) * 1e9 / 2
     splits = {}
     for chips in ks:  # the split the run makes (`setup.device_split`), compiled as it runs
@@ -257,6 +265,7 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
         off = dict(split_train_s=parts["train_step"].estimate_s,
                    split_decode_s=parts["decode_step"].estimate_s,
                    split_prefill_s_per_token=per_token(parts["sampler"], split),
+                   split_position_s=per_position(parts["decode_step"], split),
                    copy_s=parts["sampler"].breakdown["params"] / ici if ici else 0.0)  # fmt: skip
         splits[chips] = {
             "one-step-off": iteration.price(**whole, **off, work=work["synchronous"]),

@@ -8,8 +8,9 @@ A rollout's decode steps come from the slots engine's queue run on the drawn len
 taken by the next waiting row at once, the loop checked every `check_every` steps); partial
 rollouts are `PartialRollouts` itself (trainer/partial.py) over that queue, several steps in a
 row, so that carried rows and their prefills are counted as a run has them. Each decode step
-costs the compiled decode step's cost-model time, each prefilled token the sampler's prefill
-time per prompt token, the train step its own program's time, and the weight copy of one-step-
+costs the compiled decode step's cost-model time less the cache its running rows do not read
+(on TPUs the paged kernel reads each running row's pages up to its written slot, `read`: the
+positions read), each prefilled token the sampler's prefill time per prompt token, the train step its own program's time, and the weight copy of one-step-
 off the rollout's weights per sampler chip over half a chip's bidirectional ICI bandwidth.
 """
 
@@ -52,6 +53,14 @@ def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int
     stop = min(int(end.max()), -(-stop // k) * k) if w else 0
     made = np.clip(stop - start, 0, lengths)
     return stop, made, made == lengths
+
+
+def read(made, width: int) -> float:
+    """The cache positions running rows read over a call's decode steps: a row that made m
+    tokens after a prompt place of `width` positions reads width + 1, ..., width + m (its
+    pages up to the slot just written)."""
+    made = np.asarray(made, np.float64)
+    return float((made * width + made * (made + 1) / 2).sum())
 
 
 def decode_loop(
@@ -112,7 +121,7 @@ class _Queued(PartialRollouts):
     def __init__(self, *args, slots: int, check_every: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.slots, self.check_every = slots, check_every
-        self.steps = self.prefilled = 0
+        self.steps = self.prefilled = self.read = 0
 
     def _sample(self, phase, params, examples, key, prefixes, **rows):
         limits = np.asarray(rows["limits"])
@@ -121,7 +130,9 @@ class _Queued(PartialRollouts):
         )
         self.steps += steps
         # every prompt place prefilled to the longest prompt's width
-        self.prefilled += len(examples) * max(len(ex["prompt_ids"]) for ex in examples)
+        width = max(len(ex["prompt_ids"]) for ex in examples)
+        self.prefilled += len(examples) * width
+        self.read += read(made, width)
         n, w = self.max_new_tokens, len(limits)
         mask = (np.arange(n)[None, :] < made[:, None]).astype(np.float32)
         zeros = np.zeros((w, n), np.float32)
@@ -151,15 +162,17 @@ def rollout_work(
 ) -> dict:
     """Per trained step, over the steps the drawn `lengths` fill (each step `prompts` groups of
     `group` rows; slots: the decode rows, default the step's rows): {"decode_steps",
-    "prefill_tokens", "groups"} averaged per step. Synchronous: each step's rows to their end;
-    partial: `PartialRollouts` carrying rows from step to step."""
+    "prefill_tokens", "groups", "read_positions"} averaged per step (`read`). Synchronous:
+    each step's rows to their end; partial: `PartialRollouts` carrying rows from step to
+    step."""
     rows = prompts * group
     slots = slots or rows
     if not partial:
         steps = len(lengths) // rows
-        runs = [engine_run(lengths[i * rows : (i + 1) * rows], slots)[0] for i in range(steps)]
-        return {"decode_steps": float(np.mean(runs)), "prefill_tokens": float(prompts * prompt_len),
-                "groups": float(prompts)}  # fmt: skip
+        runs = [engine_run(lengths[i * rows : (i + 1) * rows], slots) for i in range(steps)]
+        return {"decode_steps": float(np.mean([r[0] for r in runs])),
+                "prefill_tokens": float(prompts * prompt_len), "groups": float(prompts),
+                "read_positions": float(np.mean([read(r[1], prompt_len) for r in runs]))}  # fmt: skip
     queue = _Queued(
         prompts, group, max_new_tokens, oversample=oversample, max_staleness=max_staleness,
         row_limit=lambda ex, j: ex["lengths"][j], slots=slots, check_every=check_every,
@@ -183,7 +196,7 @@ def rollout_work(
         trained, steps = trained + len(groups), step + 1
         queue.take_metrics()
     return {"decode_steps": queue.steps / steps, "prefill_tokens": queue.prefilled / steps,
-            "groups": trained / steps}  # fmt: skip
+            "groups": trained / steps, "read_positions": queue.read / steps}  # fmt: skip
 
 
 def price(
@@ -193,14 +206,24 @@ def price(
     train_s: float,
     work: dict,
     copy_s: float = 0.0,
+    positions: float = 0.0,
+    position_s: float = 0.0,
     split_train_s: float | None = None,
     split_decode_s: float | None = None,
     split_prefill_s_per_token: float | None = None,
+    split_position_s: float = 0.0,
 ) -> dict:
     """One iteration's phases (seconds): the rollout from `work` (`rollout_work`) at
-    `decode_s` per decode step and `prefill_s_per_token`, then `train_s`; with the split's
-    figures (one-step-off), the larger of its rollout and its train step, plus the copy."""
-    rollout = work["decode_steps"] * decode_s + work["prefill_tokens"] * prefill_s_per_token
+    `decode_s` per decode step, less `position_s` for each of the compiled step's cache
+    `positions` (its rows x their slots, all priced in `decode_s`) its running rows do not
+    read, and `prefill_s_per_token`, then `train_s`; with the split's figures (one-step-off),
+    the larger of its rollout and its train step, plus the copy."""
+
+    def decoding(step_s, per_position):
+        unread = max(work["decode_steps"] * positions - work.get("read_positions", 0.0), 0.0)
+        return work["decode_steps"] * step_s - unread * per_position
+
+    rollout = decoding(decode_s, position_s) + work["prefill_tokens"] * prefill_s_per_token
     out = {
         "rollout_s": rollout,
         "train_s": train_s,
@@ -209,7 +232,7 @@ def price(
     }
     if split_train_s is not None:
         rollout = (
-            work["decode_steps"] * split_decode_s
+            decoding(split_decode_s, split_position_s)
             + work["prefill_tokens"] * split_prefill_s_per_token
         )
         out = {"rollout_s": rollout, "train_s": split_train_s, "copy_s": copy_s,

@@ -27,7 +27,11 @@ def lengths():
 def test_synchronous_steps_are_each_steps_longest_row(lengths):
     got = rollout_work(lengths, P, G, PROMPT, N, partial=False)
     want = lengths.reshape(-1, P * G).max(axis=1).mean()
-    assert got == {"decode_steps": want, "prefill_tokens": P * PROMPT, "groups": P}
+    # each row reads PROMPT + 1, ..., PROMPT + length positions over its steps
+    read = sum(PROMPT + t for n in lengths for t in range(1, int(n) + 1)) / (len(lengths) / P / G)
+    assert got == pytest.approx(
+        {"decode_steps": want, "prefill_tokens": P * PROMPT, "groups": P, "read_positions": read}
+    )
     # fewer slots than rows: each row holds a slot for its length, the queue in order
     steps, made, ended = engine_run([5, 3, 4, 1], slots=2, check_every=1)
     assert (steps, made.tolist(), ended.all()) == (7, [5, 3, 4, 1], True)  # 0-5, 0-3, 3-7, 5-6
@@ -49,6 +53,26 @@ def test_one_step_off_takes_the_larger_side_plus_the_copy():
     off = price(**whole, split_train_s=5.0, split_decode_s=0.02, split_prefill_s_per_token=2e-4,
                 copy_s=0.5)  # fmt: skip
     assert off["rollout_s"] == pytest.approx(2.2) and off["iteration_s"] == pytest.approx(5.5)
+
+
+def test_decode_steps_are_priced_less_the_cache_their_rows_do_not_read(lengths):
+    """The paged kernel reads each running row's pages to its written slot: a step priced at
+    the compiled step's whole cache (rows x slots positions) is charged less for each position
+    no running row reads."""
+    # 2 rows, a prompt of 3 and 4 slots each; rows of 2 and 4 tokens: 4 steps of 2 x 7
+    # positions priced; read 3 + 1, 3 + 2 then 3 + 1, ..., 3 + 4
+    steps, made, _ = engine_run([2, 4], slots=2, check_every=1)
+    read = (4 + 5) + (4 + 5 + 6 + 7)
+    work = {"decode_steps": float(steps), "prefill_tokens": 0.0, "read_positions": read}
+    got = price(decode_s=1.0, prefill_s_per_token=0.0, train_s=0.0, work=work, positions=14.0,
+                position_s=0.01)  # fmt: skip
+    assert got["rollout_s"] == pytest.approx(4 * 1.0 - (4 * 14 - read) * 0.01)
+    from jaxvrl.aot.iteration import read as read_positions
+
+    assert read_positions(made, 3) == read
+    # partial rollouts count what their calls' rows read, after prompt places of their width
+    part = rollout_work(lengths, P, G, PROMPT, N, partial=True)
+    assert 0 < part["read_positions"] < part["decode_steps"] * 2 * P * G * (PROMPT + N)
 
 
 def test_the_decode_loop_against_the_running_rows_filled_cache():
