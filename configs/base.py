@@ -245,9 +245,10 @@ def get_config(arg=None):
     c.rollout.memory_fraction = setting(0.5, FRACTION)
     # how decode steps attend over the KV cache: auto (the CPU form on the CPU, tpu on TPUs,
     # dense elsewhere) | dense (XLA's einsums around a masked softmax, every platform) | tpu
-    # (one Pallas kernel per layer on TPUs, jaxvrl/models/cached_kernels.py; docs/scaling.md).
-    # Same completions.
-    c.rollout.decode_attention = setting("auto", one_of("auto", "dense", "tpu"))
+    # (one Pallas kernel per layer on TPUs, jaxvrl/models/cached_kernels.py; docs/scaling.md)
+    # | gpu (the slots engine's pages read in place by a Pallas Triton kernel on GPUs; page
+    # size and head dim powers of two; not yet timed on a GPU). Same completions.
+    c.rollout.decode_attention = setting("auto", one_of("auto", "dense", "tpu", "gpu"))
     # Partial rollouts (docs/algorithms.md#partial-rollouts): a step's rollout starts
     # oversample x prompts_per_step prompts, stops once prompts_per_step groups are complete
     # and carries the unfinished rows (their tokens and log-probs so far) into the next step's

@@ -61,11 +61,15 @@ IMPLEMENTATIONS = {
     "dense": _dense,
     "tpu": _decode_kernel(False),
     "tpu_interpret": _decode_kernel(True),
+    "gpu": _dense,  # a dense cache on GPUs: XLA's form; pages: the kernel below
+    "gpu_interpret": _dense,
 }
 # decode steps over pages with the keys by slot, read where they lie
 PAGED = {
     "tpu": cached_kernels.tpu_paged_decode,
     "tpu_interpret": functools.partial(cached_kernels.tpu_paged_decode, interpret=True),
+    "gpu": cached_kernels.gpu_paged_decode,
+    "gpu_interpret": functools.partial(cached_kernels.gpu_paged_decode, interpret=True),
 }
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
 from jaxvrl.models.attention import POOLS, pool_ratios
@@ -356,6 +357,106 @@ def tpu_paged_decode(
         mode = pltpu.InterpretParams() if interpret else False
         return _paged_local(q, k, v, table, valid, pool[0] if pool else None,
                             scale=float(scale), interpret=mode, block=block)  # fmt: skip
+
+    out, masses = _per_device(local, args, (None, "heads", None, None), pool is not None)
+    return out[:, None], _stats(masses)
+
+
+# --- GPUs: the same paged decode as a Pallas Triton kernel ----------------------------------
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _gpu_paged_kernel(
+    filled_ref, table_ref, q_ref, k_ref, v_ref, valid_ref, *refs, scale, page_size, pools
+):
+    """One (row, key/value head) program: the row's G queries (padded to a power of two)
+    over its pages up to its last visible slot, one page [ps, H] at a time, with an online
+    softmax; the output and, with pools, the probability mass on each pool (columns 0..2 of
+    4). Pages past `filled` are neither read nor computed."""
+    pool_ref, o_ref, mass_ref = (refs[0], refs[1], refs[2]) if pools else (None, refs[0], None)
+    row, hh = pl.program_id(0), pl.program_id(1)
+    q = q_ref[...].astype(jnp.float32)  # [G, H]
+    g, h = q.shape
+
+    def page_step(j, carry):
+        m, total, acc, mass = carry
+        page = table_ref[row, j]
+        at = pl.ds(j * page_size, page_size)
+        k = k_ref[page, hh, :, :].astype(jnp.float32)  # [ps, H]
+        v = v_ref[page, hh, :, :].astype(jnp.float32)
+        ok = valid_ref[row, 0, at] > 0  # [ps]
+        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, ps]
+        s = jnp.where(ok[None, :], s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        total = alpha * total + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if pools:
+            pool = pool_ref[row, :, at]  # [4, ps]
+            mass = alpha[:, None] * mass + jnp.sum(p[:, None, :] * pool[None, :, :], axis=2)
+        return m_new, total, acc, mass
+
+    start = (jnp.full((g,), _NEG, jnp.float32), jnp.zeros((g,), jnp.float32),
+             jnp.zeros((g, h), jnp.float32), jnp.zeros((g, 4), jnp.float32))  # fmt: skip
+    _, total, acc, mass = jax.lax.fori_loop(0, filled_ref[row], page_step, start)
+    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    if pools:
+        mass_ref[...] = mass * inv[:, None]
+
+
+def _gpu_paged_local(q, k_pages, v_pages, table, valid, pool, *, scale, interpret):
+    """The GPU paged kernel on one device's rows and heads (`_paged_local`'s arrays): ->
+    (out [b, K, G, H], pool masses float32[b, K, G, 4] (columns 0..2) or None). The query
+    heads are padded to a power of two (Triton's blocks); the padding is dropped after."""
+    b, kh, g, h = q.shape
+    ps = v_pages.shape[-2]
+    if _pow2(ps) != ps or _pow2(h) != h:
+        raise ValueError(f"the GPU paged kernel takes powers of two: page_size {ps}, head {h}")
+    gp = _pow2(g)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    filled, _ = _filled(valid, 1, ps)  # each row's pages up to its last visible slot
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    heads = pl.BlockSpec((None, None, gp, h), lambda i, hh: (i, hh, 0, 0))
+    args = [filled, table, q, k_pages, v_pages, valid]
+    out_shape = [jax.ShapeDtypeStruct((b, kh, gp, h), q.dtype)]
+    out_specs = [heads]
+    if pool is not None:
+        args.append(jnp.pad(pool, ((0, 0), (0, 4 - pool.shape[1]), (0, 0))))
+        out_shape.append(jax.ShapeDtypeStruct((b, kh, gp, 4), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, gp, 4), lambda i, hh: (i, hh, 0, 0)))
+    kernel = functools.partial(_gpu_paged_kernel, scale=scale, page_size=ps,
+                               pools=pool is not None)  # fmt: skip
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(b, kh),
+        in_specs=[whole, whole, heads, whole, whole, whole] + [whole] * (pool is not None),
+        out_specs=out_specs,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxvrl_paged_decode_gpu",
+    )(*args)
+    out = outs[0][:, :, :g]
+    return out, (outs[1][:, :, :g] if pool is not None else None)
+
+
+def gpu_paged_decode(qg, k_pages, v_pages, table, mask, *, scale, pools, dtype, interpret=False):
+    """`tpu_paged_decode` on GPUs (a Pallas Triton kernel, one program per row and KV head,
+    each row's pages read where they lie up to its last visible slot): (out [B, 1, K, G, H]
+    in `dtype`, (A_V, A_X) float32[B, 1] with pools, else None). Page size and head
+    dimension: powers of two."""
+    q, valid, pool = _inputs(qg, mask, pools, dtype)
+    args = [q, k_pages.astype(dtype), v_pages.astype(dtype), table, valid]
+    args += [] if pool is None else [pool]
+
+    def local(q, k, v, table, valid, *pool):
+        return _gpu_paged_local(q, k, v, table, valid, pool[0] if pool else None,
+                                scale=float(scale), interpret=interpret)  # fmt: skip
 
     out, masses = _per_device(local, args, (None, "heads", None, None), pool is not None)
     return out[:, None], _stats(masses)

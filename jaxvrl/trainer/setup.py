@@ -435,10 +435,18 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
 def check_decode_attention(c, device) -> None:
     """A ConfigError where rollout.decode_attention names a kernel the rollout's devices (those
     of `device`'s platform) cannot run."""
-    if c.rollout.decode_attention == "tpu" and device.platform != "tpu":
+    name = c.rollout.decode_attention
+    if name in ("tpu", "gpu") and device.platform != name:
         raise ConfigError(
-            f"config.rollout.decode_attention='tpu': the Pallas TPU kernel runs on TPUs, the "
-            f"rollout runs on {device.platform}; set it to 'auto' or 'dense'"
+            f"config.rollout.decode_attention={name!r}: the Pallas {name.upper()} kernel runs "
+            f"on {name.upper()}s, the rollout runs on {device.platform}; set it to 'auto' or "
+            "'dense'"
+        )
+    ps = c.rollout.page_size
+    if name == "gpu" and ps & (ps - 1):
+        raise ConfigError(
+            f"config.rollout.page_size={ps}: the GPU paged kernel (rollout.decode_attention="
+            "'gpu') reads pages of a power of two positions; set it to 16, 32 or 64"
         )
 
 

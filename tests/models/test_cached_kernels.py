@@ -103,6 +103,51 @@ def test_the_paged_kernel_equals_the_dense_form_over_gathered_pages():
                 np.testing.assert_allclose(a, w, atol=2e-6)
 
 
+@pytest.mark.parametrize("g", [3, 4])  # 3: the query heads padded to Triton's power of two
+def test_the_gpu_paged_kernel_equals_the_dense_form_and_lowers_for_cuda(g):
+    """The Pallas Triton kernel (GPUs) over the same pages in Pallas's interpreter: each row
+    reads its own pages up to its last visible slot (a row that sees nothing gives zeros);
+    outputs and pool masses equal the dense form over the gathered pages. Lowered for CUDA
+    on this host (jax.export), it is one Triton call."""
+    from jax import export
+
+    from jaxvrl.models.cached_attention import gather_pages
+
+    rng = np.random.default_rng(7)
+    b, kh, h, ps, n, pages = 3, 2, 16, 8, 6, 30
+    kp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
+    table = jnp.asarray(rng.permutation(pages)[: b * n].reshape(b, n), jnp.int32)
+    qg = jnp.asarray(rng.normal(size=(b, 1, kh, g, h)), jnp.float32)
+    mask = np.zeros((b, 1, n * ps), bool)
+    for r, (lo, hi) in enumerate([(3, 40), (0, 0), (0, 48)]):
+        mask[r, 0, lo:hi] = True
+    mask = jnp.asarray(mask)
+    pools = {name: jnp.asarray(rng.random((b, n * ps)) < 0.3) for name in ck.POOLS}
+    k, v = gather_pages(kp, vp, table, "BKSH")
+    for with_pools in (None, pools):
+        want, want_stats = _dense(qg, k, v, mask, scale=0.3, pools=with_pools,
+                                  dtype=jnp.float32, key_layout="BKSH")  # fmt: skip
+        got, stats = ck.gpu_paged_decode(qg, kp, vp, table, mask, scale=0.3, pools=with_pools,
+                                         dtype=jnp.float32, interpret=True)  # fmt: skip
+        np.testing.assert_allclose(got, want, atol=2e-6)
+        assert not np.asarray(got[1]).any()
+        if with_pools is not None:
+            for a, w in zip(stats, want_stats):
+                np.testing.assert_allclose(a, w, atol=2e-6)
+
+    def step(qg, kp, vp, table, mask):
+        return ck.gpu_paged_decode(qg, kp, vp, table, mask, scale=0.3, pools=pools,
+                                   dtype=jnp.bfloat16)  # fmt: skip
+
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    lowered = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[triton])(
+        qg, kp, vp, table, mask
+    )
+    text = lowered.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "jaxvrl_paged_decode_gpu" in text
+
+
 def test_the_kernel_in_bfloat16():
     qg, k, v, mask, pools = _problem(1, 8, 2, 4, 64, 640, jnp.bfloat16)
     want, (wv, wx) = _dense(qg, k, v, mask, scale=0.125, pools=pools, dtype=jnp.bfloat16)
@@ -239,6 +284,13 @@ def test_the_kernel_asked_for_elsewhere_than_on_tpus_is_a_config_error():
     with pytest.raises(ConfigError, match=r"rollout.decode_attention='tpu'.* runs on cpu"):
         check_decode_attention(asked, types.SimpleNamespace(platform="cpu"))
     check_decode_attention(asked, types.SimpleNamespace(platform="tpu"))
+    gpu = load_config("configs/tprl.py", ["rollout.decode_attention=gpu"])
+    with pytest.raises(ConfigError, match=r"rollout.decode_attention='gpu'.* runs on tpu"):
+        check_decode_attention(gpu, types.SimpleNamespace(platform="tpu"))
+    check_decode_attention(gpu, types.SimpleNamespace(platform="gpu"))
+    odd = load_config("configs/tprl.py", ["rollout.decode_attention=gpu", "rollout.page_size=10"])
+    with pytest.raises(ConfigError, match=r"rollout.page_size=10: the GPU paged kernel"):
+        check_decode_attention(odd, types.SimpleNamespace(platform="gpu"))
     check_decode_attention(load_config("configs/tprl.py"), types.SimpleNamespace(platform="cpu"))
 
 

@@ -82,20 +82,22 @@ def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page):
 
 
 @pytest.mark.parametrize(
-    "slots,attention", [(0, "tpu_interpret"), (4, "tpu_interpret"), (0, "dense"), (4, "dense")]
-)
-def test_accelerator_decode_forms_sample_what_the_cpu_form_samples(model, slots, attention):
+    "slots,attention,page",
+    [(0, "tpu_interpret", 10), (4, "tpu_interpret", 10), (0, "dense", 10), (4, "dense", 10),
+     (4, "gpu_interpret", 8)],
+)  # fmt: skip
+def test_accelerator_decode_forms_sample_what_the_cpu_form_samples(model, slots, attention, page):
     """Decode steps through the Pallas TPU kernels (in Pallas's interpreters: over the
-    static sampler's cache, and over the slots engine's pages read where they lie) or the
-    dense form, with the keys positions second-minor (as on accelerators): completions,
-    log-probs and masses are those of the CPU form (`decode_attention` "auto" on the CPU,
-    keys positions-minor)."""
+    static sampler's cache, and over the slots engine's pages read where they lie), the GPU
+    paged kernel (its interpreter) or the dense form, with the keys positions second-minor
+    (as on accelerators): completions, log-probs and masses are those of the CPU form
+    (`decode_attention` "auto" on the CPU, keys positions-minor)."""
     from jaxvrl.sampling import steps
 
     ids, mask, vis = prompts("image", np.random.default_rng(13))
     args, kw = inputs(model, ids, mask, **vis)
-    want = _run(model, _cfg(model, slots=slots, page_size=10), args, kw)
-    cfg = _cfg(model, slots=slots, page_size=10, decode_attention=attention)
+    want = _run(model, _cfg(model, slots=slots, page_size=page), args, kw)
+    cfg = _cfg(model, slots=slots, page_size=page, decode_attention=attention)
     assert steps.key_layout(cfg) == "BKSH"
     _same(_run(model, cfg, args, kw), want)
 
