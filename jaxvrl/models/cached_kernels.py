@@ -15,7 +15,8 @@ Arrays are the cache's layouts (`KVCache`): queries qg [B, 1, K, G, H], keys [B,
 masses' key pools) {"vision", "text", "prompt"} bool[B, S]. Under a mesh it runs
 per device (shard_map: rows as the batch is split, key/value heads as the heads); the heads
 average of the pool masses is taken after, across devices. `interpret=True` runs it on the
-CPU (Pallas's interpreter: the tests' reference check).
+CPU (Pallas's interpreter: the tests' reference check). The slots engine's pages are read
+where they lie by `tpu_paged_decode` on TPUs and `gpu_paged_decode` (Pallas Triton) on GPUs.
 """
 
 from __future__ import annotations
