@@ -15,6 +15,15 @@ lengths in reasoning RL are. Both engines sample the same completions (checked);
     python bench/rollout.py --slots 16,32,64 --new-tokens 512
     python bench/rollout.py --model /path/to/hf/checkpoint --dtype bfloat16   # e.g. on a GPU
 
+On a GPU, the paged kernel (`--decode-attention gpu`: the slots engine reads its pages in
+place; the static sampler is XLA's dense form) on a random Qwen2.5-0.5B-sized model, 64 and
+256 rows, each with a slot per row:
+
+    JAX_PLATFORMS=cuda python bench/rollout.py --size medium --dtype bfloat16 \
+        --decode-attention gpu --prompts 8 --samples 8 --slots 64 --new-tokens 512
+    JAX_PLATFORMS=cuda python bench/rollout.py --size medium --dtype bfloat16 \
+        --decode-attention gpu --prompts 32 --samples 8 --slots 256 --new-tokens 512
+
 With --partial STEPS: STEPS rollouts of --prompts groups each, with slots alone (every row of
 a step to its end) against partial rollouts (`rollout.partial`: --oversample x the prompts
 started, the step stops once its groups are whole, the rest carried; one row per
@@ -42,6 +51,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF checkpoint (default: the embedded tiny)")
+    ap.add_argument("--size", default=None, choices=("small", "medium"),
+                    help="a random model of bench/sampler.py's sizes (needs torch)")  # fmt: skip
+    ap.add_argument("--decode-attention", default="auto", choices=("auto", "dense", "tpu", "gpu"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
@@ -63,13 +75,11 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxvrl import train
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.sampling import Sampler
     from jaxvrl.sampling.sampler import generation_config
 
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    model = q.load(args.model or train.EMBEDDED, dtype=dtype)
+    model = load_model(args)
     cfg_m = model.config
     rng = np.random.default_rng(args.seed)
     r, g, p, n = args.prompts, args.samples, args.prompt_len, args.new_tokens
@@ -89,6 +99,7 @@ def main() -> None:
 
     graphdef, params = nnx.split(model)
     base = generation_config(cfg_m, max_new_tokens=n, temperature=1.0, eos_token_ids=())
+    base = dataclasses.replace(base, decode_attention=args.decode_attention)
 
     def run(slots: int):
         cfg = dataclasses.replace(base, slots=slots, page_size=args.page_size)
@@ -104,8 +115,8 @@ def main() -> None:
     tokens = int(limits.sum())
     print(
         f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.model or 'embedded tiny model'} "
-        f"{args.dtype}; {r} prompts x {g} samples = {r * g} rows, prompts of {p} tokens, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; {model_name(args)} "
+        f"{args.dtype}, decode attention {args.decode_attention}; {r} prompts x {g} samples = {r * g} rows, prompts of {p} tokens, "
         f"max_new_tokens {n}; lengths log-normal (median {args.median:g}, sigma {args.sigma:g}): "
         f"mean {limits.mean():.1f}, max {limits.max()}, {tokens} tokens; page size {args.page_size}"
     )
@@ -133,25 +144,50 @@ def main() -> None:
         row(f"slots={slots}", min(slots, r * g), out, secs)
 
 
+def model_name(args) -> str:
+    return args.model or (f"random {args.size} model" if args.size else "embedded tiny model")
+
+
+def load_model(args):
+    """The benchmarked model: --model, a random one of bench/sampler.py's --size (built by
+    transformers and loaded through jaxvrl's loader), else the embedded tiny model."""
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from jaxvrl import train
+    from jaxvrl.models import qwen2_5_vl as q
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    if not args.size:
+        return q.load(args.model or train.EMBEDDED, dtype=dtype)
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from bench.sampler import SIZES, hf_config
+
+    torch.manual_seed(args.seed)
+    hf = Qwen2_5_VLForConditionalGeneration(hf_config(SIZES[args.size])).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        return q.load(tmp, dtype=dtype)
+
+
 def partial_mix(args) -> None:
     """Slot-steps per trained group over `args.partial` steps: slots alone vs partial rollouts."""
     import functools
     import types
 
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
-    from jaxvrl import train
     from jaxvrl.data.pipeline import collate
-    from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.sampling import Sampler
     from jaxvrl.sampling.sampler import generation_config
     from jaxvrl.trainer.partial import PartialRollouts
     from jaxvrl.trainer.rollout import sample_completions
 
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    model = q.load(args.model or train.EMBEDDED, dtype=dtype)
+    model = load_model(args)
     cfg_m = model.config
     r, g, p, n, slots = (
         args.prompts,
@@ -186,7 +222,7 @@ def partial_mix(args) -> None:
     print(
         f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}; {args.model or 'embedded tiny model'} {args.dtype}; "
+        f"{jax.devices()[0].platform}; {model_name(args)} {args.dtype}; "
         f"{args.partial} steps of {r} groups x {g} rows, prompts of {p // 2}-{p} tokens, "
         f"max_new_tokens {n}, lengths log-normal (median {args.median:g}, sigma {args.sigma:g}); "
         f"{slots} slots, page size {args.page_size}"
