@@ -81,10 +81,18 @@ def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page):
     assert slots > 1 or got.steps == lengths.sum()
 
 
+def _gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
 @pytest.mark.parametrize(
     "slots,attention,page",
     [(0, "tpu_interpret", 10), (4, "tpu_interpret", 10), (0, "dense", 10), (4, "dense", 10),
-     (4, "gpu_interpret", 8)],
+     (4, "gpu_interpret", 8),
+     pytest.param(4, "gpu", 8, marks=pytest.mark.skipif(not _gpu(), reason="needs a GPU"))],
 )  # fmt: skip
 def test_accelerator_decode_forms_sample_what_the_cpu_form_samples(model, slots, attention, page):
     """Decode steps through the Pallas TPU kernels (in Pallas's interpreters: over the
