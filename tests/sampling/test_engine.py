@@ -97,17 +97,19 @@ def _gpu() -> bool:
 def test_accelerator_decode_forms_sample_what_the_cpu_form_samples(model, slots, attention, page):
     """Decode steps through the Pallas TPU kernels (in Pallas's interpreters: over the
     static sampler's cache, and over the slots engine's pages read where they lie), the GPU
-    paged kernel (its interpreter) or the dense form, with the keys positions second-minor
-    (as on accelerators): completions, log-probs and masses are those of the CPU form
+    paged kernel (its interpreter; compiled on a GPU, where "auto" is the dense form, at full
+    float32 matmul precision) or the dense form, with the keys positions second-minor (as on
+    accelerators): completions, log-probs and masses are those of the CPU form
     (`decode_attention` "auto" on the CPU, keys positions-minor)."""
     from jaxvrl.sampling import steps
 
     ids, mask, vis = prompts("image", np.random.default_rng(13))
     args, kw = inputs(model, ids, mask, **vis)
-    want = _run(model, _cfg(model, slots=slots, page_size=page), args, kw)
-    cfg = _cfg(model, slots=slots, page_size=page, decode_attention=attention)
-    assert steps.key_layout(cfg) == "BKSH"
-    _same(_run(model, cfg, args, kw), want)
+    with jax.default_matmul_precision("highest"):
+        want = _run(model, _cfg(model, slots=slots, page_size=page), args, kw)
+        cfg = _cfg(model, slots=slots, page_size=page, decode_attention=attention)
+        assert steps.key_layout(cfg) == "BKSH"
+        _same(_run(model, cfg, args, kw), want)
 
 
 def test_greedy_slots_and_more_slots_than_rows(model):
