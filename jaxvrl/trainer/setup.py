@@ -424,10 +424,10 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
     rmesh, dtype = None, None
     if mesh is not None:
         rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
+    check_decode_attention(c, jax.devices()[0] if rmesh is None else rmesh.devices.flat[0])
     shaping = step_config(c, mesh).sampler_shaping
     cfg = sampling_config(c, mcfg, tokenizer, entropies=shaping, mesh=rmesh)
     greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False, routes=False)
-    check_decode_attention(c, jax.devices()[0] if rmesh is None else rmesh.devices.flat[0])
     split = c.rollout.mesh.sequence if rmesh is not None else 1
     return Sampler(graph, cfg, rmesh, dtype, split), Sampler(graph, greedy, rmesh, dtype, split)
 
