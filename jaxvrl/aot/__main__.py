@@ -241,7 +241,8 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
     def per_position(decode, p):  # the step's price of a cache position the rows do not read
         if not (p.decode_kernel and p.sampling_config().slots):
             return 0.0  # gathered pages or the static sampler: the whole cache every step
-        return decode.breakdown["kv_cache"] / positions * decode.estimate_s / decode.bytes_accessed
+        rate = decode.estimate_s / decode.bytes_accessed  # seconds a byte, as XLA priced them
+        return decode.breakdown["kv_cache"] / positions * rate
 
     whole = dict(decode_s=reports["decode_step"].estimate_s,
                  prefill_s_per_token=per_token(reports["sampler"], plan),

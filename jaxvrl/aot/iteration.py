@@ -10,8 +10,9 @@ rollouts are `PartialRollouts` itself (trainer/partial.py) over that queue, seve
 row, so that carried rows and their prefills are counted as a run has them. Each decode step
 costs the compiled decode step's cost-model time less the cache its running rows do not read
 (on TPUs the paged kernel reads each running row's pages up to its written slot, `read`: the
-positions read), each prefilled token the sampler's prefill time per prompt token, the train step its own program's time, and the weight copy of one-step-
-off the rollout's weights per sampler chip over half a chip's bidirectional ICI bandwidth.
+positions read), each prefilled token the sampler's prefill time per prompt token, the train
+step its own program's time, and the weight copy of one-step-off the rollout's weights per
+sampler chip over half a chip's bidirectional ICI bandwidth.
 """
 
 from __future__ import annotations
@@ -170,9 +171,10 @@ def rollout_work(
     if not partial:
         steps = len(lengths) // rows
         runs = [engine_run(lengths[i * rows : (i + 1) * rows], slots) for i in range(steps)]
+        read_positions = float(np.mean([read(r[1], prompt_len) for r in runs]))
         return {"decode_steps": float(np.mean([r[0] for r in runs])),
                 "prefill_tokens": float(prompts * prompt_len), "groups": float(prompts),
-                "read_positions": float(np.mean([read(r[1], prompt_len) for r in runs]))}  # fmt: skip
+                "read_positions": read_positions}  # fmt: skip
     queue = _Queued(
         prompts, group, max_new_tokens, oversample=oversample, max_staleness=max_staleness,
         row_limit=lambda ex, j: ex["lengths"][j], slots=slots, check_every=check_every,
