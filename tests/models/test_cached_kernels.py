@@ -69,22 +69,21 @@ def test_the_kernel_equals_the_dense_form(b, kh, g, h, s, layout):
         assert np.asarray(stats[0]).max() > 0.1
 
 
-def test_the_paged_kernel_equals_the_dense_form_over_gathered_pages():
-    """The kernel reading each row's pages [P, K, ps, H] where they lie (Pallas's TPU
-    interpreter: its copies and semaphores): rows whose tables spread over the pages, a row
-    that sees nothing, tables padded to whole blocks of pages, several blocks per row (rows
-    that stop seeing keys early read fewer), pool masses; equal to the dense form over the
-    pages gathered by the tables."""
+def _paged_case(kernel, seed, sizes, spans, atol=2e-6, **kw):
+    """`kernel` (a paged decode: pages [P, K, ps, H] read through each row's table) against
+    the dense form over the pages the tables gather, rows seeing the slots `spans` (lo, hi)
+    of theirs, without and with pools: outputs and pool masses; a row that sees nothing
+    gives zeros. sizes: (b, kh, g, h, ps, n, pages). -> the problem's arrays."""
     from jaxvrl.models.cached_attention import gather_pages
 
-    rng = np.random.default_rng(5)
-    b, kh, g, h, ps, n, pages = 4, 2, 2, 16, 8, 11, 50
+    rng = np.random.default_rng(seed)
+    b, kh, g, h, ps, n, pages = sizes
     kp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
     vp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
     table = jnp.asarray(rng.permutation(pages)[: b * n].reshape(b, n), jnp.int32)
     qg = jnp.asarray(rng.normal(size=(b, 1, kh, g, h)), jnp.float32)
     mask = np.zeros((b, 1, n * ps), bool)
-    for r, (lo, hi) in enumerate([(3, 80), (0, 0), (10, 30), (0, 88)]):
+    for r, (lo, hi) in enumerate(spans):
         mask[r, 0, lo:hi] = True
     mask = jnp.asarray(mask)
     pools = {name: jnp.asarray(rng.random((b, n * ps)) < 0.3) for name in ck.POOLS}
@@ -92,15 +91,25 @@ def test_the_paged_kernel_equals_the_dense_form_over_gathered_pages():
     for with_pools in (None, pools):
         want, want_stats = _dense(qg, k, v, mask, scale=0.3, pools=with_pools,
                                   dtype=jnp.float32, key_layout="BKSH")  # fmt: skip
-        got, stats = ck.tpu_paged_decode(
-            qg, kp, vp, table, mask, scale=0.3, pools=with_pools, dtype=jnp.float32,
-            interpret=True, block=32,
-        )  # fmt: skip
-        np.testing.assert_allclose(got, want, atol=2e-6)
-        assert not np.asarray(got[1]).any()
+        got, stats = kernel(qg, kp, vp, table, mask, scale=0.3, pools=with_pools,
+                            dtype=jnp.float32, **kw)  # fmt: skip
+        np.testing.assert_allclose(got, want, atol=atol)
+        assert not np.asarray(got)[[i for i, (lo, hi) in enumerate(spans) if lo == hi]].any()
         if with_pools is not None:
             for a, w in zip(stats, want_stats):
-                np.testing.assert_allclose(a, w, atol=2e-6)
+                np.testing.assert_allclose(a, w, atol=atol)
+    return qg, kp, vp, table, mask, pools
+
+
+def test_the_paged_kernel_equals_the_dense_form_over_gathered_pages():
+    """The kernel reading each row's pages [P, K, ps, H] where they lie (Pallas's TPU
+    interpreter: its copies and semaphores): rows whose tables spread over the pages, a row
+    that sees nothing, tables padded to whole blocks of pages, several blocks per row (rows
+    that stop seeing keys early read fewer), pool masses; equal to the dense form over the
+    pages gathered by the tables."""
+    spans = [(3, 80), (0, 0), (10, 30), (0, 88)]
+    _paged_case(ck.tpu_paged_decode, 5, (4, 2, 2, 16, 8, 11, 50), spans, interpret=True,
+                block=32)  # fmt: skip
 
 
 def _gpu() -> bool:
@@ -111,34 +120,11 @@ def _gpu() -> bool:
 
 
 def _gpu_paged_case(g: int, interpret: bool, atol: float = 2e-6):
-    """The GPU paged kernel against the dense form over gathered pages: each row reads its
-    own pages up to its last visible slot (a row that sees nothing gives zeros); outputs and
-    pool masses, without and with pools."""
-    from jaxvrl.models.cached_attention import gather_pages
-
-    rng = np.random.default_rng(7)
-    b, kh, h, ps, n, pages = 3, 2, 16, 8, 6, 30
-    kp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
-    vp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
-    table = jnp.asarray(rng.permutation(pages)[: b * n].reshape(b, n), jnp.int32)
-    qg = jnp.asarray(rng.normal(size=(b, 1, kh, g, h)), jnp.float32)
-    mask = np.zeros((b, 1, n * ps), bool)
-    for r, (lo, hi) in enumerate([(3, 40), (0, 0), (0, 48)]):
-        mask[r, 0, lo:hi] = True
-    mask = jnp.asarray(mask)
-    pools = {name: jnp.asarray(rng.random((b, n * ps)) < 0.3) for name in ck.POOLS}
-    k, v = gather_pages(kp, vp, table, "BKSH")
-    for with_pools in (None, pools):
-        want, want_stats = _dense(qg, k, v, mask, scale=0.3, pools=with_pools,
-                                  dtype=jnp.float32, key_layout="BKSH")  # fmt: skip
-        got, stats = ck.gpu_paged_decode(qg, kp, vp, table, mask, scale=0.3, pools=with_pools,
-                                         dtype=jnp.float32, interpret=interpret)  # fmt: skip
-        np.testing.assert_allclose(got, want, atol=atol)
-        assert not np.asarray(got[1]).any()
-        if with_pools is not None:
-            for a, w in zip(stats, want_stats):
-                np.testing.assert_allclose(a, w, atol=atol)
-    return qg, kp, vp, table, mask, pools
+    """The GPU paged kernel against the dense form (`_paged_case`): each row reads its own
+    pages up to its last visible slot."""
+    spans = [(3, 40), (0, 0), (0, 48)]
+    return _paged_case(ck.gpu_paged_decode, 7, (3, 2, g, 16, 8, 6, 30), spans, atol=atol,
+                       interpret=interpret)  # fmt: skip
 
 
 @pytest.mark.parametrize("g", [3, 4])  # 3: the query heads padded to Triton's power of two
