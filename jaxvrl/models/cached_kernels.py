@@ -78,12 +78,13 @@ def _start(m_sc, l_sc, acc_sc, p_sc):
         p_sc[...] = jnp.zeros(p_sc.shape, jnp.float32)
 
 
-def _accumulate(r, q_ref, k_ref, v_ref, valid_ref, pool_ref, sc, *, scale, keys_minor):
-    """Row r's G queries over this block of keys, into the online softmax's scratch."""
+def _accumulate(r, q_ref, k, v, valid_ref, pool_ref, sc, *, scale, keys_minor):
+    """Row r's G queries over this block of keys k [H, bs] (keys_minor) or [bs, H] and values
+    v [bs, H], into the online softmax's scratch."""
     m_sc, l_sc, acc_sc, p_sc = sc
-    dot, dot_nt = _dots(k_ref.dtype)
+    dot, dot_nt = _dots(k.dtype)
     # [G, H] x [H, bs], or [G, H] x [bs, H] contracted over H
-    s = (dot(q_ref[r], k_ref[r]) if keys_minor else dot_nt(q_ref[r], k_ref[r])) * scale
+    s = (dot(q_ref[r], k) if keys_minor else dot_nt(q_ref[r], k)) * scale
     ok = valid_ref[r] > 0  # [1, bs]
     s = jnp.where(ok, s, _NEG)  # [G, bs]
     m_prev = m_sc[r]  # [G, 128], every lane alike
@@ -91,7 +92,7 @@ def _accumulate(r, q_ref, k_ref, v_ref, valid_ref, pool_ref, sc, *, scale, keys_
     p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
     alpha = jnp.exp(m_prev - m_new)
     l_sc[r] = alpha * l_sc[r] + jnp.sum(p, axis=1, keepdims=True)
-    acc_sc[r] = alpha[:, :1] * acc_sc[r] + dot(p.astype(v_ref.dtype), v_ref[r])
+    acc_sc[r] = alpha[:, :1] * acc_sc[r] + dot(p.astype(v.dtype), v)
     m_sc[r] = m_new
     if p_sc is not None:
         lane = jax.lax.broadcasted_iota(jnp.int32, p_sc.shape[1:], 1)
@@ -124,37 +125,57 @@ def _kernel(filled, q_ref, k_ref, v_ref, valid_ref, *refs, scale, rows, pools, k
     def _():
         for r in range(rows):
             _accumulate(
-                r, q_ref, k_ref, v_ref, valid_ref, pool_ref, sc, scale=scale, keys_minor=keys_minor
-            )
+                r, q_ref, k_ref[r], v_ref[r], valid_ref, pool_ref, sc, scale=scale,
+                keys_minor=keys_minor,
+            )  # fmt: skip
 
     pl.when(j == pl.num_programs(2) - 1)(lambda: _finish(rows, o_ref, mass_ref, sc))
 
 
 def _paged_kernel(
-    block_filled, row_filled, table, q_ref, k_hbm, v_hbm, valid_ref, *refs, scale, rows, pools,
-    page_size, per_block,
+    block_filled, row_filled, table, runs, q_ref, k_hbm, v_hbm, valid_ref, *refs, scale, rows,
+    pools, page_size, per_block,
 ):  # fmt: skip
     """As `_kernel`, the keys and values read from pages [P, K, ps, H] left in HBM: each row
     of the block copies its `per_block` pages of this block (its table's) into VMEM, only
     while the block holds a slot it sees; a row past its last one copies and computes
-    nothing."""
+    nothing. Pages that lie in a run (runs[row, j]: consecutive pages, as a prompt's and a
+    slot's own are allocated) come in one copy each of keys and values, others page by
+    page."""
     pool_ref, o_ref, mass_ref, sc, (k_buf, v_buf, sem) = _unpack(refs, pools)
     i, hh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pl.when(j == 0)(lambda: _start(*sc))
 
-    def row_step(r):
-        row, copies = i * rows + r, []
-        for p in range(per_block):
-            page, at = table[row, j * per_block + p], pl.ds(p * page_size, page_size)
-            copies.append(pltpu.make_async_copy(k_hbm.at[page, hh], k_buf.at[r, at],
-                                                sem.at[0, r]))  # fmt: skip
-            copies.append(pltpu.make_async_copy(v_hbm.at[page, hh], v_buf.at[r, at],
-                                                sem.at[1, r]))  # fmt: skip
+    def copy(copies):
         for c in copies:
             c.start()
         for c in copies:
             c.wait()
-        _accumulate(r, q_ref, k_buf, v_buf, valid_ref, pool_ref, sc, scale=scale, keys_minor=False)
+
+    def row_step(r):
+        row = i * rows + r
+        first = table[row, j * per_block]
+
+        @pl.when(runs[row, j] > 0)
+        def _():
+            at = pl.ds(first, per_block)
+            copy([pltpu.make_async_copy(k_hbm.at[at, hh], k_buf.at[r], sem.at[0, r]),
+                  pltpu.make_async_copy(v_hbm.at[at, hh], v_buf.at[r], sem.at[1, r])])  # fmt: skip
+
+        @pl.when(runs[row, j] == 0)
+        def _():
+            copies = []
+            for p in range(per_block):
+                page = table[row, j * per_block + p]
+                copies.append(pltpu.make_async_copy(k_hbm.at[page, hh], k_buf.at[r, p],
+                                                    sem.at[0, r]))  # fmt: skip
+                copies.append(pltpu.make_async_copy(v_hbm.at[page, hh], v_buf.at[r, p],
+                                                    sem.at[1, r]))  # fmt: skip
+            copy(copies)
+
+        bs = per_block * page_size
+        k, v = k_buf[r].reshape(bs, k_buf.shape[-1]), v_buf[r].reshape(bs, v_buf.shape[-1])
+        _accumulate(r, q_ref, k, v, valid_ref, pool_ref, sc, scale=scale, keys_minor=False)
 
     for r in range(rows):
         pl.when(j < row_filled[i * rows + r])(functools.partial(row_step, r))
@@ -275,13 +296,17 @@ def _paged_local(q, k_pages, v_pages, table, valid, pool, *, scale, interpret, b
     if pool is not None:
         pool = jnp.pad(pool, ((0, 0), (0, 0), (0, pad * ps)))
     row_filled, block_filled = _filled(valid, rows, bs)
+    by_block = table.reshape(b, blocks, per_block)  # blocks whose pages are consecutive
+    runs = jnp.all(by_block == by_block[..., :1] + jnp.arange(per_block), axis=2)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    extra = [pltpu.VMEM((rows, bs, h), k_pages.dtype), pltpu.VMEM((rows, bs, h), v_pages.dtype),
+    buf = (rows, per_block, ps, h)
+    extra = [pltpu.VMEM(buf, k_pages.dtype), pltpu.VMEM(buf, v_pages.dtype),
              pltpu.SemaphoreType.DMA((2, rows))]  # fmt: skip
     kernel = functools.partial(_paged_kernel, scale=scale, page_size=ps, per_block=per_block)
     item = k_pages.dtype.itemsize + v_pages.dtype.itemsize
+    prefetch = [block_filled, row_filled, table, runs.astype(jnp.int32)]
     return _call(
-        kernel, [block_filled, row_filled, table], [hbm, hbm], [q, k_pages, v_pages, valid],
+        kernel, prefetch, [hbm, hbm], [q, k_pages, v_pages, valid],
         q=q, pool=pool, bs=bs, blocks=blocks, extra_scratch=extra,
         cache_bytes=b * n * ps * kh * h * item, interpret=interpret,
     )  # fmt: skip

@@ -69,18 +69,21 @@ def test_the_kernel_equals_the_dense_form(b, kh, g, h, s, layout):
         assert np.asarray(stats[0]).max() > 0.1
 
 
-def _paged_case(kernel, seed, sizes, spans, atol=2e-6, **kw):
+def _paged_case(kernel, seed, sizes, spans, atol=2e-6, table=None, **kw):
     """`kernel` (a paged decode: pages [P, K, ps, H] read through each row's table) against
     the dense form over the pages the tables gather, rows seeing the slots `spans` (lo, hi)
     of theirs, without and with pools: outputs and pool masses; a row that sees nothing
-    gives zeros. sizes: (b, kh, g, h, ps, n, pages). -> the problem's arrays."""
+    gives zeros. sizes: (b, kh, g, h, ps, n, pages); table: int32[b, n] (default pages
+    drawn at random). -> the problem's arrays."""
     from jaxvrl.models.cached_attention import gather_pages
 
     rng = np.random.default_rng(seed)
     b, kh, g, h, ps, n, pages = sizes
     kp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
     vp = jnp.asarray(rng.normal(size=(pages, kh, ps, h)), jnp.float32)
-    table = jnp.asarray(rng.permutation(pages)[: b * n].reshape(b, n), jnp.int32)
+    if table is None:
+        table = rng.permutation(pages)[: b * n].reshape(b, n)
+    table = jnp.asarray(table, jnp.int32)
     qg = jnp.asarray(rng.normal(size=(b, 1, kh, g, h)), jnp.float32)
     mask = np.zeros((b, 1, n * ps), bool)
     for r, (lo, hi) in enumerate(spans):
@@ -110,6 +113,13 @@ def test_the_paged_kernel_equals_the_dense_form_over_gathered_pages():
     spans = [(3, 80), (0, 0), (10, 30), (0, 88)]
     _paged_case(ck.tpu_paged_decode, 5, (4, 2, 2, 16, 8, 11, 50), spans, interpret=True,
                 block=32)  # fmt: skip
+    # the engine's tables: a prompt's 3 pages, then the slot's own 8, each a run of
+    # consecutive pages (a block of 4 pages inside a run comes in one copy; the block that
+    # straddles the two runs, and the padded last one, page by page)
+    engine = [[*range(3 * (r // 2), 3 * (r // 2) + 3), *range(20 + 8 * r, 28 + 8 * r)]
+              for r in range(4)]  # fmt: skip
+    _paged_case(ck.tpu_paged_decode, 6, (4, 2, 2, 16, 8, 11, 60), spans, interpret=True,
+                block=32, table=engine)  # fmt: skip
 
 
 def _gpu() -> bool:
@@ -213,7 +223,9 @@ def test_the_tpu_compiler_prices_the_kernel_by_the_bytes_it_reads():
         assert cache <= kernel <= 1.05 * cache, (layout, kernel / cache)
     dense = priced(_dense)
     assert dense > 2.5 * cache, dense / cache
-    # the paged kernel (pages of 16 slots, the rows' tables over them) as the cache it reads
+    # the paged kernel (pages of 16 slots, the rows' tables over them) as the cache it reads,
+    # and its tables read once more for the runs of consecutive pages (in (8, 128) tiles:
+    # 0.8% here, where a row's table is 128 pages of 16 slots)
     n = s // 16
     shapes = [(b, 1, kh, g, h), (b * n, kh, 16, h), (b * n, kh, 16, h), (b, n), (b, 1, s)]
     types = [bf, bf, bf, jnp.int32, bool]
@@ -223,7 +235,7 @@ def test_the_tpu_compiler_prices_the_kernel_by_the_bytes_it_reads():
         compiled = fn.lower(*args).compile()
     assert "jaxvrl_decode_attention" in compiled.as_text()
     paged = compiled.cost_analysis()["bytes accessed"]
-    assert cache <= paged <= 1.05 * cache, paged / cache
+    assert cache <= paged <= 1.06 * cache, paged / cache
 
 
 def test_the_kernel_per_device_on_a_rollout_mesh():
