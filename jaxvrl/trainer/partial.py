@@ -129,6 +129,12 @@ def _stack_rows(rows: list[SampleOutput]) -> SampleOutput:
     return SampleOutput(**{k: cat(k) for k in fields})
 
 
+def call_width(prompts_per_step: int, oversample: float) -> int:
+    """Groups a partial rollout's sampler call holds: oversample x the step's prompts, at
+    least the step's."""
+    return max(prompts_per_step, math.ceil(oversample * prompts_per_step))
+
+
 @dataclasses.dataclass
 class PartialRollouts:
     """The rows carried between steps and the rules that carry them. `flights`: the groups in
@@ -153,9 +159,8 @@ class PartialRollouts:
 
     @property
     def width(self) -> int:
-        """Groups a sampler call holds (width x G work rows): oversample x the step's
-        prompts."""
-        return max(self.prompts_per_step, math.ceil(self.oversample * self.prompts_per_step))
+        """Groups a sampler call holds (width x G work rows): `call_width`."""
+        return call_width(self.prompts_per_step, self.oversample)
 
     def drop_stale(self, step: int) -> int:
         """Drops the flights with a row more than max_staleness versions behind `step`;

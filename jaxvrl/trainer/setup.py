@@ -57,7 +57,7 @@ from jaxvrl.sampling import (
 )
 from jaxvrl.trainer.build import step_config
 from jaxvrl.trainer.counters import RunCounters
-from jaxvrl.trainer.partial import PartialRollouts
+from jaxvrl.trainer.partial import PartialRollouts, call_width
 from jaxvrl.trainer.replay_state import decode_items, load_buffer
 from jaxvrl.trainer.reporting import evaluate
 from jaxvrl.trainer.reward_model import NAME as RM_NAME
@@ -314,7 +314,7 @@ def rollout_slots(c, text_cfg, mesh=None, processes: int | None = None, hbm=None
     ps = r.page_size
     own = -(-r.max_new_tokens // ps) * ps * position  # a slot's pages
     if r.partial:
-        width = max(c.prompts_per_step, math.ceil(r.oversample * c.prompts_per_step))
+        width = call_width(c.prompts_per_step, r.oversample)
         length, prompts = c.data.max_prompt_length + r.max_new_tokens, width * g * processes
     else:
         length, prompts = c.data.max_prompt_length, c.prompts_per_step * processes
