@@ -151,26 +151,17 @@ def model_name(args) -> str:
 def load_model(args):
     """The benchmarked model: --model, a random one of bench/sampler.py's --size (built by
     transformers and loaded through jaxvrl's loader), else the embedded tiny model."""
-    import tempfile
-
     import jax.numpy as jnp
 
     from jaxvrl import train
     from jaxvrl.models import qwen2_5_vl as q
 
+    if args.size:
+        from bench.sampler import SIZES, random_model
+
+        return random_model(SIZES[args.size], args.dtype, seed=args.seed)[1]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    if not args.size:
-        return q.load(args.model or train.EMBEDDED, dtype=dtype)
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from bench.sampler import SIZES, hf_config
-
-    torch.manual_seed(args.seed)
-    hf = Qwen2_5_VLForConditionalGeneration(hf_config(SIZES[args.size])).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        return q.load(tmp, dtype=dtype)
+    return q.load(args.model or train.EMBEDDED, dtype=dtype)
 
 
 def partial_mix(args) -> None:

@@ -309,18 +309,26 @@ def generate_lines(gen: dict, kept: dict, kept_tokens: dict) -> list[str]:
     return lines
 
 
-def bench_size(name: str, size: Size, args) -> list[str]:
+def random_model(size: Size, dtype: str, seed: int = 0, **load_kw):
+    """(transformers' model, jaxvrl's): a random Qwen2.5-VL of `size` (torch seed `seed`),
+    saved and loaded through jaxvrl's loader in `dtype` ("float32" | "bfloat16")."""
     import jax.numpy as jnp
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from jaxvrl.models import qwen2_5_vl
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     hf = Qwen2_5_VLForConditionalGeneration(hf_config(size)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        model = qwen2_5_vl.load(tmp, dtype=getattr(jnp, args.dtype), scan_layers=not args.unrolled)
+        return hf, qwen2_5_vl.load(tmp, dtype=getattr(jnp, dtype), **load_kw)
+
+
+def bench_size(name: str, size: Size, args) -> list[str]:
+    import torch
+
+    hf, model = random_model(size, args.dtype, scan_layers=not args.unrolled)
     hf = hf.to(device=args.device, dtype=getattr(torch, args.dtype))
     n_params = sum(p.numel() for p in hf.parameters())
     inputs = image_prompts(args.batch, size.vocab)
