@@ -4,8 +4,7 @@ by name or given as a callable.
 Without a cache, and in a prefill into an empty one, the decoder attends through
 `jaxvrl.models.attention.attend`. Over a written cache (the sampler's decode steps) each layer
 writes its new keys and values into it (`jaxvrl.models.cache`) and attends here, under the mask
-bool[B, T, S] that the decoder builds once per call (valid keys, causality by slot, the
-sliding window).
+bool[B, T, S] the decoder builds once per call (valid keys, causality by slot, the window).
 
 The arrays are in the caches' layouts: queries grouped by key/value head qg [B, T, K, G, H],
 keys [B, K, H, S] or [B, K, S, H] (`KVCache.key_layout`), values [B, K, S, H]; or, with
@@ -17,6 +16,8 @@ reads in the order table[b] (`PagedKVCache`, S = n * ps). Implementations:
   scores on chip and reads only the written blocks (`jaxvrl.models.cached_kernels`;
   "tpu_interpret" runs it on the CPU); over pages with keys by slot, a kernel that copies
   each row's pages from where they lie, up to its last visible slot (`tpu_paged_decode`);
+- "gpu": pages with keys by slot read in place by a Pallas Triton kernel (`gpu_paged_decode`;
+  "gpu_interpret" on the CPU), else as "dense";
 - a callable impl(qg, k, v, mask, *, scale, pools, dtype) -> (out, stats) over the dense
   layouts, keys positions-minor (the CPU kernel, `jaxvrl.sampling.cpu.decode.attention`).
 

@@ -16,9 +16,9 @@ by `sampler.py` when `cfg.slots` is set):
 - Rows draw their tokens as the static sampler's do (`steps.pick`, `steps.row_keys`), so the
   completions, log-probs and attention masses depend on neither `slots`, the page size nor
   the mesh: the static sampler is this engine's reference.
-- Decode attention reads each slot's pages through `jaxvrl.models.PagedKVCache`: in place by
-  the TPU paged kernel, else gathered into the dense form (the kernel's reference); keys lie
-  in pages as the static cache holds them (`steps.key_layout`: by slot on accelerators).
+- Decode attention reads pages through `jaxvrl.models.PagedKVCache`: in place by a paged
+  kernel (TPUs; GPUs with decode_attention "gpu"), else gathered into the dense form (their
+  reference); keys lie as the static cache holds them (`steps.key_layout`).
 
 Shapes: R prompts of P tokens (left-padded), G samples each, W = R * G work rows, S slots,
 N = max_new_tokens, ps = page_size; pp = ceil(P / ps) and pc = ceil(N / ps) pages.
