@@ -103,11 +103,16 @@ def _accumulate(r, q_ref, k, v, valid_ref, pool_ref, sc, *, scale, keys_minor):
         p_sc[r] = alpha * p_sc[r] + add
 
 
+def _inverse(total):
+    """1 / the softmax's denominator, 0 where a row saw no key (its output and masses 0)."""
+    return jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+
+
 def _finish(rows, o_ref, mass_ref, sc):
     m_sc, l_sc, acc_sc, p_sc = sc
     for r in range(rows):
         total = l_sc[r]
-        inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+        inv = _inverse(total)
         o_ref[r] = (acc_sc[r] * inv[:, :1]).astype(o_ref.dtype)
         if p_sc is not None:
             mass_ref[r] = p_sc[r] * inv
@@ -429,7 +434,7 @@ def _gpu_paged_kernel(
     start = (jnp.full((g,), _NEG, jnp.float32), jnp.zeros((g,), jnp.float32),
              jnp.zeros((g, h), jnp.float32), jnp.zeros((g, 4), jnp.float32))  # fmt: skip
     _, total, acc, mass = jax.lax.fori_loop(0, filled_ref[row], page_step, start)
-    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    inv = _inverse(total)
     o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
     if pools:
         mass_ref[...] = mass * inv[:, None]
