@@ -145,7 +145,7 @@ class _Queued(PartialRollouts):
             ended=ended,
         )
         return out, {"tokens": float(made.sum()), "rows": w, "prefill_s": 0.0, "decode_s": 0.0,
-                     "decode_steps": float(steps), "decode_rows": min(self.slots, w)}  # fmt: skip
+                     "decode_steps": float(steps), "decode_work": float(min(self.slots, w) * steps)}  # fmt: skip
 
 
 def rollout_work(

@@ -26,6 +26,8 @@ N = max_new_tokens, ps = page_size; pp = ceil(P / ps) and pc = ceil(N / ps) page
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -48,8 +50,9 @@ class SlotsCarry:
     none) and `need` int32[], or None: the loop stops once `need` groups have ended whole
     (`decode_slots`); `prompt_of` int32[W] the prompt each work row continues; `routes` the
     prompts' recorded routes [R, P, L', k] or None (`SamplingConfig.routes`); `first_mass`
-    (A_V, A_X) float32[R, L] of each prompt's last query with pools, else None. width =
-    (pp + pc) * ps."""
+    (A_V, A_X) float32[R, L] of each prompt's last query with pools, else None; `loop` the
+    decode loop's state where a call paused it (`decode_slots` with pause_at), else None.
+    width = (pp + pc) * ps."""
 
     pages: tuple
     prompt_valid: jax.Array
@@ -65,6 +68,39 @@ class SlotsCarry:
     prompt_of: jax.Array | None = None
     routes: jax.Array | None = None
     first_mass: tuple | None = None
+    loop: dict | None = None
+
+
+# the loop state's entries with one row per slot: what `narrow_slots` gathers
+PER_SLOT = ("row", "t", "next_tok", "next_lp", "next_ent", "table", "valid", "write")
+
+
+def widths(slots: int, groups: int, narrow: int) -> list[int]:
+    """The slot counts a call's decode loop runs at: `slots`, then up to `narrow` halvings
+    (each rounded up to a multiple of the rollout's row groups `groups`, while it shrinks)."""
+    out = [slots]
+    for _ in range(narrow):
+        half = -(-(out[-1] // 2) // groups) * groups
+        if not 0 < half < out[-1]:
+            break
+        out.append(half)
+    return out
+
+
+def narrow_slots(carry: SlotsCarry, width: int) -> SlotsCarry:
+    """A paused loop's state (`decode_slots` with pause_at) at `width` slots, its running
+    slots first in slot order (each with its page table, keys' validity and write slot: no
+    page moves). Every running slot must fit (pause_at <= width). One small program
+    (`_narrow_rows`) gathers the slots' entries; the pages and outputs stay where they are."""
+    loop = carry.loop
+    rows = _narrow_rows({k: loop[k] for k in PER_SLOT if k in loop}, carry.keys.shape[0], width)
+    return carry.replace(loop={**loop, **rows})
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _narrow_rows(slots: dict, work_rows: int, width: int) -> dict:
+    order = jnp.argsort(slots["row"] >= work_rows, stable=True)[:width]  # running slots first
+    return {k: v[order] for k, v in slots.items()}
 
 
 def _check(cfg: SamplingConfig):
@@ -175,10 +211,21 @@ def prefill_slots(
 
 
 def decode_slots(
-    graphdef, params, carry: SlotsCarry, decode_weights=None, *, cfg: SamplingConfig
+    graphdef,
+    params,
+    carry: SlotsCarry,
+    decode_weights=None,
+    *,
+    cfg: SamplingConfig,
+    pause_at: int = 0,
 ) -> tuple[SampleOutput, SlotsCarry]:
     """Traceable: every work row's decode steps in `cfg.slots` slots, from `prefill_slots`'
-    carry. Returns (SampleOutput, the carry with the pages as the steps left them)."""
+    carry. Returns (SampleOutput, the carry with the pages as the steps left them).
+
+    pause_at > 0: the loop also stops once no work row waits and at most `pause_at` slots
+    run, its state kept in the carry (`loop["paused"]` says whether it stopped so); given
+    that carry (as it is, or `narrow_slots` to fewer slots) it goes on where it stopped. The
+    SampleOutput is then the rows' so far. The rows draw the same tokens either way."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     keys, pools, limits = carry.keys, carry.pools, carry.limits
@@ -188,7 +235,8 @@ def decode_slots(
     k_pages, v_pages = carry.pages
     (r, width), w = prompt_valid.shape, keys.shape[0]
     n, ps = cfg.max_new_tokens, cfg.page_size
-    s, pc = min(cfg.slots, w), -(-n // ps)
+    s = min(cfg.slots, w) if carry.loop is None else carry.loop["row"].shape[0]
+    pc = -(-n // ps)
     pp = width // ps - pc
     tcfg = model.config.text
     forms = steps.decode_forms(model, cfg, s, decode_weights)
@@ -205,14 +253,9 @@ def decode_slots(
     rows0 = slot_ids  # the first S work rows
     layers = tcfg.num_hidden_layers if pools is not None else 0
     state = dict(
-        cache=PagedKVCache(
-            k_pages,
-            v_pages,
-            table(rows0),
-            valid(rows0),
-            jnp.full((s,), pp * ps),
-            key_layout=steps.key_layout(cfg),
-        ),  # fmt: skip
+        table=table(rows0),
+        valid=valid(rows0),
+        write=jnp.full((s,), pp * ps),
         row=rows0,  # the work row each slot runs (w: idle)
         t=jnp.zeros((s,), jnp.int32),  # its token index
         next_tok=first_tok[:s],
@@ -230,7 +273,7 @@ def decode_slots(
     if stops:  # rows of each group not ended yet (the last entry: rows of no group)
         grp = jnp.where(carry.groups < 0, w, jnp.minimum(carry.groups, w))
         state["left"] = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)
-        grouped = state["left"][:w] > 0  # the groups that have rows
+        grouped = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)[:w] > 0  # groups with rows
     if layers:  # token 0's masses: its prompt's last query's
         state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
         state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
@@ -241,6 +284,13 @@ def decode_slots(
         state["entropies"] = jnp.zeros((w + 1, n), jnp.float32)
     if carry.routes is not None:  # each completion token's, as it is fed
         state["routes"] = jnp.zeros((w + 1, n, *carry.routes.shape[2:]), carry.routes.dtype)
+    if carry.loop is not None:  # a paused loop goes on
+        state = {k: v for k, v in carry.loop.items() if k != "paused"}
+    key_layout = steps.key_layout(cfg)
+    state["cache"] = PagedKVCache(
+        k_pages, v_pages, state.pop("table"), state.pop("valid"), state.pop("write"),
+        key_layout=key_layout,
+    )  # fmt: skip
     eos = steps.eos_ids(cfg)
 
     def step(st):
@@ -316,9 +366,15 @@ def decode_slots(
         whole = jnp.sum(grouped & (st["left"][:w] == 0))
         return jnp.any(st["row"] < w) & (whole < carry.need)
 
+    def goes_on(st):
+        if not pause_at:
+            return running(st)
+        few = (st["queue"] >= w) & (jnp.sum(st["row"] < w) <= pause_at)
+        return running(st) & ~few
+
     k = max(1, cfg.check_every)
     st = jax.lax.while_loop(
-        running,
+        goes_on,
         lambda st: jax.lax.fori_loop(0, k, lambda _, x: step(x), st),
         state,
     )
@@ -336,4 +392,8 @@ def decode_slots(
         if carry.routes is None
         else jnp.concatenate([carry.routes[prompt_of], st["routes"][:w]], axis=1),
     )
-    return out, carry.replace(pages=(st["cache"].k, st["cache"].v))
+    c = st.pop("cache")
+    loop = None
+    if pause_at or carry.loop is not None:  # (a continued loop's state is donated: kept)
+        loop = dict(st, table=c.table, valid=c.valid, write=c.write, paused=running(st))
+    return out, carry.replace(pages=(c.k, c.v), loop=loop)

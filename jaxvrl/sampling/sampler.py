@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxvrl.models import rope_index, stack_vision_inputs, vision_inputs, vision_token_ids
+from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.sampling import engine, static, steps
 from jaxvrl.sampling.cpu import decode as cpu_decode
 from jaxvrl.sampling.cpu.decode import DecodeWeights
@@ -161,13 +162,16 @@ def decode(
     *,
     cfg: SamplingConfig,
     prefill_once: bool = True,
+    pause_at: int = 0,
 ) -> tuple[SampleOutput, Carry]:
     """A rollout's second program (traceable): every row's decode steps from `prefill`'s
     carry (made with the same `cfg` and `prefill_once`). Returns (SampleOutput, the carry
     with the cache as the steps left it: jit it with the carry donated and the cache is
-    updated in place)."""
+    updated in place). pause_at: the slots engine's (`engine.decode_slots`)."""
     if uses_slots(cfg, prefill_once):
-        return engine.decode_slots(graphdef, params, carry, decode_weights, cfg=cfg)
+        return engine.decode_slots(
+            graphdef, params, carry, decode_weights, cfg=cfg, pause_at=pause_at
+        )
     return static.decode(graphdef, params, carry, decode_weights, cfg=cfg)
 
 
@@ -183,8 +187,9 @@ def prepare_decode_weights(graphdef, rows: int, params, reuse, *, cfg: SamplingC
 _HOW = ("cfg", "num_samples", "prefill_once")
 prefill_program = jax.jit(prefill, static_argnums=0, static_argnames=_HOW)
 decode_program = jax.jit(
-    decode, static_argnums=0, static_argnames=("cfg", "prefill_once"), donate_argnums=2
-)
+    decode, static_argnums=0, static_argnames=("cfg", "prefill_once", "pause_at"),
+    donate_argnums=2,
+)  # fmt: skip
 sample_program = jax.jit(sample, static_argnums=0, static_argnames=_HOW)
 decode_weights_program = jax.jit(
     prepare_decode_weights, static_argnums=(0, 1), static_argnames="cfg", donate_argnums=3
@@ -272,9 +277,32 @@ class Sampler:
             carry = jax.block_until_ready(onto(carry, self.mesh))
         t1 = time.perf_counter()
         with self._mesh():
-            out, _ = decode_program(ready.graphdef, ready.params, carry, decode_weights, **how)
+            out, work = self._decode(ready, carry, decode_weights, how)
             out = jax.block_until_ready(out)
-        return out, {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+        times = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+        return out, times if work is None else dict(times, decode_work=work)
+
+    def _decode(self, ready, carry, decode_weights, how) -> tuple[SampleOutput, float | None]:
+        """The decode loop; with the slots engine and `cfg.narrow`, at fewer slots each time
+        no row waits and half of them or fewer run (`engine.widths`: a program per slot
+        count, each step's matmuls carrying only those slots): -> (out, the slots x steps
+        it ran, or None without narrowing)."""
+        args = (ready.graphdef, ready.params)
+        if not (uses_slots(self.cfg, how["prefill_once"]) and self.cfg.narrow):
+            return decode_program(*args, carry, decode_weights, **how)[0], None
+        rows = carry.keys.shape[0]
+        ladder = engine.widths(min(self.cfg.slots, rows), row_shards(self.mesh), self.cfg.narrow)
+        work = done = 0
+        for i, width in enumerate(ladder):
+            if i:
+                carry = engine.narrow_slots(carry, width)
+            pause = ladder[i + 1] if i + 1 < len(ladder) else 0
+            out, carry = decode_program(*args, carry, decode_weights, pause_at=pause, **how)
+            ran = int(jax.device_get(out.steps))  # replicated on every process
+            work, done = work + width * (ran - done), ran
+            if not (pause and bool(jax.device_get(carry.loop["paused"]))):
+                break
+        return out, float(work)
 
     def decode_weights(self, params, rows: int, reuse: DecodeWeights | None = None):
         """The decode weights of `params` (as they are or prepared) for calls of `rows` rows,

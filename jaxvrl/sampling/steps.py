@@ -58,6 +58,10 @@ class SamplingConfig:
     # (a prompt's pages shared by its samples). The same completions either way.
     slots: int = 0
     page_size: int = 16
+    # Halvings of the slots once no row waits (`Sampler`, `engine.widths`): each time half of
+    # the slots or fewer still run, the loop goes on at half the slots (a program of its own),
+    # so the tail's steps carry only about the rows that run; 0: every step at `slots`.
+    narrow: int = 0
     # How decode steps attend over the KV cache: "auto" (the form of the devices the program
     # is compiled for, `DECODE_KERNELS`: the CPU form on the CPU, the Pallas kernel on TPUs,
     # dense elsewhere) or a name of `jaxvrl.models.cached_attention.IMPLEMENTATIONS`
@@ -260,11 +264,10 @@ def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights |
     if transposed_decode(cfg):
         if weights is None:
             weights = cpu_decode.prepare(model, rows)
-        elif weights.packed != cpu_decode.uses_kernel(rows, model.dtype):
-            raise ValueError(
-                f"decode_weights were prepared for {'at most' if weights.packed else 'more than'}"
-                f" {cpu_kernels.MAX_ROWS} rows, this call has {rows}: prepare them for its rows "
-                "(Sampler.decode_weights)"
+        elif weights.packed and not cpu_decode.uses_kernel(rows, model.dtype):
+            raise ValueError(  # unpacked weights serve any rows (a narrowed loop's too)
+                f"decode_weights were packed for at most {cpu_kernels.MAX_ROWS} rows, this call "
+                f"has {rows}: prepare them for its rows (Sampler.decode_weights)"
             )
     else:
         weights = None

@@ -324,6 +324,5 @@ def _merge(infos: list[dict], seconds: float) -> dict:
     out = {"sample_s": seconds}
     for k in ("tokens", "rows", "prefill_s", "decode_s", "decode_steps"):
         out[k] = float(sum(i[k] for i in infos))
-    out["decode_work"] = float(sum(i["decode_rows"] * i["decode_steps"] for i in infos))
-    out["decode_rows"] = out["decode_work"] / max(out["decode_steps"], 1.0)
+    out["decode_work"] = float(sum(i["decode_work"] for i in infos))
     return out

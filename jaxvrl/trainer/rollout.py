@@ -206,11 +206,6 @@ def _finite_mean(vals: np.ndarray) -> float:
     return float(np.mean(vals[finite])) if finite.any() else float("nan")
 
 
-def _decode_work(info: dict) -> float:
-    """The rows x decode steps a generation batch's sampler calls ran."""
-    return info.get("decode_work", info["decode_rows"] * info["decode_steps"])
-
-
 def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     """Rows of a host batch (the positions' rows are their own axis)."""
     take = lambda x: None if x is None else np.asarray(x)[rows]  # noqa: E731
@@ -369,14 +364,17 @@ def sample_completions(
 def sampler_info(sampler, out, times: dict, prefill_once: bool = True) -> dict:
     """A sampler call's figures for the rollout's metrics: the tokens it generated and its
     rows, the seconds of its two programs (`times`: prefill_s, decode_s), its decode steps and
-    the rows each step ran (every row, or the sampler's slots)."""
+    the rows x steps they ran (every row, or the sampler's slots, fewer where its loop
+    narrowed: `decode_work` in times)."""
     lengths = np.asarray(out.mask).sum(1)
+    steps = float(out.steps)
+    rows = sampler.decode_rows(len(lengths), prefill_once)
     return dict(
         times,
         tokens=float(lengths.sum()),
         rows=len(lengths),
-        decode_steps=float(out.steps),
-        decode_rows=sampler.decode_rows(len(lengths), prefill_once),
+        decode_steps=steps,
+        decode_work=float(times.get("decode_work", rows * steps)),
     )
 
 
@@ -675,7 +673,7 @@ class RolloutPhase:
                 # generated tokens over the rows x decode steps the sampler ran: the share
                 # of its decode work that produced tokens (finished rows idle until the end)
                 "rollout/slot_utilization": sum(i["tokens"] for i in infos)
-                / max(sum(_decode_work(i) for i in infos), 1.0),
+                / max(sum(i["decode_work"] for i in infos), 1.0),
             }
         )
         m["rollout/tokens_per_s"] = m["tokens_per_s"]

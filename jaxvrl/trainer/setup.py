@@ -274,6 +274,7 @@ def sampling_config(
         cfg,
         slots=rollout_slots(c, mcfg.text, mesh, **where),
         page_size=r.page_size,
+        narrow=r.narrow,
         decode_attention=r.decode_attention,
         entropies=entropies,
         routes=records_routes(c, mcfg),

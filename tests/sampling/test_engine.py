@@ -41,7 +41,7 @@ def model(tmp_path_factory):
 
 def _cfg(model, temperature=1.0, **kw):
     cfg = generation_config(model.config, max_new_tokens=N, temperature=temperature)
-    return dataclasses.replace(cfg, eos_token_ids=EOS, check_every=4, **kw)
+    return dataclasses.replace(cfg, **{"eos_token_ids": EOS, "check_every": 4, **kw})
 
 
 def _run(model, cfg, args, kw, key=7):
@@ -61,24 +61,42 @@ def _same(got, want):
         np.testing.assert_allclose(np.where(m, a, 0), np.where(m, b, 0), atol=1e-5)
 
 
-# (prompt kind, slots, page size): 5 and 4 slots do not divide the 6 rows; the page sizes
-# divide neither the prompts' lengths nor N (one image: the greedy and limits tests below)
-CASES = [("text", 1, 3), ("two_images", 5, 7), ("video", 4, 6)]
+# (prompt kind, slots, page size, halvings): 5 and 4 slots do not divide the 6 rows; the page
+# sizes divide neither the prompts' lengths nor N (one image: the greedy and limits tests
+# below); 5 slots narrow to 2, then 1, 4 slots to 2 once no row waits
+CASES = [("text", 1, 3, 0), ("two_images", 5, 7, 2), ("video", 4, 6, 1)]
 
 
-@pytest.mark.parametrize("kind,slots,page", CASES)
-def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page):
+@pytest.mark.parametrize("kind,slots,page,narrow", CASES)
+def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page, narrow):
     ids, mask, vis = prompts(kind, np.random.default_rng(11))
     args, kw = inputs(model, ids, mask, **vis)
     want = _run(model, _cfg(model), args, kw)
     lengths = want.mask.sum(1)
     assert want.tokens.shape == (2 * G, N) and len(set(lengths.tolist())) > 2, lengths
-    got = _run(model, _cfg(model, slots=slots, page_size=page), args, kw)
+    # checked at every step: the tail of 10 tokens is short for a narrowed loop to show
+    cfg = _cfg(model, slots=slots, page_size=page, narrow=narrow, check_every=1 if narrow else 4)
+    got, times = Sampler(nnx.graphdef(model), cfg).timed(
+        nnx.state(model), *args, jax.random.key(7), num_samples=G, **kw
+    )
+    got = jax.tree.map(np.asarray, got)
     _same(got, want)
     # every token took a slot for a step; the longest row took a step per token; with one
     # slot nothing idles: a step per token
     assert got.steps * min(slots, 2 * G) >= lengths.sum() and got.steps >= lengths.max()
     assert slots > 1 or got.steps == lengths.sum()
+    if narrow:  # the slots x steps run: fewer than every step at all slots, no fewer than tokens
+        assert lengths.sum() <= times["decode_work"] < got.steps * slots, times
+    else:
+        assert "decode_work" not in times
+
+
+def test_slot_counts_halve_in_whole_row_groups():
+    from jaxvrl.sampling.engine import widths
+
+    assert widths(256, 2, 3) == [256, 128, 64, 32]
+    assert widths(6, 2, 5) == [6, 4, 2]  # 3 rounded up to the 2 groups
+    assert widths(5, 1, 9) == [5, 2, 1] and widths(8, 8, 2) == [8] and widths(7, 1, 0) == [7]
 
 
 def _gpu() -> bool:
@@ -154,10 +172,11 @@ def test_row_limits_end_rows_truncated_in_both_samplers(model):
 def test_a_call_stopped_by_its_groups_leaves_the_rest_part_way(model, groups, need):
     ids, mask, vis = prompts("image", np.random.default_rng(15))
     args, kw = inputs(model, ids, mask, **vis)
-    cfg = _cfg(model, slots=2, page_size=4)
+    cfg = _cfg(model, slots=4, page_size=4)
     want = _run(model, cfg, args, kw)  # every row to its end
     groups = np.asarray(groups, np.int32)
-    got = _run(model, cfg, args, dict(kw, groups=groups, need=np.int32(need)))
+    narrowed = dataclasses.replace(cfg, narrow=1)  # 2 slots once no row waits
+    got = _run(model, narrowed, args, dict(kw, groups=groups, need=np.int32(need)))
     ended = got.ended
     whole = [gid for gid in set(groups.tolist()) - {-1} if ended[groups == gid].all()]
     assert len(whole) >= need and not ended.all(), (ended, groups)
