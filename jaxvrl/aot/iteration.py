@@ -56,6 +56,51 @@ def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int
     return stop, made, made == lengths
 
 
+def engine_loop(
+    lengths,
+    slots: int,
+    prompt_len: int,
+    n: int,
+    *,
+    widths: list[int],
+    step_at: dict,
+    per_slot: float,
+    check_every: int = 8,
+) -> dict:
+    """The slots engine's decode loop on rows of `lengths` (int[W], queue order) priced step
+    by step, narrowing as `Sampler` does: at each check (every `check_every` steps) where no
+    row waits and at most the next of `widths` (`engine.widths`, from `slots`) run, the loop
+    goes on at that many slots. A step at width S costs `step_at[S]` = (the compiled decode
+    step's seconds at S rows, the seconds per byte it was priced at) less the cache its
+    running rows do not read (the step prices S rows x (prompt_len + n) slots of
+    `per_slot` bytes; the paged kernel reads each running row's pages up to the slot just
+    written). -> {"steps", "loop_s", "at": {S: steps at S slots}}."""
+    lengths = np.minimum(np.asarray(lengths, np.int64), n)
+    w = len(lengths)
+    free = np.zeros(max(1, min(slots, w)), np.int64)
+    start = np.zeros(w, np.int64)
+    for r in range(w):  # as `engine_run`
+        s = int(np.argmin(free))
+        start[r], free[s] = free[s], free[s] + lengths[r]
+    end, k = start + lengths, max(1, check_every)
+    stop = int(end.max()) if w else 0  # the steps with a running row, as `engine_run`
+    t = np.arange(stop)
+    running = (start[None, :] <= t[:, None]) & (t[:, None] < end[None, :])
+    live = running.sum(axis=1)
+    positions = np.where(running, prompt_len + t[:, None] - start[None, :] + 1, 0).sum(axis=1)
+    last_start, level, loop, at = int(start.max()) if w else 0, 0, 0.0, {}
+    for i in range(stop):
+        if i % k == 0 and i >= last_start:  # a check with no row waiting
+            while level + 1 < len(widths) and live[i] <= widths[level + 1]:
+                level += 1
+        width = widths[level]
+        step_s, rate = step_at[width]
+        unread = width * (prompt_len + n) - positions[i]
+        loop += step_s - per_slot * unread * rate
+        at[width] = at.get(width, 0) + 1
+    return {"steps": stop, "loop_s": loop, "at": at}
+
+
 def read(made, width: int) -> float:
     """The cache positions running rows read over a call's decode steps: a row that made m
     tokens after a prompt place of `width` positions reads width + 1, ..., width + m (its

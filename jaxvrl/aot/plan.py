@@ -499,17 +499,23 @@ class Plan:
         flops = 2.0 * self.active_params * tokens
         return lower, flops, breakdown, None
 
-    def _decode_step(self):
+    def decode_step_at(self, rows: int) -> Report:
+        """The decode step compiled for `rows` rows (a narrowed slots loop's width)."""
+        lower, flops, breakdown, bound = self._decode_step(rows)
+        return self._compile("decode_step", lower, flops / self.mesh.size, breakdown, bound)
+
+    def _decode_step(self, rows: int | None = None):
         sampler = self.sampler()
         mesh = sampler.mesh
+        rows = rows or self.rows
         ready = sampler.prepare(self.init.state.params)  # as the sampler's loop reads them
         dtype = nnx.merge(ready.graphdef, ready.params).dtype
         with jax.set_mesh(mesh):  # the cache's layout follows the rollout's devices
             state = static.abstract_loop_state(
-                self.model.config, self.rows, self.prompt_len, sampler.cfg, dtype
+                self.model.config, rows, self.prompt_len, sampler.cfg, dtype
             )
         state = jax.tree.map(lambda x, s: _abstract(x, s), state, decode_shardings(state, mesh))
-        start = _with_shardings(np.zeros((self.rows,), np.int32), mesh, self.rows)
+        start = _with_shardings(np.zeros((rows,), np.int32), mesh, rows)
         # the carry is donated, as the loop updates it in place (else the step copies the cache)
         step = functools.partial(static.decode_step, ready.graphdef, cfg=sampler.cfg)
         fn = jax.jit(step, donate_argnums=1)
@@ -522,7 +528,7 @@ class Plan:
         weights = per_device_bytes(decoder_params(ready.params, self.model.config))
         bound = (weights + cache) / topology.bandwidth(self.slice)
         breakdown = {"params": per_device_bytes(ready.params), "kv_cache": cache}
-        flops = 2.0 * self._decoder_params * self.rows
+        flops = 2.0 * self._decoder_params * rows
         return lower, flops, breakdown, bound
 
     @functools.cached_property

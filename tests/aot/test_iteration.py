@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from jaxvrl.aot.iteration import decode_loop, engine_run, price, rollout_work
+from jaxvrl.aot.iteration import decode_loop, engine_loop, engine_run, price, rollout_work
 from jaxvrl.aot.plan import completion_lengths
 
 P, G, N, PROMPT = 4, 4, 256, 32
@@ -105,3 +105,25 @@ def test_the_decode_loop_against_the_running_rows_filled_cache():
     assert decode_loop([3, 1, 5], 4, 6, step_s=1, weights=1, cache=1, bandwidth=1)["steps"] == 6
     assert decode_loop([2, 1], 4, 6, step_s=1, weights=1, cache=1, bandwidth=1,
                        check_every=4)["steps"] == 3  # fmt: skip
+
+
+def test_the_engine_loop_narrows_as_the_sampler_does():
+    """`engine_loop` with one width is the paged kernel's slot-per-row loop above; narrowing
+    [4, 2, 1] on rows of 3, 1, 5 and 2 tokens (checked every 2 steps): at step 0 four run
+    (4 slots), at the check of step 2 two (rows 0 and 2: 2 slots), at step 4 one (row 2: 1
+    slot), each step priced at its width's own compiled step less the slots it does not
+    read (each width prices width x 10 slots of 1 byte)."""
+    lengths, prompt, n = [3, 1, 5, 2], 4, 6
+    kw = dict(per_slot=1.0, check_every=2)
+    one = engine_loop(lengths, 4, prompt, n, widths=[4], step_at={4: (130.0, 1.0)}, **kw)
+    kernel = decode_loop(lengths, prompt, n, step_s=130.0, weights=100.0, cache=40.0,
+                         bandwidth=1.0, check_every=1, written_only=True, row_block=1)  # fmt: skip
+    assert one["steps"] == kernel["steps"] == 5 and one["loop_s"] == pytest.approx(kernel["loop_s"])
+    step_at = {4: (130.0, 1.0), 2: (60.0, 0.5), 1: (30.0, 0.25)}
+    got = engine_loop(lengths, 4, prompt, n, widths=[4, 2, 1], step_at=step_at, **kw)
+    # positions read at step t: each running row's 4 + t + 1
+    read = [4 * 5, 2 * 6, 2 * 7, 1 * 8, 1 * 9]  # rows running: 4, 3 -> (0, 2) at 2, 2 at 4
+    read[1] = 3 * 6
+    want = (130 - (40 - read[0])) + (130 - (40 - read[1]))
+    want += (60 - (20 - read[2]) * 0.5) + (60 - (20 - read[3]) * 0.5) + (30 - (10 - read[4]) / 4)
+    assert got == {"steps": 5, "loop_s": pytest.approx(want), "at": {4: 2, 2: 2, 1: 1}}
