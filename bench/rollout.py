@@ -7,7 +7,8 @@ and capped at max_new_tokens: a few rows are many times longer than most, as com
 lengths in reasoning RL are. Both engines sample the same completions (checked); the figures:
 
 - slot-steps: decode rows x decode steps the engine ran (the static engine runs every row
-  until the longest ends; the slot engine runs its slots until the queue is empty);
+  until the longest ends; the slot engine runs its slots until the queue is empty, with
+  --narrow halving them each time no row waits and half or fewer run: `rollout.narrow`);
 - slot utilization: generated tokens / slot-steps (`rollout/slot_utilization`);
 - wall time of the call (after a warm-up compile), and tokens per second.
 
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--slots", default="16,32")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--narrow", default="0,3", help="rollout.narrow values (slot halvings)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--partial", type=int, default=0, help="steps of the partial-rollout mix")
     ap.add_argument("--oversample", type=float, default=2.0)
@@ -77,6 +79,7 @@ def main() -> None:
 
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.sampling import Sampler
+    from jaxvrl.sampling.engine import widths
     from jaxvrl.sampling.sampler import generation_config
 
     model = load_model(args)
@@ -101,16 +104,17 @@ def main() -> None:
     base = generation_config(cfg_m, max_new_tokens=n, temperature=1.0, eos_token_ids=())
     base = dataclasses.replace(base, decode_attention=args.decode_attention)
 
-    def run(slots: int):
-        cfg = dataclasses.replace(base, slots=slots, page_size=args.page_size)
+    def run(slots: int, narrow: int = 0):
+        cfg = dataclasses.replace(base, slots=slots, page_size=args.page_size, narrow=narrow)
         sampler = Sampler(graphdef, cfg)
-        call = lambda: sampler(  # noqa: E731
+        call = lambda: sampler.timed(  # noqa: E731
             params, *batch, jax.random.key(1), num_samples=g, limits=jnp.asarray(limits)
         )
         jax.block_until_ready(call())  # compile
         t0 = time.perf_counter()
-        out = jax.tree.map(np.asarray, call())
-        return out, time.perf_counter() - t0
+        out, times = call()
+        out = jax.tree.map(np.asarray, out)
+        return out, time.perf_counter() - t0, times.get("decode_work")
 
     tokens = int(limits.sum())
     print(
@@ -124,13 +128,13 @@ def main() -> None:
         "| engine | decode rows | decode steps | slot-steps | vs static | slot utilization | wall s | tokens/s |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    static, secs = run(0)
+    static, secs, _ = run(0)
     assert (static.mask.sum(1) == limits).all()
     ref = int(static.steps) * r * g
 
-    def row(name, rows, out, secs):
+    def row(name, rows, out, secs, work=None):
         steps = int(out.steps)
-        work = steps * rows
+        work = int(work or steps * rows)
         print(
             f"| {name} | {rows} | {steps} | {work} | {work / ref:.2f}x | {tokens / work:.3f} | "
             f"{secs:.2f} | {tokens / secs:,.0f} |"
@@ -138,10 +142,13 @@ def main() -> None:
 
     row("static", r * g, static, secs)
     for slots in (int(x) for x in args.slots.split(",")):
-        out, secs = run(slots)
-        np.testing.assert_array_equal(out.tokens, static.tokens)  # the same completions
-        np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-4)
-        row(f"slots={slots}", min(slots, r * g), out, secs)
+        for narrow in (int(x) for x in args.narrow.split(",")):
+            out, secs, work = run(slots, narrow)
+            np.testing.assert_array_equal(out.tokens, static.tokens)  # the same completions
+            np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-4)
+            ladder = widths(min(slots, r * g), 1, narrow)
+            rows = "/".join(map(str, ladder))  # the slot counts the loop ran at
+            row(f"slots={slots}" + (f", narrow={narrow}" if narrow else ""), rows, out, secs, work)
 
 
 def model_name(args) -> str:

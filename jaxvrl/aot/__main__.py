@@ -204,11 +204,12 @@ def _narrowed_loop(plan, step, per_slot: float) -> dict | None:
         at[w] = plan.decode_step_at(w)
         if not at[w].fits or at[w].estimate_s is None:
             return None
-    return iteration.engine_loop(
+    loop = iteration.engine_loop(
         plan.completions, rows, plan.prompt_len, plan.new_tokens, widths=ladder,
         step_at={w: (r.estimate_s, r.estimate_s / r.bytes_accessed) for w, r in at.items()},
         per_slot=per_slot, check_every=plan.sampling_config().check_every,
     )  # fmt: skip
+    return dict(loop, step_s={w: r.estimate_s for w, r in at.items()})
 
 
 def _suggest(plan, step, lengths) -> dict | None:

@@ -157,6 +157,7 @@ for sizes in (dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
 
 # the rollout's own layout: parameters on the fsdp=8 training mesh, prepared (resharded) for
 # rollout meshes over the same devices, one of them in another device order
+import dataclasses
 from jax.sharding import Mesh
 from jaxvrl.sampling import rollout_mesh
 
@@ -178,6 +179,14 @@ for name, rmesh in layouts.items():
     d = R.place_batch(distinct, rmesh)
     grp = r_s(ready, d["input_ids"], d["attention_mask"], d["position_ids"], d["deltas"],
               jax.random.key(1), images=d["images"], num_samples=G)
+    if name == "data2_tensor4":  # the slots engine, its slots halved down to 2 as rows end
+        cfg = dataclasses.replace(rollout.cfg, slots=8 * G, page_size=4, narrow=3, check_every=1)
+        limits = jnp.asarray(np.arange(8 * G) % 6 + 1, jnp.int32)  # rows of 1 to 6 tokens
+        grp_s, times = Sampler(rollout.graphdef, cfg, rmesh).timed(
+            ready, d["input_ids"], d["attention_mask"], d["position_ids"], d["deltas"],
+            jax.random.key(1), images=d["images"], num_samples=G, limits=limits)
+        report["narrowed"] = [R.host_local(grp_s.tokens).tolist(),
+                              times["decode_work"], int(grp_s.steps)]
     report["layouts"][name] = {
         "tokens": np.asarray(out.tokens).tolist(),
         "groups": R.host_local(grp.tokens).tolist(),
@@ -244,6 +253,12 @@ def test_the_rollout_layout_samples_what_one_device_samples(report, layout):
     np.testing.assert_array_equal(got["groups"], one["groups"])
     assert got["on_rollout_mesh"] and got["source_kept"]
     assert "tensor" in got["spec"] and "fsdp" not in got["spec"], got["spec"]
+    if layout == "data2_tensor4":  # the slots engine narrowing its slots over the 2 row groups
+        tokens, work, steps = report["narrowed"]
+        for b, (row, want) in enumerate(zip(tokens, one["groups"])):  # each row's first tokens
+            k = b % 6 + 1
+            assert row[:k] == list(want[:k]), (b, row, want)
+        assert work < steps * 8 * G, (work, steps)
 
 
 def test_fsdp8_every_matrix_is_split_eight_ways(report):
