@@ -132,9 +132,9 @@ def main() -> None:
     assert (static.mask.sum(1) == limits).all()
     ref = int(static.steps) * r * g
 
-    def row(name, rows, out, secs, work=None):
+    def row(name, rows, out, secs, work=None):  # rows: the decode rows (or their widths)
         steps = int(out.steps)
-        work = int(work or steps * rows)
+        work = int(work or steps * int(rows))
         print(
             f"| {name} | {rows} | {steps} | {work} | {work / ref:.2f}x | {tokens / work:.3f} | "
             f"{secs:.2f} | {tokens / secs:,.0f} |"
