@@ -79,8 +79,8 @@ def main() -> None:
 
     from jaxvrl.models import qwen2_5_vl as q
     from jaxvrl.sampling import Sampler
-    from jaxvrl.sampling.engine import widths
     from jaxvrl.sampling.sampler import generation_config
+    from jaxvrl.sampling.steps import widths
 
     model = load_model(args)
     cfg_m = model.config
@@ -146,7 +146,7 @@ def main() -> None:
             out, secs, work = run(slots, narrow)
             np.testing.assert_array_equal(out.tokens, static.tokens)  # the same completions
             np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-4)
-            ladder = widths(min(slots, r * g), 1, narrow)
+            ladder = widths(min(slots, r * g), 1, dataclasses.replace(base, narrow=narrow))
             rows = "/".join(map(str, ladder))  # the slot counts the loop ran at
             row(f"slots={slots}" + (f", narrow={narrow}" if narrow else ""), rows, out, secs, work)
 

@@ -192,10 +192,10 @@ def _narrowed_loop(plan, step, per_slot: float) -> dict | None:
     rows; None where it would not narrow."""
     from jaxvrl.aot import iteration
     from jaxvrl.parallel.sharding import row_shards
-    from jaxvrl.sampling.engine import widths
+    from jaxvrl.sampling.steps import widths
 
     rows = len(plan.completions)
-    ladder = widths(rows, row_shards(plan.rollout[0]), plan.sampling_config().narrow)
+    ladder = widths(rows, row_shards(plan.rollout[0]), plan.sampling_config())
     if len(ladder) < 2:
         return None
     at = {rows: step}

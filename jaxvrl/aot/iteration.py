@@ -69,7 +69,7 @@ def engine_loop(
 ) -> dict:
     """The slots engine's decode loop on rows of `lengths` (int[W], queue order) priced step
     by step, narrowing as `Sampler` does: at each check (every `check_every` steps) where no
-    row waits and at most the next of `widths` (`engine.widths`, from `slots`) run, the loop
+    row waits and at most the next of `widths` (`steps.widths`, from `slots`) run, the loop
     goes on at that many slots. A step at width S costs `step_at[S]` = (the compiled decode
     step's seconds at S rows, the seconds per byte it was priced at) less the cache its
     running rows do not read (the step prices S rows x (prompt_len + n) slots of

@@ -75,18 +75,6 @@ class SlotsCarry:
 PER_SLOT = ("row", "t", "next_tok", "next_lp", "next_ent", "table", "valid", "write")
 
 
-def widths(slots: int, groups: int, narrow: int) -> list[int]:
-    """The slot counts a call's decode loop runs at: `slots`, then up to `narrow` halvings
-    (each rounded up to a multiple of the rollout's row groups `groups`, while it shrinks)."""
-    out = [slots]
-    for _ in range(narrow):
-        half = -(-(out[-1] // 2) // groups) * groups
-        if not 0 < half < out[-1]:
-            break
-        out.append(half)
-    return out
-
-
 def narrow_slots(carry: SlotsCarry, width: int) -> SlotsCarry:
     """A paused loop's state (`decode_slots` with pause_at) at `width` slots, its running
     slots first in slot order (each with its page table, keys' validity and write slot: no

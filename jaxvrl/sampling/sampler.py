@@ -167,12 +167,12 @@ def decode(
     """A rollout's second program (traceable): every row's decode steps from `prefill`'s
     carry (made with the same `cfg` and `prefill_once`). Returns (SampleOutput, the carry
     with the cache as the steps left it: jit it with the carry donated and the cache is
-    updated in place). pause_at: the slots engine's (`engine.decode_slots`)."""
+    updated in place). pause_at: see `engine.decode_slots` and `static.decode`."""
     if uses_slots(cfg, prefill_once):
         return engine.decode_slots(
             graphdef, params, carry, decode_weights, cfg=cfg, pause_at=pause_at
         )
-    return static.decode(graphdef, params, carry, decode_weights, cfg=cfg)
+    return static.decode(graphdef, params, carry, decode_weights, cfg=cfg, pause_at=pause_at)
 
 
 def prepare_decode_weights(graphdef, rows: int, params, reuse, *, cfg: SamplingConfig):
@@ -283,26 +283,33 @@ class Sampler:
         return out, times if work is None else dict(times, decode_work=work)
 
     def _decode(self, ready, carry, decode_weights, how) -> tuple[SampleOutput, float | None]:
-        """The decode loop; with the slots engine and `cfg.narrow`, at fewer slots each time
-        no row waits and half of them or fewer run (`engine.widths`: a program per slot
-        count, each step's matmuls carrying only those slots): -> (out, the slots x steps
+        """The decode loop; with `cfg.narrow`, at fewer rows (slots) each time no row waits
+        and half of them or fewer run (`steps.widths`: a program per row count, each step's
+        matmuls carrying only those rows; the slots engine's outputs are every work row's
+        already, the static sampler's are merged back by row): -> (out, the rows x steps
         it ran, or None without narrowing)."""
         args = (ready.graphdef, ready.params)
-        if not (uses_slots(self.cfg, how["prefill_once"]) and self.cfg.narrow):
-            return decode_program(*args, carry, decode_weights, **how)[0], None
+        slots = uses_slots(self.cfg, how["prefill_once"])
         rows = carry.keys.shape[0]
-        ladder = engine.widths(min(self.cfg.slots, rows), row_shards(self.mesh), self.cfg.narrow)
-        work = done = 0
+        ladder = steps.widths(
+            min(self.cfg.slots, rows) if slots else rows, row_shards(self.mesh), self.cfg
+        )
+        if len(ladder) == 1:
+            return decode_program(*args, carry, decode_weights, **how)[0], None
+        whole, work, done = None, 0, 0
         for i, width in enumerate(ladder):
             if i:
-                carry = engine.narrow_slots(carry, width)
+                carry = (engine.narrow_slots if slots else static.narrow_rows)(carry, width)
             pause = ladder[i + 1] if i + 1 < len(ladder) else 0
             out, carry = decode_program(*args, carry, decode_weights, pause_at=pause, **how)
+            if whole is not None and not slots:  # the narrowed rows' outputs, in their rows
+                out = static.merge_rows(whole, out, carry.loop["rows"])
+            whole = out
             ran = int(jax.device_get(out.steps))  # replicated on every process
             work, done = work + width * (ran - done), ran
             if not (pause and bool(jax.device_get(carry.loop["paused"]))):
                 break
-        return out, float(work)
+        return whole, float(work)
 
     def decode_weights(self, params, rows: int, reuse: DecodeWeights | None = None):
         """The decode weights of `params` (as they are or prepared) for calls of `rows` rows,

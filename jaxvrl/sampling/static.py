@@ -45,6 +45,49 @@ class StaticCarry:
     limits: jax.Array | None = None
     routes: jax.Array | None = None
     first_mass: tuple | None = None
+    # the decode loop's state where a call paused it (`decode` with pause_at), with "rows":
+    # the output row of each of its rows (they are fewer once narrowed), else None
+    loop: dict | None = None
+
+
+# loop entries whose rows are their second axis (the others with rows: their first)
+_LAYERS_FIRST = ("vmass", "xmass")
+
+
+def narrow_rows(carry: StaticCarry, width: int) -> StaticCarry:
+    """A paused loop (`decode` with pause_at) at `width` rows: its running rows first, in
+    row order, with their caches, keys, positions and outputs so far (one program). Every
+    running row must fit (pause_at <= width)."""
+    return _narrow(carry, width)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _narrow(carry: StaticCarry, width: int) -> StaticCarry:
+    order = jnp.argsort(carry.loop["done"], stable=True)[:width]  # running rows first
+
+    def take(x, axis=0):
+        return x if jnp.ndim(x) == 0 else x[order] if axis == 0 else x[:, order]
+
+    loop = {k: take(v, 1 if k in _LAYERS_FIRST else 0) for k, v in carry.loop.items()}
+    rest = jax.tree.map(take, carry.replace(loop=None))
+    return rest.replace(loop=loop)
+
+
+@jax.jit
+def merge_rows(whole: SampleOutput, part: SampleOutput, rows) -> SampleOutput:
+    """`whole` with the rows of `part` (a narrowed loop's output, its rows `rows` int[b] of
+    whole's) written in, and part's decode steps."""
+
+    def put(w, p, axis=0):
+        if w is None or jnp.ndim(w) == 0:
+            return p
+        return w.at[rows].set(p) if axis == 0 else w.at[:, rows].set(p)
+
+    fields = {k: put(getattr(whole, k), getattr(part, k)) for k in ("tokens", "logprobs",
+              "mask", "truncated", "entropies", "routes", "ended", "steps")}  # fmt: skip
+    fields.update({k: put(getattr(whole, k), getattr(part, k), 1)
+                   for k in ("vision_mass", "text_mass")})  # fmt: skip
+    return SampleOutput(**fields)
 
 
 def prefill(
@@ -122,33 +165,56 @@ def prefill(
 
 
 def decode(
-    graphdef, params, carry: StaticCarry, decode_weights=None, *, cfg: SamplingConfig
+    graphdef,
+    params,
+    carry: StaticCarry,
+    decode_weights=None,
+    *,
+    cfg: SamplingConfig,
+    pause_at: int = 0,
 ) -> tuple[SampleOutput, StaticCarry]:
     """Traceable: every row's decode steps from `prefill`'s carry. Returns (SampleOutput, the
     carry with the cache as the steps left it: jit it with the carry donated and the cache is
-    updated in place)."""
+    updated in place).
+
+    pause_at > 0: the loop also stops once at most `pause_at` rows run, its state kept in
+    the carry (`loop["paused"]` says whether it stopped so); given that carry (as it is, or
+    `narrow_rows` to fewer rows) it goes on where it stopped, and its SampleOutput holds the
+    carry's rows (`loop["rows"]` of the call's: `merge_rows`)."""
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     keys, pools, n = carry.keys, carry.pools, cfg.max_new_tokens
     forms = steps.decode_forms(model, cfg, keys.shape[0], decode_weights)
-    # token 0 is picked from the prefill's last logits; each decode step then feeds token i
-    # and picks token i+1 from the new logits, so no [B, V] array is carried between steps
-    tok, lp, ent = steps.pick(steps.logits(model, forms, carry.last), keys, 0, cfg)
-    layers = model.config.text.num_hidden_layers if pools is not None else 0
-    state = _loop_state(carry.cache, tok, lp, n, cfg, layers, ent)
-    if layers:  # token 0's masses: the prefill's last query's
-        state["vmass"] = state["vmass"].at[:, :, 0].set(carry.first_mass[0].T)
-        state["xmass"] = state["xmass"].at[:, :, 0].set(carry.first_mass[1].T)
-    if carry.routes is not None:  # [B, N, L', k]: each completion token's, as it is fed
-        b, _, *per_token = carry.routes.shape
-        state["routes"] = jnp.zeros((b, n, *per_token), carry.routes.dtype)
+    if carry.loop is None:
+        # token 0 is picked from the prefill's last logits; each decode step then feeds token
+        # i and picks token i+1 from the new logits, so no [B, V] array is carried
+        tok, lp, ent = steps.pick(steps.logits(model, forms, carry.last), keys, 0, cfg)
+        layers = model.config.text.num_hidden_layers if pools is not None else 0
+        state = _loop_state(carry.cache, tok, lp, n, cfg, layers, ent)
+        if layers:  # token 0's masses: the prefill's last query's
+            state["vmass"] = state["vmass"].at[:, :, 0].set(carry.first_mass[0].T)
+            state["xmass"] = state["xmass"].at[:, :, 0].set(carry.first_mass[1].T)
+        if carry.routes is not None:  # [B, N, L', k]: each completion token's, as it is fed
+            b, _, *per_token = carry.routes.shape
+            state["routes"] = jnp.zeros((b, n, *per_token), carry.routes.dtype)
+        rows = jnp.arange(keys.shape[0], dtype=jnp.int32)
+    else:  # a paused loop goes on
+        state = {k: v for k, v in carry.loop.items() if k not in ("paused", "rows")}
+        state["cache"], rows = carry.cache, carry.loop["rows"]
     step = functools.partial(
         _decode_step, model, forms, cfg, keys, carry.start, pools, limits=carry.limits
     )
+
+    def running(s):
+        return (s["i"] < n) & ~jnp.all(s["done"])
+
+    def goes_on(s):
+        return running(s) & (jnp.sum(~s["done"]) > pause_at) if pause_at else running(s)
+
     # `check_every` steps per while iteration (a fixed-trip inner loop): the done flag is read
     # once per chunk, which on GPUs saves a device-to-host sync per token.
     k = _chunk(n, cfg.check_every)
     s = jax.lax.while_loop(
-        lambda s: (s["i"] < n) & ~jnp.all(s["done"]),
+        goes_on,
         lambda s: jax.lax.fori_loop(0, k, lambda _, s: step(s), s),
         state,
     )
@@ -164,7 +230,11 @@ def decode(
         entropies=s.get("entropies"),
         routes=None if carry.routes is None else jnp.concatenate([carry.routes, s["routes"]], 1),
     )
-    return out, carry.replace(cache=s["cache"])
+    loop = None
+    if pause_at or carry.loop is not None:  # (a continued loop's state is donated: kept)
+        loop = dict(s, paused=running(s), rows=rows)
+        del loop["cache"]
+    return out, carry.replace(cache=s["cache"], loop=loop)
 
 
 def _repeat(x: jax.Array, g: int) -> jax.Array:

@@ -58,10 +58,13 @@ class SamplingConfig:
     # (a prompt's pages shared by its samples). The same completions either way.
     slots: int = 0
     page_size: int = 16
-    # Halvings of the slots once no row waits (`Sampler`, `engine.widths`): each time half of
-    # the slots or fewer still run, the loop goes on at half the slots (a program of its own),
-    # so the tail's steps carry only about the rows that run; 0: every step at `slots`.
+    # Halvings of a call's decode rows (`widths`; `Sampler` runs them): once no row waits,
+    # each time half of the rows (slots) or fewer still run, the loop goes on at half of them
+    # (a program of its own), so the long tail's steps carry only about the rows that run;
+    # never below `narrow_to` rows (a step of fewer costs about the same: the weights' read).
+    # 0: every step at all rows.
     narrow: int = 0
+    narrow_to: int = 8
     # How decode steps attend over the KV cache: "auto" (the form of the devices the program
     # is compiled for, `DECODE_KERNELS`: the CPU form on the CPU, the Pallas kernel on TPUs,
     # dense elsewhere) or a name of `jaxvrl.models.cached_attention.IMPLEMENTATIONS`
@@ -251,6 +254,19 @@ def key_layout(cfg: SamplingConfig) -> str:
     the CPU form reads them as they lie, else second-minor (on accelerators' (8, 128) tiles a
     positions-minor key pads each step's one new position to 128, docs/scaling.md)."""
     return "BKHS" if cached_attention(cfg) == "cpu" else "BKSH"
+
+
+def widths(rows: int, groups: int, cfg: SamplingConfig) -> list[int]:
+    """The decode rows a call's loop runs at: `rows` (its slots, or every row), then up to
+    `cfg.narrow` halvings, each rounded up to a multiple of the rollout's row groups
+    `groups`, while it shrinks and keeps at least `cfg.narrow_to` rows."""
+    out = [rows]
+    for _ in range(cfg.narrow):
+        half = -(-(out[-1] // 2) // groups) * groups
+        if not max(cfg.narrow_to, 1) <= half < out[-1]:
+            break
+        out.append(half)
+    return out
 
 
 def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights | None):

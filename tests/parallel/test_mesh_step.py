@@ -180,7 +180,8 @@ for name, rmesh in layouts.items():
     grp = r_s(ready, d["input_ids"], d["attention_mask"], d["position_ids"], d["deltas"],
               jax.random.key(1), images=d["images"], num_samples=G)
     if name == "data2_tensor4":  # the slots engine, its slots halved down to 2 as rows end
-        cfg = dataclasses.replace(rollout.cfg, slots=8 * G, page_size=4, narrow=3, check_every=1)
+        cfg = dataclasses.replace(rollout.cfg, slots=8 * G, page_size=4, narrow=3, narrow_to=2,
+                                  check_every=1)  # fmt: skip
         limits = jnp.asarray(np.arange(8 * G) % 6 + 1, jnp.int32)  # rows of 1 to 6 tokens
         grp_s, times = Sampler(rollout.graphdef, cfg, rmesh).timed(
             ready, d["input_ids"], d["attention_mask"], d["position_ids"], d["deltas"],

@@ -75,7 +75,8 @@ def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page, 
     lengths = want.mask.sum(1)
     assert want.tokens.shape == (2 * G, N) and len(set(lengths.tolist())) > 2, lengths
     # checked at every step: the tail of 10 tokens is short for a narrowed loop to show
-    cfg = _cfg(model, slots=slots, page_size=page, narrow=narrow, check_every=1 if narrow else 4)
+    cfg = _cfg(model, slots=slots, page_size=page, narrow=narrow, narrow_to=1,
+               check_every=1 if narrow else 4)  # fmt: skip
     got, times = Sampler(nnx.graphdef(model), cfg).timed(
         nnx.state(model), *args, jax.random.key(7), num_samples=G, **kw
     )
@@ -91,12 +92,35 @@ def test_slots_sample_what_the_static_sampler_samples(model, kind, slots, page, 
         assert "decode_work" not in times
 
 
-def test_slot_counts_halve_in_whole_row_groups():
-    from jaxvrl.sampling.engine import widths
+def test_row_counts_halve_in_whole_row_groups():
+    from jaxvrl.sampling.steps import SamplingConfig, widths
 
-    assert widths(256, 2, 3) == [256, 128, 64, 32]
-    assert widths(6, 2, 5) == [6, 4, 2]  # 3 rounded up to the 2 groups
-    assert widths(5, 1, 9) == [5, 2, 1] and widths(8, 8, 2) == [8] and widths(7, 1, 0) == [7]
+    def ladder(rows, groups, narrow, least=1):
+        return widths(rows, groups, SamplingConfig(4, narrow=narrow, narrow_to=least))
+
+    assert ladder(256, 2, 3) == [256, 128, 64, 32] == ladder(256, 2, 9, least=32)
+    assert ladder(6, 2, 5) == [6, 4, 2]  # 3 rounded up to the 2 groups
+    assert ladder(5, 1, 9) == [5, 2, 1] and ladder(8, 8, 2) == [8] and ladder(7, 1, 0) == [7]
+    assert ladder(64, 1, 9, least=8) == [64, 32, 16, 8] and ladder(12, 1, 9, least=8) == [12]
+
+
+@pytest.mark.parametrize("kind", ["video", "two_images"])
+def test_the_static_sampler_narrowed_samples_what_it_samples_whole(model, kind):
+    """The static sampler's loop halved (6 rows: 3, then 2, then 1 as rows end; checked at
+    every step): each row's tokens, log-probs, entropies and masses where they were, fewer
+    rows x steps run."""
+    ids, mask, vis = prompts(kind, np.random.default_rng(11))
+    args, kw = inputs(model, ids, mask, **vis)
+    want = _run(model, _cfg(model, check_every=1, entropies=True), args, kw)
+    cfg = _cfg(model, narrow=3, narrow_to=1, check_every=1, entropies=True)
+    got, times = Sampler(nnx.graphdef(model), cfg).timed(
+        nnx.state(model), *args, jax.random.key(7), num_samples=G, **kw
+    )
+    got = jax.tree.map(np.asarray, got)
+    _same(got, want)
+    assert got.steps == want.steps
+    np.testing.assert_allclose(got.entropies * want.mask, want.entropies * want.mask, atol=1e-5)
+    assert want.mask.sum() <= times["decode_work"] < 2 * G * got.steps, times
 
 
 def _gpu() -> bool:
@@ -175,7 +199,7 @@ def test_a_call_stopped_by_its_groups_leaves_the_rest_part_way(model, groups, ne
     cfg = _cfg(model, slots=4, page_size=4)
     want = _run(model, cfg, args, kw)  # every row to its end
     groups = np.asarray(groups, np.int32)
-    narrowed = dataclasses.replace(cfg, narrow=1)  # 2 slots once no row waits
+    narrowed = dataclasses.replace(cfg, narrow=1, narrow_to=2)  # 2 slots once no row waits
     got = _run(model, narrowed, args, dict(kw, groups=groups, need=np.int32(need)))
     ended = got.ended
     whole = [gid for gid in set(groups.tolist()) - {-1} if ended[groups == gid].all()]
