@@ -87,7 +87,7 @@ def engine_loop(
     t = np.arange(stop)
     running = (start[None, :] <= t[:, None]) & (t[:, None] < end[None, :])
     live = running.sum(axis=1)
-    positions = np.where(running, prompt_len + t[:, None] - start[None, :] + 1, 0).sum(axis=1)
+    filled = np.where(running, prompt_len + t[:, None] - start[None, :] + 1, 0).sum(axis=1)
     last_start, level, loop, at = int(start.max()) if w else 0, 0, 0.0, {}
     for i in range(stop):
         if i % k == 0 and i >= last_start:  # a check with no row waiting
@@ -95,7 +95,7 @@ def engine_loop(
                 level += 1
         width = widths[level]
         step_s, rate = step_at[width]
-        unread = width * (prompt_len + n) - positions[i]
+        unread = width * (prompt_len + n) - filled[i]
         loop += step_s - per_slot * unread * rate
         at[width] = at.get(width, 0) + 1
     return {"steps": stop, "loop_s": loop, "at": at}
