@@ -240,10 +240,10 @@ def get_config(arg=None):
     c.rollout.slots = setting("auto", AutoOr(COUNT), type=object)
     # positions per KV-cache page (with slots)
     c.rollout.page_size = setting(16, at_least(1))
-    # with slots: how many times the decode loop may halve its slots once no row waits (each
-    # time half of them or fewer still run, it goes on at half, a program per slot count),
-    # so the long tail's steps carry about the rows that run (each width compiles once, at
-    # the first rollout); 0 = every step at all slots
+    # how many times a rollout's decode loop may halve its rows (slots) once no row waits:
+    # each time half of them or fewer still run it goes on at half (a program per row count,
+    # compiled once, at the first rollout; never below 8 rows), so the long tail's steps
+    # carry about the rows that run; both engines; 0 = every step at all rows
     c.rollout.narrow = setting(3, NON_NEGATIVE)
     # with rollout.slots=auto: the share of each rollout device's memory its decode weights
     # and KV-cache pages may take (verl's gpu_memory_utilization)
