@@ -141,6 +141,11 @@ def main() -> None:
         )
 
     row("static", r * g, static, secs)
+    for narrow in (int(x) for x in args.narrow.split(",") if int(x)):  # static, narrowing
+        out, secs, work = run(0, narrow)
+        np.testing.assert_array_equal(out.tokens, static.tokens)
+        ladder = "/".join(map(str, widths(r * g, 1, dataclasses.replace(base, narrow=narrow))))
+        row(f"static, narrow={narrow}", ladder, out, secs, work)
     for slots in (int(x) for x in args.slots.split(",")):
         for narrow in (int(x) for x in args.narrow.split(",")):
             out, secs, work = run(slots, narrow)
