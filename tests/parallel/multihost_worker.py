@@ -39,6 +39,48 @@ def fake_rollout(pid: int):
     return rollout, types.SimpleNamespace(advantages=np.array([0.7, -0.7]), token_weights=None)
 
 
+def narrowing(model, graphdef, host, pid: int) -> list:
+    """Both samplers on a rollout mesh over both processes (data 2 x tensor 4: a process's
+    devices per row group), 4 prompts x 2 samples with rows of 1 to 6 tokens, whole and
+    narrowed (8 rows halved to 2 as rows end): per engine, whether this process's rows are
+    the same, and the rows x steps each ran."""
+    import jax.numpy as jnp
+
+    from jaxvrl.parallel import runtime as R
+    from jaxvrl.parallel import sharding as S
+    from jaxvrl.sampling import Sampler, SamplingConfig, rollout_mesh
+    from tests.helpers import G, make_prompts
+
+    train = S.make_mesh(1, -1, 1)
+    rmesh = rollout_mesh(train, data=2, tensor=4)
+    ready = R.put_on_mesh(host, S.param_shardings(host, train))
+    prompts = make_prompts(model, prompts=4, seed=9)
+    pos = prompts.pop("position_ids")[:, ::G]
+    prompts = dict(jax.tree.map(lambda x: x[::G], prompts), position_ids=pos)
+    own = slice(2 * pid, 2 * pid + 2)  # this process's 2 prompts (per-row vision inputs too)
+    mine = jax.tree.map(lambda x: x[own], {k: v for k, v in prompts.items() if k != "position_ids"})
+    mine["position_ids"] = pos[:, own]
+    d = R.place_batch(mine, rmesh)
+    rows = np.arange(4 * pid, 4 * pid + 4, dtype=np.int32)  # this process's output rows
+    d["limits"] = R.place_batch({"limits": rows % 6 + 1}, rmesh)["limits"]
+    args = [d[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")]
+    report = []
+    for slots in (0, 8):
+        got = {}
+        for narrow in (0, 3):
+            cfg = SamplingConfig(6, temperature=1.0, slots=slots, page_size=4, narrow=narrow,
+                                 narrow_to=2, check_every=1)  # fmt: skip
+            out, times = Sampler(graphdef, cfg, rmesh).timed(
+                ready, *args, jax.random.key(1), images=d["images"], num_samples=G,
+                limits=d["limits"],
+            )  # fmt: skip
+            got[narrow] = (R.host_local(out.tokens), R.host_local(jnp.asarray(out.logprobs)))
+            work = times.get("decode_work", 8 * int(jax.device_get(out.steps)))
+        same = np.array_equal(got[0][0], got[3][0])
+        report.append([same, float(np.abs(got[0][1] - got[3][1]).max()), work])
+    return report
+
+
 def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import ml_collections
@@ -113,6 +155,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
             )
             and sorted(d.process_index for d in roll) == [0] * (k // 2) + [1] * (k // 2)
         )
+    narrowed = narrowing(model, graphdef, host, pid)
     after = gather(state.params)
     # every process writes its shards; then every process restores into the sharded target
     ckpt = Checkpointer(os.path.join(out_dir, "ckpt"), 2)
@@ -147,6 +190,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
             {
                 "pid": pid,
                 "copied": copied,
+                "narrowed": narrowed,
                 "losses": losses,
                 "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
                 "restored_sharding": same_sharding,

@@ -4,7 +4,8 @@ jax.distributed.initialize (from config). Each process passes only its own rows 
 written by both processes and restored by both into the sharded state, each getting back its
 own data-iterator state and replay buffer bytes; the markdown samples hold both processes'
 rows; one-step-off's weight copy moves every weight exactly from the train step's devices to
-the sampler's on both hosts.
+the sampler's on both hosts; both samplers narrowed over both processes sample their rows as
+they do whole.
 
 What a real pod adds and this cannot test: TPU/GPU interconnect collectives, the platform's
 auto-detected coordinator (TPU metadata, SLURM), a gs:// workdir shared by hosts, preemption.
@@ -97,6 +98,10 @@ def test_two_processes_match_one_device(tmp_path):
         assert r["rng_equal"] and r["data_state_equal"] and r["replay_equal"]
         assert r["any_process"] == [True, False]
         assert r["copied"] == [True, True]  # one-step-off's weight copy across hosts
+        # both samplers narrowed over the two processes (8 rows of 1 to 6 tokens, 6 steps:
+        # 48 rows x steps whole) sample each process's rows as they do whole
+        for same, diff, work in r["narrowed"]:
+            assert same and diff < 1e-5 and 21 <= work < 48, r["narrowed"]
         want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
         assert r["metrics"] == pytest.approx(want, rel=1e-6)
     # the markdown samples hold both processes' rows, in turn (process 0 wrote them)
