@@ -140,20 +140,21 @@ def main() -> None:
             f"{secs:.2f} | {tokens / secs:,.0f} |"
         )
 
+    def ladder(rows: int, narrow: int) -> str:  # the row counts the loop ran at
+        return "/".join(map(str, widths(rows, 1, dataclasses.replace(base, narrow=narrow))))
+
     row("static", r * g, static, secs)
     for narrow in (int(x) for x in args.narrow.split(",") if int(x)):  # static, narrowing
         out, secs, work = run(0, narrow)
         np.testing.assert_array_equal(out.tokens, static.tokens)
-        ladder = "/".join(map(str, widths(r * g, 1, dataclasses.replace(base, narrow=narrow))))
-        row(f"static, narrow={narrow}", ladder, out, secs, work)
+        row(f"static, narrow={narrow}", ladder(r * g, narrow), out, secs, work)
     for slots in (int(x) for x in args.slots.split(",")):
         for narrow in (int(x) for x in args.narrow.split(",")):
             out, secs, work = run(slots, narrow)
             np.testing.assert_array_equal(out.tokens, static.tokens)  # the same completions
             np.testing.assert_allclose(out.logprobs, static.logprobs, atol=1e-4)
-            ladder = widths(min(slots, r * g), 1, dataclasses.replace(base, narrow=narrow))
-            rows = "/".join(map(str, ladder))  # the slot counts the loop ran at
-            row(f"slots={slots}" + (f", narrow={narrow}" if narrow else ""), rows, out, secs, work)
+            name = f"slots={slots}" + (f", narrow={narrow}" if narrow else "")
+            row(name, ladder(min(slots, r * g), narrow), out, secs, work)
 
 
 def model_name(args) -> str:

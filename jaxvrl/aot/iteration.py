@@ -31,18 +31,24 @@ from jaxvrl.trainer.partial import PartialRollouts
 ICI_GBPS = {"TPU v4": 600.0, "TPU v5e": 400.0, "TPU v5p": 1200.0, "TPU v6e": 800.0}
 
 
+def _starts(lengths: np.ndarray, slots: int) -> np.ndarray:
+    """int[W]: the decode step at which each row of `lengths` (queue order) takes a slot: the
+    slot that frees first (the lowest-numbered on ties), as the engine's queue gives them."""
+    free = np.zeros(max(1, min(slots, len(lengths))), np.int64)  # each slot's next free step
+    start = np.zeros(len(lengths), np.int64)
+    for r, length in enumerate(lengths):
+        s = int(np.argmin(free))
+        start[r], free[s] = free[s], free[s] + length
+    return start
+
+
 def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int = 8):
     """The slots engine's queue on rows of `lengths` (int[W], in queue order): -> (decode
     steps run, int[W] tokens each row produced, bool[W] rows that ended). With `groups`
     (int[W], -1: none) and `need`, the loop stops at the first check after `need` groups
     have ended whole, as `sampling.engine` does."""
     lengths = np.asarray(lengths, np.int64)
-    w = len(lengths)
-    free = np.zeros(max(1, min(slots, w)), np.int64)  # each slot's next free step
-    start = np.zeros(w, np.int64)
-    for r in range(w):  # a row takes the slot that frees first (the lowest-numbered on ties)
-        s = int(np.argmin(free))
-        start[r], free[s] = free[s], free[s] + lengths[r]
+    w, start = len(lengths), _starts(lengths, slots)
     end = start + lengths
     stop = int(end.max()) if w else 0
     if groups is not None and need > 0:
@@ -76,12 +82,7 @@ def engine_loop(
     `per_slot` bytes; the paged kernel reads each running row's pages up to the slot just
     written). -> {"steps", "loop_s", "at": {S: steps at S slots}}."""
     lengths = np.minimum(np.asarray(lengths, np.int64), n)
-    w = len(lengths)
-    free = np.zeros(max(1, min(slots, w)), np.int64)
-    start = np.zeros(w, np.int64)
-    for r in range(w):  # as `engine_run`
-        s = int(np.argmin(free))
-        start[r], free[s] = free[s], free[s] + lengths[r]
+    w, start = len(lengths), _starts(lengths, slots)
     end, k = start + lengths, max(1, check_every)
     stop = int(end.max()) if w else 0  # the steps with a running row, as `engine_run`
     t = np.arange(stop)

@@ -238,41 +238,44 @@ def decode_slots(
     def valid(rows):
         return prompt_valid[prompt_of[jnp.minimum(rows, w - 1)]]
 
-    rows0 = slot_ids  # the first S work rows
     layers = tcfg.num_hidden_layers if pools is not None else 0
-    state = dict(
-        table=table(rows0),
-        valid=valid(rows0),
-        write=jnp.full((s,), pp * ps),
-        row=rows0,  # the work row each slot runs (w: idle)
-        t=jnp.zeros((s,), jnp.int32),  # its token index
-        next_tok=first_tok[:s],
-        next_lp=first_lp[:s],
-        queue=jnp.asarray(s, jnp.int32),  # the next waiting work row
-        steps=jnp.zeros((), jnp.int32),
-        # outputs, with a last row that idle slots write into
-        tokens=jnp.full((w + 1, n), cfg.pad_token_id, jnp.int32),
-        logprobs=jnp.zeros((w + 1, n), jnp.float32),
-        mask=jnp.zeros((w + 1, n), jnp.float32),
-        truncated=jnp.zeros((w + 1,), bool),
-        ended=jnp.zeros((w + 1,), bool),
-    )
     stops = carry.groups is not None
-    if stops:  # rows of each group not ended yet (the last entry: rows of no group)
+    if stops:  # rows of each group (the last entry: rows of no group)
         grp = jnp.where(carry.groups < 0, w, jnp.minimum(carry.groups, w))
-        state["left"] = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)
-        grouped = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)[:w] > 0  # groups with rows
-    if layers:  # token 0's masses: its prompt's last query's
-        state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
-        state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
-        for name, first in zip(("vmass", "xmass"), carry.first_mass):
-            state[name] = state[name].at[:, :w, 0].set(first[prompt_of].T)
-    if cfg.entropies:
-        state["next_ent"] = first_ent[:s]
-        state["entropies"] = jnp.zeros((w + 1, n), jnp.float32)
-    if carry.routes is not None:  # each completion token's, as it is fed
-        state["routes"] = jnp.zeros((w + 1, n, *carry.routes.shape[2:]), carry.routes.dtype)
-    if carry.loop is not None:  # a paused loop goes on
+        per_group = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)
+        grouped = per_group[:w] > 0  # the groups that have rows
+    if carry.loop is None:
+        rows0 = slot_ids  # the first S work rows
+        state = dict(
+            table=table(rows0),
+            valid=valid(rows0),
+            write=jnp.full((s,), pp * ps),
+            row=rows0,  # the work row each slot runs (w: idle)
+            t=jnp.zeros((s,), jnp.int32),  # its token index
+            next_tok=first_tok[:s],
+            next_lp=first_lp[:s],
+            queue=jnp.asarray(s, jnp.int32),  # the next waiting work row
+            steps=jnp.zeros((), jnp.int32),
+            # outputs, with a last row that idle slots write into
+            tokens=jnp.full((w + 1, n), cfg.pad_token_id, jnp.int32),
+            logprobs=jnp.zeros((w + 1, n), jnp.float32),
+            mask=jnp.zeros((w + 1, n), jnp.float32),
+            truncated=jnp.zeros((w + 1,), bool),
+            ended=jnp.zeros((w + 1,), bool),
+        )
+        if stops:  # rows of each group not ended yet
+            state["left"] = per_group
+        if layers:  # token 0's masses: its prompt's last query's
+            state["vmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
+            state["xmass"] = jnp.zeros((layers, w + 1, n), jnp.float32)
+            for name, first in zip(("vmass", "xmass"), carry.first_mass):
+                state[name] = state[name].at[:, :w, 0].set(first[prompt_of].T)
+        if cfg.entropies:
+            state["next_ent"] = first_ent[:s]
+            state["entropies"] = jnp.zeros((w + 1, n), jnp.float32)
+        if carry.routes is not None:  # each completion token's, as it is fed
+            state["routes"] = jnp.zeros((w + 1, n, *carry.routes.shape[2:]), carry.routes.dtype)
+    else:  # a paused loop goes on
         state = {k: v for k, v in carry.loop.items() if k != "paused"}
     key_layout = steps.key_layout(cfg)
     state["cache"] = PagedKVCache(

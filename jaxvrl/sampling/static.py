@@ -54,15 +54,11 @@ class StaticCarry:
 _LAYERS_FIRST = ("vmass", "xmass")
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def narrow_rows(carry: StaticCarry, width: int) -> StaticCarry:
     """A paused loop (`decode` with pause_at) at `width` rows: its running rows first, in
     row order, with their caches, keys, positions and outputs so far (one program). Every
     running row must fit (pause_at <= width)."""
-    return _narrow(carry, width)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _narrow(carry: StaticCarry, width: int) -> StaticCarry:
     order = jnp.argsort(carry.loop["done"], stable=True)[:width]  # running rows first
 
     def take(x, axis=0):
