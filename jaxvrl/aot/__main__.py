@@ -191,25 +191,41 @@ def _narrowed_loop(plan, step, per_slot: float) -> dict | None:
     rollout.narrow says (`iteration.engine_loop`), each width's decode step compiled for its
     rows; None where it would not narrow."""
     from jaxvrl.aot import iteration
-    from jaxvrl.parallel.sharding import row_shards
-    from jaxvrl.sampling.steps import widths
 
     rows = len(plan.completions)
-    ladder = widths(rows, row_shards(plan.rollout[0]), plan.sampling_config())
+    ladder = _ladder(plan, rows)
     if len(ladder) < 2:
         return None
-    at = {rows: step}
-    for w in ladder[1:]:
-        print(f"  compiling the decode step at {w} rows (a narrowed loop's)", flush=True)
-        at[w] = plan.decode_step_at(w)
-        if not at[w].fits or at[w].estimate_s is None:
-            return None
+    at = _steps_at(plan, step, rows)
+    if any(not r.fits or r.estimate_s is None for r in at.values()):
+        return None
     loop = iteration.engine_loop(
         plan.completions, rows, plan.prompt_len, plan.new_tokens, widths=ladder,
         step_at={w: (r.estimate_s, r.estimate_s / r.bytes_accessed) for w, r in at.items()},
         per_slot=per_slot, check_every=plan.sampling_config().check_every,
     )  # fmt: skip
     return dict(loop, step_s={w: r.estimate_s for w, r in at.items()})
+
+
+def _ladder(plan, rows: int | None = None) -> list[int]:
+    """The row counts a rollout of `rows` (default the plan's) with a slot per row narrows
+    through (`steps.widths`, rollout.narrow)."""
+    from jaxvrl.parallel.sharding import row_shards
+    from jaxvrl.sampling.steps import widths
+
+    return widths(rows or plan.rows, row_shards(plan.rollout[0]), plan.sampling_config())
+
+
+def _steps_at(plan, step, rows: int | None = None) -> dict:
+    """{width: the decode step compiled at that many rows} over `_ladder`, `step` the one
+    at all `rows`."""
+    ladder = _ladder(plan, rows)
+    at = {ladder[0]: step}
+    for w in ladder[1:]:
+        if w not in plan.steps_at:
+            print(f"  compiling the decode step at {w} rows (a narrowed loop's)", flush=True)
+        at[w] = plan.decode_step_at(w)
+    return at
 
 
 def _suggest(plan, step, lengths) -> dict | None:
@@ -262,29 +278,41 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
     lengths = completion_lengths(
         ours.get("lengths") or f"lognormal:median={n},sigma=0", plan.rows * 24, n
     )
-    work = {
-        "synchronous": iteration.rollout_work(lengths, prompts, g, plan.prompt_len, n, partial=False),
-        "partial": iteration.rollout_work(
-            lengths, prompts, g, plan.prompt_len, n, partial=True,
-            oversample=plan.c.rollout.oversample, max_staleness=max(plan.c.rollout.max_staleness, 2),
-        ),
-    }  # fmt: skip
+
+    def work_of(ladder):  # each mode's decode steps (by width, narrowing as `ladder` says)
+        return {
+            "synchronous": iteration.rollout_work(
+                lengths, prompts, g, plan.prompt_len, n, partial=False, widths=ladder
+            ),
+            "partial": iteration.rollout_work(
+                lengths, prompts, g, plan.prompt_len, n, partial=True, widths=ladder,
+                oversample=plan.c.rollout.oversample,
+                max_staleness=max(plan.c.rollout.max_staleness, 2),
+            ),
+        }  # fmt: skip
 
     def per_token(sampler, p):  # the prefill's seconds per prompt token
         return sampler.fixed_s / (p.sampler_prompts * p.prompt_len)
 
-    positions = plan.rows * (plan.prompt_len + n)  # the compiled decode step's cache
+    row_slots = plan.prompt_len + n  # a row's cache positions in the compiled decode step
 
-    def per_position(decode, p):  # the step's price of a cache position the rows do not read
-        if not (p.decode_kernel and p.sampling_config().slots):
-            return 0.0  # gathered pages or the static sampler: the whole cache every step
-        rate = decode.estimate_s / decode.bytes_accessed  # seconds a byte, as XLA priced them
-        return decode.breakdown["kv_cache"] / positions * rate
+    def decoding(p, decode) -> dict:  # each width's decode step and cache position price
+        at = _steps_at(p, decode)
+        out = {"decode_s": {w: r.estimate_s for w, r in at.items()}, "position_s": {}}
+        for w, r in at.items():  # the price of a cache position no running row reads
+            kernel = p.decode_kernel and p.sampling_config().slots
+            rate = r.estimate_s / r.bytes_accessed  # seconds a byte, as XLA priced them
+            # gathered pages or the static sampler: the whole cache every step
+            out["position_s"][w] = (
+                r.breakdown["kv_cache"] / (w * row_slots) * rate if kernel else 0.0
+            )
+        return out
 
-    whole = dict(decode_s=reports["decode_step"].estimate_s,
+    ladder = _ladder(plan)
+    work = work_of(ladder)
+    whole = dict(**decoding(plan, reports["decode_step"]),
                  prefill_s_per_token=per_token(reports["sampler"], plan),
-                 train_s=reports["train_step"].estimate_s, positions=positions,
-                 position_s=per_position(reports["decode_step"], plan))  # fmt: skip
+                 train_s=reports["train_step"].estimate_s, positions=row_slots)  # fmt: skip
     ici = iteration.ICI_GBPS.get(plan.slice.chip.name, 0.0) * 1e9 / 2
     splits = {}
     for chips in ks:  # the split the run makes (`setup.device_split`), compiled as it runs
@@ -300,14 +328,15 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
         if not all(r.fits for r in parts.values()):
             print(f"the split with the rollout on {chips} chips does not fit")
             continue
+        steps = decoding(split, parts["decode_step"])
+        split_work = work if _ladder(split) == ladder else work_of(_ladder(split))
         off = dict(split_train_s=parts["train_step"].estimate_s,
-                   split_decode_s=parts["decode_step"].estimate_s,
+                   split_decode_s=steps["decode_s"], split_position_s=steps["position_s"],
                    split_prefill_s_per_token=per_token(parts["sampler"], split),
-                   split_position_s=per_position(parts["decode_step"], split),
                    copy_s=parts["sampler"].breakdown["params"] / ici if ici else 0.0)  # fmt: skip
         splits[chips] = {
-            "one-step-off": iteration.price(**whole, **off, work=work["synchronous"]),
-            "both": iteration.price(**whole, **off, work=work["partial"]),
+            mode: iteration.price(**whole, **off, work=work[kind], split_work=split_work[kind])
+            for mode, kind in (("one-step-off", "synchronous"), ("both", "partial"))
         }
         print(f"rollout on {chips} chips: one-step-off "
               f"{splits[chips]['one-step-off']['iteration_s'] * 1e3:,.0f} ms, both "
@@ -331,6 +360,10 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
         print(f"| {name} | {w['decode_steps']:,.0f} | {w['prefill_tokens']:,.0f} | "
               f"{m['rollout_s'] * 1e3:,.0f} | {m['train_s'] * 1e3:,.0f} | {m['copy_s'] * 1e3:,.1f} | "
               f"{m['iteration_s'] * 1e3:,.0f} | {m['iteration_s'] / base:.2f}x |")  # fmt: skip
+    if len(ladder) > 1:  # where the rollouts narrowed
+        for kind, w in work.items():
+            at = ", ".join(f"{a['steps']:,.0f} at {r} rows" for r, a in w["at"].items())
+            print(f"{kind} decode steps by width (rollout.narrow): {at}")
     return {"modes": modes, "work": work, "rollout_chips": best,
             "splits": {str(c): v for c, v in splits.items()}}  # fmt: skip
 

@@ -42,24 +42,60 @@ def _starts(lengths: np.ndarray, slots: int) -> np.ndarray:
     return start
 
 
-def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int = 8):
-    """The slots engine's queue on rows of `lengths` (int[W], in queue order): -> (decode
-    steps run, int[W] tokens each row produced, bool[W] rows that ended). With `groups`
-    (int[W], -1: none) and `need`, the loop stops at the first check after `need` groups
-    have ended whole, as `sampling.engine` does."""
+def schedule(lengths, slots: int, widths=None, groups=None, need: int = 0, check_every: int = 8):
+    """The slots engine's queue on rows of `lengths` (int[W], queue order), step by step as
+    `Sampler` runs it: every row holds a slot for as many steps as it has tokens, an ended
+    row's slot taken by the next waiting row at once, the loop checked every `check_every`
+    steps. With `groups` (int[W], -1: none) and `need`, it stops at the first check after
+    `need` groups have ended whole (`sampling.engine`); with `widths` (`steps.widths`, from
+    the call's slots), at each check where no row waits and at most the next width's rows
+    run, it goes on at that many slots (narrowing). -> {"steps", "made": int[W] tokens each
+    row produced, "ended": bool[W], "width": int[steps] the slots each step ran at, "live":
+    int[steps] its running rows, "own": int[steps] their own tokens in the cache after the
+    step's write}."""
     lengths = np.asarray(lengths, np.int64)
     w, start = len(lengths), _starts(lengths, slots)
-    end = start + lengths
+    end, k = start + lengths, max(1, check_every)
     stop = int(end.max()) if w else 0
     if groups is not None and need > 0:
         groups = np.asarray(groups)
         done = sorted(end[groups == g].max() for g in set(groups.tolist()) - {-1})
         if need <= len(done):
             stop = min(stop, done[need - 1])
-    k = max(1, check_every)
     stop = min(int(end.max()), -(-stop // k) * k) if w else 0
     made = np.clip(stop - start, 0, lengths)
-    return stop, made, made == lengths
+    t = np.arange(stop)
+    running = (start[None, :] <= t[:, None]) & (t[:, None] < end[None, :])
+    live = running.sum(axis=1)
+    own = np.where(running, t[:, None] - start[None, :] + 1, 0).sum(axis=1)
+    widths = list(widths or [max(1, min(slots, w))])
+    width = np.empty(stop, np.int64)
+    last_start, level = int(start.max()) if w else 0, 0
+    for i in range(stop):
+        if i % k == 0 and i >= last_start:  # a check with no row waiting
+            while level + 1 < len(widths) and live[i] <= widths[level + 1]:
+                level += 1
+        width[i] = widths[level]
+    return dict(steps=stop, made=made, ended=made == lengths, width=width, live=live, own=own)
+
+
+def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int = 8):
+    """`schedule`'s (decode steps run, int[W] tokens each row produced, bool[W] rows that
+    ended)."""
+    run = schedule(lengths, slots, groups=groups, need=need, check_every=check_every)
+    return run["steps"], run["made"], run["ended"]
+
+
+def at_widths(run: dict, prompt_width: int) -> dict:
+    """A `schedule`'s steps by width: {width: {"steps", "read"}}, read: the cache positions
+    its running rows read (each its prompt place of `prompt_width` and its own tokens up to
+    the slot just written: `read`)."""
+    out = {}
+    for width in np.unique(run["width"]).tolist():
+        at = run["width"] == width
+        read = float((run["live"][at] * prompt_width + run["own"][at]).sum())
+        out[width] = {"steps": float(at.sum()), "read": read}
+    return out
 
 
 def engine_loop(
@@ -74,32 +110,20 @@ def engine_loop(
     check_every: int = 8,
 ) -> dict:
     """The slots engine's decode loop on rows of `lengths` (int[W], queue order) priced step
-    by step, narrowing as `Sampler` does: at each check (every `check_every` steps) where no
-    row waits and at most the next of `widths` (`steps.widths`, from `slots`) run, the loop
-    goes on at that many slots. A step at width S costs `step_at[S]` = (the compiled decode
-    step's seconds at S rows, the seconds per byte it was priced at) less the cache its
-    running rows do not read (the step prices S rows x (prompt_len + n) slots of
-    `per_slot` bytes; the paged kernel reads each running row's pages up to the slot just
-    written). -> {"steps", "loop_s", "at": {S: steps at S slots}}."""
+    by step, narrowing as `Sampler` does (`schedule`). A step at width S costs `step_at[S]` =
+    (the compiled decode step's seconds at S rows, the seconds per byte it was priced at)
+    less the cache its running rows do not read (the step prices S rows x (prompt_len + n)
+    slots of `per_slot` bytes; the paged kernel reads each running row's pages up to the
+    slot just written). -> {"steps", "loop_s", "at": {S: steps at S slots}}."""
     lengths = np.minimum(np.asarray(lengths, np.int64), n)
-    w, start = len(lengths), _starts(lengths, slots)
-    end, k = start + lengths, max(1, check_every)
-    stop = int(end.max()) if w else 0  # the steps with a running row, as `engine_run`
-    t = np.arange(stop)
-    running = (start[None, :] <= t[:, None]) & (t[:, None] < end[None, :])
-    live = running.sum(axis=1)
-    filled = np.where(running, prompt_len + t[:, None] - start[None, :] + 1, 0).sum(axis=1)
-    last_start, level, loop, at = int(start.max()) if w else 0, 0, 0.0, {}
-    for i in range(stop):
-        if i % k == 0 and i >= last_start:  # a check with no row waiting
-            while level + 1 < len(widths) and live[i] <= widths[level + 1]:
-                level += 1
-        width = widths[level]
+    run = schedule(lengths, slots, widths, check_every=check_every)
+    loop, at = 0.0, {}
+    for width, a in at_widths(run, prompt_len).items():
         step_s, rate = step_at[width]
-        unread = width * (prompt_len + n) - filled[i]
-        loop += step_s - per_slot * unread * rate
-        at[width] = at.get(width, 0) + 1
-    return {"steps": stop, "loop_s": loop, "at": at}
+        unread = a["steps"] * width * (prompt_len + n) - a["read"]
+        loop += a["steps"] * step_s - per_slot * unread * rate
+        at[width] = int(a["steps"])
+    return {"steps": run["steps"], "loop_s": loop, "at": at}
 
 
 def read(made, width: int) -> float:
@@ -162,24 +186,27 @@ def decode_loop(
 
 
 class _Queued(PartialRollouts):
-    """`PartialRollouts` whose sampler calls are the engine's queue (`engine_run`) on the rows'
-    forced lengths; counts decode steps and prefilled tokens."""
+    """`PartialRollouts` whose sampler calls are the engine's queue (`schedule`) on the rows'
+    forced lengths; counts decode steps (by width) and prefilled tokens."""
 
-    def __init__(self, *args, slots: int, check_every: int, **kwargs):
+    def __init__(self, *args, slots: int, check_every: int, widths=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.slots, self.check_every = slots, check_every
+        self.slots, self.check_every, self.widths = slots, check_every, widths
         self.steps = self.prefilled = self.read = 0
+        self.at: dict = {}
 
     def _sample(self, phase, params, examples, key, prefixes, **rows):
         limits = np.asarray(rows["limits"])
-        steps, made, ended = engine_run(
-            limits, self.slots, rows["groups"], int(rows["need"]), self.check_every
+        run = schedule(
+            limits, self.slots, self.widths, rows["groups"], int(rows["need"]), self.check_every
         )
+        steps, made, ended = run["steps"], run["made"], run["ended"]
         self.steps += steps
         # every prompt place prefilled to the longest prompt's width
         width = max(len(ex["prompt_ids"]) for ex in examples)
         self.prefilled += len(examples) * width
         self.read += read(made, width)
+        _add(self.at, at_widths(run, width))
         n, w = self.max_new_tokens, len(limits)
         mask = (np.arange(n)[None, :] < made[:, None]).astype(np.float32)
         zeros = np.zeros((w, n), np.float32)
@@ -191,7 +218,16 @@ class _Queued(PartialRollouts):
             ended=ended,
         )
         return out, {"tokens": float(made.sum()), "rows": w, "prefill_s": 0.0, "decode_s": 0.0,
-                     "decode_steps": float(steps), "decode_work": float(min(self.slots, w) * steps)}  # fmt: skip
+                     "decode_steps": float(steps), "decode_work": float(run["width"].sum())}  # fmt: skip
+
+
+def _add(total: dict, at: dict, scale: float = 1.0) -> dict:
+    """`total` += `at` * scale, for {width: {"steps", "read"}} entries."""
+    for width, a in at.items():
+        t = total.setdefault(width, {"steps": 0.0, "read": 0.0})
+        for key in t:
+            t[key] += a[key] * scale
+    return total
 
 
 def rollout_work(
@@ -206,24 +242,33 @@ def rollout_work(
     max_staleness: int = 1,
     slots: int | None = None,
     check_every: int = 8,
+    widths: list[int] | None = None,
 ) -> dict:
     """Per trained step, over the steps the drawn `lengths` fill (each step `prompts` groups of
-    `group` rows; slots: the decode rows, default the step's rows): {"decode_steps",
-    "prefill_tokens", "groups", "read_positions"} averaged per step (`read`). Synchronous:
-    each step's rows to their end; partial: `PartialRollouts` carrying rows from step to
-    step."""
+    `group` rows; slots: the decode rows, default the step's rows; widths: the narrowing
+    ladder, `steps.widths`, default none): {"decode_steps", "prefill_tokens", "groups",
+    "read_positions", "at": {width: {"steps", "read"}}} averaged per step (`read`,
+    `at_widths`). Synchronous: each step's rows to their end; partial: `PartialRollouts`
+    carrying rows from step to step."""
     rows = prompts * group
     slots = slots or rows
     if not partial:
         steps = len(lengths) // rows
-        runs = [engine_run(lengths[i * rows : (i + 1) * rows], slots) for i in range(steps)]
-        read_positions = float(np.mean([read(r[1], prompt_len) for r in runs]))
-        return {"decode_steps": float(np.mean([r[0] for r in runs])),
+        runs = [
+            schedule(lengths[i * rows : (i + 1) * rows], slots, widths, check_every=check_every)
+            for i in range(steps)
+        ]
+        at: dict = {}
+        for r in runs:
+            _add(at, at_widths(r, prompt_len), 1.0 / steps)
+        read_positions = float(np.mean([read(r["made"], prompt_len) for r in runs]))
+        return {"decode_steps": float(np.mean([r["steps"] for r in runs])),
                 "prefill_tokens": float(prompts * prompt_len), "groups": float(prompts),
-                "read_positions": read_positions}  # fmt: skip
+                "read_positions": read_positions, "at": at}  # fmt: skip
     queue = _Queued(
         prompts, group, max_new_tokens, oversample=oversample, max_staleness=max_staleness,
         row_limit=lambda ex, j: ex["lengths"][j], slots=slots, check_every=check_every,
+        widths=widths,
     )  # fmt: skip
     per = iter(lengths.reshape(-1, group))
 
@@ -244,34 +289,45 @@ def rollout_work(
         trained, steps = trained + len(groups), step + 1
         queue.take_metrics()
     return {"decode_steps": queue.steps / steps, "prefill_tokens": queue.prefilled / steps,
-            "groups": trained / steps, "read_positions": queue.read / steps}  # fmt: skip
+            "groups": trained / steps, "read_positions": queue.read / steps,
+            "at": _add({}, queue.at, 1.0 / steps)}  # fmt: skip
 
 
 def price(
     *,
-    decode_s: float,
+    decode_s: float | dict,
     prefill_s_per_token: float,
     train_s: float,
     work: dict,
     copy_s: float = 0.0,
     positions: float = 0.0,
-    position_s: float = 0.0,
+    position_s: float | dict = 0.0,
     split_train_s: float | None = None,
-    split_decode_s: float | None = None,
+    split_decode_s: float | dict | None = None,
     split_prefill_s_per_token: float | None = None,
-    split_position_s: float = 0.0,
+    split_position_s: float | dict = 0.0,
+    split_work: dict | None = None,
 ) -> dict:
     """One iteration's phases (seconds): the rollout from `work` (`rollout_work`) at
     `decode_s` per decode step, less `position_s` for each of the compiled step's cache
     `positions` (its rows x their slots, all priced in `decode_s`) its running rows do not
-    read, and `prefill_s_per_token`, then `train_s`; with the split's figures (one-step-off),
-    the larger of its rollout and its train step, plus the copy."""
+    read, and `prefill_s_per_token`, then `train_s`; with the split's figures (one-step-off;
+    its own `split_work` where its rollout narrows otherwise), the larger of its rollout and
+    its train step, plus the copy. A narrowing rollout: `decode_s` and `position_s` by width
+    ({rows: seconds}, each width's own compiled step), `positions` each row's slots, and the
+    work's steps and reads by width (`work["at"]`)."""
 
-    def decoding(step_s, per_position):
+    def decoding(work, step_s, per_position):
+        if isinstance(step_s, dict):
+            total = 0.0
+            for width, a in work["at"].items():
+                unread = max(a["steps"] * width * positions - a["read"], 0.0)
+                total += a["steps"] * step_s[width] - unread * per_position[width]
+            return total
         unread = max(work["decode_steps"] * positions - work.get("read_positions", 0.0), 0.0)
         return work["decode_steps"] * step_s - unread * per_position
 
-    rollout = decoding(decode_s, position_s) + work["prefill_tokens"] * prefill_s_per_token
+    rollout = decoding(work, decode_s, position_s) + work["prefill_tokens"] * prefill_s_per_token
     out = {
         "rollout_s": rollout,
         "train_s": train_s,
@@ -279,8 +335,9 @@ def price(
         "iteration_s": rollout + train_s,
     }
     if split_train_s is not None:
+        work = split_work or work
         rollout = (
-            decoding(split_decode_s, split_position_s)
+            decoding(work, split_decode_s, split_position_s)
             + work["prefill_tokens"] * split_prefill_s_per_token
         )
         out = {"rollout_s": rollout, "train_s": split_train_s, "copy_s": copy_s,

@@ -499,10 +499,19 @@ class Plan:
         flops = 2.0 * self.active_params * tokens
         return lower, flops, breakdown, None
 
+    @functools.cached_property
+    def steps_at(self) -> dict:
+        """The decode steps `decode_step_at` compiled, by rows."""
+        return {}
+
     def decode_step_at(self, rows: int) -> Report:
-        """The decode step compiled for `rows` rows (a narrowed slots loop's width)."""
-        lower, flops, breakdown, bound = self._decode_step(rows)
-        return self._compile("decode_step", lower, flops / self.mesh.size, breakdown, bound)
+        """The decode step compiled for `rows` rows (a narrowed slots loop's width), once."""
+        if rows not in self.steps_at:
+            lower, flops, breakdown, bound = self._decode_step(rows)
+            self.steps_at[rows] = self._compile(
+                "decode_step", lower, flops / self.mesh.size, breakdown, bound
+            )
+        return self.steps_at[rows]
 
     def _decode_step(self, rows: int | None = None):
         sampler = self.sampler()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 
 from jaxvrl.aot.iteration import decode_loop, engine_loop, engine_run, price, rollout_work
@@ -29,9 +30,12 @@ def test_synchronous_steps_are_each_steps_longest_row(lengths):
     want = lengths.reshape(-1, P * G).max(axis=1).mean()
     # each row reads PROMPT + 1, ..., PROMPT + length positions over its steps
     read = sum(PROMPT + t for n in lengths for t in range(1, int(n) + 1)) / (len(lengths) / P / G)
+    at = got.pop("at")
     assert got == pytest.approx(
         {"decode_steps": want, "prefill_tokens": P * PROMPT, "groups": P, "read_positions": read}
     )
+    assert list(at) == [P * G]  # every step at all rows: no narrowing
+    assert at[P * G] == pytest.approx({"steps": want, "read": read})
     # fewer slots than rows: each row holds a slot for its length, the queue in order
     steps, made, ended = engine_run([5, 3, 4, 1], slots=2, check_every=1)
     assert (steps, made.tolist(), ended.all()) == (7, [5, 3, 4, 1], True)  # 0-5, 0-3, 3-7, 5-6
@@ -127,3 +131,38 @@ def test_the_engine_loop_narrows_as_the_sampler_does():
     want = (130 - (40 - read[0])) + (130 - (40 - read[1]))
     want += (60 - (20 - read[2]) * 0.5) + (60 - (20 - read[3]) * 0.5) + (30 - (10 - read[4]) / 4)
     assert got == {"steps": 5, "loop_s": pytest.approx(want), "at": {4: 2, 2: 2, 1: 1}}
+
+
+def test_an_iteration_prices_each_width_of_a_narrowing_rollout(lengths):
+    """With the narrowing ladder, `rollout_work` counts each call's steps and reads by width
+    (as `engine_loop` runs them; summing to the totals), and `price` charges each width's own
+    step less what its running rows do not read."""
+    ladder = [P * G, P * G // 2, P * G // 4]
+    flat = rollout_work(lengths, P, G, PROMPT, N, partial=False)
+    for partial in (False, True):
+        got = rollout_work(lengths, P, G, PROMPT, N, partial=partial, widths=ladder)
+        if not partial:  # the same steps and reads, now by width; the same as engine_loop's
+            assert got["decode_steps"] == flat["decode_steps"]
+            one = lengths[: P * G]
+            loop = engine_loop(one, P * G, PROMPT, N, widths=ladder,
+                               step_at={w: (0.0, 0.0) for w in ladder}, per_slot=0.0)  # fmt: skip
+            assert sum(loop["at"].values()) == loop["steps"] and set(loop["at"]) <= set(ladder)
+            assert got["at"][P * G // 4]["steps"] > 0  # the long tail at a quarter of the rows
+        assert set(got["at"]) <= set(ladder)
+        assert sum(a["steps"] for a in got["at"].values()) == pytest.approx(got["decode_steps"])
+        assert sum(a["read"] for a in got["at"].values()) == pytest.approx(got["read_positions"])
+    # by hand: 2 rows of 2 and 4 tokens after a prompt of 3, 4 slots each, checked every step,
+    # narrowing [2, 1]: 2 steps at 2 rows (read 4 + 4, 5 + 5), 2 at 1 row (read 6, 7)
+    work = rollout_work(np.array([2, 4]), 1, 2, 3, 4, partial=False, widths=[2, 1], check_every=1)
+    assert work["at"] == {2: {"steps": 2.0, "read": 18.0}, 1: {"steps": 2.0, "read": 13.0}}
+    got = price(decode_s={2: 1.0, 1: 0.5}, prefill_s_per_token=0.0, train_s=0.0, work=work,
+                positions=7.0, position_s={2: 0.01, 1: 0.02})  # fmt: skip
+    want = 2 * 1.0 - (2 * 14 - 18) * 0.01 + 2 * 0.5 - (2 * 7 - 13) * 0.02
+    assert got["rollout_s"] == pytest.approx(want)
+    # one width: the same price as the totals' (the whole cache's positions per step)
+    one = rollout_work(np.array([2, 4]), 1, 2, 3, 4, partial=False, check_every=1)
+    by_width = price(decode_s={2: 1.0}, prefill_s_per_token=0.0, train_s=0.0, work=one,
+                     positions=7.0, position_s={2: 0.01})  # fmt: skip
+    total = price(decode_s=1.0, prefill_s_per_token=0.0, train_s=0.0, work=one, positions=14.0,
+                  position_s=0.01)  # fmt: skip
+    assert by_width["rollout_s"] == pytest.approx(total["rollout_s"])
