@@ -299,8 +299,8 @@ def _iteration(plan, reports: dict, k: str, ours: dict, jobs: int) -> dict | Non
     def decoding(p, decode) -> dict:  # each width's decode step and cache position price
         at = _steps_at(p, decode)
         out = {"decode_s": {w: r.estimate_s for w, r in at.items()}, "position_s": {}}
+        kernel = p.decode_kernel and p.sampling_config().slots
         for w, r in at.items():  # the price of a cache position no running row reads
-            kernel = p.decode_kernel and p.sampling_config().slots
             rate = r.estimate_s / r.bytes_accessed  # seconds a byte, as XLA priced them
             # gathered pages or the static sampler: the whole cache every step
             out["position_s"][w] = (

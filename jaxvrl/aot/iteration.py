@@ -4,8 +4,9 @@
 train step on the rest, at once) and both.
 
 A rollout's decode steps come from the slots engine's queue run on the drawn lengths
-(`engine_run`: every row holds a slot for as many steps as it has tokens, an ended row's slot
-taken by the next waiting row at once, the loop checked every `check_every` steps); partial
+(`schedule`: every row holds a slot for as many steps as it has tokens, an ended row's slot
+taken by the next waiting row at once, the loop checked every `check_every` steps and
+narrowed to fewer slots as `rollout.narrow` says, each step priced at its width); partial
 rollouts are `PartialRollouts` itself (trainer/partial.py) over that queue, several steps in a
 row, so that carried rows and their prefills are counted as a run has them. Each decode step
 costs the compiled decode step's cost-model time less the cache its running rows do not read
