@@ -434,8 +434,22 @@ def test_export_from_a_gs_workdir(runs, tmp_path):
     local = tmp_path / "local"
     E.export(runs["full"], str(local))
     res = run_worker("gcs_export_worker.py", runs["full"], str(tmp_path))
+    assert res["kept"] == [True] * 4  # uploads ending in "\r", "\n\r", "\n", "\r\n"
     assert res["missing_run_error"] and "gs://jaxvrl-test/runs/none" in res["missing_run_error"]
     remote = tmp_path / "downloaded"
     assert sorted(res["files"]) == sorted(p.name for p in local.iterdir())
     for name in res["files"]:
         assert (remote / name).read_bytes() == (local / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("nl", [b"\n", b"\r\n"])
+def test_the_emulators_uploads_keep_every_byte(nl):
+    """A multipart upload's content is the bytes between the line breaks around it, in the
+    body's own style (gcsfs writes "\n", RFC 2046 "\r\n"), whatever its last bytes."""
+    from tests.trainer_infra.gcs_emulator import _multipart_related
+
+    for content in (b"ab\r", b"ab\n\r", b"ab\n", b"ab\r\n", b"", b"\r"):
+        body = nl.join([b"--==0==", b"Content-Type: application/json", b"", b'{"name": "x"}',
+                        b"--==0==", b"Content-Type: image/png", b"", content, b"--==0==--"])  # fmt: skip
+        got = _multipart_related(body, 'multipart/related; boundary="==0=="')
+        assert got == {"meta": {"name": "x"}, "content": content, "content-type": "image/png"}
