@@ -259,7 +259,10 @@ def get_config(arg=None):
     # and carries the unfinished rows (their tokens and log-probs so far) into the next step's
     # rollout, where they continue first. Needs slots (rollout.slots auto or > 0).
     c.rollout.partial = setting(
-        False, agree(lambda v, c: not v or c.rollout.slots != 0, "needs rollout.slots auto or > 0")
+        False,
+        agree(
+            lambda v, c: not v or c.rollout.slots != 0, "false unless rollout.slots is auto or > 0"
+        ),
     )
     c.rollout.oversample = setting(2.0, at_least(1))  # prompts a step starts, x prompts_per_step
     # with rollout.partial: the policy versions (steps) a row may span; a group with an older

@@ -85,5 +85,8 @@ def test_auto_and_counts_parse_and_bad_values_are_refused():
     for bad in ("many", "-1", "2.5"):
         with pytest.raises(ConfigError, match=r"config.rollout.slots=.*'auto' or a whole"):
             config(f"rollout.slots={bad}")
-    with pytest.raises(ConfigError, match=r"rollout.partial.*needs rollout.slots auto or > 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.partial=True.*expected false unless rollout.slots is auto or > 0",
+    ):
         config("rollout.slots=0", "rollout.partial=true")
