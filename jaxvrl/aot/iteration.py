@@ -10,8 +10,8 @@ narrowed to fewer slots as `rollout.narrow` says, each step priced at its width)
 rollouts are `PartialRollouts` itself (trainer/partial.py) over that queue, several steps in a
 row, so that carried rows and their prefills are counted as a run has them. Each decode step
 costs the compiled decode step's cost-model time less the cache its running rows do not read
-(on TPUs the paged kernel reads each running row's pages up to its written slot, `read`: the
-positions read), each prefilled token the sampler's prefill time per prompt token, the train
+(on TPUs the paged kernel reads each running row's pages up to its written slot, `at_widths`:
+the positions read), each prefilled token the sampler's prefill time per prompt token, the train
 step its own program's time, and the weight copy of one-step-off the rollout's weights per
 sampler chip over half a chip's bidirectional ICI bandwidth.
 """
@@ -80,17 +80,11 @@ def schedule(lengths, slots: int, widths=None, groups=None, need: int = 0, check
     return dict(steps=stop, made=made, ended=made == lengths, width=width, live=live, own=own)
 
 
-def engine_run(lengths, slots: int, groups=None, need: int = 0, check_every: int = 8):
-    """`schedule`'s (decode steps run, int[W] tokens each row produced, bool[W] rows that
-    ended)."""
-    run = schedule(lengths, slots, groups=groups, need=need, check_every=check_every)
-    return run["steps"], run["made"], run["ended"]
-
-
 def at_widths(run: dict, prompt_width: int) -> dict:
     """A `schedule`'s steps by width: {width: {"steps", "read"}}, read: the cache positions
     its running rows read (each its prompt place of `prompt_width` and its own tokens up to
-    the slot just written: `read`)."""
+    the slot just written: a row that made m tokens reads prompt_width + 1, ...,
+    prompt_width + m)."""
     out = {}
     for width in np.unique(run["width"]).tolist():
         at = run["width"] == width
@@ -125,14 +119,6 @@ def engine_loop(
         loop += a["steps"] * step_s - per_slot * unread * rate
         at[width] = int(a["steps"])
     return {"steps": run["steps"], "loop_s": loop, "at": at}
-
-
-def read(made, width: int) -> float:
-    """The cache positions running rows read over a call's decode steps: a row that made m
-    tokens after a prompt place of `width` positions reads width + 1, ..., width + m (its
-    pages up to the slot just written)."""
-    made = np.asarray(made, np.float64)
-    return float((made * width + made * (made + 1) / 2).sum())
 
 
 def decode_loop(
@@ -193,7 +179,7 @@ class _Queued(PartialRollouts):
     def __init__(self, *args, slots: int, check_every: int, widths=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.slots, self.check_every, self.widths = slots, check_every, widths
-        self.steps = self.prefilled = self.read = 0
+        self.steps = self.prefilled = 0
         self.at: dict = {}
 
     def _sample(self, phase, params, examples, key, prefixes, **rows):
@@ -206,7 +192,6 @@ class _Queued(PartialRollouts):
         # every prompt place prefilled to the longest prompt's width
         width = max(len(ex["prompt_ids"]) for ex in examples)
         self.prefilled += len(examples) * width
-        self.read += read(made, width)
         _add(self.at, at_widths(run, width))
         n, w = self.max_new_tokens, len(limits)
         mask = (np.arange(n)[None, :] < made[:, None]).astype(np.float32)
@@ -231,6 +216,11 @@ def _add(total: dict, at: dict, scale: float = 1.0) -> dict:
     return total
 
 
+def _reads(at: dict) -> float:
+    """The cache positions read over every width of an `at_widths` count."""
+    return float(sum(a["read"] for a in at.values()))
+
+
 def rollout_work(
     lengths: np.ndarray,
     prompts: int,
@@ -248,8 +238,8 @@ def rollout_work(
     """Per trained step, over the steps the drawn `lengths` fill (each step `prompts` groups of
     `group` rows; slots: the decode rows, default the step's rows; widths: the narrowing
     ladder, `steps.widths`, default none): {"decode_steps", "prefill_tokens", "groups",
-    "read_positions", "at": {width: {"steps", "read"}}} averaged per step (`read`,
-    `at_widths`). Synchronous: each step's rows to their end; partial: `PartialRollouts`
+    "read_positions", "at": {width: {"steps", "read"}}} averaged per step (`at_widths`;
+    read_positions: the reads over every width). Synchronous: each step's rows to their end; partial: `PartialRollouts`
     carrying rows from step to step."""
     rows = prompts * group
     slots = slots or rows
@@ -262,10 +252,9 @@ def rollout_work(
         at: dict = {}
         for r in runs:
             _add(at, at_widths(r, prompt_len), 1.0 / steps)
-        read_positions = float(np.mean([read(r["made"], prompt_len) for r in runs]))
         return {"decode_steps": float(np.mean([r["steps"] for r in runs])),
                 "prefill_tokens": float(prompts * prompt_len), "groups": float(prompts),
-                "read_positions": read_positions, "at": at}  # fmt: skip
+                "read_positions": _reads(at), "at": at}  # fmt: skip
     queue = _Queued(
         prompts, group, max_new_tokens, oversample=oversample, max_staleness=max_staleness,
         row_limit=lambda ex, j: ex["lengths"][j], slots=slots, check_every=check_every,
@@ -289,9 +278,9 @@ def rollout_work(
             break
         trained, steps = trained + len(groups), step + 1
         queue.take_metrics()
+    at = _add({}, queue.at, 1.0 / steps)
     return {"decode_steps": queue.steps / steps, "prefill_tokens": queue.prefilled / steps,
-            "groups": trained / steps, "read_positions": queue.read / steps,
-            "at": _add({}, queue.at, 1.0 / steps)}  # fmt: skip
+            "groups": trained / steps, "read_positions": _reads(at), "at": at}  # fmt: skip
 
 
 def price(

@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 
-from jaxvrl.aot.iteration import decode_loop, engine_loop, engine_run, price, rollout_work
+from jaxvrl.aot.iteration import decode_loop, engine_loop, price, rollout_work, schedule
 from jaxvrl.aot.plan import completion_lengths
 
 P, G, N, PROMPT = 4, 4, 256, 32
@@ -37,7 +37,8 @@ def test_synchronous_steps_are_each_steps_longest_row(lengths):
     assert list(at) == [P * G]  # every step at all rows: no narrowing
     assert at[P * G] == pytest.approx({"steps": want, "read": read})
     # fewer slots than rows: each row holds a slot for its length, the queue in order
-    steps, made, ended = engine_run([5, 3, 4, 1], slots=2, check_every=1)
+    run = schedule([5, 3, 4, 1], slots=2, check_every=1)
+    steps, made, ended = run["steps"], run["made"], run["ended"]
     assert (steps, made.tolist(), ended.all()) == (7, [5, 3, 4, 1], True)  # 0-5, 0-3, 3-7, 5-6
 
 
@@ -65,15 +66,17 @@ def test_decode_steps_are_priced_less_the_cache_their_rows_do_not_read(lengths):
     no running row reads."""
     # 2 rows, a prompt of 3 and 4 slots each; rows of 2 and 4 tokens: 4 steps of 2 x 7
     # positions priced; read 3 + 1, 3 + 2 then 3 + 1, ..., 3 + 4
-    steps, made, _ = engine_run([2, 4], slots=2, check_every=1)
+    steps = schedule([2, 4], slots=2, check_every=1)["steps"]
     read = (4 + 5) + (4 + 5 + 6 + 7)
     work = {"decode_steps": float(steps), "prefill_tokens": 0.0, "read_positions": read}
     got = price(decode_s=1.0, prefill_s_per_token=0.0, train_s=0.0, work=work, positions=14.0,
                 position_s=0.01)  # fmt: skip
     assert got["rollout_s"] == pytest.approx(4 * 1.0 - (4 * 14 - read) * 0.01)
-    from jaxvrl.aot.iteration import read as read_positions
+    from jaxvrl.aot.iteration import at_widths
 
-    assert read_positions(made, 3) == read
+    assert at_widths(schedule([2, 4], slots=2, check_every=1), 3) == {
+        2: {"steps": 4.0, "read": read}
+    }
     # partial rollouts count what their calls' rows read, after prompt places of their width
     part = rollout_work(lengths, P, G, PROMPT, N, partial=True)
     assert 0 < part["read_positions"] < part["decode_steps"] * 2 * P * G * (PROMPT + N)
@@ -138,8 +141,8 @@ def test_an_iteration_prices_each_width_of_a_narrowing_rollout(lengths):
     (as `engine_loop` runs them; summing to the totals), and `price` charges each width's own
     step less what its running rows do not read."""
     ladder = [P * G, P * G // 2, P * G // 4]
-    flat = rollout_work(lengths, P, G, PROMPT, N, partial=False)
     for partial in (False, True):
+        flat = rollout_work(lengths, P, G, PROMPT, N, partial=partial)
         got = rollout_work(lengths, P, G, PROMPT, N, partial=partial, widths=ladder)
         if not partial:  # the same steps and reads, now by width; the same as engine_loop's
             assert got["decode_steps"] == flat["decode_steps"]
@@ -150,7 +153,8 @@ def test_an_iteration_prices_each_width_of_a_narrowing_rollout(lengths):
             assert got["at"][P * G // 4]["steps"] > 0  # the long tail at a quarter of the rows
         assert set(got["at"]) <= set(ladder)
         assert sum(a["steps"] for a in got["at"].values()) == pytest.approx(got["decode_steps"])
-        assert sum(a["read"] for a in got["at"].values()) == pytest.approx(got["read_positions"])
+        # narrowing moves the steps between widths, not what the rows read
+        assert got["read_positions"] == pytest.approx(flat["read_positions"])
     # by hand: 2 rows of 2 and 4 tokens after a prompt of 3, 4 slots each, checked every step,
     # narrowing [2, 1]: 2 steps at 2 rows (read 4 + 4, 5 + 5), 2 at 1 row (read 6, 7)
     work = rollout_work(np.array([2, 4]), 1, 2, 3, 4, partial=False, widths=[2, 1], check_every=1)

@@ -235,10 +235,10 @@ def test_work_rows_may_take_their_prompts_in_any_order_and_number(model):
 
 
 def test_the_aot_tools_queue_model_counts_the_engines_steps(model):
-    """`jaxvrl.aot.iteration.engine_run` (which prices rollouts ahead of time) runs the queue
+    """`jaxvrl.aot.iteration.schedule` (which prices rollouts ahead of time) runs the queue
     as the engine does: the same decode steps, tokens per row and ended rows, with and
     without a group stop (rows end by their limits only)."""
-    from jaxvrl.aot.iteration import engine_run
+    from jaxvrl.aot.iteration import schedule
 
     ids, mask, vis = prompts("text", np.random.default_rng(17))
     args, kw = inputs(model, ids, mask, **vis)
@@ -247,7 +247,8 @@ def test_the_aot_tools_queue_model_counts_the_engines_steps(model):
     for groups, need in ((None, 0), (np.array([0, 0, 0, 1, 1, 1], np.int32), 1)):
         stop = {} if groups is None else dict(groups=groups, need=np.int32(need))
         out = _run(model, cfg, args, dict(kw, limits=limits, **stop))
-        steps, made, ended = engine_run(limits, 2, groups, need, cfg.check_every)
+        run = schedule(limits, 2, groups=groups, need=need, check_every=cfg.check_every)
+        steps, made, ended = run["steps"], run["made"], run["ended"]
         assert int(out.steps) == steps and (groups is None or not ended.all())
         np.testing.assert_array_equal(out.mask.sum(1), made)
         np.testing.assert_array_equal(out.ended, ended)
