@@ -6,6 +6,8 @@ Forms (`detect`):
   `completions`, `prompts`, one list per row column, `images` when named; a batch per call.
 - verl: `compute_score(data_source, solution_str, ground_truth, extra_info=None)` per row
   (verl's reward managers), -> a float or a dict with `score` (other keys: sub-scores).
+- verl_batch: `compute_score(data_sources, solution_strs, ground_truths, extra_infos)` on a
+  batch (verl's batch reward manager), -> a list of such values.
 - easyr1_batch: `compute_score(reward_inputs: list[dict]) -> list[dict]` (EasyR1's
   `REWARD_TYPE = "batch"`, its default), each dict with `overall` plus sub-scores.
 - easyr1_sequential: `compute_score(reward_input: dict) -> dict` (`REWARD_TYPE =
@@ -23,9 +25,10 @@ import dataclasses
 import inspect
 import math
 
-TRL, VERL, EASYR1_BATCH, EASYR1_SEQUENTIAL, DATA_DICT = (
+TRL, VERL, VERL_BATCH, EASYR1_BATCH, EASYR1_SEQUENTIAL, DATA_DICT = (
     "trl",
     "verl",
+    "verl_batch",
     "easyr1_batch",
     "easyr1_sequential",
     "data_dict",
@@ -34,12 +37,18 @@ PER_ROW = (VERL, EASYR1_SEQUENTIAL, DATA_DICT)
 _CALLS = {
     TRL: "fn(completions=[...], prompts=[...], **columns) on a batch",
     VERL: "fn(data_source, solution_str, ground_truth, extra_info) per row",
+    VERL_BATCH: "fn(data_sources, solution_strs, ground_truths, extra_infos) on a batch",
     EASYR1_BATCH: "fn(reward_inputs: list[dict]) on a batch (EasyR1 REWARD_TYPE='batch')",
     EASYR1_SEQUENTIAL: "fn(reward_input: dict) per row (EasyR1 REWARD_TYPE='sequential')",
     DATA_DICT: "fn(data_dict) -> (reward, metrics) per row",
 }
 # the main value of a dict result, by form (the other numeric keys are sub-scores)
-_MAIN = {VERL: ("score",), EASYR1_BATCH: ("overall",), EASYR1_SEQUENTIAL: ("overall",)}
+_MAIN = {
+    VERL: ("score",),
+    VERL_BATCH: ("score",),
+    EASYR1_BATCH: ("overall",),
+    EASYR1_SEQUENTIAL: ("overall",),
+}
 _MAIN_ANY = ("score", "overall", "reward")
 
 
@@ -86,7 +95,7 @@ def _signature(fn) -> inspect.Signature | None:
 
 def detect(fn) -> Form:
     """The form of `fn` by its parameter names, arity and its module's `REWARD_TYPE`:
-    `solution_str` -> verl; `completions` -> trl; `REWARD_TYPE` batch or sequential ->
+    `solution_str` -> verl; `solution_strs` -> verl_batch; `completions` -> trl; `REWARD_TYPE` batch or sequential ->
     EasyR1's; a first parameter named `reward_inputs` / `reward_input` / `data_dict` -> that
     form; one other parameter and **kwargs -> trl (completions passed by position); one
     parameter alone -> easyr1_batch (EasyR1's default type). Raises TypeError for a
@@ -119,6 +128,8 @@ def _form_of(names, var_kw, ps, reward_type) -> str | None:
     required = [p for p in positional if p.default is p.empty]
     if "solution_str" in names:
         return VERL
+    if "solution_strs" in names:
+        return VERL_BATCH
     if "completions" in names:
         return TRL
     if isinstance(reward_type, str) and reward_type.lower() in ("batch", "sequential"):
@@ -230,21 +241,36 @@ def _row_dict(r: RowInput, kind: str) -> dict:
     return d
 
 
-def _verl_row(fn, form: Form, r: RowInput, kwargs: dict):
+def _verl_args(r: RowInput) -> dict:
+    """verl's arguments for one row: data_source ("" when the row has none), solution_str,
+    ground_truth, extra_info (a copy; {} when the row has none)."""
     extra = r.columns.get("extra_info")
-    args = {
+    return {
         "data_source": r.columns.get("data_source") or "",
         "solution_str": r.response,
         "ground_truth": r.ground_truth,
         "extra_info": dict(extra) if isinstance(extra, dict) else ({} if extra is None else extra),
     }
+
+
+def _verl_call(fn, form: Form, args: dict, kwargs: dict):
     more = form.accepted({k: v for k, v in kwargs.items() if k not in args})
     return fn(**form.accepted(args), **more)
 
 
+def _verl_batch(fn, form: Form, rows: list[RowInput], kwargs: dict):
+    """One call of verl's batch form: each of the row form's arguments as a list over the
+    rows, named in the plural (data_sources, solution_strs, ground_truths, extra_infos)."""
+    if not rows:
+        return []
+    per_row = [_verl_args(r) for r in rows]
+    args = {f"{k}s": [a[k] for a in per_row] for k in per_row[0]}
+    return _verl_call(fn, form, args, kwargs)
+
+
 def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, constants=None):
     """-> [(reward, {sub-score: value})] per row of `rows`, from one call of `fn` per batch
-    (trl, easyr1_batch) or one per row. kwargs: `reward.kwargs` for this function (those its
+    (trl, verl_batch, easyr1_batch) or one per row. kwargs: `reward.kwargs` for this function (those its
     signature takes); constants: batch-wide keywords of the trl form (mdi_balance_ratio).
     Raises what `fn` raises, or RewardFormError for a result of the wrong count or type."""
     kwargs, kind = kwargs or {}, form.kind
@@ -258,10 +284,12 @@ def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, const
     if kind == EASYR1_BATCH:
         got = _resolve(fn([_row_dict(r, kind) for r in rows], **form.accepted(kwargs)))
         return _scores(got, len(rows), kind)
+    if kind == VERL_BATCH:
+        return _scores(_resolve(_verl_batch(fn, form, rows, kwargs)), len(rows), kind)
     out = []
     for r in rows:
         if kind == VERL:
-            got = _verl_row(fn, form, r, kwargs)
+            got = _verl_call(fn, form, _verl_args(r), kwargs)
         else:
             got = fn(_row_dict(r, kind), **form.accepted(kwargs))
         out.append(score_of(_resolve(got), kind))

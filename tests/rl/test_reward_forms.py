@@ -29,6 +29,15 @@ def verl_float(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str))
 
 
+def verl_batch(data_sources, solution_strs, ground_truths, extra_infos, scale=1.0):
+    SEEN.append([list(data_sources), list(ground_truths), [dict(e) for e in extra_infos]])
+    out = []
+    for s, g, e in zip(solution_strs, ground_truths, extra_infos):
+        ok = float(s.strip() == str(g))
+        out.append({{"score": scale * ok + e["bonus"], "acc": ok}} if ok else scale * ok - 1)
+    return out
+
+
 def compute_score(reward_inputs, format_weight=0.1):
     out = []
     for r in reward_inputs:
@@ -102,9 +111,11 @@ def score(specs, tmp_path, kwargs="{}", **scorer_kw):
 def test_each_form_is_recognised_by_its_signature(module):
     path = module()
     form = {n: F.detect(R.load_reward_fn(f"{path}:{n}")).kind for n in (
-        "verl_score", "compute_score", "reward_function", "async_score", "trl_fn")}  # fmt: skip
+        "verl_score", "compute_score", "reward_function", "async_score", "trl_fn",
+        "verl_batch")}  # fmt: skip
     assert form == {
         "verl_score": F.VERL,
+        "verl_batch": F.VERL_BATCH,
         "compute_score": F.EASYR1_BATCH,  # EasyR1's default type
         "reward_function": F.DATA_DICT,
         "async_score": F.VERL,
@@ -144,6 +155,43 @@ def test_values_and_sub_scores_equal_a_direct_call(module, tmp_path):
     np.testing.assert_allclose(subs["reward_function/width"], [12.0, 12.0])  # its PIL image
     np.testing.assert_allclose(values["async_score"], [1.0, 0.0])  # awaited
     np.testing.assert_allclose(values["accuracy"], R.accuracy_reward(texts, answer=["4", "7"]))
+
+
+def test_the_verl_batch_form_gets_its_rows_as_lists_in_one_call(module, tmp_path):
+    """verl's batch reward manager's function: every row's argument in one list each (rows
+    without extra_info get {} as in the per-row form), reward.kwargs by name, a float or a
+    dict with `score` per row; in workers too."""
+    path = module()
+    spec = f"{path}:verl_batch"
+    rows, texts, _ = rows_and_texts(tmp_path)
+    direct = R.load_reward_fn(spec)(
+        [r["data_source"] for r in rows], texts, [r["answer"] for r in rows],
+        [r["extra_info"] for r in rows], scale=2.0,
+    )  # fmt: skip
+    assert direct == [{"score": 2.5, "acc": 1.0}, -1.0]
+    calls = len(R.load_reward_fn(spec).__globals__["SEEN"])
+    for workers in (0, 1):
+        values, subs, fns = score([spec], tmp_path, "{'scale': 2.0}", num_workers=workers)
+        np.testing.assert_allclose(values["verl_batch"], [2.5, -1.0])
+        np.testing.assert_allclose(subs["verl_batch/acc"], [1.0, np.nan])  # the float row: none
+        assert fns["verl_batch"].failures == 0 and fns["verl_batch"].kwargs == {"scale": 2.0}
+        if workers == 0:  # one call with the batch's lists
+            seen = fns["verl_batch"].fn.__globals__["SEEN"]
+            assert seen[-1] == [["gsm8k", "gsm8k"], ["4", "7"], [{"bonus": 0.5}, {"bonus": 0.0}]]
+            assert len(seen) == calls + 1
+    form = F.detect(R.load_reward_fn(spec))
+    bare = F.RowInput("p", "4", 1, "4", {})  # a row without data_source and extra_info
+    got = []
+
+    def exact(data_sources, solution_strs, ground_truths, extra_infos):
+        got.append((data_sources, solution_strs, ground_truths, extra_infos))
+        return [1.0]
+
+    assert F.call(exact, form, [bare]) == [(1.0, {})]
+    assert got == [([""], ["4"], ["4"], [{}])]
+    assert F.call(exact, form, []) == []  # no rows: no call
+    with pytest.raises(F.RewardFormError, match="returned 1 values for 2 rows"):
+        F.call(exact, form, [bare, bare])
 
 
 def test_kwargs_by_name_and_the_trl_form_in_workers(module, tmp_path):
