@@ -335,7 +335,8 @@ def _parse_value(raw: str | None, current, typ: type, nullable: bool, key: str):
     return _scalar(raw, None, key)
 
 
-# other tools' names (EasyR1 / verl YAML leaves) for settings of ours with another name
+# other tools' names (EasyR1 / verl YAML keys) for settings of ours with another name, matched
+# against any part of an unknown key (custom_reward_function.path: the reward's file)
 THEIR_NAMES = {
     "ulysses_size": "mesh.sequence",
     "ulysses_sequence_parallel_size": "mesh.sequence",
@@ -343,16 +344,50 @@ THEIR_NAMES = {
     "enable_gradient_checkpointing": "model.remat_policy",
     "optimizer_offload": "actor.offload_optimizer",
     "tensor_model_parallel_size": "rollout.mesh.tensor",
+    "tensor_parallel_size": "rollout.mesh.tensor",
     "expert_model_parallel_size": "mesh.expert",
     "expert_parallel_size": "rollout.mesh.expert",
     "gpu_memory_utilization": "rollout.memory_fraction",
+    "n": "rollout.num_generations",
+    "response_length": "rollout.max_new_tokens",
+    "max_response_length": "rollout.max_new_tokens",
+    "custom_reward_function": "reward.funcs",
+    "reward_function": "reward.funcs",
+    "reward_kwargs": "reward.kwargs",
+    "reward_function_kwargs": "reward.kwargs",
+    "overlong_buffer": "filter.overlong_buffer_len",
+    "filter_groups": "filter.dynamic_sampling",
+    "train_batch_size": "prompts_per_step",
+    "rollout_batch_size": "prompts_per_step",
+    "ppo_mini_batch_size": "actor.global_batch_size",
+    "ppo_micro_batch_size_per_gpu": "optim.micro_batches",
+    "micro_batch_size_per_device_for_update": "optim.micro_batches",
+    "use_dynamic_bsz": "actor.dynamic_batching",
+    "ppo_max_token_len_per_gpu": "actor.max_token_len_per_device",
+    "clip_ratio": "actor.clip_ratio_low",
+    "entropy_coeff": "actor.entropy_coef",
+    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
+    "lr_warmup_steps": "optim.warmup_steps",
+    "warmup_style": "optim.schedule",
+    "total_training_steps": "total_steps",
+    "max_steps": "total_steps",
+    "test_freq": "val_freq",
+    "model_path": "model.path",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "experiment_name": "logging.run_name",
+    "project_name": "logging.project",
+    "logger": "logging.backends",
+    "default_local_dir": "workdir",
+    "save_checkpoint_path": "workdir",
 }
 
 
 def _unknown_key_message(key: str, keys: list[str], source: str) -> str:
     leaf = key.rsplit(".", 1)[-1]
-    close = [THEIR_NAMES[leaf]] if THEIR_NAMES.get(leaf) in keys else []
-    close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    parts = key.split(".")[::-1]  # the leaf first
+    close = list(dict.fromkeys(THEIR_NAMES[p] for p in parts if THEIR_NAMES.get(p) in keys))
+    close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k not in close]
     close += [k for k in difflib.get_close_matches(key, keys, n=5, cutoff=0.6) if k not in close]
     groups = sorted({k.split(".")[0] for k in keys if "." in k})
     hint = f"; close names: {', '.join(close[:6])}" if close else f"; groups: {', '.join(groups)}"

@@ -145,6 +145,18 @@ def test_unknown_key_lists_close_names_and_the_file():
         "actor_rollout_ref.rollout.expert_parallel_size=8": r"close names: rollout\.mesh\.expert",
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8":
             r"close names: mesh\.expert",
+        # a part of the key names it: the reward's file, not the reward model's path
+        "custom_reward_function.path=r.py": r"close names: reward\.funcs, model\.path",
+        "worker.reward.reward_function=r.py:f": r"close names: reward\.funcs",
+        "custom_reward_function.reward_kwargs={}": r"close names: reward\.kwargs, reward\.funcs",
+        "actor_rollout_ref.rollout.n=8": r"close names: rollout\.num_generations",
+        "data.max_response_length=512": r"close names: rollout\.max_new_tokens",
+        "data.train_batch_size=128": r"close names: prompts_per_step",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64": r"close names: actor\.global_batch",
+        "reward_model.overlong_buffer.len=512": r"close names: filter\.overlong_buffer_len",
+        "algorithm.filter_groups.enable=true": r"close names: filter\.dynamic_sampling,",
+        "trainer.total_training_steps=10": r"close names: total_steps",
+        "trainer.default_local_dir=/tmp/x": r"close names: workdir",
     }  # fmt: skip
     for item, message in theirs.items():
         with pytest.raises(ConfigError, match=message):
