@@ -15,7 +15,8 @@ Forms (`detect`):
 - data_dict: `reward_function(data_dict) -> (reward, metrics)` per row; data_dict holds
   `prompt`, `response`, `ground_truth`, `images` and the row's columns.
 `async def` functions (or ones returning an awaitable) are awaited. Keyword arguments
-(`reward.kwargs`) go to the functions whose signature takes them.
+(`reward.kwargs`) go to the functions whose signature takes them; `Form.unfilled` names the
+parameters without a default that neither the form nor those fill.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ _MAIN = {
     EASYR1_SEQUENTIAL: ("overall",),
 }
 _MAIN_ANY = ("score", "overall", "reward")
+# the keywords a form's call passes
+_VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+_FILLED = {VERL: _VERL_ARGS, VERL_BATCH: tuple(f"{a}s" for a in _VERL_ARGS)}
 
 
 class RewardFormError(TypeError):
@@ -66,6 +70,7 @@ class Form:
     params: frozenset = frozenset()
     var_kw: bool = True
     positional: str | None = None  # trl: the completions' parameter when not `completions`
+    required: tuple = ()  # the parameters without a default, in order
 
     @property
     def per_row(self) -> bool:
@@ -78,6 +83,17 @@ class Form:
 
     def describe(self) -> str:
         return f"{self.kind} form, {'awaited ' if self.is_async else ''}{_CALLS[self.kind]}"
+
+    def unfilled(self, kwargs: dict) -> list[str]:
+        """The parameters without a default that neither the form's call nor `kwargs`
+        (reward.kwargs) fills. The trl form's are taken to be dataset columns (not known
+        before the data is read): none."""
+        if self.kind == TRL:
+            return []
+        filled = set(_FILLED.get(self.kind, ())) | set(kwargs)
+        if self.kind not in _FILLED:  # the one dict (or list of dicts) passed by position
+            filled |= set(self.required[:1])
+        return [p for p in self.required if p not in filled]
 
     def accepted(self, kwargs: dict) -> dict:
         """The keyword arguments of `kwargs` its signature takes."""
@@ -118,7 +134,13 @@ def detect(fn) -> Form:
         )
     positional = [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     by_position = form == TRL and "completions" not in names and bool(positional)
-    return Form(form, is_async, names, var_kw, positional[0] if by_position else None)
+    required = tuple(
+        p.name
+        for p in ps
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    )
+    first = positional[0] if by_position else None
+    return Form(form, is_async, names, var_kw, first, required)
 
 
 def _form_of(names, var_kw, ps, reward_type) -> str | None:

@@ -369,6 +369,15 @@ class SafeReward:
         self.name, self.fn, self.spec = name, fn, spec or name
         self.form = detect(fn)
         self.kwargs = dict(kwargs or {})
+        unfilled = self.form.unfilled(self.kwargs)
+        if unfilled:  # every call would raise: say so before the run starts
+            example = ", ".join(f"'{p}': ..." for p in unfilled)
+            raise TypeError(
+                f"reward {self.spec} ({self.form.kind} form): {', '.join(unfilled)} "
+                f"{'has' if len(unfilled) == 1 else 'have'} no default and no value in "
+                f"reward.kwargs; set {'it' if len(unfilled) == 1 else 'them'} there, e.g. "
+                f'--config.reward.kwargs="{{{example}}}"'
+            )
         self.failures = self.timeouts = 0
         self.step_calls = [0, 0]  # this step's calls, failed calls
         self.history: collections.deque = collections.deque()  # earlier steps' [calls, failed]

@@ -63,6 +63,11 @@ async def async_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str == ground_truth)
 
 
+def needs_kwargs(reward_inputs, max_response_length, overlong_buffer_length, factor=1.0):
+    return [{{"overall": factor * (r["response_length"] <= max_response_length - overlong_buffer_length)}}
+            for r in reward_inputs]
+
+
 def broken(reward_input):
     raise ValueError("no answer in " + reward_input["response"])
 
@@ -192,6 +197,30 @@ def test_the_verl_batch_form_gets_its_rows_as_lists_in_one_call(module, tmp_path
     assert F.call(exact, form, []) == []  # no rows: no call
     with pytest.raises(F.RewardFormError, match="returned 1 values for 2 rows"):
         F.call(exact, form, [bare, bare])
+
+
+def test_parameters_without_a_default_must_come_from_reward_kwargs(module, tmp_path):
+    """EasyR1's dapo reward takes its lengths as required parameters: without them in
+    reward.kwargs every call would raise, so the run stops before it starts, naming them."""
+    path = module()
+    spec = f"{path}:needs_kwargs"
+    fn = R.load_reward_fn(spec)
+    with pytest.raises(TypeError) as e:
+        R.SafeReward("dapo", fn, spec, {"max_response_length": 8})
+    assert str(e.value) == (
+        f"reward {spec} (easyr1_batch form): overlong_buffer_length has no default and no value "
+        "in reward.kwargs; set it there, e.g. --config.reward.kwargs=\"{'overlong_buffer_length': ...}\""
+    )
+    with pytest.raises(TypeError, match="max_response_length, overlong_buffer_length have"):
+        R.SafeReward("dapo", fn, spec)
+    kwargs = "{'max_response_length': 8, 'overlong_buffer_length': 2, 'factor': 2.0}"
+    values, _, fns = score([spec], tmp_path, kwargs)
+    np.testing.assert_allclose(values["needs_kwargs"], [2.0, 2.0])  # 1-token completions
+    # the forms' own arguments are filled: no error for them
+    assert F.detect(R.load_reward_fn(f"{path}:verl_score")).unfilled({}) == []
+    assert F.detect(R.load_reward_fn(f"{path}:verl_batch")).unfilled({}) == []
+    assert F.detect(R.load_reward_fn(f"{path}:reward_function")).unfilled({}) == []
+    assert F.detect(R.load_reward_fn(f"{path}:trl_fn")).unfilled({}) == []  # columns
 
 
 def test_kwargs_by_name_and_the_trl_form_in_workers(module, tmp_path):
