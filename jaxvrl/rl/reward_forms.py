@@ -111,11 +111,11 @@ def _signature(fn) -> inspect.Signature | None:
 
 def detect(fn) -> Form:
     """The form of `fn` by its parameter names, arity and its module's `REWARD_TYPE`:
-    `solution_str` -> verl; `solution_strs` -> verl_batch; `completions` -> trl; `REWARD_TYPE` batch or sequential ->
-    EasyR1's; a first parameter named `reward_inputs` / `reward_input` / `data_dict` -> that
-    form; one other parameter and **kwargs -> trl (completions passed by position); one
-    parameter alone -> easyr1_batch (EasyR1's default type). Raises TypeError for a
-    signature no form fits."""
+    `solution_str` -> verl; `solution_strs` -> verl_batch; `completions` -> trl;
+    `REWARD_TYPE` batch or sequential -> EasyR1's; a first parameter named `reward_inputs` /
+    `reward_input` / `data_dict` -> that form; one other parameter and **kwargs -> trl
+    (completions passed by position); one parameter alone -> easyr1_batch (EasyR1's default
+    type). Raises TypeError for a signature no form fits."""
     target = inspect.unwrap(fn)
     is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
         type(target).__call__  # an object whose __call__ is async
@@ -292,8 +292,8 @@ def _verl_batch(fn, form: Form, rows: list[RowInput], kwargs: dict):
 
 def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, constants=None):
     """-> [(reward, {sub-score: value})] per row of `rows`, from one call of `fn` per batch
-    (trl, verl_batch, easyr1_batch) or one per row. kwargs: `reward.kwargs` for this function (those its
-    signature takes); constants: batch-wide keywords of the trl form (mdi_balance_ratio).
+    (trl, verl_batch, easyr1_batch) or one per row. kwargs: `reward.kwargs` for this function
+    (those its signature takes); constants: batch-wide keywords of the trl form (mdi_balance_ratio).
     Raises what `fn` raises, or RewardFormError for a result of the wrong count or type."""
     kwargs, kind = kwargs or {}, form.kind
     if kind == TRL:

@@ -64,8 +64,8 @@ async def async_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def needs_kwargs(reward_inputs, max_response_length, overlong_buffer_length, factor=1.0):
-    return [{{"overall": factor * (r["response_length"] <= max_response_length - overlong_buffer_length)}}
-            for r in reward_inputs]
+    expected = max_response_length - overlong_buffer_length
+    return [{{"overall": factor * (r["response_length"] <= expected)}} for r in reward_inputs]
 
 
 def broken(reward_input):
@@ -209,7 +209,8 @@ def test_parameters_without_a_default_must_come_from_reward_kwargs(module, tmp_p
         R.SafeReward("dapo", fn, spec, {"max_response_length": 8})
     assert str(e.value) == (
         f"reward {spec} (easyr1_batch form): overlong_buffer_length has no default and no value "
-        "in reward.kwargs; set it there, e.g. --config.reward.kwargs=\"{'overlong_buffer_length': ...}\""
+        "in reward.kwargs; set it there, e.g. "
+        "--config.reward.kwargs=\"{'overlong_buffer_length': ...}\""
     )
     with pytest.raises(TypeError, match="max_response_length, overlong_buffer_length have"):
         R.SafeReward("dapo", fn, spec)
