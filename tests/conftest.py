@@ -75,46 +75,52 @@ if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     )
 
 
-# The files that take longest (a quarter of a minute to two minutes each on the 2-core CI
-# machine), longest first. `pytest -n 2 --dist loadfile` hands whole files to the two workers in
-# collection order (with `--no-loadscope-reorder`, pyproject.toml; xdist's own order is by
-# test count), so a long file collected last leaves one worker idle while the other finishes
-# it; the long ones first (longest-processing-time scheduling) keep both busy to the end.
+# The files that take 10 s or more (up to three minutes) on the 2-core CI machine, longest
+# first, as the last `.ci/run` measured them. `pytest -n 2 --dist loadfile` hands whole files
+# to the two workers in collection order (with `--no-loadscope-reorder`, pyproject.toml;
+# xdist's own order is by test count), so a long file collected last leaves one worker idle
+# while the other finishes it; the long ones first (longest-processing-time scheduling) keep
+# both busy to the end. A long file missing here is collected after all of them (three were:
+# 34-50 s each).
 LONG_FILES = (  # measured: .ci/run prints each file's total
     "trainer/test_train.py",
     "parallel/test_mesh_main_job.py",
     "trainer/test_families.py",
     "trainer/test_packing.py",
+    "sampling/test_engine.py",
+    "parallel/test_multihost.py",
     "aot/test_aot.py",
-    "trainer_infra/test_resume_damage.py",
     "parallel/test_mesh_step.py",
+    "parallel/test_sequence_parallel.py",
     "trainer/test_step.py",
-    "trainer/test_build.py",
+    "models/test_cached_kernels.py",
     "sampling/test_sampler.py",
     "models/test_scan_layers.py",
-    "trainer_infra/test_export.py",
-    "trainer_infra/test_remote.py",
+    "trainer_infra/test_resume_damage.py",
+    "trainer/test_build.py",
     "models/test_qwen2_5_vl_parity.py",
-    "parallel/test_multihost.py",
-    "sampling/test_prefill.py",
-    "trainer/test_updates.py",
+    "parallel/test_sharding.py",
+    "trainer_infra/test_remote.py",
+    "trainer_infra/test_export.py",
     "models/test_attention.py",
-    "models/test_qwen3_vl_parity.py",
-    "sampling/test_engine.py",
-    "trainer/test_partial.py",
-    "trainer/test_ppo.py",
+    "trainer/test_updates.py",
     "parallel/test_remat_precision.py",
-    "trainer/test_passes.py",
-    "trainer/test_text_models.py",
-    "models/test_text_families.py",
-    "models/test_lora.py",
     "trainer/test_experience.py",
+    "trainer/test_ppo.py",
+    "models/test_qwen3_vl_parity.py",
+    "trainer/test_partial.py",
+    "trainer/test_passes.py",
+    "sampling/test_prefill.py",
+    "trainer/test_text_models.py",
     "models/test_qwen2_5_vl_stats_io.py",
+    "models/test_text_families.py",
     "sampling/test_cpu_kernels.py",
-    "trainer_infra/test_hub.py",
-    "trainer/test_diagnostics.py",
-    "models/test_qwen2_vl_parity.py",
+    "models/test_qwen3_vl_moe.py",
+    "models/test_lora.py",
     "parallel/test_runtime.py",
+    "models/test_qwen2_vl_parity.py",
+    "trainer/test_diagnostics.py",
+    "trainer_infra/test_hub.py",
 )
 
 
