@@ -8,6 +8,9 @@ Forms (`detect`):
   (verl's reward managers), -> a float or a dict with `score` (other keys: sub-scores).
 - verl_batch: `compute_score(data_sources, solution_strs, ground_truths, extra_infos)` on a
   batch (verl's batch reward manager), -> a list of such values.
+- scorer: `compute_score(predict_str, ground_truth, ...)` per row, the completion and the label
+  by position (verl's built-in scorers, EasyR1's first reward functions); `extra_info` and
+  `data_source` by keyword when named; -> a float or a dict with `score` or `overall`.
 - easyr1_batch: `compute_score(reward_inputs: list[dict]) -> list[dict]` (EasyR1's
   `REWARD_TYPE = "batch"`, its default), each dict with `overall` plus sub-scores.
 - easyr1_sequential: `compute_score(reward_input: dict) -> dict` (`REWARD_TYPE =
@@ -26,19 +29,21 @@ import dataclasses
 import inspect
 import math
 
-TRL, VERL, VERL_BATCH, EASYR1_BATCH, EASYR1_SEQUENTIAL, DATA_DICT = (
+TRL, VERL, VERL_BATCH, SCORER, EASYR1_BATCH, EASYR1_SEQUENTIAL, DATA_DICT = (
     "trl",
     "verl",
     "verl_batch",
+    "scorer",
     "easyr1_batch",
     "easyr1_sequential",
     "data_dict",
 )
-PER_ROW = (VERL, EASYR1_SEQUENTIAL, DATA_DICT)
+PER_ROW = (VERL, SCORER, EASYR1_SEQUENTIAL, DATA_DICT)
 _CALLS = {
     TRL: "fn(completions=[...], prompts=[...], **columns) on a batch",
     VERL: "fn(data_source, solution_str, ground_truth, extra_info) per row",
     VERL_BATCH: "fn(data_sources, solution_strs, ground_truths, extra_infos) on a batch",
+    SCORER: "fn(completion, ground_truth, extra_info=..., data_source=...) per row",
     EASYR1_BATCH: "fn(reward_inputs: list[dict]) on a batch (EasyR1 REWARD_TYPE='batch')",
     EASYR1_SEQUENTIAL: "fn(reward_input: dict) per row (EasyR1 REWARD_TYPE='sequential')",
     DATA_DICT: "fn(data_dict) -> (reward, metrics) per row",
@@ -54,6 +59,7 @@ _MAIN_ANY = ("score", "overall", "reward")
 # the keywords a form's call passes
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _FILLED = {VERL: _VERL_ARGS, VERL_BATCH: tuple(f"{a}s" for a in _VERL_ARGS)}
+_SCORER_KEYWORDS = ("extra_info", "data_source")
 
 
 class RewardFormError(TypeError):
@@ -91,7 +97,9 @@ class Form:
         if self.kind == TRL:
             return []
         filled = set(_FILLED.get(self.kind, ())) | set(kwargs)
-        if self.kind not in _FILLED:  # the one dict (or list of dicts) passed by position
+        if self.kind == SCORER:  # the completion and the label by position
+            filled |= {*self.required[:2], *_SCORER_KEYWORDS}
+        elif self.kind not in _FILLED:  # the one dict (or list of dicts) passed by position
             filled |= set(self.required[:1])
         return [p for p in self.required if p not in filled]
 
@@ -115,7 +123,8 @@ def detect(fn) -> Form:
     `REWARD_TYPE` batch or sequential -> EasyR1's; a first parameter named `reward_inputs` /
     `reward_input` / `data_dict` -> that form; one other parameter and **kwargs -> trl
     (completions passed by position); one parameter alone -> easyr1_batch (EasyR1's default
-    type). Raises TypeError for a signature no form fits."""
+    type); two or more, the second `ground_truth` -> scorer. Raises TypeError for a signature
+    no form fits."""
     target = inspect.unwrap(fn)
     is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
         type(target).__call__  # an object whose __call__ is async
@@ -163,6 +172,8 @@ def _form_of(names, var_kw, ps, reward_type) -> str | None:
         return TRL
     if len(required) == 1:
         return EASYR1_BATCH
+    if len(positional) >= 2 and positional[1].name == "ground_truth":
+        return SCORER  # fn(predict_str, ground_truth, ...)
     return None
 
 
@@ -280,6 +291,14 @@ def _verl_call(fn, form: Form, args: dict, kwargs: dict):
     return fn(**form.accepted(args), **more)
 
 
+def _scorer_call(fn, form: Form, r: RowInput, kwargs: dict):
+    """fn(completion, label, **{extra_info, data_source that it names}, **its reward.kwargs)."""
+    args = _verl_args(r)
+    named = {k: args[k] for k in _SCORER_KEYWORDS if k in form.params}
+    more = form.accepted({k: v for k, v in kwargs.items() if k not in named})
+    return fn(r.response, r.ground_truth, **named, **more)
+
+
 def _verl_batch(fn, form: Form, rows: list[RowInput], kwargs: dict):
     """One call of verl's batch form: each of the row form's arguments as a list over the
     rows, named in the plural (data_sources, solution_strs, ground_truths, extra_infos)."""
@@ -312,6 +331,8 @@ def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, const
     for r in rows:
         if kind == VERL:
             got = _verl_call(fn, form, _verl_args(r), kwargs)
+        elif kind == SCORER:
+            got = _scorer_call(fn, form, r, kwargs)
         else:
             got = fn(_row_dict(r, kind), **form.accepted(kwargs))
         out.append(score_of(_resolve(got), kind))

@@ -63,6 +63,16 @@ async def async_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str == ground_truth)
 
 
+def scorer(predict_str, ground_truth, format_score=0.1):
+    return float(predict_str.strip() == ground_truth) + format_score
+
+
+def scorer_with_info(predict_str, ground_truth, extra_info=None, data_source=None, **kwargs):
+    SEEN.append((predict_str, ground_truth, extra_info, data_source, kwargs))
+    ok = float(predict_str == ground_truth)
+    return {{"overall": ok + extra_info["bonus"], "accuracy": ok}}
+
+
 def needs_kwargs(reward_inputs, max_response_length, overlong_buffer_length, factor=1.0):
     expected = max_response_length - overlong_buffer_length
     return [{{"overall": factor * (r["response_length"] <= expected)}} for r in reward_inputs]
@@ -197,6 +207,37 @@ def test_the_verl_batch_form_gets_its_rows_as_lists_in_one_call(module, tmp_path
     assert F.call(exact, form, []) == []  # no rows: no call
     with pytest.raises(F.RewardFormError, match="returned 1 values for 2 rows"):
         F.call(exact, form, [bare, bare])
+
+
+def test_the_scorer_form_gets_the_completion_and_label_by_position(module, tmp_path):
+    """verl's built-in scorers and EasyR1's first reward functions, `compute_score(predict_str,
+    ground_truth, ...)`: per row, the completion and the label by position, extra_info and
+    data_source by keyword when named, reward.kwargs by name; a float, or a dict with
+    `score` or `overall`."""
+    path = module()
+    specs = [f"{path}:scorer", f"{path}:scorer_with_info"]
+    assert {F.detect(R.load_reward_fn(s)).kind for s in specs} == {F.SCORER}
+    rows, texts, _ = rows_and_texts(tmp_path)
+    fn = R.load_reward_fn(specs[1])
+    calls = len(fn.__globals__["SEEN"])
+    values, subs, fns = score(specs, tmp_path, "{'format_score': 0.25, 'scale': 3}")
+    want = [
+        R.load_reward_fn(specs[0])(t, r["answer"], format_score=0.25) for r, t in zip(rows, texts)
+    ]
+    np.testing.assert_allclose(values["scorer"], want)  # [1.25, 0.25]
+    np.testing.assert_allclose(values["scorer_with_info"], [1.5, 0.0])
+    np.testing.assert_allclose(subs["scorer_with_info/accuracy"], [1.0, 0.0])
+    seen = fns["scorer_with_info"].fn.__globals__["SEEN"][calls:]
+    kw = {"format_score": 0.25, "scale": 3}  # its **kwargs take every key
+    assert seen == [
+        ("4", "4", {"bonus": 0.5}, "gsm8k", kw),
+        ("8", "7", {"bonus": 0.0}, "gsm8k", kw),
+    ]
+    # a third required parameter is neither the completion, the label nor a known keyword
+    with pytest.raises(TypeError, match="no reward form fits"):
+        F.detect(lambda ground_truth, predict_str: 0.0)  # the label first: no form
+    form = F.detect(lambda predict, ground_truth, threshold: 0.0)
+    assert form.kind == F.SCORER and form.unfilled({}) == ["threshold"]
 
 
 def test_parameters_without_a_default_must_come_from_reward_kwargs(module, tmp_path):
