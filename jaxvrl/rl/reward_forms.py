@@ -56,10 +56,15 @@ _MAIN = {
     EASYR1_SEQUENTIAL: ("overall",),
 }
 _MAIN_ANY = ("score", "overall", "reward")
-# the keywords a form's call passes
+# the keywords a form's call passes, and how many leading parameters it fills by position
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
-_FILLED = {VERL: _VERL_ARGS, VERL_BATCH: tuple(f"{a}s" for a in _VERL_ARGS)}
 _SCORER_KEYWORDS = ("extra_info", "data_source")
+_FILLED = {
+    VERL: _VERL_ARGS,
+    VERL_BATCH: tuple(f"{a}s" for a in _VERL_ARGS),
+    SCORER: _SCORER_KEYWORDS,
+}
+_BY_POSITION = {SCORER: 2, EASYR1_BATCH: 1, EASYR1_SEQUENTIAL: 1, DATA_DICT: 1}
 
 
 class RewardFormError(TypeError):
@@ -96,11 +101,8 @@ class Form:
         before the data is read): none."""
         if self.kind == TRL:
             return []
-        filled = set(_FILLED.get(self.kind, ())) | set(kwargs)
-        if self.kind == SCORER:  # the completion and the label by position
-            filled |= {*self.required[:2], *_SCORER_KEYWORDS}
-        elif self.kind not in _FILLED:  # the one dict (or list of dicts) passed by position
-            filled |= set(self.required[:1])
+        by_position = self.required[: _BY_POSITION.get(self.kind, 0)]
+        filled = {*_FILLED.get(self.kind, ()), *kwargs, *by_position}
         return [p for p in self.required if p not in filled]
 
     def accepted(self, kwargs: dict) -> dict:
@@ -286,17 +288,18 @@ def _verl_args(r: RowInput) -> dict:
     }
 
 
-def _verl_call(fn, form: Form, args: dict, kwargs: dict):
+def _keyword_call(fn, form: Form, args: dict, kwargs: dict, *positional):
+    """fn(*positional, the form's `args` and the reward.kwargs not among them, each where its
+    signature takes it)."""
     more = form.accepted({k: v for k, v in kwargs.items() if k not in args})
-    return fn(**form.accepted(args), **more)
+    return fn(*positional, **form.accepted(args), **more)
 
 
 def _scorer_call(fn, form: Form, r: RowInput, kwargs: dict):
     """fn(completion, label, **{extra_info, data_source that it names}, **its reward.kwargs)."""
     args = _verl_args(r)
     named = {k: args[k] for k in _SCORER_KEYWORDS if k in form.params}
-    more = form.accepted({k: v for k, v in kwargs.items() if k not in named})
-    return fn(r.response, r.ground_truth, **named, **more)
+    return _keyword_call(fn, form, named, kwargs, r.response, r.ground_truth)
 
 
 def _verl_batch(fn, form: Form, rows: list[RowInput], kwargs: dict):
@@ -306,7 +309,7 @@ def _verl_batch(fn, form: Form, rows: list[RowInput], kwargs: dict):
         return []
     per_row = [_verl_args(r) for r in rows]
     args = {f"{k}s": [a[k] for a in per_row] for k in per_row[0]}
-    return _verl_call(fn, form, args, kwargs)
+    return _keyword_call(fn, form, args, kwargs)
 
 
 def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, constants=None):
@@ -330,7 +333,7 @@ def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, const
     out = []
     for r in rows:
         if kind == VERL:
-            got = _verl_call(fn, form, _verl_args(r), kwargs)
+            got = _keyword_call(fn, form, _verl_args(r), kwargs)
         elif kind == SCORER:
             got = _scorer_call(fn, form, r, kwargs)
         else:
