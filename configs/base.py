@@ -408,7 +408,7 @@ def get_config(arg=None):
     c.vgr.layer_set = setting("all", one_of(*LAYER_SETS))  # all | early | middle | late
 
     c.reward = ml_collections.ConfigDict()
-    # built-ins, module:fn or path.py:fn
+    # built-ins, module:fn, path.py:fn or path.py (its compute_score, else main)
     c.reward.funcs = setting(("mc_idx", "think_format"), Each(NON_EMPTY, allow_empty=False))
     # one per func (the regular weights)
     c.reward.weights = setting((4.0, 1.0), Each(Range(), length="reward.funcs", allow_empty=False))

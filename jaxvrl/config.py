@@ -465,8 +465,13 @@ RESERVED_NAMES = ("total", "greedy_baseline", "overall")
 
 def reward_name(spec: str) -> str:
     """The name a reward is logged under: a built-in's own name (`mc_idx`), else the function's
-    name (`path/to/flaky.py:flaky` and `pkg.mod:flaky` -> `flaky`)."""
-    return spec.rsplit(":", 1)[1] if ":" in spec else spec
+    name (`path/to/flaky.py:flaky` and `pkg.mod:flaky` -> `flaky`), or for a file named without
+    its function the file's (`path/to/geo3k.py` -> `geo3k`)."""
+    if ":" in spec:
+        return spec.rsplit(":", 1)[1]
+    if spec.endswith(".py"):
+        return os.path.basename(spec)[: -len(".py")]
+    return spec
 
 
 def reward_names(funcs: Sequence[str], names: Sequence[str] = ()) -> tuple[str, ...]:

@@ -9,12 +9,14 @@ import os
 from collections.abc import Callable
 
 
-def load_function(spec: str, what: str) -> Callable:
+def load_function(spec: str, what: str, defaults: tuple[str, ...] = ()) -> Callable:
     """The function `spec` names; `what` (e.g. "reward", "config.data.format") starts every
-    error message. Raises ValueError (no ':'), FileNotFoundError or AttributeError."""
-    if ":" not in spec:
+    error message. A `path.py` without `:function` takes the first of `defaults` the file
+    defines. Raises ValueError (no function named), FileNotFoundError or AttributeError."""
+    bare = ":" not in spec and spec.endswith(".py") and defaults
+    if ":" not in spec and not bare:
         raise ValueError(f"{what} {spec!r}: expected 'module:function' or 'path.py:function'")
-    target, name = spec.rsplit(":", 1)
+    target, name = (spec, None) if bare else spec.rsplit(":", 1)
     if target.endswith(".py"):
         if not os.path.exists(target):
             raise FileNotFoundError(f"{what} {spec!r}: file {target} not found")
@@ -25,6 +27,19 @@ def load_function(spec: str, what: str) -> Callable:
         mod_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(target)
+    if name is None:
+        name = next((n for n in defaults if callable(getattr(module, n, None))), None)
+        if name is None:
+            found = sorted(
+                k
+                for k, v in vars(module).items()
+                if callable(v) and getattr(v, "__module__", None) == module.__name__
+            )
+            raise AttributeError(
+                f"{what} {spec!r}: {target} defines none of {', '.join(defaults)}; name the "
+                f"function as '{target}:function' (functions in the file: "
+                f"{', '.join(found) or 'none'})"
+            )
     fn = getattr(module, name, None)
     if not callable(fn):
         raise AttributeError(f"{what} {spec!r}: {target} has no function {name!r}")

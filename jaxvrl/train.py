@@ -80,6 +80,7 @@ from jaxvrl.trainer.setup import (
     model_source,
     process0_says,
     resume,
+    reward_functions,
     run_info,
     train_data,
     training_mesh,
@@ -128,6 +129,7 @@ def _run(c) -> dict:
         raise ConfigError(f"{c.workdir}: saved with {other}; use another workdir or set it back")
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
     check_model_settings(c, models.load_config(source[0]))
+    rewards = reward_functions(c)  # a reward that cannot load ends the run before the model does
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))
 
@@ -155,7 +157,9 @@ def _run(c) -> dict:
     programs_before = runtime.compiles(train_step)
     sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh)
     rmesh = sampler.mesh  # the rollout's layout: the prompts go there
-    phase = make_rollout_phase(c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh)
+    phase = make_rollout_phase(
+        c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh, fns=rewards
+    )
     examples = val_examples(c, tokenizer, model.config)
     validate = make_validate(
         c, examples, greedy, model.config, tokenizer, rmesh, phase.decode, phase.scorer

@@ -313,16 +313,22 @@ BUILTIN = {
 }
 
 
+# the function a reward file named without one provides: verl's custom_reward_function.name
+# default, then EasyR1's
+DEFAULT_FUNCTIONS = ("compute_score", "main")
+
+
 def load_reward_fn(spec: str) -> Callable:
-    """A built-in name, `package.module:function` or `path/to/file.py:function`."""
+    """A built-in name, `package.module:function`, `path/to/file.py:function` or
+    `path/to/file.py` (its `compute_score`, else its `main`)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    if ":" not in spec:
+    if ":" not in spec and not spec.endswith(".py"):
         raise ValueError(
-            f"reward {spec!r}: use a built-in name {sorted(BUILTIN)}, 'module:function' or "
-            "'path.py:function'"
+            f"reward {spec!r}: use a built-in name {sorted(BUILTIN)}, 'module:function', "
+            "'path.py:function' or 'path.py'"
         )
-    return load_function(spec, "reward")
+    return load_function(spec, "reward", DEFAULT_FUNCTIONS)
 
 
 def reward_kwargs_error(text) -> str | None:

@@ -451,18 +451,31 @@ def check_decode_attention(c, device) -> None:
         )
 
 
-def make_rollout_phase(
-    c, sampler, greedy, tokenizer, model_config, step_cfg, mesh=None
-) -> RolloutPhase:
-    # rewards are keyed by the names they are logged under
+def reward_functions(c) -> dict[str, SafeReward]:
+    """The config's reward functions by the names they are logged under, each loaded and its
+    form recognised by its signature. A file or module that is missing, fails to import or
+    lacks the function, and a signature no form fits, raise ConfigError (one line)."""
     names = reward_names(c.reward.funcs, c.reward.names)
     kwargs = reward_kwargs(c.reward.kwargs, names, c.reward.funcs)
-    try:  # each function's form is recognised by its signature
-        fns = {
-            n: SafeReward(n, load_reward_fn(f), f, kwargs[n]) for n, f in zip(names, c.reward.funcs)
-        }
-    except TypeError as e:
-        raise ConfigError(f"config.reward.funcs: {e}") from None
+    fns = {}
+    for n, f in zip(names, c.reward.funcs):
+        try:
+            fns[n] = SafeReward(n, load_reward_fn(f), f, kwargs[n])
+        except (TypeError, ValueError, OSError, AttributeError) as e:
+            raise ConfigError(f"config.reward.funcs: {e}") from None
+        except Exception as e:  # the file or module itself raised (or did not parse)
+            raise ConfigError(
+                f"config.reward.funcs: reward {f!r} failed to load: {type(e).__name__}: {e}"
+            ) from None
+    return fns
+
+
+def make_rollout_phase(
+    c, sampler, greedy, tokenizer, model_config, step_cfg, mesh=None, fns=None
+) -> RolloutPhase:
+    """`fns`: the rewards as `reward_functions` gives them (loaded here when None)."""
+    names = reward_names(c.reward.funcs, c.reward.names)
+    fns = reward_functions(c) if fns is None else fns
     scorer = RewardScorer(
         fns,
         num_workers=c.reward.num_workers,

@@ -297,3 +297,43 @@ def test_failing_on_most_calls_over_the_window_ends_the_run():
     fn.record(None)
     fn.end_step(window=3)
     assert fn.failing(0.5, 3) is None  # 1 of the last 3
+
+
+def test_a_file_named_without_its_function_gives_compute_score_else_main(tmp_path):
+    """verl names a reward file and defaults its function to compute_score, EasyR1 to main:
+    `path.py` alone takes the file's compute_score, else its main, logged under the file's
+    name; a file with neither, or one that is missing or fails to import, stops the run at
+    start with one line (the config key, the file, what it defines)."""
+    from jaxvrl.config import ConfigError, load_config
+    from jaxvrl.trainer.setup import reward_functions
+
+    verl, easy, neither, raises = (tmp_path / f"{n}.py" for n in ("verl", "easy", "no", "bad"))
+    verl.write_text(
+        "def main(x):\n    return 0.0\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.strip() == ground_truth)\n"
+    )
+    easy.write_text("def main(reward_inputs):\n    return [{'overall': 2.0} for _ in reward_inputs]\n")
+    neither.write_text("import math\n\ndef score(a, b):\n    return 0.0\n")
+    raises.write_text("import not_a_module_anywhere\n")
+    specs = [str(verl), str(easy)]
+    assert R.reward_names(specs) == ("verl", "easy")
+    assert R.load_reward_fn(str(verl)).__name__ == "compute_score"
+    assert R.load_reward_fn(str(easy)).__name__ == "main"
+    values, _, fns = score(specs, tmp_path)
+    np.testing.assert_array_equal(values["verl"], [1.0, 0.0])  # "4" right, "8" wrong
+    np.testing.assert_array_equal(values["easy"], [2.0, 2.0])
+    assert fns["verl"].form.kind == F.VERL and fns["easy"].form.kind == F.EASYR1_BATCH
+
+    def error(spec):
+        c = load_config("configs/grpo.py", [f"reward.funcs=('{spec}',)", "reward.weights=(1.0,)"])
+        with pytest.raises(ConfigError) as e:
+            reward_functions(c)
+        assert str(e.value).startswith("config.reward.funcs: ") and "\n" not in str(e.value)
+        return str(e.value)
+
+    assert f"{neither} defines none of compute_score, main" in error(neither)
+    assert "functions in the file: score)" in error(neither)  # not the imported module
+    assert f"file {tmp_path / 'gone.py'} not found" in error(tmp_path / "gone.py")
+    assert "ModuleNotFoundError: No module named 'not_a_module_anywhere'" in error(raises)
+    assert "has no function 'nope'" in error(f"{verl}:nope")
