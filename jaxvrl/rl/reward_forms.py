@@ -216,8 +216,8 @@ def _resolve(value):
 
 
 def _number(value, what: str) -> float:
-    if value is None:  # TRL: None = this reward does not apply to the row
-        return 0.0
+    if value is None:  # a function that fell through without its return
+        raise RewardFormError(f"{what} is None (a missing return?), expected a number")
     if isinstance(value, bool | int | float) or hasattr(value, "__float__"):
         return float(value)
     raise RewardFormError(f"{what} is {type(value).__name__} {value!r:.80}, expected a number")
@@ -227,7 +227,7 @@ def _extras(d: dict, skip) -> dict:
     """The numeric entries of a result dict but its main value (sub-scores, metrics)."""
     out = {}
     for k, v in d.items():
-        if k in skip or isinstance(v, str):
+        if k in skip or v is None or isinstance(v, str):
             continue
         try:
             out[str(k)] = _number(v, str(k))
@@ -238,6 +238,8 @@ def _extras(d: dict, skip) -> dict:
 
 def score_of(value, kind: str) -> tuple[float, dict]:
     """One row's result -> (reward, {sub-score or metric: value})."""
+    if value is None and kind == TRL:  # TRL: None = this reward does not apply to the row
+        return 0.0, {}
     if isinstance(value, dict):
         for key in _MAIN.get(kind, _MAIN_ANY):
             if key in value:

@@ -337,3 +337,23 @@ def test_a_file_named_without_its_function_gives_compute_score_else_main(tmp_pat
     assert f"file {tmp_path / 'gone.py'} not found" in error(tmp_path / "gone.py")
     assert "ModuleNotFoundError: No module named 'not_a_module_anywhere'" in error(raises)
     assert "has no function 'nope'" in error(f"{verl}:nope")
+
+
+def test_none_is_a_failure_but_in_the_trl_form(tmp_path):
+    """TRL's functions return None for rows a reward does not apply to (0 here); in the other
+    forms None is a function that fell through without its return: a counted failure, where
+    verl and EasyR1 would stop. A None sub-score is left out, not logged as 0."""
+    path = tmp_path / "nones.py"
+    path.write_text(
+        "def verl_none(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == '4':\n        return {'score': 1.0, 'pred': None, 'acc': 1}\n\n"
+        "def easy_none(reward_inputs):\n    return [None for _ in reward_inputs]\n\n"
+        "def trl_none(completions, **kw):\n    return [None, 0.5]\n"
+    )
+    specs = [f"{path}:{n}" for n in ("verl_none", "easy_none", "trl_none")]
+    values, subs, fns = score(specs, tmp_path)
+    np.testing.assert_array_equal(values["verl_none"], [1.0, 0.0])  # row 2 fell through
+    np.testing.assert_array_equal(values["easy_none"], [0.0, 0.0])
+    np.testing.assert_array_equal(values["trl_none"], [0.0, 0.5])
+    assert [fns[n].failures for n in ("verl_none", "easy_none", "trl_none")] == [1, 1, 0]
+    assert "verl_none/acc" in subs and "verl_none/pred" not in subs
