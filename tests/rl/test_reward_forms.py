@@ -313,7 +313,9 @@ def test_a_file_named_without_its_function_gives_compute_score_else_main(tmp_pat
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return float(solution_str.strip() == ground_truth)\n"
     )
-    easy.write_text("def main(reward_inputs):\n    return [{'overall': 2.0} for _ in reward_inputs]\n")
+    easy.write_text(
+        "def main(reward_inputs):\n    return [{'overall': 2.0} for _ in reward_inputs]\n"
+    )
     neither.write_text("import math\n\ndef score(a, b):\n    return 0.0\n")
     raises.write_text("import not_a_module_anywhere\n")
     specs = [str(verl), str(easy)]
