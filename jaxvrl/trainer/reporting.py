@@ -74,7 +74,8 @@ def evaluate(
 ) -> dict:
     """Greedy accuracy (`held_out_score`) and think-format rate on held-out examples, and
     with `scorer` (trainer/scoring.py: RewardScorer, the training rewards) each reward's mean
-    as val/reward/<name>.
+    as val/reward/<name> and each of its sub-scores' mean over the rows that have it as
+    val/reward/<name>/<key>.
 
     collate(examples) -> a prompt batch with one row per example; batches are padded to
     `rows_per_batch` rows (one compiled shape) and the padding rows are not counted. mesh:
@@ -85,6 +86,7 @@ def evaluate(
         return {}
     correct, fmt, n = 0.0, 0.0, 0
     sums: dict[str, float] = {}
+    sub_sums: dict[str, tuple[float, int]] = {}  # a reward's sub-scores: (sum, rows with one)
     try:
         for i in range(0, len(examples), rows_per_batch):
             chunk = examples[i : i + rows_per_batch]
@@ -96,15 +98,20 @@ def evaluate(
             correct += sum(held_out_score(texts, chunk[:k]))
             fmt += sum(rl.rewards.think_format_reward(texts))
             if scorer is not None:
-                values, _ = scorer.score(chunk[:k], texts, out.mask[:k].sum(1))
+                values, subs = scorer.score(chunk[:k], texts, out.mask[:k].sum(1))
                 for name, v in values.items():
                     sums[name] = sums.get(name, 0.0) + float(v.sum())
+                for key, v in subs.items():  # NaN where a row has no such sub-score
+                    have = ~np.isnan(v)
+                    total, count = sub_sums.get(key, (0.0, 0))
+                    sub_sums[key] = (total + float(v[have].sum()), count + int(have.sum()))
             n += k
     finally:
         if decode is not None:
             decode.end_phase()
     out = {"val/accuracy": correct / n, "val/format": fmt / n}
-    return out | {f"val/reward/{name}": v / n for name, v in sums.items()}
+    out |= {f"val/reward/{name}": v / n for name, v in sums.items()}
+    return out | {f"val/reward/{key}": t / c for key, (t, c) in sub_sums.items() if c}
 
 
 def step_scalars(rollout: Rollout, step_metrics: dict, step_time_s: float) -> dict:

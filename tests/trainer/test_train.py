@@ -368,19 +368,43 @@ def test_replay_buffer_replaces_uninformative_groups(tmp_path):
     assert sum(r for r, _ in expected) > 0
 
 
+SUB_SCORES = """
+import json
+
+def scored(data_source, solution_str, ground_truth, extra_info=None):
+    out = {{"score": 0.5, "chars": float(len(solution_str))}}
+    if len(solution_str) % 2:  # a sub-score only some rows have
+        out["odd_chars"] = float(len(solution_str))
+    with open({log!r}, "a") as f:
+        f.write(json.dumps(out) + "\\n")
+    return out
+"""
+
+
 def test_a_reward_that_raises_gives_zero_and_training_goes_on(tmp_path, caplog):
     _, broken, _ = _reward_file(tmp_path)
+    log = tmp_path / "scored.jsonl"  # and a verl reward with sub-scores, logged at validation
+    (tmp_path / "scored.py").write_text(SUB_SCORES.format(log=str(log)))
     cfg = tiny_config(
         "configs/grpo.py",
         tmp_path,
         "total_steps=2",
         "val_freq=100",
-        f"reward.funcs=('mc_idx', '{broken}')",
-        "reward.weights=(1.0, 1.0)",
+        f"reward.funcs=('mc_idx', '{broken}', '{tmp_path / 'scored.py'}:scored')",
+        "reward.weights=(1.0, 1.0, 0.0)",
     )
     with caplog.at_level("ERROR", logger="jaxvrl"):
         metrics = run(cfg)
     assert np.isfinite(metrics["loss"])
+    # the final validation's calls are the last val_size: each sub-score's mean over the rows
+    # that have it
+    val = [json.loads(line) for line in open(log)][-cfg.val_size :]
+    assert metrics["val/reward/scored"] == 0.5
+    assert metrics["val/reward/scored/chars"] == pytest.approx(np.mean([r["chars"] for r in val]))
+    odd = [r["odd_chars"] for r in val if "odd_chars" in r]
+    assert metrics.get("val/reward/scored/odd_chars") == (
+        pytest.approx(np.mean(odd)) if odd else None
+    )
     # logged under the function's name, not its file path
     # two rollout calls and the final validation's (val/reward/broken)
     assert metrics["reward/broken"] == 0.0 and metrics["reward/broken_failures"] == 3
