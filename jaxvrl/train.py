@@ -46,6 +46,7 @@ from jaxvrl.config import (
     parse_argv,
     validate,
 )
+from jaxvrl.data.rows import DataError
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names, show_logs
 from jaxvrl.parallel import runtime
@@ -354,7 +355,7 @@ def main(argv=None) -> None:
             print(describe_config(config, path))
             return
         final = run(config)
-    except ConfigError as e:  # the user's to fix: one line, no traceback
+    except (ConfigError, DataError) as e:  # the user's to fix: one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     if "val/accuracy" in final:

@@ -21,7 +21,16 @@ from jaxvrl import models
 from jaxvrl.config import ConfigError, load_config, parse_argv
 from jaxvrl.data.from_config import encode_options, model_dir, train_source
 from jaxvrl.data.prompts import shown_prompt
-from jaxvrl.data.rows import EncodeOptions, SkipStats, encode_row, load_image, row_label
+from jaxvrl.data.rows import (
+    DataError,
+    EncodeOptions,
+    SkipStats,
+    encode_row,
+    load_image,
+    media_list,
+    row_label,
+    video_lists,
+)
 
 
 class _Skips(SkipStats):
@@ -72,8 +81,8 @@ def show_rows(source, tokenizer, opts: EncodeOptions, n: int, out=None) -> SkipS
         print(f"--- {where}: {len(ex['prompt_ids'])} prompt tokens", file=out)
         print(shown_prompt(tokenizer, ex["prompt_ids"]), file=out)
         print(f"label: {row_label(ex)!r}", file=out)
-        videos = list(row.get("videos") or [])
-        for line in media_lines(ex, opts, list(row.get("images") or []), videos):
+        videos = video_lists(row.get("videos"))
+        for line in media_lines(ex, opts, media_list(row.get("images")), videos):
             print(line, file=out)
     counts = {r: c for r, c in stats.report().items() if c}
     listed = ", ".join(f"{r} {c}" for r, c in counts.items()) or "none"
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         print(f"{path}: rows: {len(source)}; tokenizer and processor of {directory}", flush=True)
         show_rows(source, tokenizer, opts, int(rows))
-    except ConfigError as e:  # the user's to fix: one line, no traceback
+    except (ConfigError, DataError) as e:  # the user's to fix: one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

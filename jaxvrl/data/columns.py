@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from jaxvrl.config import ConfigError
-from jaxvrl.data.rows import LABELS, NESTED_LABEL, DataError
+from jaxvrl.data.rows import LABELS, NESTED_LABEL, SKIP, DataError, media_list, video_lists
 from jaxvrl.plugins import load_function
 
 MISSING = object()
@@ -60,20 +60,6 @@ def column_paths(row: dict, prefix: tuple = ()) -> Iterable[tuple[str, ...]]:
             yield from column_paths(v, (*prefix, k))
 
 
-def _as_list(value) -> list:
-    if value is None or value is MISSING:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
-
-
-def _as_videos(value) -> list[list]:
-    """A list of videos (frame lists) from one video (a list of frames) or a list of them."""
-    value = _as_list(value)
-    if value and all(isinstance(v, list | tuple) for v in value):
-        return [list(v) for v in value]
-    return [value] if value else []
-
-
 @dataclasses.dataclass(frozen=True)
 class RowFormat:
     """The columns to read; None reads the row format's own name (module docstring)."""
@@ -101,7 +87,16 @@ class RowMapper:
 
     def __init__(self, fmt: RowFormat):
         self.fmt = fmt
-        self.hook = load_function(fmt.format, "config.data.format") if fmt.format else None
+        self.hook = None
+        if fmt.format:
+            try:
+                self.hook = load_function(fmt.format, "config.data.format")
+            except (ValueError, OSError, AttributeError) as e:
+                raise ConfigError(str(e)) from None
+            except Exception as e:  # the file or module itself raised (or did not parse)
+                raise ConfigError(
+                    f"config.data.format {fmt.format!r} failed to load: {type(e).__name__}: {e}"
+                ) from None
 
     def __getstate__(self):
         return {"fmt": self.fmt}
@@ -114,23 +109,26 @@ class RowMapper:
         row = {k: v for k, v in raw.items() if k != "_where"}
         if self.hook is not None:
             row = self._hook(row, where)
-        row = self._keys(row)
+        if SKIP not in row:
+            row = self._keys(row)
         if where is not None:
             row["_where"] = where
         return row
 
     def _hook(self, row: dict, where) -> dict:
+        """The hook's row, or for a row it fails on {SKIP: ("format_error", why)}: the row is
+        skipped and counted (`rows.encode_row`), the run goes on."""
         try:
             out = self.hook(row)
-        except Exception as e:  # noqa: BLE001 -- name the row and the hook, keep the cause
-            raise DataError(
-                f"{where}: config.data.format {self.fmt.format!r} raised {type(e).__name__}: {e}"
-            ) from e
+        except Exception as e:  # noqa: BLE001 -- name the hook and the error, skip the row
+            why = f"config.data.format {self.fmt.format!r} raised {type(e).__name__}: {e}"
+            return {SKIP: ("format_error", why)}
         if not isinstance(out, dict):
-            raise DataError(
-                f"{where}: config.data.format {self.fmt.format!r} returned "
-                f"{type(out).__name__}, expected a dict (a row)"
+            why = (
+                f"config.data.format {self.fmt.format!r} returned {type(out).__name__}, "
+                "expected a dict (a row)"
             )
+            return {SKIP: ("format_error", why)}
         return out
 
     def _keys(self, row: dict) -> dict:
@@ -142,7 +140,7 @@ class RowMapper:
         for name in ("image_key", "video_key"):  # their payloads leave the row
             key = getattr(f, name)
             if key:
-                out.pop(key if key in row else key.split(".", 1)[0], None)
+                out = _without(out, key)
         if "prompt_key" in value:
             out["problem"] = None if value["prompt_key"] is MISSING else value["prompt_key"]
         if "answer_key" in value:
@@ -150,9 +148,9 @@ class RowMapper:
                 out.pop(k, None)
             out["answer"] = None if value["answer_key"] is MISSING else value["answer_key"]
         if "image_key" in value:
-            out["images"] = _as_list(value["image_key"])
+            out["images"] = [] if value["image_key"] is MISSING else media_list(value["image_key"])
         if "video_key" in value:
-            out["videos"] = _as_videos(value["video_key"])
+            out["videos"] = [] if value["video_key"] is MISSING else video_lists(value["video_key"])
         if "choices_key" in value:
             out["choices"] = None if value["choices_key"] is MISSING else value["choices_key"]
         return out
@@ -181,6 +179,17 @@ class RowMapper:
                 f"{where}: no {what} column (looked for {looked}){after}; its columns: "
                 f"{_listed(paths)}; set config.data.{name} to the {what}'s column"
             )
+
+
+def _without(row: dict, key: str) -> dict:
+    """`row` without the column or dotted path `key` (only its leaf: the nested dicts on the
+    way are copied, their other entries kept)."""
+    if key in row or "." not in key:
+        return {k: v for k, v in row.items() if k != key}
+    head, rest = key.split(".", 1)
+    if not isinstance(row.get(head), dict):
+        return row
+    return {**row, head: _without(row[head], rest)}
 
 
 def _listed(paths: list[tuple[str, ...]], nested: bool = False) -> str:

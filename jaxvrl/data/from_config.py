@@ -79,15 +79,25 @@ def row_format(c) -> RowFormat:
     )
 
 
+def data_paths(text: str) -> list[str]:
+    """The paths of a comma-separated `data.train_files` / `data.val_files` (spaces around
+    each stripped)."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
 def train_source(c):
     """The training rows, random access: the files of `data.train_files` (each checked at
-    open: a file that is not there or lacks a column the run needs is a ConfigError), else the
+    open: a file that is not there or lacks a column the run needs, or files without a row, are
+    a ConfigError), else the
     built-in task's train split."""
     if c.data.train_files:
         try:
-            return open_sources(c.data.train_files.split(","), fmt=row_format(c))
+            source = open_sources(data_paths(c.data.train_files), fmt=row_format(c))
         except DataNotFound as e:  # a file, directory or Hub dataset that is not there
             raise ConfigError(f"config.data.train_files={e.path!r}: {e.reason}") from None
+        if not len(source):
+            raise ConfigError(f"config.data.train_files={c.data.train_files!r}: no rows")
+        return source
     kinds = tuple(c.data.synthetic_kinds)
     make = builtin_task(c).make_split
     return make("train", c.data.synthetic_train_size, c.seed, kinds=kinds)

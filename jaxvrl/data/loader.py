@@ -69,7 +69,10 @@ def make_dataset(
     ds = grain.MapDataset.source(source)
     ds = ds[shard_index::shard_count]
     if len(ds) == 0:
-        raise ValueError(f"shard {shard_index}/{shard_count} of the data has no rows")
+        raise DataError(
+            f"no rows for process {shard_index} of {shard_count}: the data has {len(source)} "
+            "rows, fewer than the processes that split it"
+        )
     n_rows = len(ds)
     if shuffle:
         ds = ds.shuffle(seed=seed)

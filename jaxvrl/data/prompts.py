@@ -88,8 +88,8 @@ def chat_messages(prompt, system: str | None = None, format_prompt: str | None =
         raise ValueError("a prompt is a text or a list of {'role', 'content'} messages")
     if format_prompt:
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
-        if users and isinstance(msgs[users[-1]]["content"], str):
-            text = msgs[users[-1]]["content"]
+        if users:  # a list of parts is read as its text with a placeholder per medium
+            text = _placeholder_text(msgs[users[-1]]["content"])
             msgs[users[-1]]["content"] = prompt_template(format_prompt).render(content=text)
     if system and not any(m["role"] == "system" for m in msgs):
         msgs = [{"role": "system", "content": system}, *msgs]
@@ -100,17 +100,47 @@ def _is_message(m) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
 
 
+# content part types that name an image or a video (OpenAI-style messages among them)
+MEDIA_TYPES = {"image": "image", "image_url": "image", "input_image": "image", "video": "video",
+               "video_url": "video"}  # fmt: skip
+
+
+def content_parts(content) -> list[dict]:
+    """A message's content as a list of parts: None is none; a text, a number or a part of a
+    list given as a bare string is a text part; a dict without a type is text when it holds
+    "text"; media part types are named as the chat templates read them ("image", "video")."""
+    if content is None:
+        return []
+    if not isinstance(content, list | tuple):
+        content = [content]
+    parts = []
+    for part in content:
+        if not isinstance(part, dict):
+            part = {"type": "text", "text": "" if part is None else str(part)}
+        kind = part.get("type") or ("text" if "text" in part else None)
+        kind = MEDIA_TYPES.get(kind, kind)
+        parts.append({"type": "text", "text": str(part.get("text") or "")} if kind == "text"
+                     else {"type": kind})  # fmt: skip
+    return parts
+
+
+def _placeholder_text(content) -> str:
+    """A message's content as text with `<image>` / `<video>` where its media parts are."""
+    out = []
+    for p in content_parts(content):
+        out.append(p["text"] if p["type"] == "text" else f"<{p['type']}>")
+    return "".join(out)
+
+
 def _parts(content) -> list[dict]:
     """A message's content as parts, its text split at the placeholders (empty text dropped,
     as EasyR1 and verl do)."""
-    if isinstance(content, str):
-        content = [{"type": "text", "text": content}]
     parts = []
-    for part in content:
-        if part.get("type") != "text":
-            parts.append({"type": part.get("type")})
+    for part in content_parts(content):
+        if part["type"] != "text":
+            parts.append(part)
             continue
-        for piece in PLACEHOLDERS.split(part.get("text") or ""):
+        for piece in PLACEHOLDERS.split(part["text"]):
             if piece in PART:
                 parts.append({"type": PART[piece]})
             elif piece:

@@ -11,10 +11,11 @@ layout); `<image>` / `<video>` in the text place each medium at its placeholder
 `extra_info`, ...) ride along to the rewards. A dataset laid out otherwise is read through
 `jaxvrl.data.columns` (column keys, a format hook).
 
-Bad rows (missing or corrupt image, image side over `max_image_side`, prompt over
-`max_prompt_length` tokens, missing prompt or label, placeholders that do not match the
-media) never raise: they are counted per reason in `SkipStats`, and the first row of each
-reason is logged with its file and row index.
+Bad rows (missing or corrupt image, image side over `max_image_side` or an aspect ratio
+over 200, prompt over `max_prompt_length` tokens, missing prompt or label, placeholders that
+do not match the media, a video file instead of frames, a format hook that failed on the row,
+anything else a row holds that cannot be encoded) never raise: they are counted per reason in
+`SkipStats`, and the first row of each reason is logged with its file and row index.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ import numpy as np
 from PIL import Image
 
 from jaxvrl.data.processor import process_images, process_video, process_video_qwen3
-from jaxvrl.data.prompts import PlaceholderMismatch, encode_rendered, render_prompt
+from jaxvrl.data.prompts import (
+    PlaceholderMismatch,
+    content_parts,
+    encode_rendered,
+    render_prompt,
+)
 from jaxvrl.models import ProcessorSettings
 from jaxvrl.remote import is_remote, read_bytes
 
@@ -47,7 +53,13 @@ REASONS = (
     "prompt_too_long",
     "media_for_text_model",
     "placeholder_mismatch",
+    "video_file",
+    "format_error",
+    "bad_row",
 )
+# a row that `config.data.format` could not map: {SKIP: (reason, detail)} (columns.RowMapper)
+SKIP = "_skip"
+VIDEO_FILES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".flv", ".m4v", ".mpeg", ".mpg")
 LABELS = ("label_idx", "answer", "solution")
 NESTED_LABEL = ("reward_model", "ground_truth")  # verl's parquet layout
 
@@ -153,8 +165,8 @@ def _str_image(ref: str, image_dir: str | None) -> tuple[bytes | str, str | None
 
 
 def _base64(text: str) -> bytes | None:
-    try:
-        return base64.b64decode(text, validate=True)
+    try:  # line breaks allowed: base64 tools wrap at 76 columns
+        return base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError):
         return None
 
@@ -200,6 +212,25 @@ def row_label(row: dict):
     return nested.get(NESTED_LABEL[1]) if isinstance(nested, dict) else None
 
 
+def media_list(value) -> list:
+    """A row's images: a list of them, or one image (a path, bytes, base64 text, a
+    {"bytes", "path"} dict, a PIL image); None = none."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def video_lists(value) -> list[list]:
+    """A row's videos as frame lists: a list of videos (each a list of frames), or one video
+    (a list of frames, or a single reference); None = none."""
+    value = media_list(value)
+    if value and all(isinstance(v, list | tuple) for v in value):
+        return [list(v) for v in value]
+    if value and all(isinstance(v, str) and v.lower().endswith(VIDEO_FILES) for v in value):
+        return [[v] for v in value]  # video files, one per video: refused by encode_row
+    return [value] if value else []
+
+
 def _load_all(refs, opts: EncodeOptions, stats: SkipStats, where: str):
     """PIL images for `refs`, or None after recording why the row is skipped."""
     try:
@@ -230,17 +261,46 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
     `image_refs` (the row's images as given, for `load_image`) and, for a label found only in
     `reward_model.ground_truth`, `answer`.
     """
-    prompt = row.get("problem", row.get("prompt"))
+    if SKIP in row:  # the format hook failed on it
+        reason, detail = row[SKIP]
+        stats.skip(reason, where, detail)
+        return None
+    try:
+        return _encode(row, tokenizer, opts, where, stats)
+    except Exception as e:  # noqa: BLE001 -- one bad row never ends the run: counted, logged
+        stats.skip("bad_row", where, f"{type(e).__name__}: {e}")
+        return None
+
+
+def _encode(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: SkipStats):
+    """`encode_row` without its catch-all."""
+    prompt = row.get("problem") or row.get("prompt")  # a null or empty problem: the prompt
     if not prompt or not isinstance(prompt, str | list | tuple):
         stats.skip("missing_prompt", where, "no prompt text")
+        return None
+    if not isinstance(prompt, str) and not any(
+        p["type"] != "text" or p["text"].strip()
+        for m in prompt
+        if isinstance(m, dict)
+        for p in content_parts(m.get("content"))
+    ):
+        stats.skip("missing_prompt", where, "messages without content")
         return None
     label = row_label(row)
     if opts.require_label and label is None:
         stats.skip("missing_label", where, "no label")
         return None
-    refs, video_refs = list(row.get("images") or []), list(row.get("videos") or [])
+    refs, video_refs = media_list(row.get("images")), video_lists(row.get("videos"))
     if opts.processor is None and (refs or video_refs):
         stats.skip("media_for_text_model", where, "images or videos, and the model is text-only")
+        return None
+    files = [f[0] for f in video_refs if len(f) == 1 and str(f[0]).lower().endswith(VIDEO_FILES)]
+    if files:
+        detail = f"{files[0]}: video files are not decoded; give each video as a list of frames"
+        stats.skip("video_file", where, detail + " (sampled at data.video_fps)")
+        return None
+    if any(not frames for frames in video_refs):
+        stats.skip("missing_image", where, "a video without frames")
         return None
     vision = opts.processor is not None
     try:
@@ -258,15 +318,19 @@ def encode_row(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: Ski
     media = _encode_media(refs, video_refs, opts, stats, where)
     if media is None:
         return None
-    ids = encode_rendered(
-        tokenizer,
-        rendered,
-        media["image_grid_thw"] if refs else None,
-        media["video_grid_thw"] if video_refs else None,
-        (opts.processor or ProcessorSettings()).merge_size,
-        media.pop("timestamps"),
-        opts.processor,
-    )
+    try:
+        ids = encode_rendered(
+            tokenizer,
+            rendered,
+            media["image_grid_thw"] if refs else None,
+            media["video_grid_thw"] if video_refs else None,
+            (opts.processor or ProcessorSettings()).merge_size,
+            media.pop("timestamps"),
+            opts.processor,
+        )
+    except ValueError as e:  # the text holds the model's own vision pad tokens
+        stats.skip("placeholder_mismatch", where, str(e))
+        return None
     if len(ids) > opts.max_prompt_length:
         stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")
         return None
@@ -283,10 +347,8 @@ def _question(prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-    text = users[-1] if users else ""
-    if isinstance(text, list):
-        text = "".join(p.get("text") or "" for p in text if isinstance(p, dict))
-    return str(text)
+    parts = content_parts(users[-1] if users else "")
+    return "".join(p["text"] for p in parts if p["type"] == "text")
 
 
 def _encode_media(refs, video_refs, opts: EncodeOptions, stats: SkipStats, where: str):
@@ -303,14 +365,21 @@ def _encode_media(refs, video_refs, opts: EncodeOptions, stats: SkipStats, where
             return None
         videos.append(loaded)
     proc = opts.processor or ProcessorSettings()  # None (text-only): the empty arrays' width
-    pv, grid = process_images(images, opts.min_pixels, opts.max_pixels, settings=proc)
     stamps = None
-    if proc.video_timestamps:  # every frame of the row's list, timed by video_fps
-        vids = [process_video_qwen3(v, opts.video_fps, proc, sample_fps=None) for v in videos]
-        stamps = [v[2] for v in vids]
-    else:
-        limits = (opts.video_min_pixels, opts.video_max_pixels)
-        vids = [process_video(v, *limits, settings=proc) for v in videos]
+    try:  # the resize refuses an aspect ratio over 200 (as transformers' processors do)
+        pv, grid = process_images(images, opts.min_pixels, opts.max_pixels, settings=proc)
+        if proc.video_timestamps:  # every frame of the row's list, timed by video_fps
+            vids = [process_video_qwen3(v, opts.video_fps, proc, sample_fps=None) for v in videos]
+            stamps = [v[2] for v in vids]
+        else:
+            limits = (opts.video_min_pixels, opts.video_max_pixels)
+            vids = [process_video(v, *limits, settings=proc) for v in videos]
+    except ValueError as e:  # e.g. a 1-frame video for a family that needs 2: not counted here
+        if "aspect ratio" not in str(e):
+            raise
+        sizes = [im.size for im in images] + [v[0].size for v in videos]
+        stats.skip("oversized_image", where, f"{e} (sizes {sizes})")
+        return None
     vpv = np.concatenate([v[0] for v in vids]) if vids else np.zeros((0, pv.shape[1]), np.float32)
     vgrid = np.concatenate([v[1] for v in vids]) if vids else np.zeros((0, 3), np.int64)
     seconds = np.full((len(vids),), proc.temporal_patch_size / opts.video_fps, np.float32)

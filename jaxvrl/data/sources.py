@@ -23,7 +23,7 @@ import threading
 
 from jaxvrl import hub
 from jaxvrl.data.columns import RowFormat, RowMapper, column_paths
-from jaxvrl.data.rows import DataError
+from jaxvrl.data.rows import SKIP, DataError
 from jaxvrl.remote import is_remote, localize_file
 
 log = logging.getLogger("jaxvrl")
@@ -39,11 +39,13 @@ class JsonlSource:
         self._offsets: list[tuple[int, int]] = []  # (byte offset, line number)
         columns: dict[tuple, None] = {}
         if path.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # a byte order mark is allowed
                 try:
                     rows = json.load(f)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{self.name}: invalid JSON at line {e.lineno}: {e.msg}") from e
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{self.name}: not UTF-8 text ({e})") from e
             if not isinstance(rows, list):
                 raise DataError(f"{self.name}: a .json data file must hold a list of rows")
             for n, r in enumerate(rows):
@@ -214,9 +216,10 @@ class FormattedSource:
         if len(source) == 0:
             return
         if fmt.format:
-            columns = column_paths(
-                {k: v for k, v in self.mapper(source[0]).items() if k != "_where"}
-            )
+            first = self.mapper(source[0])
+            if SKIP in first:  # the hook fails on the first row: most likely on every row
+                raise DataError(f"{first.get('_where', name + ' row 0')}: {first[SKIP][1]}")
+            columns = column_paths({k: v for k, v in first.items() if k != "_where"})
         else:
             columns = source.columns
         self.mapper.check(columns, name)

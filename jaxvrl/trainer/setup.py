@@ -27,6 +27,7 @@ from jaxvrl.config import (
 from jaxvrl.data.from_config import (
     builtin_task,
     checkpoint_dir,
+    data_paths,
     encode_options,
     row_format,
     train_source,
@@ -91,7 +92,7 @@ def val_examples(c, tokenizer, model_config=None) -> list:
     opts = encode_options(c, model_config)
     if c.data.val_files:
         examples, stats = [], None
-        for path in c.data.val_files.split(","):
+        for path in data_paths(c.data.val_files):
             try:
                 rows = read_rows(path, fmt=row_format(c))
             except DataNotFound as e:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jaxvrl.config import ConfigError
 from jaxvrl.data.columns import RowFormat, RowMapper
 from jaxvrl.data.rows import DataError, EncodeOptions, SkipStats, encode_rows, load_image
 from jaxvrl.data.sources import open_source, open_sources, read_rows
@@ -98,7 +99,7 @@ def test_nested_keys_and_a_literal_dotted_column(tmp_path, image_dir, tokenizer)
     assert [e["problem"] for e in examples] == ["nested?", "second"]
     assert [e["answer"] for e in examples] == ["B", 2]
     assert [e["image_grid_thw"].tolist() for e in examples] == [[[1, 4, 4]], [[1, 4, 6]]]
-    assert "q" not in examples[0]  # the image's top-level column is dropped with it
+    assert examples[0]["q"] == {"text": "nested?"}  # the images leave, their siblings stay
 
 
 def test_answer_key_alone_decides_the_label(tokenizer, image_dir):
@@ -200,7 +201,7 @@ def test_the_format_hook_maps_raw_rows(tmp_path, image_dir, tokenizer):
         open_source(path, fmt=RowFormat(format=f"{hook}:broken"))
     with pytest.raises(DataError, match=r"returned list, expected a dict"):
         open_source(path, fmt=RowFormat(format=f"{hook}:not_a_row"))
-    with pytest.raises(AttributeError, match="has no function 'nope'"):
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
         open_source(path, fmt=RowFormat(format=f"{hook}:nope"))
     # a function of an importable module works the same way
     src = open_source(
