@@ -298,8 +298,8 @@ def _hub_source(text: str, fmt: RowFormat | None):
     each named `hf://datasets/<repo>@<commit>/<file>` in messages."""
     try:
         snap, files = hub.fetch_dataset(text)
-    except hub.NotFound as e:
-        raise DataNotFound(text, str(e)) from None
+    except hub.NotFound as e:  # the name could be a mistyped local path too: say both
+        raise DataNotFound(text, f"{e} (no local file or directory has that name)") from None
     repo = hub.dataset_name(text)[0]
     log.info("%s: %d parquet files of %s at commit %s", text, len(files), repo, snap.commit)
     sources = []
