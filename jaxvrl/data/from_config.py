@@ -79,9 +79,19 @@ def row_format(c) -> RowFormat:
     )
 
 
-def data_paths(text: str) -> list[str]:
-    """The paths of a comma-separated `data.train_files` / `data.val_files` (spaces around
-    each stripped)."""
+def data_paths(text) -> list[str]:
+    """The paths of `data.train_files` / `data.val_files`: comma-separated (spaces around each
+    stripped), or a list as verl's configs write it (`['train.parquet', 'more.parquet']`)."""
+    if not isinstance(text, str):  # a list or tuple given in a config file
+        return [str(p).strip() for p in text if str(p).strip()]
+    if text.strip().startswith("[") and text.strip().endswith("]"):
+        import ast
+
+        try:
+            items = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):  # unquoted names: [a.parquet, b.parquet]
+            items = text.strip()[1:-1].split(",")
+        return [str(p).strip().strip("'\"") for p in items if str(p).strip()]
     return [p.strip() for p in text.split(",") if p.strip()]
 
 

@@ -134,7 +134,7 @@ def test_a_format_hook_failing_on_a_row_skips_it(tmp_path, tokenizer):
 
 def test_data_files_that_cannot_be_read_stop_with_one_line(tmp_path, capsys):
     from jaxvrl.data.__main__ import main
-    from jaxvrl.data.from_config import train_source
+    from jaxvrl.data.from_config import data_paths, train_source
 
     rows = [{"problem": f"q{i}", "answer": "a"} for i in range(2)]
     bom = tmp_path / "bom.json"
@@ -144,8 +144,10 @@ def test_data_files_that_cannot_be_read_stop_with_one_line(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "x.csv").write_text("problem,answer\nq,a\n")
     (tmp_path / "latin1.json").write_bytes(b'[{"problem": "caf\xe9", "answer": "a"}]')
-    c = load_config("configs/grpo.py", [f"data.train_files={tmp_path}/a.jsonl , {bom}"])
-    assert len(train_source(c)) == 4  # spaces around the names are not part of them
+    for files in (f"{tmp_path}/a.jsonl , {bom}", f"['{tmp_path}/a.jsonl', '{bom}']"):
+        c = load_config("configs/grpo.py", [f"data.train_files={files}"])
+        assert len(train_source(c)) == 4  # spaces around the names are not part of them
+    assert data_paths("[a.parquet, b.parquet]") == ["a.parquet", "b.parquet"]  # verl's lists
     with pytest.raises(ConfigError, match=r"empty.jsonl': no rows"):
         train_source(load_config("configs/grpo.py", [f"data.train_files={tmp_path}/empty.jsonl"]))
     for name, message in (("latin1.json", "not UTF-8 text"), ("x.csv", "unknown data format")):
