@@ -278,10 +278,10 @@ def _encode(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: SkipSt
     if not prompt or not isinstance(prompt, str | list | tuple):
         stats.skip("missing_prompt", where, "no prompt text")
         return None
-    if not isinstance(prompt, str) and not any(
+    messages = not isinstance(prompt, str) and all(isinstance(m, dict) for m in prompt)
+    if messages and not any(
         p["type"] != "text" or p["text"].strip()
         for m in prompt
-        if isinstance(m, dict)
         for p in content_parts(m.get("content"))
     ):
         stats.skip("missing_prompt", where, "messages without content")
