@@ -27,9 +27,8 @@ from jaxvrl.data.rows import (
     SkipStats,
     encode_row,
     load_image,
-    media_list,
     row_label,
-    video_lists,
+    row_media,
 )
 
 
@@ -81,8 +80,8 @@ def show_rows(source, tokenizer, opts: EncodeOptions, n: int, out=None) -> SkipS
         print(f"--- {where}: {len(ex['prompt_ids'])} prompt tokens", file=out)
         print(shown_prompt(tokenizer, ex["prompt_ids"]), file=out)
         print(f"label: {row_label(ex)!r}", file=out)
-        videos = video_lists(row.get("videos"))
-        for line in media_lines(ex, opts, media_list(row.get("images")), videos):
+        images, videos = row_media(row)
+        for line in media_lines(ex, opts, images, videos):
             print(line, file=out)
     counts = {r: c for r, c in stats.report().items() if c}
     listed = ", ".join(f"{r} {c}" for r, c in counts.items()) or "none"

@@ -3,7 +3,8 @@
 `RowFormat` names the columns to read (`config.data.prompt_key`, ...). Each key is a column
 name or a dotted path into nested objects (`meta.question`; a column literally named
 `meta.question` wins). An unset key reads the row format's own names, as the row format says:
-`problem` else `prompt`; `label_idx` else `answer` else `solution`; `images`; `videos`;
+`problem` else `prompt`; `label_idx` else `answer` else `solution`; `images` else `image`;
+`videos` else `video`;
 `choices`. With no key and no hook set, rows pass through untouched.
 
 A set key maps its column to the row format's name:

@@ -7,8 +7,9 @@ layout); `<image>` / `<video>` in the text place each medium at its placeholder
 {"bytes": ..., "path": ...} dict (HF datasets' Image feature) or a PIL image; optional
 `videos`: a list of videos, each a list of frames in the same forms, sampled at
 `EncodeOptions.video_fps`; `label_idx` (with `choices`) for multiple choice, or `answer` /
-`solution`, else verl's `reward_model.ground_truth`. Other columns (verl's `data_source`,
-`extra_info`, ...) ride along to the rewards. A dataset laid out otherwise is read through
+`solution`, else verl's `reward_model.ground_truth`. `image` / `video` are read where
+`images` / `videos` are unset (TRL's datasets name a single image so). Other columns (verl's
+`data_source`, `extra_info`, ...) ride along to the rewards. A dataset laid out otherwise is read through
 `jaxvrl.data.columns` (column keys, a format hook).
 
 Bad rows (missing or corrupt image, image side over `max_image_side` or an aspect ratio
@@ -231,6 +232,25 @@ def video_lists(value) -> list[list]:
     return [value] if value else []
 
 
+# the columns a row's media are read from, in order: the first that is set (TRL's datasets
+# name a single image `image`)
+IMAGE_COLUMNS, VIDEO_COLUMNS = ("images", "image"), ("videos", "video")
+
+
+def _media_column(row: dict, columns) -> str | None:
+    return next((c for c in columns if row.get(c) is not None), None)
+
+
+def row_media(row: dict) -> tuple[list, list[list]]:
+    """The row's images and videos (`media_list`, `video_lists`) from `images` (else `image`)
+    and `videos` (else `video`)."""
+    images, videos = _media_column(row, IMAGE_COLUMNS), _media_column(row, VIDEO_COLUMNS)
+    return (
+        media_list(row[images]) if images else [],
+        video_lists(row[videos]) if videos else [],
+    )
+
+
 def _load_all(refs, opts: EncodeOptions, stats: SkipStats, where: str):
     """PIL images for `refs`, or None after recording why the row is skipped."""
     try:
@@ -290,7 +310,7 @@ def _encode(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: SkipSt
     if opts.require_label and label is None:
         stats.skip("missing_label", where, "no label")
         return None
-    refs, video_refs = media_list(row.get("images")), video_lists(row.get("videos"))
+    refs, video_refs = row_media(row)
     if opts.processor is None and (refs or video_refs):
         stats.skip("media_for_text_model", where, "images or videos, and the model is text-only")
         return None
@@ -334,7 +354,8 @@ def _encode(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: SkipSt
     if len(ids) > opts.max_prompt_length:
         stats.skip("prompt_too_long", where, f"{len(ids)} > {opts.max_prompt_length} tokens")
         return None
-    out = {k: v for k, v in row.items() if k not in ("images", "videos")}
+    payload = (_media_column(row, IMAGE_COLUMNS), _media_column(row, VIDEO_COLUMNS))
+    out = {k: v for k, v in row.items() if k not in ("images", "videos", *payload)}
     out.update(media, prompt_ids=ids, problem=_question(prompt))
     out.update(prompt_text=rendered, image_refs=refs)
     if label is not None and all(row.get(k) is None for k in LABELS):

@@ -76,6 +76,11 @@ def test_single_media_and_message_parts_read_as_lists(tmp_path, tokenizer):
         {"problem": "wrapped base64", "answer": "a", "images": [wrapped]},
         {"problem": "frames <video>", "answer": "a", "videos": ["f0.png", "f1.png"]},
         {"problem": None, "prompt": "the prompt column", "answer": "a"},
+        {  # TRL's layout: a conversational prompt, one image under `image`
+            "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text"}]}],
+            "image": {"bytes": png(), "path": None},
+            "solution": "a",
+        },
         {
             "prompt": [
                 {"role": "user", "content": ["bare text, ", {"text": "a part without type "}, 7]}
@@ -88,7 +93,8 @@ def test_single_media_and_message_parts_read_as_lists(tmp_path, tokenizer):
     assert [e["image_grid_thw"].tolist() for e in ex[:3]] == [[[1, 4, 4]]] * 3
     assert ex[3]["video_grid_thw"][:, 0].tolist() == [1]  # one video of 2 frames: 1 patch deep
     assert ex[4]["problem"] == "the prompt column"
-    assert ex[5]["problem"] == "bare text, a part without type 7"
+    assert ex[5]["image_grid_thw"].tolist() == [[1, 4, 4]] and "image" not in ex[5]
+    assert ex[6]["problem"] == "bare text, a part without type 7"
 
 
 def test_format_prompt_reads_a_list_of_parts_with_its_media_in_place(tmp_path, tokenizer):
