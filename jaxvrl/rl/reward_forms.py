@@ -265,6 +265,31 @@ def _trl_kwargs(form: Form, rows: list[RowInput], kwargs: dict, constants: dict)
     return cols
 
 
+def _is_messages(value) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def _conversational(rows: list[RowInput]) -> bool:
+    """Rows whose `prompt` column is a list of chat messages (TRL's conversational datasets,
+    verl's layout)."""
+    return bool(rows) and all(_is_messages(r.columns.get("prompt")) for r in rows)
+
+
+def _as_conversation(cols: dict, rows: list[RowInput], form: Form) -> dict:
+    """The trl form's arguments as TRL passes them for a conversational dataset: each
+    completion [{"role": "assistant", "content": text}], each prompt its list of messages
+    (built-in rewards, marked `plain_completions`, keep the texts)."""
+    cols = dict(cols)
+    cols["completions"] = [[{"role": "assistant", "content": r.response}] for r in rows]
+    if "prompts" in cols:
+        cols["prompts"] = [list(r.columns["prompt"]) for r in rows]
+    return cols
+
+
 def _row_dict(r: RowInput, kind: str) -> dict:
     """EasyR1's reward_input (response, response_length, ground_truth) and the design
     document's data_dict (prompt, response, ground_truth, images), each with the row's
@@ -322,6 +347,8 @@ def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, const
     kwargs, kind = kwargs or {}, form.kind
     if kind == TRL:
         cols = _trl_kwargs(form, rows, kwargs, constants or {})
+        if not getattr(fn, "plain_completions", False) and _conversational(rows):
+            cols = _as_conversation(cols, rows, form)
         if form.positional is not None:
             got = fn(cols.pop("completions"), **cols)
         else:

@@ -311,6 +311,8 @@ BUILTIN = {
     "accuracy": accuracy_reward,
     "mdi": mdi_reward,
 }
+for _fn in BUILTIN.values():  # they read completions as texts, conversational data or not
+    _fn.plain_completions = True
 
 
 # the function a reward file named without one provides: verl's custom_reward_function.name

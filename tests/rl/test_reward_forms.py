@@ -359,3 +359,32 @@ def test_none_is_a_failure_but_in_the_trl_form(tmp_path):
     np.testing.assert_array_equal(values["trl_none"], [0.0, 0.5])
     assert [fns[n].failures for n in ("verl_none", "easy_none", "trl_none")] == [1, 1, 0]
     assert "verl_none/acc" in subs and "verl_none/pred" not in subs
+
+
+def test_the_trl_form_gets_conversations_for_a_conversational_dataset(tmp_path):
+    """TRL passes a conversational dataset's completions as [{"role": "assistant", "content":
+    text}] and its prompts as their messages; built-in rewards keep reading texts."""
+    path = tmp_path / "conv.py"
+    path.write_text(
+        "def conv(completions, prompts, **kw):\n"
+        "    return [float(c[0]['content'] == '4') + 10 * (p[-1]['role'] == 'user')\n"
+        "            for c, p in zip(completions, prompts)]\n"
+    )
+    specs = [f"{path}:conv", "think_format"]
+    rows, texts, lengths = rows_and_texts(tmp_path)
+    for r in rows:
+        r["prompt"] = [{"role": "user", "content": r["problem"]}]
+    names = R.reward_names(specs)
+    fns = {n: R.SafeReward(n, R.load_reward_fn(s), s) for n, s in zip(names, specs)}
+    scorer = RewardScorer(fns, image_dir=str(tmp_path))
+    try:
+        values, _ = scorer.score(rows, texts, lengths)
+        np.testing.assert_array_equal(values["conv"], [11.0, 10.0])
+        np.testing.assert_array_equal(values["think_format"], [0.0, 0.0])
+        assert fns["conv"].failures == fns["think_format"].failures == 0
+        for r in rows:  # a plain prompt: texts, as before
+            del r["prompt"]
+        values, _ = scorer.score(rows, texts, lengths)
+        assert fns["conv"].failures == 1  # c[0] is a character: the function fails
+    finally:
+        scorer.close()
