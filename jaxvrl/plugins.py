@@ -9,24 +9,37 @@ import os
 from collections.abc import Callable
 
 
+def _import(target: str):
+    """The module of a file path (`path.py`) or of an importable name."""
+    if not target.endswith(".py"):
+        return importlib.import_module(target)
+    spec = importlib.util.spec_from_file_location(
+        f"jaxvrl_user_{abs(hash(os.path.abspath(target)))}", target
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# what `load_function` raises: a config naming a function it cannot give (one-line messages)
+LOAD_ERRORS = (ValueError, OSError, AttributeError, ImportError)
+
+
 def load_function(spec: str, what: str, defaults: tuple[str, ...] = ()) -> Callable:
     """The function `spec` names; `what` (e.g. "reward", "config.data.format") starts every
     error message. A `path.py` without `:function` takes the first of `defaults` the file
-    defines. Raises ValueError (no function named), FileNotFoundError or AttributeError."""
+    defines. Raises ValueError (no function named), FileNotFoundError, AttributeError or
+    ImportError (the file or module raised while it was imported, or did not parse)."""
     bare = ":" not in spec and spec.endswith(".py") and defaults
     if ":" not in spec and not bare:
         raise ValueError(f"{what} {spec!r}: expected 'module:function' or 'path.py:function'")
     target, name = (spec, None) if bare else spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        if not os.path.exists(target):
-            raise FileNotFoundError(f"{what} {spec!r}: file {target} not found")
-        mod_spec = importlib.util.spec_from_file_location(
-            f"jaxvrl_user_{abs(hash(os.path.abspath(target)))}", target
-        )
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
+    if target.endswith(".py") and not os.path.exists(target):
+        raise FileNotFoundError(f"{what} {spec!r}: file {target} not found")
+    try:
+        module = _import(target)
+    except Exception as e:  # noqa: BLE001 -- the user's code raised: one line naming it
+        raise ImportError(f"{what} {spec!r} failed to load: {type(e).__name__}: {e}") from e
     if name is None:
         name = next((n for n in defaults if callable(getattr(module, n, None))), None)
         if name is None:

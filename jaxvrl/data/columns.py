@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 from jaxvrl.config import ConfigError
 from jaxvrl.data.rows import LABELS, NESTED_LABEL, SKIP, DataError, media_list, video_lists
-from jaxvrl.plugins import load_function
+from jaxvrl.plugins import LOAD_ERRORS, load_function
 
 MISSING = object()
 PROMPTS = ("problem", "prompt")
@@ -92,12 +92,8 @@ class RowMapper:
         if fmt.format:
             try:
                 self.hook = load_function(fmt.format, "config.data.format")
-            except (ValueError, OSError, AttributeError) as e:
+            except LOAD_ERRORS as e:
                 raise ConfigError(str(e)) from None
-            except Exception as e:  # the file or module itself raised (or did not parse)
-                raise ConfigError(
-                    f"config.data.format {fmt.format!r} failed to load: {type(e).__name__}: {e}"
-                ) from None
 
     def __getstate__(self):
         return {"fmt": self.fmt}

@@ -39,6 +39,7 @@ from jaxvrl.models import load
 from jaxvrl.models.moe import sparse_layers
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
+from jaxvrl.plugins import LOAD_ERRORS
 from jaxvrl.remote import is_remote
 from jaxvrl.rl.rewards import (
     SafeReward,
@@ -462,12 +463,8 @@ def reward_functions(c) -> dict[str, SafeReward]:
     for n, f in zip(names, c.reward.funcs):
         try:
             fns[n] = SafeReward(n, load_reward_fn(f), f, kwargs[n])
-        except (TypeError, ValueError, OSError, AttributeError) as e:
+        except (TypeError, *LOAD_ERRORS) as e:  # TypeError: a signature no form fits
             raise ConfigError(f"config.reward.funcs: {e}") from None
-        except Exception as e:  # the file or module itself raised (or did not parse)
-            raise ConfigError(
-                f"config.reward.funcs: reward {f!r} failed to load: {type(e).__name__}: {e}"
-            ) from None
     return fns
 
 
