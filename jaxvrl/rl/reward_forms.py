@@ -251,17 +251,24 @@ def score_of(value, kind: str) -> tuple[float, dict]:
     return _number(value, "the result"), {}
 
 
-def _trl_kwargs(form: Form, rows: list[RowInput], kwargs: dict, constants: dict) -> dict:
+def _trl_kwargs(fn, form: Form, rows: list[RowInput], kwargs: dict, constants: dict) -> dict:
+    """The trl form's arguments. For a conversational dataset (every row's `prompt` a list of
+    chat messages), as TRL passes them there: each completion [{"role": "assistant",
+    "content": text}], each prompt its messages (functions marked `plain_completions`, the
+    built-in rewards, keep the texts)."""
     keys = dict.fromkeys(k for r in rows for k in r.columns)
     cols = {k: [r.columns.get(k) for r in rows] for k in keys}
     cols.update(constants)
-    cols["prompts"] = [r.prompt for r in rows]
+    chat = not getattr(fn, "plain_completions", False) and _conversational(rows)
+    cols["prompts"] = [list(r.columns["prompt"]) if chat else r.prompt for r in rows]
     if form.takes_images:
         cols["images"] = [r.images or [] for r in rows]
     cols.update(kwargs)
     cols = form.accepted(cols)
     cols.pop(form.positional, None)
-    cols["completions"] = [r.response for r in rows]
+    cols["completions"] = [
+        [{"role": "assistant", "content": r.response}] if chat else r.response for r in rows
+    ]
     return cols
 
 
@@ -277,17 +284,6 @@ def _conversational(rows: list[RowInput]) -> bool:
     """Rows whose `prompt` column is a list of chat messages (TRL's conversational datasets,
     verl's layout)."""
     return bool(rows) and all(_is_messages(r.columns.get("prompt")) for r in rows)
-
-
-def _as_conversation(cols: dict, rows: list[RowInput], form: Form) -> dict:
-    """The trl form's arguments as TRL passes them for a conversational dataset: each
-    completion [{"role": "assistant", "content": text}], each prompt its list of messages
-    (built-in rewards, marked `plain_completions`, keep the texts)."""
-    cols = dict(cols)
-    cols["completions"] = [[{"role": "assistant", "content": r.response}] for r in rows]
-    if "prompts" in cols:
-        cols["prompts"] = [list(r.columns["prompt"]) for r in rows]
-    return cols
 
 
 def _row_dict(r: RowInput, kind: str) -> dict:
@@ -346,9 +342,7 @@ def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, const
     Raises what `fn` raises, or RewardFormError for a result of the wrong count or type."""
     kwargs, kind = kwargs or {}, form.kind
     if kind == TRL:
-        cols = _trl_kwargs(form, rows, kwargs, constants or {})
-        if not getattr(fn, "plain_completions", False) and _conversational(rows):
-            cols = _as_conversation(cols, rows, form)
+        cols = _trl_kwargs(fn, form, rows, kwargs, constants or {})
         if form.positional is not None:
             got = fn(cols.pop("completions"), **cols)
         else:
