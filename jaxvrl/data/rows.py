@@ -227,8 +227,6 @@ def video_lists(value) -> list[list]:
     value = media_list(value)
     if value and all(isinstance(v, list | tuple) for v in value):
         return [list(v) for v in value]
-    if value and all(isinstance(v, str) and v.lower().endswith(VIDEO_FILES) for v in value):
-        return [[v] for v in value]  # video files, one per video: refused by encode_row
     return [value] if value else []
 
 
@@ -314,8 +312,10 @@ def _encode(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: SkipSt
     if opts.processor is None and (refs or video_refs):
         stats.skip("media_for_text_model", where, "images or videos, and the model is text-only")
         return None
-    files = [f[0] for f in video_refs if len(f) == 1 and str(f[0]).lower().endswith(VIDEO_FILES)]
-    if files:
+    files = [
+        r for f in video_refs for r in f if isinstance(r, str) and r.lower().endswith(VIDEO_FILES)
+    ]
+    if files:  # frames are read, video files are not decoded
         detail = f"{files[0]}: video files are not decoded; give each video as a list of frames"
         stats.skip("video_file", where, detail + " (sampled at data.video_fps)")
         return None
