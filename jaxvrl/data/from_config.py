@@ -79,18 +79,17 @@ def row_format(c) -> RowFormat:
     )
 
 
-def data_paths(text) -> list[str]:
+def data_paths(text: str) -> list[str]:
     """The paths of `data.train_files` / `data.val_files`: comma-separated (spaces around each
     stripped), or a list as verl's configs write it (`['train.parquet', 'more.parquet']`)."""
-    if not isinstance(text, str):  # a list or tuple given in a config file
-        return [str(p).strip() for p in text if str(p).strip()]
-    if text.strip().startswith("[") and text.strip().endswith("]"):
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
         import ast
 
         try:
-            items = ast.literal_eval(text.strip())
+            items = ast.literal_eval(text)
         except (ValueError, SyntaxError):  # unquoted names: [a.parquet, b.parquet]
-            items = text.strip()[1:-1].split(",")
+            items = text[1:-1].split(",")
         return [str(p).strip().strip("'\"") for p in items if str(p).strip()]
     return [p.strip() for p in text.split(",") if p.strip()]
 
