@@ -97,8 +97,7 @@ def data_paths(text: str) -> list[str]:
 def train_source(c):
     """The training rows, random access: the files of `data.train_files` (each checked at
     open: a file that is not there or lacks a column the run needs, or files without a row, are
-    a ConfigError), else the
-    built-in task's train split."""
+    a ConfigError), else the built-in task's train split."""
     if c.data.train_files:
         try:
             source = open_sources(data_paths(c.data.train_files), fmt=row_format(c))

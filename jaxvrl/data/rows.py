@@ -9,8 +9,8 @@ layout); `<image>` / `<video>` in the text place each medium at its placeholder
 `EncodeOptions.video_fps`; `label_idx` (with `choices`) for multiple choice, or `answer` /
 `solution`, else verl's `reward_model.ground_truth`. `image` / `video` are read where
 `images` / `videos` are unset (TRL's datasets name a single image so). Other columns (verl's
-`data_source`, `extra_info`, ...) ride along to the rewards. A dataset laid out otherwise is read through
-`jaxvrl.data.columns` (column keys, a format hook).
+`data_source`, `extra_info`, ...) ride along to the rewards. A dataset laid out otherwise is
+read through `jaxvrl.data.columns` (column keys, a format hook).
 
 Bad rows (missing or corrupt image, image side over `max_image_side` or an aspect ratio
 over 200, prompt over `max_prompt_length` tokens, missing prompt or label, placeholders that
