@@ -188,6 +188,19 @@ def get_config(arg=None):
     c.data.max_pixels = setting(
         28 * 28 * 256, at_least(1), agree(lambda v, c: v >= c.data.min_pixels, ">= data.min_pixels")
     )
+    # video frames resized to at least this area, px (Qwen3-VL: all of a video's frames
+    # together); null: the model's processor's (Qwen2/2.5-VL: 128 tokens of 28 x 28)
+    c.data.video_min_pixels = setting(None, at_least(1), type=int)
+    # video frames resized to at most this area, px; null: the processor's (768 tokens)
+    c.data.video_max_pixels = setting(
+        None,
+        at_least(1),
+        agree(
+            lambda v, c: c.data.video_min_pixels is None or v >= c.data.video_min_pixels,
+            ">= data.video_min_pixels",
+        ),
+        type=int,
+    )
     c.data.system_prompt = placeholder(str)  # None: the built-in task's, none for files
     # a Jinja file (EasyR1's format_prompt) rendering each prompt's text as `content`, e.g.
     # "{{ content | trim }} Put the final answer in \boxed{}."; `<image>` / `<video>` in the

@@ -143,6 +143,7 @@ def sft_batch(examples, targets, model_cfg, tokenizer):
         "position_ids": pos,
         "loss_mask": loss_mask,
         "images": base["images"],
+        "videos": base["videos"],
     }
 
 

@@ -122,7 +122,11 @@ def reference_logp(params, graphdef, batch, temperature):
     program per model structure, batch shape and temperature)."""
     model = nnx.merge(graphdef, params)
     out = model.forward(
-        batch.input_ids, batch.attention_mask, batch.position_ids, images=batch.images
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        images=batch.images,
+        videos=batch.videos,
     )
     logits = out.logits[:, -N - 1 : -1] / temperature
     logp = jax.nn.log_softmax(logits, -1)

@@ -63,6 +63,8 @@ def encode_options(c, model_config=None) -> EncodeOptions:
         system_prompt=c.data.system_prompt or task_prompt,
         format_prompt=format_prompt(c),
         video_fps=c.data.video_fps,
+        video_min_pixels=c.data.video_min_pixels,
+        video_max_pixels=c.data.video_max_pixels,
     )
 
 

@@ -37,8 +37,9 @@ def collate(
     """Batch of len(examples) * repeat rows (each example repeated `repeat` times in a row).
 
     Returns numpy arrays: input_ids/attention_mask int32[B, P] (left-padded), position_ids
-    (the family's positions [..., B, P]), deltas int32[B], images (per-row VisionInputs, None if no row has one),
-    has_image bool[B], pools (bool[B, P] each) and the examples per row (`rows`).
+    (the family's positions [..., B, P]), deltas int32[B], images and videos (per-row
+    VisionInputs, None where no row has one), has_image bool[B] (the row holds an image or a
+    video), pools (bool[B, P] each) and the examples per row (`rows`).
     """
     rows = [ex for ex in examples for _ in range(repeat)]
     p = length_bucket(max(len(r["prompt_ids"]) for r in rows), prompt_bucket)
@@ -49,19 +50,19 @@ def collate(
         n = len(r["prompt_ids"])
         ids[i, p - n :] = r["prompt_ids"]
         mask[i, p - n :] = 1
-    grids = [r["image_grid_thw"] for r in rows]
-    all_grids = np.concatenate([g for g in grids if len(g)]) if any(len(g) for g in grids) else None
-    pos, deltas = rope_index(model_config, ids, mask, all_grids)
-    has_image = np.array([len(g) > 0 for g in grids])
-    images = None
-    if has_image.any():
-        npatch = pow2_bucket(max(len(r["pixel_values"]) for r in rows), minimum=16)
-        images = stack_vision_inputs(
-            [
-                vision_inputs(model_config, r["pixel_values"], r["image_grid_thw"], npatch)
-                for r in rows
-            ]
-        )
+    grids = {k: [_grid(r, k) for r in rows] for k in ("image_grid_thw", "video_grid_thw")}
+    seconds = [np.asarray(r.get("second_per_grid_ts", ()), np.float32).reshape(-1) for r in rows]
+    pos, deltas = rope_index(
+        model_config,
+        ids,
+        mask,
+        _joined(grids["image_grid_thw"]),
+        _joined(grids["video_grid_thw"]),
+        _joined(seconds) if any(len(g) for g in grids["video_grid_thw"]) else None,
+    )
+    images = _row_inputs(model_config, rows, "pixel_values", grids["image_grid_thw"])
+    videos = _row_inputs(model_config, rows, "pixel_values_videos", grids["video_grid_thw"])
+    has_image = np.array([len(a) + len(b) > 0 for a, b in zip(*grids.values())])
     pools = None
     if with_pools:
         tokens = pool_token_ids(tokenizer, processor(model_config))
@@ -72,7 +73,34 @@ def collate(
         position_ids=pos,
         deltas=deltas,
         images=images,
+        videos=videos,
         has_image=has_image,
         pools=pools,
         rows=rows,
+    )
+
+
+def _grid(example: dict, key: str) -> np.ndarray:
+    """int64[k, 3]: an example's image or video grids (none: [0, 3])."""
+    return np.asarray(example.get(key, ()), np.int64).reshape(-1, 3)
+
+
+def _joined(arrays: list):
+    """The rows' arrays in one (rope_index's packed grids), or None where all are empty."""
+    return np.concatenate(arrays) if any(len(a) for a in arrays) else None
+
+
+def _row_inputs(model_config, rows: list, key: str, grids: list):
+    """Per-row VisionInputs of the rows' `key` patches (each row's padded to one power of
+    two, at least 16), or None where no row has any."""
+    if not any(len(g) for g in grids):
+        return None
+    npatch = pow2_bucket(max(len(r[key]) for r, g in zip(rows, grids) if len(g)), minimum=16)
+    width = next(r[key] for r, g in zip(rows, grids) if len(g)).shape[1]
+    empty = np.zeros((0, width), np.float32)
+    return stack_vision_inputs(
+        [
+            vision_inputs(model_config, r[key] if len(g) else empty, g, npatch)
+            for r, g in zip(rows, grids)
+        ]
     )

@@ -191,8 +191,8 @@ class EncodeOptions:
     max_image_side: int = 1024
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 256
-    video_min_pixels: int = 128 * 28 * 28
-    video_max_pixels: int = 768 * 28 * 28
+    video_min_pixels: int | None = None  # a video's frames; None: the processor's limits
+    video_max_pixels: int | None = None
     system_prompt: str | None = None  # for rows without a system message of their own
     format_prompt: str | None = None  # a Jinja template of the prompt text (`content`)
     require_label: bool = True
@@ -386,15 +386,19 @@ def _encode_media(refs, video_refs, opts: EncodeOptions, stats: SkipStats, where
             return None
         videos.append(loaded)
     proc = opts.processor or ProcessorSettings()  # None (text-only): the empty arrays' width
+    vproc = dataclasses.replace(
+        proc,
+        video_min_pixels=opts.video_min_pixels or proc.video_min_pixels,
+        video_max_pixels=opts.video_max_pixels or proc.video_max_pixels,
+    )
     stamps = None
     try:  # the resize refuses an aspect ratio over 200 (as transformers' processors do)
         pv, grid = process_images(images, opts.min_pixels, opts.max_pixels, settings=proc)
         if proc.video_timestamps:  # every frame of the row's list, timed by video_fps
-            vids = [process_video_qwen3(v, opts.video_fps, proc, sample_fps=None) for v in videos]
+            vids = [process_video_qwen3(v, opts.video_fps, vproc, sample_fps=None) for v in videos]
             stamps = [v[2] for v in vids]
         else:
-            limits = (opts.video_min_pixels, opts.video_max_pixels)
-            vids = [process_video(v, *limits, settings=proc) for v in videos]
+            vids = [process_video(v, settings=vproc) for v in videos]
     except ValueError as e:  # e.g. a 1-frame video for a family that needs 2: not counted here
         if "aspect ratio" not in str(e):
             raise

@@ -26,16 +26,18 @@ from flax import nnx
 
 from jaxvrl import models, rl
 from jaxvrl.rl.attention import layer_indices
-from jaxvrl.trainer.passes import RolloutBatch, blacken_patches
+from jaxvrl.trainer.passes import RolloutBatch, perturbed_vision
 from jaxvrl.trainer.rollout import Rollout
 
 BANDS = ("all", "early", "middle", "late")  # rl.attention.LAYER_SETS: what MDI reads
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _pass(graphdef, params, batch: RolloutBatch, images):
+def _pass(graphdef, params, batch: RolloutBatch, vision):
     """-> (key masses float32[L, b, S], entropy float32[b, N], log-probs float32[b, N] of the
-    completion tokens at temperature 1)."""
+    completion tokens at temperature 1) with `vision` = (images, videos) in place of the
+    batch's."""
+    images, videos = vision
     model = nnx.merge(graphdef, params)
     n = batch.completion_length
     queries = (
@@ -46,7 +48,7 @@ def _pass(graphdef, params, batch: RolloutBatch, images):
         batch.attention_mask,
         batch.position_ids,
         images=images,
-        videos=batch.videos,
+        videos=videos,
         key_queries=queries,
         return_logits=False,
     )
@@ -108,14 +110,14 @@ class AttentionMaps:
             return []
         drawn, rows = got
         b = len(drawn)
-        masses, ent, logp = jax.device_get(self._run(params, rows, rows.images))
+        masses, ent, logp = jax.device_get(self._run(params, rows, (rows.images, rows.videos)))
         variants = {"clean": masses}
         values = {"entropy": ent}
         mask = np.asarray(rows.completion_mask)
-        if self.black_prob > 0 and rows.images is not None:
+        if self.black_prob > 0:  # rows with vision inputs only (`_rows`)
             rng = jax.random.key(0) if rng is None else rng
             black = models.processor(self.mcfg).black
-            aug = blacken_patches(rows.images, rng, self.black_prob, black)
+            aug = perturbed_vision(rows, rng, self.black_prob, black)
             aug = jax.tree.map(np.asarray, jax.device_get(aug))
             masses_aug, _, logp_aug = jax.device_get(self._run(params, rows, aug))
             variants["perturbed"] = masses_aug
@@ -157,7 +159,8 @@ class AttentionMaps:
         if drawn is None:
             return
         rows = drawn[1]
-        key = _shapes(params, rows, rows.images)
+        vision = (rows.images, rows.videos)
+        key = _shapes(params, rows, vision)
         if key in self.programs:
             return
         shapes = jax.tree.map(
@@ -167,16 +170,17 @@ class AttentionMaps:
 
         def compile_program():
             with jax.default_matmul_precision(precision):
-                return _pass.lower(self.graphdef, shapes, rows, rows.images).compile()
+                return _pass.lower(self.graphdef, shapes, rows, vision).compile()
 
         self.programs[key] = executor.submit(compile_program)
 
-    def _run(self, params, rows: RolloutBatch, images):
-        """The pass: the program `prepare` compiled for these shapes, else jit's."""
-        program = self.programs.get(_shapes(params, rows, images))
+    def _run(self, params, rows: RolloutBatch, vision):
+        """The pass with `vision` = (images, videos): the program `prepare` compiled for these
+        shapes, else jit's."""
+        program = self.programs.get(_shapes(params, rows, vision))
         if program is None:
-            return _pass(self.graphdef, params, rows, images)
-        return program.result()(params, rows, images)
+            return _pass(self.graphdef, params, rows, vision)
+        return program.result()(params, rows, vision)
 
     def _has_vision(self, rows: RolloutBatch, r: int) -> bool:
         ids = np.asarray(rows.input_ids[r])
@@ -188,16 +192,16 @@ class AttentionMaps:
             ids.append(self.mcfg.video_token_id)
         return ids
 
-    def _sample(self, rows: RolloutBatch, r, variants, values, images_aug) -> dict:
+    def _sample(self, rows: RolloutBatch, r, variants, values, vision_aug) -> dict:
         n = int(np.asarray(rows.completion_mask[r]).sum())
         ids = np.asarray(rows.input_ids[r])
-        token_id, inputs = self.mcfg.image_token_id, rows.images
+        which, token_id, inputs = 0, self.mcfg.image_token_id, rows.images
         if inputs is None or not np.any(ids == token_id):
-            token_id, inputs = self.mcfg.video_token_id, rows.videos
+            which, token_id, inputs = 1, self.mcfg.video_token_id, rows.videos
         frames, order = self.frames(inputs, r)
         shown = {"clean": frames}
-        if images_aug is not None and token_id == self.mcfg.image_token_id:
-            shown["perturbed"] = self.frames(images_aug, r)[0]
+        if vision_aug is not None:  # the perturbed (images, videos)
+            shown["perturbed"] = self.frames(vision_aug[which], r)[0]
         maps = {}
         for name, masses in variants.items():
             if name not in shown:

@@ -29,11 +29,11 @@ from jaxvrl.trainer import methods
 from jaxvrl.trainer.passes import (
     RolloutBatch,
     batch_rows,
-    blacken_patches,
     completion_hidden,
     interleave_rows,
     micro_split,
     paired_packing,
+    perturbed_vision,
     router_mismatch,
     split_rows,
     take_rows,
@@ -107,10 +107,11 @@ def no_grad_passes(
     None when shared, head)."""
     model = nnx.merge(graphdef, params)
     ref = nnx.merge(graphdef, ref_params) if cfg.needs_ref else None
-    perturb = cfg.needs_perturbed and batch.images is not None
-    # Blacken on the whole batch (not per micro-batch) so the split never changes the draw.
+    perturb = cfg.needs_perturbed and (batch.images, batch.videos) != (None, None)
+    # Blacken on the whole batch (not per micro-batch) so the split never changes the draw:
+    # aug = the perturbed (images, videos)
     black = models.processor(model.config).black if perturb else None
-    aug = blacken_patches(batch.images, rng, cfg.tprl.black_prob, black) if perturb else None
+    aug = perturbed_vision(batch, rng, cfg.tprl.black_prob, black) if perturb else None
     m = cfg.micro_batches
     # the old policy's log-probs and entropies: the sampler's, or a clean pass's
     clean = cfg.old_pass and not cfg.sampler_shaping
@@ -134,11 +135,16 @@ def no_grad_passes(
         mb, aug_mb = args
         logprobs = lambda m, c: c.logprobs(m, cfg.temperature)[0]  # noqa: E731
         res = {}
-        paired = clean and aug_mb is not None and aug_mb.pixel_values.ndim == 3
+        per_row = aug_mb is not None and all(
+            x.pixel_values.ndim == 3 for x in aug_mb if x is not None
+        )
+        paired = clean and per_row
+        if aug_mb is not None:
+            aug_mb = mb.replace(images=aug_mb[0], videos=aug_mb[1])
         if clean:
             # with a perturbed pass, the clean and the perturbed rows run as one batch of
             # interleaved rows: one forward reads each layer's weights once for both
-            both = paired_packing(interleave_rows(mb, mb.replace(images=aug_mb))) if paired else mb
+            both = paired_packing(interleave_rows(mb, aug_mb)) if paired else mb
             routing = "replay" if cfg.actor.routing_replay else "compare"
             comp, out = completion_hidden(model, both, pools=cfg.needs_attention, routing=routing)
             logp, entropy = comp.logprobs(model, cfg.temperature, entropy="value")
@@ -156,7 +162,7 @@ def no_grad_passes(
                 values = comp.per_row(critic_lib.head_values(comp.hidden, critic[1]))
                 res["values"] = unpair_rows(values)[0] if paired else values
         if aug_mb is not None and not paired:
-            comp = completion_hidden(model, mb, images=aug_mb, routing=policy_routing)[0]
+            comp = completion_hidden(model, aug_mb, routing=policy_routing)[0]
             res["aug_logp"] = logprobs(model, comp)
         if ref is not None:
             res["ref_logp"] = logprobs(ref, completion_hidden(ref, mb)[0])

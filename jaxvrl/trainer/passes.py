@@ -178,7 +178,6 @@ def completion_hidden(
     model,
     batch: RolloutBatch,
     *,
-    images=None,
     pools=False,
     router=False,
     routing="fresh",
@@ -206,7 +205,7 @@ def completion_hidden(
         batch.input_ids,
         batch.attention_mask,
         batch.position_ids,
-        images=batch.images if images is None else images,
+        images=batch.images,
         videos=batch.videos,
         pools=batch.pools if pools else None,
         return_logits=False,
@@ -444,3 +443,16 @@ def blacken_patches(images: VisionInputs, rng: jax.Array, prob: float, black=Non
     black_row = jnp.repeat(jnp.asarray(black, pv.dtype), pv.shape[-1] // channels)
     drop = jax.random.bernoulli(rng, prob, pv.shape[:-1])
     return images.replace(pixel_values=jnp.where(drop[..., None], black_row, pv))
+
+
+def perturbed_vision(batch: RolloutBatch, rng: jax.Array, prob: float, black=None) -> tuple:
+    """(images, videos) of the perturbed input I': `blacken_patches` on the batch's image
+    patches (drawn from `rng`) and on its video patches (from fold_in(rng, 1)); None where
+    the batch has none."""
+    images, videos = batch.images, batch.videos
+    return (
+        None if images is None else blacken_patches(images, rng, prob, black),
+        None
+        if videos is None
+        else blacken_patches(videos, jax.random.fold_in(rng, 1), prob, black),
+    )

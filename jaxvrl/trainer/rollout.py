@@ -52,7 +52,7 @@ def assemble_prompts(
     masses: tuple | None = None,
 ) -> RolloutBatch:
     """`assemble` over a collated prompt batch (the data loader's dict: input_ids,
-    attention_mask, position_ids, deltas, has_image, images and, with_pools, pools)."""
+    attention_mask, position_ids, deltas, has_image, images, videos and, with_pools, pools)."""
     return assemble(
         prompts["input_ids"],
         prompts["attention_mask"],
@@ -63,6 +63,7 @@ def assemble_prompts(
         rewards,
         prompts["has_image"],
         images=prompts.get("images"),
+        videos=prompts.get("videos"),
         pools=prompts["pools"] if with_pools else None,
         baseline=baseline,
         old_logprobs=old_logprobs,
@@ -92,6 +93,7 @@ def assemble(
     has_image: np.ndarray,
     *,
     images=None,
+    videos=None,
     pools: dict | None = None,
     baseline: np.ndarray | None = None,
     old_logprobs: np.ndarray | None = None,
@@ -123,6 +125,7 @@ def assemble(
         has_image=np.asarray(has_image, bool),
         baseline=np.zeros(len(tokens), np.float32) if baseline is None else baseline,
         images=images,
+        videos=videos,
         pools=pools,
         old_logprobs=None if old_logprobs is None else np.asarray(old_logprobs, np.float32),
         old_entropy=None if old_entropy is None else np.asarray(old_entropy, np.float32),
@@ -261,9 +264,11 @@ def repeat_prompts(batch: dict, g: int) -> dict:
     def rep(x):
         return None if x is None else np.repeat(np.asarray(x), g, axis=0)
 
-    out = {k: rep(v) for k, v in batch.items() if k not in ("position_ids", "rows")}
+    trees = ("position_ids", "rows", "images", "videos", "pools")  # repeated below
+    out = {k: rep(v) for k, v in batch.items() if k not in trees}
     out["position_ids"] = positions.repeat_rows(np.asarray(batch["position_ids"]), g)
-    out["images"] = None if batch["images"] is None else jax.tree.map(rep, batch["images"])
+    for k in ("images", "videos"):  # per-row VisionInputs
+        out[k] = None if batch.get(k) is None else jax.tree.map(rep, batch[k])
     out["pools"] = (
         None if batch["pools"] is None else {k: rep(v) for k, v in batch["pools"].items()}
     )
@@ -322,7 +327,7 @@ def sample_completions(
         batch = repeat_prompts(dict(batch, pools=pools), num_samples)
         pools = batch["pools"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")}
-    inputs.update(images=batch["images"], pools=pools)
+    inputs.update(images=batch["images"], videos=batch.get("videos"), pools=pools)
     given = dict(limits=limits, groups=groups, prompt_of=prompt_of)
     stop = {k: v for k, v in given.items() if v is not None}
     if stop and not prefill_once:  # per output row: repeated with the prompts' rows
@@ -351,6 +356,7 @@ def sample_completions(
         inputs["deltas"],
         key,
         images=inputs["images"],
+        videos=inputs["videos"],
         pools=inputs["pools"],
         decode_weights=weights,
         num_samples=num_samples,

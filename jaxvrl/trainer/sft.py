@@ -9,10 +9,10 @@ import optax
 from flax import nnx
 
 
-def sft_loss(model, input_ids, attention_mask, position_ids, loss_mask, images=None):
+def sft_loss(model, input_ids, attention_mask, position_ids, loss_mask, images=None, videos=None):
     """Mean cross-entropy of tokens where loss_mask (float32[B, T]) is 1; logits at t predict
     token t+1, so loss_mask marks the *predicted* tokens."""
-    out = model.forward(input_ids, attention_mask, position_ids, images=images)
+    out = model.forward(input_ids, attention_mask, position_ids, images=images, videos=videos)
     logp = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
     tok_logp = jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
     m = loss_mask[:, 1:]
@@ -32,6 +32,7 @@ def make_sft_step(tx: optax.GradientTransformation):
                 batch["position_ids"],
                 batch["loss_mask"],
                 batch.get("images"),
+                batch.get("videos"),
             )
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
