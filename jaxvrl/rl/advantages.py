@@ -58,7 +58,11 @@ def group_advantages(
         return reinforce_plus_plus(r, mask, gamma)
     if r.shape[0] % group_size:
         raise ValueError(f"{r.shape[0]} rows are not a whole number of groups of {group_size}")
+    # centred on each group's first reward: the formulas are shift-invariant, and a group of
+    # equal rewards is then exactly 0 (float32's mean of G equal values such as 0.1 is off by
+    # a rounding step, which the division by a std of ~1e-7 would blow up to ~0.3)
     g = r.reshape(-1, group_size)
+    g = g - g[:, :1]
     mean = jnp.mean(g, axis=1, keepdims=True)
     if estimator == "grpo":
         if not norm_by_std:

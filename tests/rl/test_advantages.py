@@ -32,6 +32,19 @@ def test_dr_grpo_rloo_remax_hand_values():
     np.testing.assert_allclose(np.asarray(per_row), np.asarray(R) - 1.0)
 
 
+@pytest.mark.parametrize("group", [2, 6, 8, 16])
+def test_a_group_of_equal_rewards_has_zero_advantage(group):
+    """Equal rewards that float32 cannot hold exactly (a weight of 0.1, ...): their float32
+    mean is off by a rounding step, which grpo's division by a std of ~1e-7 made ~0.3."""
+    values = np.round(np.arange(-5.0, 5.05, 0.1), 1)
+    r = jnp.asarray(np.repeat(values, group), jnp.float32)
+    for kw in ({}, {"norm_by_std": False}, {"estimator": "rloo"}):
+        np.testing.assert_array_equal(np.asarray(rl.group_advantages(r, group, **kw)), 0.0)
+    # and groups that differ keep their values (a shift of every reward changes nothing)
+    mixed = np.asarray(rl.group_advantages(R + 5.3, 3))
+    np.testing.assert_allclose(mixed, np.asarray(rl.group_advantages(R, 3)), atol=3e-6)
+
+
 def test_group_of_one_and_errors():
     r = jnp.array([1.0, 5.0])
     for kw in ({}, {"norm_by_std": False}, {"estimator": "rloo"}):
