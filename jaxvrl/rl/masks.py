@@ -13,9 +13,10 @@ import jax.numpy as jnp
 ENTROPY_SCOPES = ("sequence", "batch")  # top entropy tokens per row, or over the batch
 
 # ceil(n * p) in floating point rounds 10 * 0.3 = 3.0000000000000004 up to 4, so a static top_p
-# is read as the nearest fraction num/den with den <= 10^4 (exact for decimals of up to four
-# digits) and k is computed in int32 without overflow.
-_MAX_DENOMINATOR = 10_000
+# is read as the fraction num/den its decimal text writes (denominator below 2^31: exact for
+# decimals of up to nine digits, within ~1e-18 beyond) and k is found by exact integer products.
+_MAX_DENOMINATOR = 2**31 - 1
+_WINDOW = 4  # the float32 estimate of n * p is within 4 of k for n < 2^24
 
 
 def visual_dependency(logp_aug: jax.Array, logp: jax.Array, mask: jax.Array) -> jax.Array:
@@ -33,19 +34,44 @@ def visual_dependency(logp_aug: jax.Array, logp: jax.Array, mask: jax.Array) -> 
 
 
 def top_k_count(n: jax.Array, top_p: float) -> jax.Array:
-    """k = ceil(n * top_p) as int32 within [0, n]; n: int[...] token counts.
+    """k = ceil(n * top_p) as int32 within [0, n]; n: int[...] token counts (below 2^24).
 
-    A Python-number top_p is exact (see _MAX_DENOMINATOR); a traced top_p falls back to
-    float32 with a 1e-6 tolerance below integers."""
+    A Python-number top_p is read as its decimal text (0.3 is 3/10) and k is exact: the
+    smallest of the candidates around the float32 estimate with k * den >= n * num, the
+    products compared exactly in two 32-bit halves (so any top_p > 0 keeps at least one of
+    n >= 1 tokens). A traced top_p falls back to float32 with a relative tolerance of 1e-6
+    below integers."""
     n = n.astype(jnp.int32)
-    if isinstance(top_p, (int, float)):
-        frac = fractions.Fraction(str(float(top_p))).limit_denominator(_MAX_DENOMINATOR)
-        num, den = frac.numerator, frac.denominator
-        q, r = n // den, n % den  # n*num/den = q*num + r*num/den, and r*num < 10^8
-        k = q * num + (r * num + den - 1) // den
-    else:
-        k = jnp.ceil(n.astype(jnp.float32) * top_p - 1e-6).astype(jnp.int32)
-    return jnp.clip(k, 0, n)
+    if not isinstance(top_p, (int, float)):
+        x = n.astype(jnp.float32) * top_p
+        return jnp.clip(jnp.ceil(x - 1e-6 * jnp.maximum(x, 1.0)).astype(jnp.int32), 0, n)
+    frac = fractions.Fraction(str(float(top_p))).limit_denominator(_MAX_DENOMINATOR)
+    num, den = frac.numerator, frac.denominator
+    if num <= 0:
+        return jnp.zeros_like(n)
+    if num >= den:
+        return n
+    est = jnp.floor(n.astype(jnp.float32) * jnp.float32(num / den)).astype(jnp.int32)
+    k = jnp.clip(est[..., None] + jnp.arange(-_WINDOW, _WINDOW + 1), 0, n[..., None])
+    need = _wide_product(n.astype(jnp.uint32), num)
+    enough = _wide_at_least(_wide_product(k.astype(jnp.uint32), den), need, axis=-1)
+    return jnp.min(jnp.where(enough, k, n[..., None]), axis=-1)
+
+
+def _wide_product(a: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+    """(high, low) uint32 halves of the exact product of uint32 a and a Python int b, both
+    below 2^31: 16-bit limbs, each partial product within 32 bits."""
+    a0, a1 = a & 0xFFFF, a >> 16
+    b0, b1 = jnp.uint32(b & 0xFFFF), jnp.uint32(b >> 16)
+    low0, mid = a0 * b0, a1 * b0 + a0 * b1
+    low = low0 + (mid << 16)
+    return a1 * b1 + (mid >> 16) + (low < low0).astype(jnp.uint32), low
+
+
+def _wide_at_least(x: tuple, y: tuple, axis: int) -> jax.Array:
+    """x >= y for (high, low) halves; y broadcast along `axis` of x."""
+    (xh, xl), (yh, yl) = x, (jnp.expand_dims(y[0], axis), jnp.expand_dims(y[1], axis))
+    return (xh > yh) | ((xh == yh) & (xl >= yl))
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:

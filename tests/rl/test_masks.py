@@ -34,18 +34,35 @@ def test_visual_dependency_has_no_gradient():
 
 
 @pytest.mark.parametrize(
-    "n,p,k", [(10, 0.3, 3), (5, 0.2, 1), (6, 0.2, 2), (1, 0.2, 1), (0, 0.2, 0), (7, 1.0, 7)]
+    "n,p,k",
+    [
+        (10, 0.3, 3),
+        (5, 0.2, 1),
+        (6, 0.2, 2),
+        (1, 0.2, 1),
+        (0, 0.2, 0),
+        (7, 1.0, 7),
+        (5000, 1e-5, 1),  # any share above 0 keeps a token
+        (3629, 0.12345, 449),  # five digits: 447.99... rounds up
+        (100_000, 0.99999, 99_999),
+        (410, 1 / 3, 137),
+    ],
 )
 def test_top_k_count_hand_values(n, p, k):
     assert int(rl.top_k_count(jnp.array([n]), p)[0]) == k
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(0, 3_000_000), min_size=1, max_size=6), st.integers(1, 100))
-def test_top_k_count_exact_for_decimals(ns, percent):
-    p = percent / 100
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 16_000_000), min_size=1, max_size=6),
+    st.integers(1, 9).flatmap(lambda d: st.tuples(st.just(d), st.integers(1, 10**d))),
+)
+def test_top_k_count_exact_for_decimals(ns, digits):
+    """k = ceil(n * p) exactly for p written with up to nine decimal digits."""
+    d, units = digits
+    p = units / 10**d
     got = np.asarray(rl.top_k_count(jnp.array(ns), p))
-    want = [math.ceil(n * fractions.Fraction(percent, 100)) for n in ns]
+    want = [math.ceil(n * fractions.Fraction(str(p))) for n in ns]
     np.testing.assert_array_equal(got, want)
 
 
