@@ -37,13 +37,16 @@ from jaxvrl.trainer.state import StepConfig, TrainState, join, split_trainable
 @struct.dataclass
 class MicroInputs:
     """What the loss reads for one micro-batch besides its rows of the batch: their
-    experience rows, the micro-batch's share of the mini-batch's denominator, its LoRA
-    dropout key, and with the critic on the shared backbone the global token count."""
+    experience rows, the micro-batch's share of the mini-batch's denominator (`share`: the
+    policy loss's, with the token weights; `term_share`: the loss terms', over the plain
+    completion mask, where the two differ, else None), its LoRA dropout key, and with the
+    critic on the shared backbone the global token count."""
 
     rows: Rows
     share: jax.Array
     dropout_key: jax.Array | None = None
     vf_total: jax.Array | None = None
+    term_share: jax.Array | None = None
 
 
 @struct.dataclass
@@ -151,8 +154,9 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
         cols["entropy"] = entropy
     if rows.ref_logp is not None:
         cols["ref_logp"] = rows.ref_logp
-    loss, term_metrics = methods.loss_terms(cfg.terms, cols, dict(cfg.options), loss)
-    metrics.update(term_metrics)
+    # the terms aggregate over the plain completion mask: their own share of it
+    zero = jnp.zeros((), loss.dtype)
+    terms, term_metrics = methods.loss_terms(cfg.terms, cols, dict(cfg.options), zero)
     if out.router_logits is not None:
         top_k = model.config.text.num_experts_per_tok
         router = moe.load_balancing_loss(out.router_logits, top_k, router_tokens(mb))
@@ -163,7 +167,10 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     if out.expert_dropped is not None:  # the share of pairs, over the sparse layers
         metrics["expert_dropped"] = jnp.mean(out.expert_dropped)
     scale = aux.share
-    loss, metrics = loss * scale, jax.tree.map(lambda x: x * scale, metrics)
+    term_scale = scale if aux.term_share is None else aux.term_share
+    loss = loss * scale + terms * term_scale
+    metrics = jax.tree.map(lambda x: x * scale, metrics)
+    metrics.update(jax.tree.map(lambda x: x * term_scale, term_metrics))
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
     maxima = {"ratio_max": jnp.max(jnp.where(mask > 0, jnp.exp(log_ratio), 0.0))}
     extras = old_sums = None
@@ -290,15 +297,22 @@ def _micro_aux(mb: RolloutBatch, rows: Rows, keys, cfg: StepConfig) -> MicroInpu
     mini-batch's denominator, LoRA dropout keys, the shared critic's token count."""
     m, mode = cfg.micro_batches, cfg.actor.loss_agg_mode
     mask, weights = mb.completion_mask, rows.token_weights
-    micro_w = None if weights is None else split_rows(weights, m)
-    shares = jax.vmap(lambda mk, w: _denominator(mode, mk, w))(split_rows(mask, m), micro_w)
-    share = shares / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
+
+    def shares(weights):
+        micro_w = None if weights is None else split_rows(weights, m)
+        parts = jax.vmap(lambda mk, w: _denominator(mode, mk, w))(split_rows(mask, m), micro_w)
+        return parts / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
+
+    share = shares(weights)
+    # the loss terms (KL, entropy) aggregate over the plain mask; the shares differ only for
+    # token-mean with token weights
+    term_share = shares(None) if weights is not None and mode == "token-mean" else None
     vf_total = None
     if cfg.has_critic and cfg.critic.share_backbone:
         vf_total = jnp.full((m,), jnp.sum(mask > 0), jnp.float32)
     else:
         rows = rows.replace(old_values=None, returns=None)
-    return MicroInputs(split_rows(rows, m), share, keys, vf_total)
+    return MicroInputs(split_rows(rows, m), share, keys, vf_total, term_share)
 
 
 def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepConfig):

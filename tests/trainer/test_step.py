@@ -108,6 +108,10 @@ def test_micro_batches_give_the_same_update(model, mode):
             "tprl.enable_trajectory_reweighting": True,
             "tprl.enable_entropy_filtering": True,
             "tprl.entropy_filter_scope": "batch",
+            # loss terms over the plain completion mask beside the weighted policy loss
+            "actor.entropy_coef": 0.3,
+            "actor.use_entropy_penalty": True,
+            "actor.entropy_penalty_coef": 0.2,
         }
     )
     # one micro-batch shapes tokens inside the loss pass; two run the old-policy pass first
@@ -136,6 +140,8 @@ def test_micro_batches_give_the_same_update(model, mode):
         "token_weight_mean",
         "entropy",
         "advantage_mean",
+        "entropy_loss",
+        "entropy_penalty",
     ):
         # the others average positive terms: their own size is the terms' scale
         scale = scales.get(k, abs(float(m1[k])))
@@ -146,6 +152,53 @@ def test_micro_batches_give_the_same_update(model, mode):
         )
     for (path, a), (_, b) in zip(nnx.to_flat_state(s1.params), nnx.to_flat_state(s2.params)):
         np.testing.assert_allclose(a.get_value(), b.get_value(), atol=2e-6, err_msg=str(path))
+
+
+def test_loss_terms_add_up_over_micro_batches_when_token_weights_differ(model):
+    """token-mean with VGR weights: the policy loss aggregates over m * w, the entropy bonus
+    and penalty over m. Rows whose clipped weights sum far from their token counts (one
+    token drawing 1,000x the vision mass of the rest) sit in one micro-batch: 2 and 4
+    micro-batches still give the whole batch's terms and the same update."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.sgd(1.0)
+    cfg = step_config(
+        {
+            "actor.loss_agg_mode": "token-mean",
+            "vgr.enable_token_weights": True,
+            "actor.shaping_source": "sampler",  # the weights come from the masses below
+            "actor.entropy_coef": 0.3,
+            "actor.use_entropy_penalty": True,
+            "actor.entropy_penalty_coef": 0.2,
+            "rollout.temperature": 1.0,
+        }
+    )
+    batch = make_batch(model, seed=1)
+    logp, ent = reference_logp(params, graphdef, batch, 1.0)
+    b, layers = batch.completion_mask.shape[0], model.config.text.num_hidden_layers
+    skewed = (jnp.arange(b)[:, None] < b // 2) & (jnp.arange(N)[None] > 0)
+    vision = jnp.repeat(jnp.where(skewed, 1e-4, 0.3)[:, None], layers, axis=1)
+    batch = batch.replace(
+        old_logprobs=logp,
+        old_entropy=ent,
+        old_vision_mass=vision,
+        old_text_mass=jnp.full(vision.shape, 0.3),
+    )
+    m = np.asarray(batch.completion_mask, np.float64)
+    whole = {  # token means over the batch's plain mask
+        "entropy_loss": np.sum(np.asarray(ent) * m) / m.sum(),
+        "entropy_penalty": np.sum(-np.asarray(logp) * m) / m.sum(),
+    }
+    states = []
+    for micro in (2, 4):
+        step = make_train_step(graphdef, tx, cfg.with_values({"optim.micro_batches": micro}))
+        state, metrics, extras = step(init_state(model, tx), None, batch, jax.random.key(3))
+        w = np.asarray(extras.token_weights)
+        assert w.max() == 3.0 and w[b // 2 :].max() < 1.01  # clipped in the first half only
+        for k, want in whole.items():
+            np.testing.assert_allclose(float(metrics[k]), want, rtol=1e-5, err_msg=k)
+        states.append(state)
+    for (path, a), (_, c) in zip(*(nnx.to_flat_state(s.params) for s in states)):
+        np.testing.assert_allclose(a.get_value(), c.get_value(), atol=2e-6, err_msg=str(path))
 
 
 def test_nonfinite_loss_skips_update_and_counts(model):
