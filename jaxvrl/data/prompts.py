@@ -312,10 +312,23 @@ def pool_token_ids(tokenizer, tokens=None) -> dict:
     names = ("<|im_start|>", "<|im_end|>", *vision)
     ids = {t: _token_id(tokenizer, t) for t in names}
     special = set(tokenizer.all_special_ids) | {i for i in ids.values() if i >= 0}
+    header = tokenizer("user\n", add_special_tokens=False)["input_ids"]
     return dict(
         im_start_id=ids["<|im_start|>"],
         im_end_id=ids["<|im_end|>"],
-        user_header_ids=tokenizer("user\n", add_special_tokens=False)["input_ids"],
+        user_header_ids=header,
         special_ids=sorted(special),
         vision_ids=[ids[tok.image_pad], ids[tok.video_pad]],
+        header_breaks=_header_breaks(tokenizer, header),
     )
+
+
+def _header_breaks(tokenizer, header: list[int]) -> list[int]:
+    """The tokens the user header's line break becomes when the user's text starts with line
+    breaks of its own (a tokenizer that merges "\n\n" into one token)."""
+    out = set()
+    for extra in ("\n", "\n\n", "\n\n\n", "\r\n", "\n ", "\n\t"):
+        ids = tokenizer("user\n" + extra + "x", add_special_tokens=False)["input_ids"]
+        if len(ids) > len(header) and ids[: len(header) - 1] == header[:-1]:
+            out.add(ids[len(header) - 1])
+    return sorted(out)

@@ -171,12 +171,15 @@ def attention_pools(
     user_header_ids: Sequence[int],
     special_ids: Iterable[int],
     vision_ids: Iterable[int],
+    header_breaks: Iterable[int] = (),
 ) -> dict[str, np.ndarray]:
     """Key pools for attention statistics (docs/algorithms.md#attention-statistics), bool[B, T]
     each.
 
     vision: image/video pad tokens. text: tokens inside user turns (after `<|im_start|>` +
-    `user_header_ids`, up to `<|im_end|>`) that are neither special nor vision tokens.
+    `user_header_ids`, up to `<|im_end|>`) that are neither special nor vision tokens. The
+    header's last token (its line break) may also be one of `header_breaks`: the tokens that
+    line break merges into when the user's text starts with more of them ("\n\n", ...).
     prompt: every valid prompt token (index < prompt_length) except the row's first valid token,
     the attention sink; masses are renormalised over it.
     """
@@ -186,6 +189,7 @@ def attention_pools(
     vision = np.isin(ids, list(vision_ids)) & valid
     special = np.isin(ids, list(special_ids))
     header = list(user_header_ids)
+    breaks = set(header[-1:]) | set(header_breaks)
     in_user = np.zeros((b, t), bool)
     for row in range(b):
         inside, skip = False, 0
@@ -194,7 +198,9 @@ def attention_pools(
                 continue
             tok = ids[row, j]
             if tok == im_start_id:
-                inside = list(ids[row, j + 1 : j + 1 + len(header)]) == header
+                after = list(ids[row, j + 1 : j + 1 + len(header)])
+                inside = len(after) == len(header) > 0 and after[:-1] == header[:-1]
+                inside = inside and after[-1] in breaks
                 skip = len(header) if inside else 0
                 continue
             if tok == im_end_id:

@@ -159,3 +159,48 @@ def test_pools_of_a_tokenizer_without_qwens_chat_and_vision_tokens():
     pools = attention_pools(np.array([[1, 2, 3, 2]]), np.ones((1, 4), int), 3, **ids)
     assert not pools["vision"].any() and not pools["text"].any()
     assert pools["prompt"].tolist() == [[False, True, True, False]]
+
+
+def test_the_text_pool_holds_a_user_text_that_starts_with_a_line_break(tmp_path):
+    """Qwen's tokenizers merge "\\n\\n" into one token: a user text starting with "\\n" merges
+    with the header's line break ("user", "\\n\\n", ...), and the turn must still be found (it
+    was left out of the text pool: no statistics for the row)."""
+    import json
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from jaxvrl.data import default_tokenizer_path
+    from jaxvrl.data.prompts import pool_token_ids, render_prompt
+    from jaxvrl.models import attention_pools
+
+    src = default_tokenizer_path()
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), tmp_path / name)
+    spec = json.load(open(tmp_path / "tokenizer.json"))
+    vocab = spec["model"]["vocab"]
+    vocab["ĊĊ"] = 1000  # an id no token has
+    merges = spec["model"]["merges"]
+    merges.append(["Ċ", "Ċ"] if merges and isinstance(merges[0], list) else "Ċ Ċ")
+    qwen2 = (  # Qwen2's pre-tokenizer: a run of line breaks is one piece
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
+        r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    )
+    spec["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": qwen2}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False},
+        ],
+    }  # fmt: skip
+    json.dump(spec, open(tmp_path / "tokenizer.json", "w"))
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    ids = pool_token_ids(tok)
+    for text in ("What is 2+3?", "\nWhat is 2+3?", "\n\nWhat is 2+3?"):
+        row = tok(render_prompt(tok, text, 0, 0), add_special_tokens=False)["input_ids"]
+        pools = attention_pools(np.array([row]), np.ones((1, len(row)), int), len(row), **ids)
+        kept = np.asarray(row)[pools["text"][0]]
+        assert tok.decode(kept).strip() == "What is 2+3?", repr(text)
+    assert "ĊĊ" in tok.convert_ids_to_tokens(ids["header_breaks"])
