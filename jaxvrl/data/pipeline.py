@@ -11,6 +11,8 @@ patches to a power of two (at least 16), so a run compiles at most
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from jaxvrl.data.buckets import length_bucket, pow2_bucket
@@ -33,6 +35,7 @@ def collate(
     tokenizer,
     prompt_bucket: int = 32,
     with_pools: bool = True,
+    agree: Callable[[dict], dict] | None = None,
 ) -> dict:
     """Batch of len(examples) * repeat rows (each example repeated `repeat` times in a row).
 
@@ -40,9 +43,21 @@ def collate(
     (the family's positions [..., B, P]), deltas int32[B], images and videos (per-row
     VisionInputs, None where no row has one), has_image bool[B] (the row holds an image or a
     video), pools (bool[B, P] each) and the examples per row (`rows`).
+
+    agree(sizes) -> sizes: where each process collates its own rows of one global batch (a
+    pod), the sizes every process must share, {"width": P, "images": patches per row,
+    "videos": ...} (0: none), made equal on every process (their maxima); None: these rows'.
     """
     rows = [ex for ex in examples for _ in range(repeat)]
-    p = length_bucket(max(len(r["prompt_ids"]) for r in rows), prompt_bucket)
+    grids = {k: [_grid(r, k) for r in rows] for k in ("image_grid_thw", "video_grid_thw")}
+    sizes = {
+        "width": length_bucket(max(len(r["prompt_ids"]) for r in rows), prompt_bucket),
+        "images": _patches(rows, "pixel_values", grids["image_grid_thw"]),
+        "videos": _patches(rows, "pixel_values_videos", grids["video_grid_thw"]),
+    }
+    if agree is not None:
+        sizes = agree(sizes)
+    p = sizes["width"]
     pad_id = tokenizer.pad_token_id or 0
     ids = np.full((len(rows), p), pad_id, np.int32)
     mask = np.zeros((len(rows), p), np.int32)
@@ -50,7 +65,6 @@ def collate(
         n = len(r["prompt_ids"])
         ids[i, p - n :] = r["prompt_ids"]
         mask[i, p - n :] = 1
-    grids = {k: [_grid(r, k) for r in rows] for k in ("image_grid_thw", "video_grid_thw")}
     seconds = [np.asarray(r.get("second_per_grid_ts", ()), np.float32).reshape(-1) for r in rows]
     pos, deltas = rope_index(
         model_config,
@@ -60,8 +74,8 @@ def collate(
         _joined(grids["video_grid_thw"]),
         _joined(seconds) if any(len(g) for g in grids["video_grid_thw"]) else None,
     )
-    images = _row_inputs(model_config, rows, "pixel_values", grids["image_grid_thw"])
-    videos = _row_inputs(model_config, rows, "pixel_values_videos", grids["video_grid_thw"])
+    images = _row_inputs(model_config, rows, "pixel_values", grids["image_grid_thw"], sizes)
+    videos = _row_inputs(model_config, rows, "pixel_values_videos", grids["video_grid_thw"], sizes)
     has_image = np.array([len(a) + len(b) > 0 for a, b in zip(*grids.values())])
     pools = None
     if with_pools:
@@ -90,14 +104,20 @@ def _joined(arrays: list):
     return np.concatenate(arrays) if any(len(a) for a in arrays) else None
 
 
-def _row_inputs(model_config, rows: list, key: str, grids: list):
-    """Per-row VisionInputs of the rows' `key` patches (each row's padded to one power of
-    two, at least 16), or None where no row has any."""
-    if not any(len(g) for g in grids):
+def _patches(rows: list, key: str, grids: list) -> int:
+    """The patches each row's `key` inputs are padded to: the most any row has, up to a power
+    of two (at least 16); 0 where no row has any."""
+    have = [len(r[key]) for r, g in zip(rows, grids) if len(g)]
+    return pow2_bucket(max(have), minimum=16) if have else 0
+
+
+def _row_inputs(model_config, rows: list, key: str, grids: list, sizes: dict):
+    """Per-row VisionInputs of the rows' `key` patches, each padded to `sizes`' count (0:
+    None)."""
+    npatch = sizes["images" if key == "pixel_values" else "videos"]
+    if not npatch:
         return None
-    npatch = pow2_bucket(max(len(r[key]) for r, g in zip(rows, grids) if len(g)), minimum=16)
-    width = next(r[key] for r, g in zip(rows, grids) if len(g)).shape[1]
-    empty = np.zeros((0, width), np.float32)
+    empty = np.zeros((0, model_config.vision.patch_dim), np.float32)
     return stack_vision_inputs(
         [
             vision_inputs(model_config, r[key] if len(g) else empty, g, npatch)

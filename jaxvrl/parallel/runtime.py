@@ -69,6 +69,20 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
 
 
+def max_across_processes(sizes: dict) -> dict:
+    """{name: int}: each the largest any process holds (a collective when there are several
+    processes; the same keys on every process): the shapes every process's part of one
+    global batch must share."""
+    if jax.process_count() == 1:
+        return dict(sizes)
+    from jax.experimental import multihost_utils
+
+    keys = sorted(sizes)
+    local = np.asarray([int(sizes[k]) for k in keys], np.int64)
+    every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(keys))
+    return {k: int(v) for k, v in zip(keys, every.max(axis=0))}
+
+
 def gather_json(obj) -> list:
     """Every process's JSON-serialisable `obj`, in process order (a collective when there are
     several processes)."""

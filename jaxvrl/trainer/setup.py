@@ -520,6 +520,8 @@ def make_rollout_phase(
             tokenizer=tokenizer,
             prompt_bucket=c.data.prompt_bucket,
             with_pools=True,
+            # on a pod each process collates its own rows of one global batch: one shape
+            agree=runtime.max_across_processes,
         ),
         rewards=fns,
         scorer=scorer,

@@ -199,6 +199,10 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                 "replay_equal": restored.replay == replay,
                 # host-side collectives of the rollout loop
                 "any_process": [R.any_process(pid == 1), R.any_process(False)],
+                # the collated batch's shapes every process's rows share
+                "sizes": R.max_across_processes(
+                    {"width": 32 * (pid + 1), "images": [16, 0][pid], "videos": 0}
+                ),
                 "metrics": R.metrics_across_processes(
                     {"a": pid + 1.0, "n_failures": 1.0, "attn/x": [float("nan"), 2.0][pid]},
                     weight=pid + 1,

@@ -5,7 +5,7 @@ written by both processes and restored by both into the sharded state, each gett
 own data-iterator state and replay buffer bytes; the markdown samples hold both processes'
 rows; one-step-off's weight copy moves every weight exactly from the train step's devices to
 the sampler's on both hosts; both samplers narrowed over both processes sample their rows as
-they do whole.
+they do whole; the processes agree on the shapes of the prompt batches they collate.
 
 What a real pod adds and this cannot test: TPU/GPU interconnect collectives, the platform's
 auto-detected coordinator (TPU metadata, SLURM), a gs:// workdir shared by hosts, preemption.
@@ -97,6 +97,7 @@ def test_two_processes_match_one_device(tmp_path):
         assert r["restored_equal"] and r["restored_sharding"] and r["restored_step"] == 2
         assert r["rng_equal"] and r["data_state_equal"] and r["replay_equal"]
         assert r["any_process"] == [True, False]
+        assert r["sizes"] == {"width": 64, "images": 16, "videos": 0}
         assert r["copied"] == [True, True]  # one-step-off's weight copy across hosts
         # both samplers narrowed over the two processes (8 rows of 1 to 6 tokens, 6 steps:
         # 48 rows x steps whole) sample each process's rows as they do whole

@@ -199,3 +199,44 @@ def test_a_tprl_run_on_video_rows_trains_and_draws_them(tmp_path):
     results = (tmp_path / "run" / "rollout_results.md").read_text()
     assert "<|video_pad|>" in results
     assert list((tmp_path / "run" / "attention").glob("step_*_sample_0.png"))
+
+
+def test_sizes_agreed_across_processes_pad_the_batch_and_change_no_logit():
+    """On a pod each process collates its rows with the widest prompt and the most patches
+    of any process (`agree`): a batch collated wider, with more image and video patches per
+    row, and with image inputs for rows that have none, gives the same logits."""
+    from transformers import AutoTokenizer
+
+    model = models.load(models.EMBEDDED)
+    cfg = model.config
+    tokenizer = AutoTokenizer.from_pretrained(models.EMBEDDED)
+    opts = EncodeOptions(processor=models.processor(cfg), max_prompt_length=1024, **VIDEO_PIXELS)
+    examples, _ = encode_rows(_rows(), tokenizer, opts, source="rows")
+
+    def logits(batch):
+        vision = {k: jax.tree.map(jax.numpy.asarray, batch[k]) for k in ("images", "videos")}
+        ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+        return np.asarray(model.forward(ids, mask, pos, **vision).logits)
+
+    seen = []
+
+    def agree(sizes):
+        seen.append(dict(sizes))
+        return {"width": sizes["width"] + 64, "images": 64, "videos": 2 * sizes["videos"]}
+
+    for rows in (examples, examples[2:3]):  # the second: no image here, some elsewhere
+        own = collate(rows, 1, cfg, tokenizer)
+        wide = collate(rows, 1, cfg, tokenizer, agree=agree)
+        assert seen[-1]["width"] == own["input_ids"].shape[1]
+        assert wide["input_ids"].shape[1] == own["input_ids"].shape[1] + 64
+        assert wide["images"].pixel_values.shape[1] == 64
+        assert wide["videos"].pixel_values.shape[1] == 2 * own["videos"].pixel_values.shape[1]
+        for key in ("attention_mask", "pools"):
+            got, want = wide[key], own[key]
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(g[:, 64:], w)
+                assert not g[:, :64].any()
+        width = own["input_ids"].shape[1]
+        real = own["attention_mask"] > 0
+        got, want = logits(wide)[:, -width:], logits(own)
+        np.testing.assert_allclose(got[real], want[real], atol=2e-5 * np.abs(want).max())
