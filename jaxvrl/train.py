@@ -64,6 +64,7 @@ from jaxvrl.trainer.build import (
 )
 from jaxvrl.trainer.counters import RunCounters
 from jaxvrl.trainer.diagnostics import AttentionMaps
+from jaxvrl.trainer.groups import GroupsExhausted
 from jaxvrl.trainer.packing import StepShapes, fit_batch
 from jaxvrl.trainer.replay_state import encode_items, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, step_scalars
@@ -260,6 +261,10 @@ def _run(c) -> dict:
                         f"stopping at step {step} (SIGTERM during the rewards); saved", flush=True
                     )
                     break
+                except GroupsExhausted:  # the last step saved, then one `error:` line
+                    if ckpt.latest_step() != step:
+                        save(step, step_rng, before)
+                    raise
             logged = bool(c.log_rollouts_every) and step % c.log_rollouts_every == 0
             pictures = logged and maps is not None
             if pictures:  # the diagnostic pass compiles beside the train step
@@ -275,14 +280,15 @@ def _run(c) -> dict:
                 behind = jax.block_until_ready(sampler.prepare(params))
                 sync_s = time.time() - t_sync
             state, step_metrics, extras = train_step(state, ref_params, batch, k_step)
-            interrupted, rewind = False, None
+            interrupted, rewind, exhausted = False, None, None
             if behind is not None:  # the next step's rollout while this one trains
                 rng_before, before = rng, before_rollout()
                 rng, k_sample, k_next = jax.random.split(rng, 3)
                 try:
                     ahead = (sample(done, behind, k_sample, step), k_next, step)
-                except RewardsInterrupted:  # saved after this step as if it had not started
-                    interrupted, rewind, rng = True, before, rng_before
+                except (RewardsInterrupted, GroupsExhausted) as e:  # saved after this step as
+                    interrupted, rewind, rng = True, before, rng_before  # if it had not started
+                    exhausted = e if isinstance(e, GroupsExhausted) else None
                 del behind
             step_metrics = jax.device_get(step_metrics)  # waits for the step to finish
             metrics = step_scalars(rollout, step_metrics, time.time() - t0)
@@ -323,6 +329,8 @@ def _run(c) -> dict:
                 save(done, rng, rewind)
             if failed:  # after the checkpoint: one `error:` line, exit 2
                 raise RewardFailing(failing or "a reward function failed too often on a host")
+            if exhausted is not None:
+                raise exhausted
             if stop:
                 why = "SIGTERM" if flag.requested else "time budget"
                 print(f"stopping at step {done} ({why}); checkpoint saved", flush=True)

@@ -11,9 +11,15 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxvrl import rl
+from jaxvrl.config import ConfigError
 from jaxvrl.parallel import runtime
 
 OVERALL = "overall"  # a filter metric: the total (weighted) reward
+
+
+class GroupsExhausted(ConfigError):
+    """Dynamic sampling without a batch limit read a whole pass over the data without finding
+    a step's groups: training cannot go on (the run saves, then stops with one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +193,7 @@ def collect_groups(
     # while another still needs some.
     while any_process(not sampler.done):
         if limit == 0 and max_prompts is not None and i * p >= max(max_prompts, p):
-            raise RuntimeError(
+            raise GroupsExhausted(
                 f"dynamic sampling found {len(sampler.groups)} of the {p} groups a step needs "
                 f"after {i} generation batches ({i * p} prompts, a full pass over the "
                 f"{max_prompts} training prompts): the metric "

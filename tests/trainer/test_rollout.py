@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxvrl import rl
+from jaxvrl.trainer.groups import GroupsExhausted
 from jaxvrl.trainer.rollout import FilterOptions, Group, assemble, collect_groups
 
 G, N = 2, 3
@@ -72,7 +73,7 @@ def test_dynamic_sampling_stops_at_the_limit_and_leaves_slots_empty():
 def test_dynamic_sampling_without_limit_is_guarded_by_one_pass_over_the_data():
     gen, calls = batches(*[[("x", CONST)] * 3] * 10)
     opts = FilterOptions(G, 3, N, dynamic_sampling=True, max_num_gen_batches=0)
-    with pytest.raises(RuntimeError, match=r"found 0 of the 3 groups.*after 4 generation batches"):
+    with pytest.raises(GroupsExhausted, match=r"found 0 of the 3 groups.*after 4 generation batc"):
         collect_groups(gen, opts, max_prompts=10)
     assert calls == [0, 1, 2, 3]  # 12 prompts >= the 10 training prompts
 

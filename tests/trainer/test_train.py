@@ -682,6 +682,25 @@ def test_a_dataset_read_by_its_own_column_names_trains(tmp_path):
     )
 
 
+def test_dynamic_sampling_that_finds_no_group_saves_and_stops_with_one_line(tmp_path, capsys):
+    """DAPO's dynamic sampling without a batch limit, greedy sampling (every group's rewards
+    equal): after a pass over the data the run saves and stops with one `error:` line, exit 2
+    (a traceback before)."""
+    from jaxvrl.train import main
+
+    argv = ["--config", os.path.join(ROOT, "configs/dapo.py")]
+    argv += [f"--config.{k}" for k in TINY + [f"workdir={tmp_path}", "total_steps=3",
+             "val_before_train=false", "rollout.temperature=0",
+             "filter.max_num_gen_batches=0"]]  # fmt: skip
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: dynamic sampling found 0 of the 2 groups"), err
+    assert os.path.isdir(tmp_path / "checkpoints" / "0")
+
+
 def test_the_slot_engine_leaves_the_run_unchanged(tmp_path):
     """The mdi config (its reward reads the sampler's attention masses) with 3 slots for the 4
     rows of a generation batch and pages of 5 positions: the same completions, rewards,
