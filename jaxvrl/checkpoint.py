@@ -343,6 +343,36 @@ class Checkpointer:
         with _quiet_absl(), _reads_finished():
             return dict(ocp.PyTreeCheckpointer().restore(self.item_path(step, name), args=args))
 
+    def restore_params(self, step: int, params, prefix: str = "params"):
+        """Only the arrays of `step`'s state under `prefix` (a run started from another run's
+        parameters: its optimizer state, critic or counters are not read, and may differ), in
+        the structure, shardings and dtypes of `params`. CheckpointError names the arrays the
+        step lacks."""
+        if step not in self.manager.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
+        saved = self.array_metadata(step, "state")
+        keys = [f"{prefix}/{k}" for k in tree_keys(params)]
+        missing = [k for k in keys if k not in saved]
+        if missing:
+            theirs = sorted(k for k in saved if k.startswith(prefix + "/"))
+            raise CheckpointError(
+                f"checkpoint {At(self.directory, step)} holds other parameters than this run's "
+                f"({len(theirs)} saved, {len(keys)} wanted): missing {missing[:3]}, e.g. saved "
+                f"{theirs[:3]} (a LoRA run's parameters and a full model's differ)"
+            )
+        leaves = jax.tree.leaves(params)
+        args = ocp.args.PyTreeRestore(
+            item={k: 0 for k in keys},
+            restore_args={
+                k: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype, global_shape=x.shape)
+                for k, x in zip(keys, leaves)
+            },
+            partial_restore=True,
+        )
+        with _quiet_absl(), _reads_finished():
+            read = ocp.PyTreeCheckpointer().restore(self.item_path(step, "state"), args=args)
+        return jax.tree.unflatten(jax.tree.structure(params), [read[k] for k in keys])
+
     def _move_aside(self, step: int) -> str:
         """Renames `<directory>/<step>` to `<step>.damaged` (`.damaged-2`, ... when taken) on
         process 0, then every process lists the steps again: orbax lists integer names only,

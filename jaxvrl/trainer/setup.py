@@ -20,6 +20,7 @@ from flax import nnx
 from jaxvrl import hub, models, rl
 from jaxvrl.checkpoint import (
     Checkpointer,
+    CheckpointError,
 )
 from jaxvrl.config import (
     ConfigError,
@@ -614,9 +615,13 @@ def load_start_params(path: str, state, ref_params, ref_shardings):
     directory, step = os.path.split(path.rstrip("/"))
     if not step.isdigit():
         raise ConfigError(f"config.load_checkpoint_path={path!r}: expected <dir>/<step>")
-    ck = Checkpointer(directory)
-    params = ck.restore_step(int(step), {"state": state})["state"].params
-    ck.close()
+    ck = Checkpointer(directory, read_only=True)
+    try:  # the parameters only: a PPO run's critic or another optimizer's state is not read
+        params = ck.restore_params(int(step), state.params)
+    except CheckpointError as e:
+        raise ConfigError(f"config.load_checkpoint_path={path!r}: {e}") from None
+    finally:
+        ck.close()
     print(f"parameters from {path}", flush=True)
     ref = None
     if ref_params is not None:  # distinct buffers (the state is donated), sharded like params

@@ -469,8 +469,10 @@ def test_remax_uses_the_greedy_completion_reward_as_baseline(tmp_path):
 
 
 def test_load_checkpoint_path_starts_from_that_checkpoints_parameters(tmp_path):
+    """A GRPO run started from a PPO run's checkpoint reads its policy parameters only (not
+    its critic or optimizer state, which the GRPO run does not have)."""
     a, b = tmp_path / "a", tmp_path / "b"
-    run(tiny_config("configs/grpo.py", a, "total_steps=2", "val_freq=100"))
+    run(tiny_config("configs/ppo.py", a, "total_steps=2", "val_freq=100"))
     run(
         tiny_config(
             "configs/grpo.py",
@@ -496,6 +498,11 @@ def test_load_checkpoint_path_starts_from_that_checkpoints_parameters(tmp_path):
     init = nnx.state(load(EMBEDDED), nnx.Param)
     init = dict(zip(tree_keys(init), map(np.asarray, jax.tree.leaves(init))))
     assert any(not np.array_equal(pa[k], init[k.removeprefix("params/")]) for k in params)
+    assert any(k.startswith("critic") for k in pa)  # the PPO run's, left unread
+    # other parameters than the run's (a LoRA run's, another model's): one line naming them
+    with pytest.raises(ConfigError, match=r"load_checkpoint_path=.*holds other parameters"):
+        run(tiny_config("configs/grpo.py", tmp_path / "c", "total_steps=1", "lora.rank=2",
+                        f"load_checkpoint_path={a / 'checkpoints' / '2'}"))  # fmt: skip
 
 
 def test_matmul_precision_is_a_context_of_the_run_not_a_process_flag():
