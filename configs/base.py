@@ -217,7 +217,17 @@ def get_config(arg=None):
     c.data.synthetic_kinds = setting(("colour",), Each(one_of(*QUESTIONS), allow_empty=False))
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.num_generations = setting(8, at_least(1))  # G completions per prompt (the group)
+    # G completions per prompt (the group)
+    c.rollout.num_generations = setting(
+        8,
+        at_least(1),
+        agree(
+            lambda v, c: v > 1 or c.algorithm.adv_estimator not in ("grpo", "rloo"),
+            ">= 2 with algorithm.adv_estimator grpo or rloo (a group of one has no baseline: "
+            "every advantage would be 0); for one completion per prompt use remax, "
+            "reinforce_plus_plus or gae",
+        ),
+    )
     c.rollout.max_new_tokens = setting(16, at_least(1))  # response_length / max_completion_length
     c.rollout.temperature = setting(1.0, NON_NEGATIVE)  # sampling temperature; 0 = greedy
     c.rollout.top_p = setting(1.0, FRACTION)  # nucleus sampling, in (0, 1]; 1 = off
@@ -344,7 +354,15 @@ def get_config(arg=None):
     c.actor.clip_ratio_high = setting(0.2, NON_NEGATIVE)
     # dual clip: for A < 0 the loss is at most -A * dual
     c.actor.clip_ratio_dual = setting(3.0, Range(1, lo_open=True))
-    c.actor.use_kl_loss = False  # add kl_loss_coef * KL(policy || reference) to the loss
+    # add kl_loss_coef * KL(policy || reference) to the loss
+    c.actor.use_kl_loss = setting(
+        False,
+        agree(
+            lambda v, c: not v or c.actor.kl_loss_coef > 0,
+            "false, or true with actor.kl_loss_coef > 0 (0 adds no KL term; verl's "
+            "default is 0.001)",
+        ),
+    )
     c.actor.kl_loss_coef = setting(0.0, NON_NEGATIVE)  # KL loss weight (with use_kl_loss; 0 = off)
     c.actor.kl_loss_type = setting("low_var_kl", one_of(*KL_KINDS))  # kl | abs | mse | low_var_kl
     c.actor.entropy_coef = 0.0  # entropy bonus
@@ -414,7 +432,12 @@ def get_config(arg=None):
     c.vgr = ml_collections.ConfigDict()  # attention-derived token weights
     c.vgr.enable_token_weights = False  # weight each token's loss by its vision/text attention
     # (low, high) clip of the weights over their row mean
-    c.vgr.token_weight_clip = setting((0.2, 3.0), Each(NON_NEGATIVE, length=2), ordered)
+    c.vgr.token_weight_clip = setting(
+        (0.2, 3.0),
+        Each(NON_NEGATIVE, length=2),
+        ordered,
+        agree(lambda v, c: v[1] > 0, "an upper bound above 0 (weights all 0 train nothing)"),
+    )
     c.vgr.token_weight_smooth_sigma = setting(0.0, NON_NEGATIVE)  # 0 = no smoothing
     # >0: mean over the last K layers (wins over layer_set)
     c.vgr.token_weight_last_k_layers = setting(0, NON_NEGATIVE)
@@ -455,7 +478,15 @@ def get_config(arg=None):
     c.reward.model.weight = setting(1.0, Range())  # its weight in the total reward
 
     c.filter = ml_collections.ConfigDict()
-    c.filter.dynamic_sampling = False  # DAPO: drop groups whose metric is constant
+    # DAPO: drop groups whose metric is constant
+    c.filter.dynamic_sampling = setting(
+        False,
+        agree(
+            lambda v, c: not v or c.rollout.num_generations > 1,
+            "false with rollout.num_generations=1 (a group of one never varies: every group "
+            "would be dropped)",
+        ),
+    )
     # overall (total reward) or a reward name
     c.filter.dynamic_sampling_metric = setting("overall", reward_metric_rule)
     # generation batches per step to fill it with informative groups; short: the rest is

@@ -13,6 +13,7 @@ update: 4 updates): --config.prompts_per_step=512 --config.rollout.num_generatio
 """
 
 from configs import base
+from jaxvrl.config import half_divisor
 
 
 def get_config(arg=None):
@@ -20,7 +21,8 @@ def get_config(arg=None):
     c.name = "dapo"
     c.actor.loss_agg_mode = "token-mean"
     c.actor.clip_ratio_high = 0.28
-    # half the prompts per update (follows prompts_per_step when that is overridden)
-    c.actor.global_batch_size = c.get_ref("prompts_per_step") // 2
+    # half the prompts per update (an odd count: its largest divisor below half); follows
+    # prompts_per_step when that is overridden
+    c.actor.global_batch_size = half_divisor(c.get_ref("prompts_per_step"))
     c.filter.dynamic_sampling = True
     return c

@@ -168,6 +168,13 @@ class AutoOr:
         return None if why is None else f"'auto' or {why}"
 
 
+def half_divisor(count: FieldReference) -> FieldReference:
+    """A count that follows `count` (a config reference): its largest divisor at most half of
+    it (half of an even count, 1 for a prime or for 1), e.g. the prompts of each of at least
+    two equal mini-batches."""
+    return count._apply_op(lambda n: max(d for d in range(1, max(n // 2, 1) + 1) if n % d == 0))
+
+
 def at_least(n) -> Range:
     return Range(n)
 

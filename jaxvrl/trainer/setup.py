@@ -107,6 +107,11 @@ def val_examples(c, tokenizer, model_config=None) -> list:
         examples, stats = encode_rows(rows, tokenizer, opts, source="builtin:val")
     else:
         return []
+    if c.data.val_files and not examples:  # validation would report nothing, every time
+        raise ConfigError(
+            f"config.data.val_files={c.data.val_files!r}: no usable row (skipped: "
+            f"{dict(stats.counts)}; the first of each reason is logged above)"
+        )
     if stats.total:
         log.warning("val: skipped %d rows: %s", stats.total, dict(stats.counts))
     return examples

@@ -160,3 +160,15 @@ def test_data_files_that_cannot_be_read_stop_with_one_line(tmp_path, capsys):
         code = main(["--config", "configs/grpo.py", f"--config.data.train_files={tmp_path / name}"])
         err = capsys.readouterr().err.strip()
         assert code == 2 and err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_held_out_files_without_one_usable_row_stop_the_run_at_start(tmp_path, tokenizer):
+    """Validation on files whose every row is skipped would report nothing at every
+    validation: the run stops at start naming the files and the reasons."""
+    from jaxvrl.trainer.setup import val_examples
+
+    data = tmp_path / "val.jsonl"
+    data.write_text(json.dumps({"problem": "<image>", "answer": "a", "images": ["x.png"]}) + "\n")
+    c = load_config("configs/grpo.py", [f"data.val_files={data}"])
+    with pytest.raises(ConfigError, match=r"val_files=.*no usable row .*'missing_image': 1"):
+        val_examples(c, tokenizer)

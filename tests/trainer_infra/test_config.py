@@ -434,7 +434,27 @@ BAD = [
     ("mesh.data=-1", r"mesh\.tensor=1 .*at most one of mesh\.data, mesh\.fsdp"),
     ("model.attention=fast", r"model\.attention='fast' .*auto, xla, flash, splash, cudnn"),
     ("lora.quantize=int8", r"lora\.quantize='int8' .*none unless lora\.rank > 0"),
+    # settings that would train nothing
+    ("rollout.num_generations=1", r"num_generations=1 .*>= 2 with .*grpo or rloo"),
+    ("vgr.token_weight_clip=0,0", r"token_weight_clip=\(0\.0, 0\.0\) .*upper bound above 0"),
+    ("actor.use_kl_loss=true", r"use_kl_loss=True .*kl_loss_coef > 0"),
 ]
+
+
+def test_dapo_splits_any_prompt_count_into_equal_mini_batches():
+    """configs/dapo.py updates on half the prompts at a time; an odd count takes its largest
+    divisor below half (a prime: one prompt per update); one completion per prompt is refused
+    (its dynamic sampling would drop every group)."""
+    dapo = os.path.join(ROOT, "configs/dapo.py")
+    for prompts, per_update in ((1, 1), (2, 1), (5, 1), (6, 3), (8, 4), (9, 3), (512, 256)):
+        c = cfg_of(f"prompts_per_step={prompts}", path=dapo)
+        assert c.actor.global_batch_size == per_update, prompts
+    assert (
+        cfg_of("prompts_per_step=8", "actor.global_batch_size=2", path=dapo).actor.global_batch_size
+        == 2
+    )
+    with pytest.raises(ConfigError, match=r"dynamic_sampling=True .*num_generations=1"):
+        cfg_of("rollout.num_generations=1", "algorithm.adv_estimator=remax", path=dapo)
 
 
 @pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
