@@ -74,8 +74,12 @@ def collate(
         _joined(grids["video_grid_thw"]),
         _joined(seconds) if any(len(g) for g in grids["video_grid_thw"]) else None,
     )
-    images = _row_inputs(model_config, rows, "pixel_values", grids["image_grid_thw"], sizes)
-    videos = _row_inputs(model_config, rows, "pixel_values_videos", grids["video_grid_thw"], sizes)
+    images = _row_inputs(
+        model_config, rows, "pixel_values", grids["image_grid_thw"], sizes["images"]
+    )
+    videos = _row_inputs(
+        model_config, rows, "pixel_values_videos", grids["video_grid_thw"], sizes["videos"]
+    )
     has_image = np.array([len(a) + len(b) > 0 for a, b in zip(*grids.values())])
     pools = None
     if with_pools:
@@ -111,10 +115,9 @@ def _patches(rows: list, key: str, grids: list) -> int:
     return pow2_bucket(max(have), minimum=16) if have else 0
 
 
-def _row_inputs(model_config, rows: list, key: str, grids: list, sizes: dict):
-    """Per-row VisionInputs of the rows' `key` patches, each padded to `sizes`' count (0:
+def _row_inputs(model_config, rows: list, key: str, grids: list, npatch: int):
+    """Per-row VisionInputs of the rows' `key` patches, each row's padded to `npatch` (0:
     None)."""
-    npatch = sizes["images" if key == "pixel_values" else "videos"]
     if not npatch:
         return None
     empty = np.zeros((0, model_config.vision.patch_dim), np.float32)

@@ -107,7 +107,7 @@ def no_grad_passes(
     None when shared, head)."""
     model = nnx.merge(graphdef, params)
     ref = nnx.merge(graphdef, ref_params) if cfg.needs_ref else None
-    perturb = cfg.needs_perturbed and (batch.images, batch.videos) != (None, None)
+    perturb = cfg.needs_perturbed and (batch.images is not None or batch.videos is not None)
     # Blacken on the whole batch (not per micro-batch) so the split never changes the draw:
     # aug = the perturbed (images, videos)
     black = models.processor(model.config).black if perturb else None
