@@ -83,22 +83,28 @@ def _landed(name: str) -> bool:
     return True
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def checkpoint(request, tmp_path_factory):
-    """A tiny random checkpoint of the family, with the embedded tokenizer's files."""
+def save_family(name: str, path) -> None:
+    """A tiny random checkpoint of family `name` in `path`, with the embedded tokenizer's
+    files."""
     import torch
 
-    if not _landed(request.param):
-        pytest.skip(f"{request.param} is not registered yet")
-    cls, cfg, processor = FAMILIES[request.param]()
+    cls, cfg, processor = FAMILIES[name]()
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp(request.param)
     cls(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(models.EMBEDDED, name), path / name)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(models.EMBEDDED, file), path / file)
     base = json.load(open(os.path.join(models.EMBEDDED, "preprocessor_config.json")))
     with open(path / "preprocessor_config.json", "w") as f:
         json.dump(dict(base, **processor), f)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """A tiny random checkpoint of the family, with the embedded tokenizer's files."""
+    if not _landed(request.param):
+        pytest.skip(f"{request.param} is not registered yet")
+    path = tmp_path_factory.mktemp(request.param)
+    save_family(request.param, path)
     return request.param, path
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -19,6 +18,7 @@ from jaxvrl import models
 from jaxvrl.data.pipeline import EncodeOptions, collate, encode_rows
 from jaxvrl.trainer.passes import blacken_patches
 from jaxvrl.trainer.rollout import assemble_prompts, repeat_prompts
+from tests.trainer.test_families import save_family
 
 VIDEO_PIXELS = dict(video_min_pixels=56 * 56, video_max_pixels=84 * 84)
 
@@ -49,23 +49,6 @@ def _rows(seed: int = 0) -> list[dict]:
     ]
 
 
-def _qwen3_vl(tmp_path):
-    """A tiny random Qwen3-VL with the embedded tokenizer (tests/trainer/test_families.py)."""
-    import torch
-
-    from tests.trainer.test_families import FAMILIES
-
-    cls, cfg, processor = FAMILIES["qwen3_vl"]()
-    torch.manual_seed(0)
-    cls(cfg).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(models.EMBEDDED, name), tmp_path / name)
-    base = json.load(open(os.path.join(models.EMBEDDED, "preprocessor_config.json")))
-    with open(tmp_path / "preprocessor_config.json", "w") as f:
-        json.dump(dict(base, **processor), f)
-    return tmp_path
-
-
 def _hf_logits(hf, ex: dict, cfg, timed: bool) -> np.ndarray:
     """transformers' logits of one encoded example, unpadded."""
     import torch
@@ -89,7 +72,10 @@ def _hf_logits(hf, ex: dict, cfg, timed: bool) -> np.ndarray:
 def test_collated_rows_with_videos_give_transformers_logits(family, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    path = models.EMBEDDED if family == "qwen2_5_vl" else _qwen3_vl(tmp_path)
+    path = models.EMBEDDED
+    if family != "qwen2_5_vl":  # a tiny random one with the embedded tokenizer
+        path = tmp_path
+        save_family(family, path)
     model = models.load(path)
     cfg = model.config
     tokenizer = AutoTokenizer.from_pretrained(path)
