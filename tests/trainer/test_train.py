@@ -189,6 +189,7 @@ def test_config_overrides_and_errors(tmp_path):
             "--config.vgr.token_weight_clip=(0.1, 2.0)",
             "--config.actor.use_kl_loss",
             "true",
+            "--config.actor.kl_loss_coef=0.01",
         ]
     )
     cfg = load_config(os.path.join(ROOT, path), overrides + [f"workdir={tmp_path}"])
