@@ -93,6 +93,7 @@ LONG_FILES = (  # measured: .ci/run prints each file's total
     "parallel/test_mesh_step.py",
     "parallel/test_sequence_parallel.py",
     "trainer/test_step.py",
+    "trainer/test_video_rows.py",
     "models/test_cached_kernels.py",
     "sampling/test_sampler.py",
     "models/test_scan_layers.py",

@@ -52,7 +52,7 @@ def test_top_k_count_hand_values(n, p, k):
     assert int(rl.top_k_count(jnp.array([n]), p)[0]) == k
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     st.lists(st.integers(0, 16_000_000), min_size=1, max_size=6),
     st.integers(1, 9).flatmap(lambda d: st.tuples(st.just(d), st.integers(1, 10**d))),
