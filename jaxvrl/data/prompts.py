@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -302,11 +303,21 @@ def _token_id(tokenizer, token: str) -> int:
     return -1 if i is None or i == tokenizer.unk_token_id else int(i)
 
 
+_POOL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def pool_token_ids(tokenizer, tokens=None) -> dict:
     """Token ids that `attention_pools` needs, read from the tokenizer (-1 for a token it
     lacks: a text-only model's tokenizer has no vision tokens, and its chat turns may be
     marked otherwise than Qwen's `<|im_start|>`); the vision tokens are the family's
-    (`tokens`: its ProcessorSettings, default Qwen's)."""
+    (`tokens`: its ProcessorSettings, default Qwen's). Read once per tokenizer and family."""
+    per_tokenizer = _POOL_IDS.setdefault(tokenizer, {})
+    if tokens not in per_tokenizer:
+        per_tokenizer[tokens] = _read_pool_token_ids(tokenizer, tokens)
+    return per_tokenizer[tokens]
+
+
+def _read_pool_token_ids(tokenizer, tokens) -> dict:
     tok = family_tokens(tokens)
     vision = (tok.vision_start, tok.vision_end, tok.image_pad, tok.video_pad)
     names = ("<|im_start|>", "<|im_end|>", *vision)
