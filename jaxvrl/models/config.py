@@ -133,13 +133,19 @@ class TextConfig:
     # M-RoPE frequencies interleaved t, h, w, t, h, w, ... (Qwen3-VL) rather than in sections
     mrope_interleaved: bool = False
     # rotary scaling of the text families (`layers.rope_inv_freq`): "default", "linear",
-    # "dynamic" (NTK by the call's longest position), "llama3"; factor, low/high_freq_factor
-    # and original_max_position_embeddings as transformers' rope parameters name them
+    # "dynamic" (NTK by the call's longest position), "llama3", "yarn"; factor,
+    # low/high_freq_factor, original_max_position_embeddings, beta_fast/beta_slow and truncate
+    # as transformers' rope parameters name them; YaRN's cos/sin scale (its attention_factor,
+    # resolved from factor, mscale and mscale_all_dim at load)
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 1.0
     # every layer's queries see only the keys fewer than this many positions back (Mistral);
     # 0: no window
     sliding_window: int = 0
@@ -174,6 +180,10 @@ ROPE_SCALING_FIELDS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_position_embeddings",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_truncate",
+    "rope_attention_factor",
 )
 
 

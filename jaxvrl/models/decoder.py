@@ -99,7 +99,10 @@ def rope_cos_sin(position_ids: jax.Array, cfg: TextConfig, dtype):
             axis=-1,
         )  # [B, T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if cfg.rope_attention_factor != 1.0:  # YaRN's scale, on cos and sin as transformers has it
+        cos, sin = cos * cfg.rope_attention_factor, sin * cfg.rope_attention_factor
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 @struct.dataclass

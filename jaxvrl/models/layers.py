@@ -117,7 +117,7 @@ class GatedMLP(nnx.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def rope_inv_freq(cfg, position_ids: jax.Array | None = None) -> jax.Array:
@@ -126,7 +126,10 @@ def rope_inv_freq(cfg, position_ids: jax.Array | None = None) -> jax.Array:
     factor; "llama3" divides the low frequencies by it and blends the middle band; "dynamic"
     (NTK) raises the base once the call's longest position (max of position_ids + 1, over
     the whole batch) passes max_position_embeddings, so each call of the model (a forward
-    pass, a prefill, a decode step) takes the frequencies of its own length, as HF does."""
+    pass, a prefill, a decode step) takes the frequencies of its own length, as HF does;
+    "yarn" (arXiv 2309.00071) blends the interpolated and original frequencies over a linear
+    ramp between the dimensions that turn beta_fast and beta_slow times within the original
+    length (its cos/sin scale is `rope_attention_factor`)."""
     hd = cfg.head_dim
     exponent = jnp.arange(0, hd, 2, dtype=jnp.float32) / hd
     inv_freq = 1.0 / (cfg.rope_theta**exponent)
@@ -144,6 +147,8 @@ def rope_inv_freq(cfg, position_ids: jax.Array | None = None) -> jax.Array:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         return jnp.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(cfg, inv_freq)
     if kind == "dynamic":
         limit = cfg.max_position_embeddings
         if position_ids is None:
@@ -153,6 +158,37 @@ def rope_inv_freq(cfg, position_ids: jax.Array | None = None) -> jax.Array:
         base = cfg.rope_theta * ((factor * grown / limit) - (factor - 1)) ** (hd / (hd - 2))
         return jnp.where(seq_len > limit, 1.0 / (base**exponent), inv_freq)
     raise ValueError(f"rope_type {kind!r} is not one of {ROPE_TYPES}")
+
+
+def _yarn_inv_freq(cfg, inv_freq: jax.Array) -> jax.Array:
+    hd, base, old = cfg.head_dim, cfg.rope_theta, cfg.rope_original_max_position_embeddings
+
+    def turns_at(rotations):  # the dimension that turns `rotations` times within `old`
+        return hd * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turns_at(cfg.rope_beta_fast), turns_at(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(hd // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1.0 - ramp)
+
+
+def rope_attention_factor(rope: dict, factor: float) -> float:
+    """YaRN's cos/sin scale from config.json's rope parameters: `attention_factor` as given,
+    else 0.1 ln(factor) + 1 (with mscale and mscale_all_dim: the ratio of the two such
+    terms, each ln scaled by its own), as transformers resolves it."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+
+    def scale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and all_dim:
+        return float(scale(mscale) / scale(all_dim))
+    return scale()
 
 
 def rotate_half(x: jax.Array) -> jax.Array:

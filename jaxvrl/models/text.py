@@ -22,7 +22,7 @@ import numpy as np
 from jaxvrl.config import ConfigError
 from jaxvrl.models import moe
 from jaxvrl.models.config import TextConfig, fields_of, freeze, jsonable, text_sizes, thaw
-from jaxvrl.models.layers import ROPE_TYPES, activation
+from jaxvrl.models.layers import ROPE_TYPES, activation, rope_attention_factor
 from jaxvrl.models.weights import KeyTable
 
 
@@ -238,7 +238,14 @@ def _rope(d: dict, source: str, theta: float) -> dict:
     out = dict(rope_type=kind, rope_theta=float(rope.get("rope_theta", d.get("rope_theta", theta))))
     if kind == "default":
         return out
-    if "factor" not in rope:
+    # the pretraining length: config.json's own key first (Phi-3 style), as transformers reads it
+    original = d.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings"
+    )
+    original = int(original or d["max_position_embeddings"])
+    if kind == "yarn" and rope.get("factor") is None:  # DeepSeek-V3 style: the lengths' ratio
+        rope["factor"] = d["max_position_embeddings"] / original
+    if rope.get("factor") is None:
         raise ConfigError(f"{source}: rope type {kind!r} needs a factor")
     out["rope_factor"] = float(rope["factor"])
     if kind == "llama3":
@@ -247,8 +254,13 @@ def _rope(d: dict, source: str, theta: float) -> dict:
             out["rope_high_freq_factor"] = float(rope["high_freq_factor"])
         except KeyError as e:
             raise ConfigError(f"{source}: rope type 'llama3' needs {e.args[0]}") from None
-        original = rope.get("original_max_position_embeddings", d["max_position_embeddings"])
-        out["rope_original_max_position_embeddings"] = int(original)
+    if kind in ("llama3", "yarn"):
+        out["rope_original_max_position_embeddings"] = original
+    if kind == "yarn":
+        out["rope_beta_fast"] = float(rope.get("beta_fast") or 32.0)
+        out["rope_beta_slow"] = float(rope.get("beta_slow") or 1.0)
+        out["rope_truncate"] = bool(rope.get("truncate", True))
+        out["rope_attention_factor"] = rope_attention_factor(rope, out["rope_factor"])
     return out
 
 
@@ -260,7 +272,16 @@ def _rope_parameters(t: TextConfig) -> dict:
     if t.rope_type == "llama3":
         out["low_freq_factor"] = t.rope_low_freq_factor
         out["high_freq_factor"] = t.rope_high_freq_factor
+    if t.rope_type in ("llama3", "yarn"):
         out["original_max_position_embeddings"] = t.rope_original_max_position_embeddings
+    if t.rope_type == "yarn":  # what differs from transformers' defaults
+        given = {
+            "beta_fast": (t.rope_beta_fast, 32.0),
+            "beta_slow": (t.rope_beta_slow, 1.0),
+            "truncate": (t.rope_truncate, True),
+            "attention_factor": (t.rope_attention_factor, rope_attention_factor({}, t.rope_factor)),
+        }
+        out |= {k: v for k, (v, default) in given.items() if v != default}
     return out
 
 

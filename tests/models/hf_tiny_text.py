@@ -21,6 +21,8 @@ ROPES = {
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8,
     },
+    # an original length whose correction range falls inside the head's 8 frequencies
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
 }
 
 

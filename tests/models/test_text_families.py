@@ -38,6 +38,7 @@ CASES = [
     ("qwen3", "default", 2, False),
     ("qwen3", "default", 4, True),
     ("mistral", "default", 2, False),
+    ("qwen3", "yarn", 2, False),
 ]
 _IDS = [f"{m}-{r}-kv{kv}-{'tied' if tie else 'untied'}" for m, r, kv, tie in CASES]
 
@@ -109,7 +110,7 @@ def test_logits_and_config(checkpoints, case):
 
 
 @pytest.mark.parametrize(
-    "case", [CASES[1], CASES[2], CASES[5], CASES[6]], ids=_IDS[1:3] + _IDS[5:7]
+    "case", [CASES[1], CASES[2], CASES[5], CASES[6], CASES[9]], ids=_IDS[1:3] + _IDS[5:7] + _IDS[9:]
 )
 def test_export_loads_in_transformers(checkpoints, case, tmp_path):
     """The export's tensors are the checkpoint's, and transformers computes the same logits
@@ -177,8 +178,8 @@ def test_a_family_is_one_table_entry(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    [CASES[2], CASES[4], CASES[7], CASES[8]],
-    ids=["llama-dynamic", "qwen2", "qwen3", "mistral"],
+    [CASES[2], CASES[4], CASES[7], CASES[8], CASES[9]],
+    ids=["llama-dynamic", "qwen2", "qwen3", "mistral", "qwen3-yarn"],
 )
 def test_greedy_tokens_match_hf_generate(checkpoints, case):
     """The sampler's prefill and decode steps (a dynamic rope takes each step's length, as
@@ -272,7 +273,7 @@ def test_rope_index_and_generation_config(checkpoints):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "not supported"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "not supported"),
         ({"use_sliding_window": True}, "use_sliding_window=true: sliding-window"),
         ({"layer_types": ["sliding_attention"]}, "layer_types .*: sliding-window"),
         (
@@ -315,3 +316,47 @@ def test_presets_have_the_published_parameter_counts(name):
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d))
     assert ours_ == sum(p.numel() for p in hf.parameters())
     assert abs(ours_ / 1e9 - billions) <= 0.01 * billions, ours_
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.5},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 16,
+            "beta_slow": 2,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 2048,
+            "attention_factor": 0.9,
+            "truncate": False,
+        },
+        {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 1024},
+    ],
+    ids=["linear", "llama3", "yarn", "yarn-mscale", "yarn-given-factor", "yarn-no-factor"],
+)
+def test_rope_frequencies_equal_transformers(rope):
+    """Inverse frequencies and the cos/sin scale of each rope type, read from a config.json,
+    equal transformers' rope initialisation (head_dim 128, theta 1e6, 32k positions, and
+    YaRN's mscale, beta, truncate and implicit-factor variants)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxvrl.models.layers import rope_inv_freq
+
+    params = {"rope_theta": 1e6, **rope}
+    hf = Qwen3Config(head_dim=128, max_position_embeddings=32768, rope_parameters=dict(params))
+    inv, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
+    d = hf.to_dict() | {"model_type": "qwen3", "rope_parameters": params}
+    cfg = M.config_from_hf(d).text
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(cfg)), inv.numpy(), rtol=1e-6)
+    assert cfg.rope_attention_factor == pytest.approx(scale, rel=1e-12)
