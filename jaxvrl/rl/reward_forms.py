@@ -3,7 +3,9 @@ call of each form on a list of rows. Pure Python (no jax): the reward workers im
 
 Forms (`detect`):
 - trl: `fn(completions, **columns) -> list[float]` (TRL's GRPOTrainer), called by keyword with
-  `completions`, `prompts`, one list per row column, `images` when named; a batch per call.
+  `completions`, `prompts`, `completion_ids` (each completion's token ids, its EOS included),
+  `trainer_state` (`TrainerState`), one list per row column, `images` when named; a batch
+  per call.
 - verl: `compute_score(data_source, solution_str, ground_truth, extra_info=None)` per row
   (verl's reward managers), -> a float or a dict with `score` (other keys: sub-scores).
 - verl_batch: `compute_score(data_sources, solution_strs, ground_truths, extra_infos)` on a
@@ -65,6 +67,17 @@ _FILLED = {
     SCORER: _SCORER_KEYWORDS,
 }
 _BY_POSITION = {SCORER: 2, EASYR1_BATCH: 1, EASYR1_SEQUENTIAL: 1, DATA_DICT: 1}
+# the keywords TRL's GRPOTrainer passes every reward function besides the dataset's columns
+_TRL_KEYWORDS = ("prompts", "completion_ids", "trainer_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """What a TRL-form reward reads of `trainer_state` (TRL passes its Trainer's state):
+    global_step, the updates made before this batch; max_steps, the run's total_steps."""
+
+    global_step: int = 0
+    max_steps: int = 0
 
 
 class RewardFormError(TypeError):
@@ -121,7 +134,8 @@ def _signature(fn) -> inspect.Signature | None:
 
 def detect(fn) -> Form:
     """The form of `fn` by its parameter names, arity and its module's `REWARD_TYPE`:
-    `solution_str` -> verl; `solution_strs` -> verl_batch; `completions` -> trl;
+    `solution_str` -> verl; `solution_strs` -> verl_batch; `completions` or `completion_ids`
+    (or **kwargs with `prompts` / `trainer_state`) -> trl;
     `REWARD_TYPE` batch or sequential -> EasyR1's; a first parameter named `reward_inputs` /
     `reward_input` / `data_dict` -> that form; one other parameter and **kwargs -> trl
     (completions passed by position); one parameter alone -> easyr1_batch (EasyR1's default
@@ -145,6 +159,7 @@ def detect(fn) -> Form:
         )
     positional = [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     by_position = form == TRL and "completions" not in names and bool(positional)
+    by_position = by_position and positional[0] not in _TRL_KEYWORDS
     required = tuple(
         p.name
         for p in ps
@@ -163,7 +178,9 @@ def _form_of(names, var_kw, ps, reward_type) -> str | None:
         return VERL
     if "solution_strs" in names:
         return VERL_BATCH
-    if "completions" in names:
+    if "completions" in names or "completion_ids" in names:
+        return TRL
+    if var_kw and names & set(_TRL_KEYWORDS):  # fn(prompts, trainer_state, **kwargs)
         return TRL
     if isinstance(reward_type, str) and reward_type.lower() in ("batch", "sequential"):
         return EASYR1_BATCH if reward_type.lower() == "batch" else EASYR1_SEQUENTIAL
@@ -194,8 +211,8 @@ def _name(fn) -> str:
 class RowInput:
     """What a reward sees of one completion: the rendered prompt, the completion, its length
     in tokens, the label (ground truth), the row's columns (every column of the dataset row,
-    plus per-row rollout statistics such as `mdi`) and its PIL images (None unless the form
-    takes images)."""
+    plus per-row rollout statistics such as `mdi`), its PIL images (None unless the form
+    takes images) and its token ids (None where the caller has only texts)."""
 
     prompt: str
     response: str
@@ -203,6 +220,7 @@ class RowInput:
     ground_truth: object
     columns: dict
     images: list | None = None
+    response_ids: list | None = None
 
 
 def _resolve(value):
@@ -263,12 +281,15 @@ def _trl_kwargs(fn, form: Form, rows: list[RowInput], kwargs: dict, constants: d
     cols["prompts"] = [list(r.columns["prompt"]) if chat else r.prompt for r in rows]
     if form.takes_images:
         cols["images"] = [r.images or [] for r in rows]
+    if rows and all(r.response_ids is not None for r in rows):
+        cols["completion_ids"] = [list(r.response_ids) for r in rows]
     cols.update(kwargs)
     cols = form.accepted(cols)
     cols.pop(form.positional, None)
-    cols["completions"] = [
-        [{"role": "assistant", "content": r.response}] if chat else r.response for r in rows
-    ]
+    if form.var_kw or form.positional or "completions" in form.params:
+        cols["completions"] = [
+            [{"role": "assistant", "content": r.response}] if chat else r.response for r in rows
+        ]
     return cols
 
 

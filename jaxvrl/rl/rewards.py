@@ -99,17 +99,23 @@ def extract_choice(text: str) -> str | None:
 
 
 def _label_letter(label) -> str | None:
-    """0-based index (int or digit string) or letter ("B", "b", "Ｂ", "B. dog") -> "A".."J"."""
-    if label is None or (isinstance(label, float) and math.isnan(label)):
+    """0-based index (int or digit string) or letter ("B", "b", "Ｂ", "(B)", "B. dog") ->
+    "A".."J"."""
+    if _missing(label):
         return None
     if isinstance(label, str):
         label = label.strip().translate(_FULL_WIDTH)
         if label.isdigit():
             return LETTERS[int(label)] if int(label) < len(LETTERS) else None
-        found = re.match(r"([A-Ja-j])(?![A-Za-z])", label)
+        found = re.match(r"[(\[]?\s*([A-Ja-j])(?![A-Za-z])", label)
         return found.group(1).upper() if found else None
     idx = int(label)
     return LETTERS[idx] if 0 <= idx < len(LETTERS) else None
+
+
+def _missing(label) -> bool:
+    """No label: None, or a NaN (a pandas column's empty cell)."""
+    return label is None or (isinstance(label, float) and math.isnan(label))
 
 
 def mc_idx_reward(
@@ -125,7 +131,7 @@ def mc_idx_reward(
         raise ValueError("mc_idx needs a `label_idx` or `answer` column")
     labels = list(label_idx) if label_idx is not None else [None] * len(completions)
     if answer is not None:
-        labels = [a if lbl is None else lbl for lbl, a in zip(labels, answer)]
+        labels = [a if _missing(lbl) else lbl for lbl, a in zip(labels, answer)]
     if len(labels) != len(completions):
         raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
     out = []
@@ -151,7 +157,7 @@ def think_format_reward(completions: Sequence[str], **_) -> list[float]:
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?%?")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?%?")
 _ANSWER_LINE = re.compile(r"(?i:answer)\s*(?:(?i:is)\s*:?|:)|答案\s*(?:是|为)?\s*:?")
 
 
@@ -209,25 +215,47 @@ def _normalise(s: str) -> str:
     return s.strip()
 
 
-def _as_number(s: str) -> float | None:
-    """A plain number (1,234.5 / -3 / 50% / 1/4), else None."""
-    s = s.strip().replace(",", "").replace("$", "").rstrip(".").strip()
-    pct = s.endswith("%")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,234.5: its commas group digits
+_DECIMAL = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_FRACTION = re.compile(r"(-?\d+)\s*/\s*(\d+)")
+_INTEGER = re.compile(r"-?\d+")
+# words only (no digits, no LaTeX): compared as text, never as products of one-letter symbols
+_WORDS = re.compile(r"[^\W\d_]+(?:[\s'’-]+[^\W\d_]+)*[.!?]?")
+
+
+def _plain(s: str) -> str:
+    """A number's text without $, a trailing full stop, % and digit-grouping commas."""
+    s = s.strip().replace("$", "").replace("\u2212", "-").rstrip(".").strip()
     s = s.rstrip("%").strip()
-    try:
-        if re.fullmatch(r"-?\d+\s*/\s*\d+", s):
-            num, den = s.split("/")
-            value = float(num) / float(den)
-        else:
-            value = float(s)
-    except (ValueError, ZeroDivisionError):
+    return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
+
+
+def _as_number(s: str) -> float | None:
+    """A plain number (1,234.5 / -3 / 50% / 1/4 / 2.5e3), else None: a comma that does not
+    group digits in threes ("3,5": a list, a decimal comma) or a word (inf, nan) is none."""
+    pct = s.strip().rstrip(".").strip().endswith("%")
+    s = _plain(s)
+    fraction = _FRACTION.fullmatch(s)
+    if fraction:
+        num, den = map(int, fraction.groups())
+        if den == 0:
+            return None
+        value = num / den
+    elif _DECIMAL.fullmatch(s):
+        value = float(s)
+    else:
         return None
     return value / 100 if pct else value
 
 
 def _match(pred: str, ref: str) -> bool:
+    """Numbers: equal when both are integers, else within 1e-6 (relative above 1); otherwise
+    normalised text."""
     a, b = _as_number(pred), _as_number(ref)
     if a is not None and b is not None:
+        p, r = _plain(pred), _plain(ref)
+        if _INTEGER.fullmatch(p) and _INTEGER.fullmatch(r) and "%" not in pred + ref:
+            return int(p) == int(r)
         return abs(a - b) <= 1e-6 * max(1.0, abs(b))
     return _normalise(pred) == _normalise(ref)
 
@@ -249,8 +277,10 @@ def accuracy_reward(
 ) -> list[float]:
     """1.0 when the completion's answer_span matches the reference's (column `answer`, else
     `solution`): math_verify's parse/verify (LaTeX, fractions, sets, \\boxed{}) when
-    installed and it says equal (on the marked answers, `_for_math_verify`); otherwise numeric
-    equality (rel. 1e-6; "50%" = 0.5, "1/4" = 0.25) or normalised string equality; a
+    installed and it says equal (on the marked answers, `_for_math_verify`; answers of words
+    alone are compared as text); otherwise numeric equality (integers exactly, other numbers
+    within 1e-6, relative above 1; "50%" = 0.5, "1/4" = 0.25, "1,000" = 1000 but "3,5" is no
+    number) or normalised string equality; a
     completion whose answer nothing marks, against a numeric reference, is read by its last
     number (a model answering in prose)."""
     refs = answer if answer is not None else solution
@@ -267,7 +297,8 @@ def accuracy_reward(
             continue
         pred, gold = answer_span(c), answer_span(str(ref))
         ok = False
-        if verify is not None:
+        words = _WORDS.fullmatch(pred.strip()) and _WORDS.fullmatch(gold.strip())
+        if verify is not None and not words:
             # its own timeouts use SIGALRM, which works on the main thread only; elsewhere the
             # reward pool's timeout bounds the call
             main = threading.current_thread() is threading.main_thread()

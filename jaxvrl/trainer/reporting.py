@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -35,6 +36,7 @@ from jaxvrl.logging.markdown import heatmap_section, token_colour_section
 from jaxvrl.trainer.rollout import (
     PhaseWeights,
     Rollout,
+    completion_ids,
     decode_completions,
     draw_samples,
     sample_completions,
@@ -45,20 +47,36 @@ ATTENTION_DIR = "attention"  # <workdir>/attention: the heatmaps' PNGs
 
 
 def held_out_score(texts: list[str], examples: list[dict]) -> list[float]:
-    """1.0 per right completion: a multiple-choice example (`label_idx`, `choices`, or an
-    option letter A-J as its `answer`) by `mc_idx`, any other by `accuracy` against its
-    `answer` (else `solution`)."""
+    """1.0 per right completion: a multiple-choice example (a `label_idx`, an option letter
+    A-J as its `answer` ("B", "(B)", "B. dog"), or `choices` one of which its `answer` is) by
+    `mc_idx`, any other by `accuracy` against its `answer` (else `solution`)."""
     out = []
     for text, ex in zip(texts, examples):
-        answer = ex.get("answer")
-        letter = isinstance(answer, str) and re.fullmatch(r"\s*[A-J]\s*", answer) is not None
-        if ex.get("label_idx") is not None or ex.get("choices") or letter:
-            label = ex["label_idx"] if ex.get("label_idx") is not None else answer
+        answer, label = ex.get("answer"), ex.get("label_idx")
+        if label is None or (isinstance(label, float) and math.isnan(label)):
+            label = _option_of(answer, ex.get("choices"))
+        if label is not None:
             out += rl.rewards.mc_idx_reward([text], [label])
         else:
             ref = answer if answer is not None else ex.get("solution")
             out += rl.rewards.accuracy_reward([text], answer=[ref])
     return out
+
+
+def _option_of(answer, choices):
+    """The option an `answer` names: a letter form ("B", "(B)", "B. dog", "B) dog"), with
+    `choices` an index (0-based, int or digits) or the index of the choice whose text it is;
+    None when it names none."""
+    if choices and isinstance(answer, int | np.integer) and not isinstance(answer, bool):
+        return int(answer)
+    if not isinstance(answer, str):
+        return None
+    if choices and answer.strip().isdigit():
+        return answer
+    if re.fullmatch(r"\s*[(\[]?[A-J][)\]]?\s*|\s*[(\[]?[A-J][.:)\]]\s+\S.*", answer, re.S):
+        return answer
+    texts = [str(c).strip().lower() for c in (choices or ())]
+    return texts.index(answer.strip().lower()) if answer.strip().lower() in texts else None
 
 
 def evaluate(
@@ -98,7 +116,9 @@ def evaluate(
             correct += sum(held_out_score(texts, chunk[:k]))
             fmt += sum(rl.rewards.think_format_reward(texts))
             if scorer is not None:
-                values, subs = scorer.score(chunk[:k], texts, out.mask[:k].sum(1))
+                mask = out.mask[:k]
+                ids = completion_ids(out.tokens[:k], mask)
+                values, subs = scorer.score(chunk[:k], texts, mask.sum(1), ids=ids)
                 for name, v in values.items():
                     sums[name] = sums.get(name, 0.0) + float(v.sum())
                 for key, v in subs.items():  # NaN where a row has no such sub-score

@@ -24,6 +24,7 @@ from jaxvrl import models, rl
 from jaxvrl.models import positions
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
+from jaxvrl.rl.reward_forms import TrainerState
 from jaxvrl.sampling import Sampler
 from jaxvrl.trainer.groups import (
     Collected,
@@ -216,9 +217,19 @@ def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     return out.replace(position_ids=positions.take_rows(np.asarray(batch.position_ids), rows))
 
 
-def reward_constants(mdi_balance_ratio: float) -> dict:
-    """Batch-wide keywords of TRL-form rewards (the built-in mdi's balance ratio)."""
-    return {"mdi_balance_ratio": mdi_balance_ratio}
+def reward_constants(mdi_balance_ratio: float, max_steps: int = 0) -> dict:
+    """Batch-wide keywords of TRL-form rewards: the built-in mdi's balance ratio, and TRL's
+    `trainer_state` (its global_step set per batch by `RewardScorer.submit`)."""
+    return {
+        "mdi_balance_ratio": mdi_balance_ratio,
+        "trainer_state": TrainerState(max_steps=int(max_steps)),
+    }
+
+
+def completion_ids(tokens, mask) -> list[np.ndarray]:
+    """Each completion's token ids (its EOS included, no padding), as TRL passes them."""
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    return [t[m > 0] for t, m in zip(tokens, mask)]
 
 
 @dataclasses.dataclass
@@ -485,7 +496,8 @@ class RolloutPhase:
         extra = {"mdi": list(att["mdi"])} if "mdi" in att else {}
         mask = np.asarray(out.mask, np.float32)
         masses = (out.vision_mass, out.text_mass)
-        totals, parts = self._score(step, rows, texts, mask.sum(1), extra)
+        ids = completion_ids(out.tokens, mask)
+        totals, parts = self._score(step, rows, texts, mask.sum(1), extra, ids)
         totals, parts = self._score_model(totals, parts, rows, texts)
         baseline = np.zeros(len(texts))
         if self.greedy is not None:
@@ -521,10 +533,13 @@ class RolloutPhase:
             )
         return groups
 
-    def _score(self, step: int, rows: list, texts: list, lengths: np.ndarray, extra: dict):
+    def _score(self, step: int, rows: list, texts: list, lengths, extra: dict, ids=None):
         """-> (totals float64[B] incl. the soft overlong punishment, {name: float64[B]} and
-        the sub-scores {name/key: float64[B]}). Raises RewardsInterrupted at a stop."""
-        values, subs = self.scorer.score(rows, texts, lengths, extra, stop=self.stop)
+        the sub-scores {name/key: float64[B]}). ids: the completions' token ids. Raises
+        RewardsInterrupted at a stop."""
+        values, subs = self.scorer.score(
+            rows, texts, lengths, extra, stop=self.stop, ids=ids, step=step
+        )
         totals = rl.rewards.weighted_total(values, self.reward_weights(step), len(texts))
         parts = {**values, **subs}
         o = self.opts
@@ -549,8 +564,10 @@ class RolloutPhase:
         g = self.opts.group_size
         key = jax.random.key(0)
         out = sample_completions(self.greedy, params, batch, key, None, self.mesh, self.decode)
-        texts = decode_completions(self.tokenizer, out.tokens[::g], out.mask[::g])
-        totals, _ = self._score(step, batch["rows"][::g], texts, out.mask[::g].sum(1), {})
+        tokens, mask = out.tokens[::g], out.mask[::g]
+        texts = decode_completions(self.tokenizer, tokens, mask)
+        ids = completion_ids(tokens, mask)
+        totals, _ = self._score(step, batch["rows"][::g], texts, mask.sum(1), {}, ids)
         totals, _ = self._score_model(totals, {}, batch["rows"][::g], texts)
         return np.repeat(totals, g)
 

@@ -84,9 +84,9 @@ class RewardScorer:
         self._images = any(f.form.takes_images for f in fns)
         self._warned_images = False
 
-    def inputs(self, rows: list[dict], texts, lengths, extra: dict | None = None):
+    def inputs(self, rows: list[dict], texts, lengths, extra: dict | None = None, ids=None):
         """[RowInput] for completion i of dataset row rows[i]; extra: per-row columns from
-        the rollout ({"mdi": [...]})."""
+        the rollout ({"mdi": [...]}); ids: each completion's token ids (None: unknown)."""
         cache: dict[int, list] = {}
         out = []
         for i, (row, text) in enumerate(zip(rows, texts)):
@@ -100,7 +100,15 @@ class RewardScorer:
                     cache[id(row)] = self._load_images(row)
                 images = cache[id(row)]
             out.append(
-                RowInput(str(prompt), text, int(lengths[i]), ground_truth(row), cols, images)
+                RowInput(
+                    str(prompt),
+                    text,
+                    int(lengths[i]),
+                    ground_truth(row),
+                    cols,
+                    images,
+                    None if ids is None else [int(t) for t in ids[i]],
+                )
             )
         return out
 
@@ -114,10 +122,16 @@ class RewardScorer:
                 log.warning("a row's images could not be loaded for the rewards: %s", e)
             return []
 
-    def submit(self, rows, texts, lengths, extra: dict | None = None):
-        """Queue every function's calls on the batch -> what `collect` takes."""
+    def submit(self, rows, texts, lengths, extra: dict | None = None, ids=None, step=None):
+        """Queue every function's calls on the batch -> what `collect` takes. ids: each
+        completion's token ids; step: the updates made before this batch (TRL-form rewards'
+        `trainer_state.global_step`)."""
         t0 = time.monotonic()
-        inputs = self.inputs(rows, texts, lengths, extra)
+        inputs = self.inputs(rows, texts, lengths, extra, ids)
+        constants = self.constants
+        if step is not None and "trainer_state" in constants:
+            state = dataclasses.replace(constants["trainer_state"], global_step=int(step))
+            constants = {**constants, "trainer_state": state}
         calls = {}
         chunks = max(self.num_workers, 1)
         for i, (name, fn) in enumerate(self.rewards.items()):
@@ -126,7 +140,7 @@ class RewardScorer:
             else:
                 parts = [p for p in np.array_split(np.arange(len(inputs)), chunks) if len(p)]
             calls[name] = [
-                (self.pool.submit(i, [inputs[j] for j in p], self.constants), p) for p in parts
+                (self.pool.submit(i, [inputs[j] for j in p], constants), p) for p in parts
             ]
         return t0, len(inputs), calls
 
@@ -152,8 +166,8 @@ class RewardScorer:
         self.seconds += time.monotonic() - t0
         return values, extras
 
-    def score(self, rows, texts, lengths, extra=None, stop=None):
-        return self.collect(self.submit(rows, texts, lengths, extra), stop)
+    def score(self, rows, texts, lengths, extra=None, stop=None, ids=None, step=None):
+        return self.collect(self.submit(rows, texts, lengths, extra, ids, step), stop)
 
     def take_seconds(self) -> float:
         s, self.seconds = self.seconds, 0.0

@@ -487,7 +487,7 @@ def make_rollout_phase(
         image_dir=c.data.image_dir or None,
         max_failure_fraction=c.reward.max_failure_fraction,
         failure_window=c.reward.failure_window,
-        constants=reward_constants(c.reward.mdi_balance_ratio),
+        constants=reward_constants(c.reward.mdi_balance_ratio, c.total_steps),
     )
     regular = dict(zip(names, c.reward.weights))
     early = dict(zip(names, c.reward.early_weights)) if c.reward.early_weights else None

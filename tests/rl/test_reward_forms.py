@@ -84,6 +84,14 @@ def broken(reward_input):
 
 def trl_fn(completions, prompts, answer, **kwargs):
     return [float(c == a) + kwargs.get("offset", 0.0) for c, a in zip(completions, answer)]
+
+
+def trl_ids(completion_ids, **kwargs):  # TRL's length rewards read token ids, not texts
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def trl_state(prompts, trainer_state, **kwargs):
+    return [trainer_state.global_step + trainer_state.max_steps / 100 for _ in prompts]
 """
 
 
@@ -388,3 +396,28 @@ def test_the_trl_form_gets_conversations_for_a_conversational_dataset(tmp_path):
         assert fns["conv"].failures == 1  # c[0] is a character: the function fails
     finally:
         scorer.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_trl_form_gets_completion_ids_and_trainer_state(module, tmp_path, workers):
+    """TRL's GRPOTrainer passes `completion_ids` (each completion's tokens, EOS included) and
+    `trainer_state` besides the columns: a function naming them (even first, without
+    `completions`) gets them, in a worker process too, never the texts in their place."""
+    from jaxvrl.trainer.rollout import completion_ids, reward_constants
+
+    path = module()
+    specs = {n: f"{path}:{n}" for n in ("trl_ids", "trl_state")}
+    fns = {n: R.SafeReward(n, R.load_reward_fn(s), s) for n, s in specs.items()}
+    assert {f.form.kind for f in fns.values()} == {"trl"}
+    consts = reward_constants(2.0, max_steps=300)
+    scorer = RewardScorer(fns, image_dir=str(tmp_path), num_workers=workers, constants=consts)
+    rows, texts, _ = rows_and_texts(tmp_path)
+    tokens, mask = np.array([[5, 6, 3, 0], [7, 3, 0, 0]]), np.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    try:
+        ids = completion_ids(tokens, mask)
+        values, _ = scorer.score(rows, texts, mask.sum(1), ids=ids, step=7)
+    finally:
+        scorer.close()
+    np.testing.assert_array_equal(values["trl_ids"], [3.0, 2.0])
+    np.testing.assert_array_equal(values["trl_state"], [10.0, 10.0])
+    assert not any(f.failures for f in fns.values())

@@ -103,6 +103,35 @@ def test_accuracy_reward():
         R.accuracy_reward(["4"])
 
 
+@pytest.mark.parametrize("with_math_verify", [True, False])
+def test_accuracy_reward_numbers_and_words(monkeypatch, with_math_verify):
+    """Commas group digits only in threes (a list or a decimal comma is no number), integers
+    match exactly, inf/nan are words, and answers of words alone are text (never products of
+    one-letter symbols: "no" is not "on") — with math_verify and without."""
+    import sys
+
+    if not with_math_verify:
+        monkeypatch.setitem(sys.modules, "math_verify", None)  # its import fails
+    cases = [
+        ("\\boxed{3,5}", "35", 0),
+        ("<answer>2,3</answer>", "23", 0),
+        ("<answer>1,000,000</answer>", "1000000", 1),
+        ("Answer: -1,234.5", "-1234.5", 1),
+        ("\\boxed{1000000}", "1000001", 0),
+        ("<answer>no</answer>", "on", 0),
+        ("Answer: stop", "pots", 0),
+        ("<answer>Tom is older</answer>", "older is Tom", 0),
+        ("<answer> Yes. </answer>", "yes", 1),
+        ("Answer: Infinity", "infinity", 1),
+        ("<answer>nan</answer>", "nan", 1),
+        ("So 12 pages, then 1,50 more", "50", 1),  # prose: its last number
+        ("<answer>2.5e3</answer>", "2500", 1),
+        ("<answer>25%</answer>", "0.25", 1),
+    ]
+    comps, refs, want = zip(*cases)
+    assert R.accuracy_reward(comps, answer=refs) == list(want)
+
+
 def test_accuracy_reward_on_math_text():
     """GSM8K references end in `#### N`; a completion in prose is read by its last number,
     but a marked answer is the answer (no second chance from a number after it)."""

@@ -137,6 +137,13 @@ def test_held_out_rows_are_scored_by_mc_idx_or_accuracy():
     examples = [{"answer": "7"}, {"label_idx": 1, "choices": ["a", "b"]}, {"answer": "7"},
                 {"answer": "C"}, {"solution": "#### 12"}]  # fmt: skip
     assert held_out_score(texts, examples) == [1.0, 1.0, 0.0, 1.0, 1.0]
+    # an option named by its letter form, its index or its text beside `choices`; a NaN
+    # label_idx (a pandas cell) falls back to the answer
+    texts = ["Answer: B", "Answer: B", "Answer: B", "Answer: (B)", "Answer: B", "Answer: 12"]
+    examples = [{"answer": "(B)"}, {"answer": "B. cat", "choices": ["dog", "cat"]},
+                {"answer": "Cat", "choices": ["dog", "cat"]}, {"answer": 1, "choices": ["x", "y"]},
+                {"label_idx": float("nan"), "answer": "B"}, {"answer": "A cat ate 12"}]  # fmt: skip
+    assert held_out_score(texts, examples) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(
