@@ -101,7 +101,7 @@ def extract_choice(text: str) -> str | None:
 def _label_letter(label) -> str | None:
     """0-based index (int or digit string) or letter ("B", "b", "Ｂ", "(B)", "B. dog") ->
     "A".."J"."""
-    if _missing(label):
+    if missing_label(label):
         return None
     if isinstance(label, str):
         label = label.strip().translate(_FULL_WIDTH)
@@ -113,7 +113,7 @@ def _label_letter(label) -> str | None:
     return LETTERS[idx] if 0 <= idx < len(LETTERS) else None
 
 
-def _missing(label) -> bool:
+def missing_label(label) -> bool:
     """No label: None, or a NaN (a pandas column's empty cell)."""
     return label is None or (isinstance(label, float) and math.isnan(label))
 
@@ -131,7 +131,7 @@ def mc_idx_reward(
         raise ValueError("mc_idx needs a `label_idx` or `answer` column")
     labels = list(label_idx) if label_idx is not None else [None] * len(completions)
     if answer is not None:
-        labels = [a if _missing(lbl) else lbl for lbl, a in zip(labels, answer)]
+        labels = [a if missing_label(lbl) else lbl for lbl, a in zip(labels, answer)]
     if len(labels) != len(completions):
         raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
     out = []

@@ -9,7 +9,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -53,7 +52,7 @@ def held_out_score(texts: list[str], examples: list[dict]) -> list[float]:
     out = []
     for text, ex in zip(texts, examples):
         answer, label = ex.get("answer"), ex.get("label_idx")
-        if label is None or (isinstance(label, float) and math.isnan(label)):
+        if rl.rewards.missing_label(label):
             label = _option_of(answer, ex.get("choices"))
         if label is not None:
             out += rl.rewards.mc_idx_reward([text], [label])
