@@ -17,6 +17,8 @@ Forms (`detect`):
   `REWARD_TYPE = "batch"`, its default), each dict with `overall` plus sub-scores.
 - easyr1_sequential: `compute_score(reward_input: dict) -> dict` (`REWARD_TYPE =
   "sequential"`), per row.
+- easyr1_lists: `compute_score(predicts, ground_truths, ...) -> list[dict]` (EasyR1's batch
+  functions of spring 2025), the completions and the labels as two lists.
 - data_dict: `reward_function(data_dict) -> (reward, metrics)` per row; data_dict holds
   `prompt`, `response`, `ground_truth`, `images` and the row's columns.
 `async def` functions (or ones returning an awaitable) are awaited. Keyword arguments
@@ -31,13 +33,14 @@ import dataclasses
 import inspect
 import math
 
-TRL, VERL, VERL_BATCH, SCORER, EASYR1_BATCH, EASYR1_SEQUENTIAL, DATA_DICT = (
+TRL, VERL, VERL_BATCH, SCORER, EASYR1_BATCH, EASYR1_SEQUENTIAL, EASYR1_LISTS, DATA_DICT = (
     "trl",
     "verl",
     "verl_batch",
     "scorer",
     "easyr1_batch",
     "easyr1_sequential",
+    "easyr1_lists",
     "data_dict",
 )
 PER_ROW = (VERL, SCORER, EASYR1_SEQUENTIAL, DATA_DICT)
@@ -48,6 +51,7 @@ _CALLS = {
     SCORER: "fn(completion, ground_truth, extra_info=..., data_source=...) per row",
     EASYR1_BATCH: "fn(reward_inputs: list[dict]) on a batch (EasyR1 REWARD_TYPE='batch')",
     EASYR1_SEQUENTIAL: "fn(reward_input: dict) per row (EasyR1 REWARD_TYPE='sequential')",
+    EASYR1_LISTS: "fn(predicts, ground_truths) on a batch (EasyR1's earlier batch form)",
     DATA_DICT: "fn(data_dict) -> (reward, metrics) per row",
 }
 # the main value of a dict result, by form (the other numeric keys are sub-scores)
@@ -56,6 +60,7 @@ _MAIN = {
     VERL_BATCH: ("score",),
     EASYR1_BATCH: ("overall",),
     EASYR1_SEQUENTIAL: ("overall",),
+    EASYR1_LISTS: ("overall",),
 }
 _MAIN_ANY = ("score", "overall", "reward")
 # the keywords a form's call passes, and how many leading parameters it fills by position
@@ -66,7 +71,7 @@ _FILLED = {
     VERL_BATCH: tuple(f"{a}s" for a in _VERL_ARGS),
     SCORER: _SCORER_KEYWORDS,
 }
-_BY_POSITION = {SCORER: 2, EASYR1_BATCH: 1, EASYR1_SEQUENTIAL: 1, DATA_DICT: 1}
+_BY_POSITION = {SCORER: 2, EASYR1_BATCH: 1, EASYR1_SEQUENTIAL: 1, EASYR1_LISTS: 2, DATA_DICT: 1}
 # the keywords TRL's GRPOTrainer passes every reward function besides the dataset's columns
 _TRL_KEYWORDS = ("prompts", "completion_ids", "trainer_state")
 
@@ -139,7 +144,8 @@ def detect(fn) -> Form:
     `REWARD_TYPE` batch or sequential -> EasyR1's; a first parameter named `reward_inputs` /
     `reward_input` / `data_dict` -> that form; one other parameter and **kwargs -> trl
     (completions passed by position); one parameter alone -> easyr1_batch (EasyR1's default
-    type); two or more, the second `ground_truth` -> scorer. Raises TypeError for a signature
+    type); two or more, the second `ground_truth` -> scorer, `ground_truths` -> easyr1_lists
+    (before `REWARD_TYPE`). Raises TypeError for a signature
     no form fits."""
     target = inspect.unwrap(fn)
     is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
@@ -182,6 +188,8 @@ def _form_of(names, var_kw, ps, reward_type) -> str | None:
         return TRL
     if var_kw and names & set(_TRL_KEYWORDS):  # fn(prompts, trainer_state, **kwargs)
         return TRL
+    if len(positional) >= 2 and positional[1].name == "ground_truths":
+        return EASYR1_LISTS  # fn(predicts, ground_truths, ...)
     if isinstance(reward_type, str) and reward_type.lower() in ("batch", "sequential"):
         return EASYR1_BATCH if reward_type.lower() == "batch" else EASYR1_SEQUENTIAL
     by_name = {"reward_inputs": EASYR1_BATCH, "reward_input": EASYR1_SEQUENTIAL}
@@ -374,6 +382,9 @@ def call(fn, form: Form, rows: list[RowInput], kwargs: dict | None = None, const
         return _scores(got, len(rows), kind)
     if kind == VERL_BATCH:
         return _scores(_resolve(_verl_batch(fn, form, rows, kwargs)), len(rows), kind)
+    if kind == EASYR1_LISTS:
+        texts, labels = [r.response for r in rows], [r.ground_truth for r in rows]
+        return _scores(_resolve(fn(texts, labels, **form.accepted(kwargs))), len(rows), kind)
     out = []
     for r in rows:
         if kind == VERL:

@@ -86,6 +86,11 @@ def trl_fn(completions, prompts, answer, **kwargs):
     return [float(c == a) + kwargs.get("offset", 0.0) for c, a in zip(completions, answer)]
 
 
+def easyr1_lists(predicts, ground_truths, format_weight=0.1):  # EasyR1's spring-2025 batch form
+    return [dict(overall=float(p == g) + format_weight, format=format_weight)
+            for p, g in zip(predicts, ground_truths)]
+
+
 def trl_ids(completion_ids, **kwargs):  # TRL's length rewards read token ids, not texts
     return [float(len(ids)) for ids in completion_ids]
 
@@ -135,8 +140,9 @@ def test_each_form_is_recognised_by_its_signature(module):
     path = module()
     form = {n: F.detect(R.load_reward_fn(f"{path}:{n}")).kind for n in (
         "verl_score", "compute_score", "reward_function", "async_score", "trl_fn",
-        "verl_batch")}  # fmt: skip
+        "verl_batch", "easyr1_lists")}  # fmt: skip
     assert form == {
+        "easyr1_lists": F.EASYR1_LISTS,
         "verl_score": F.VERL,
         "verl_batch": F.VERL_BATCH,
         "compute_score": F.EASYR1_BATCH,  # EasyR1's default type
@@ -157,6 +163,7 @@ def test_values_and_sub_scores_equal_a_direct_call(module, tmp_path):
     path, seq = module(), module("sequential")
     specs = [f"{path}:verl_score", f"{path}:compute_score", f"{seq}:sequential"]
     specs += [f"{path}:reward_function", f"{path}:async_score", "mc_idx", "accuracy"]
+    specs += [f"{path}:easyr1_lists"]
     values, subs, _ = score(specs, tmp_path, "{'format_weight': 0.2}")
 
     rows, texts, _ = rows_and_texts(tmp_path)
@@ -178,6 +185,8 @@ def test_values_and_sub_scores_equal_a_direct_call(module, tmp_path):
     np.testing.assert_allclose(subs["reward_function/width"], [12.0, 12.0])  # its PIL image
     np.testing.assert_allclose(values["async_score"], [1.0, 0.0])  # awaited
     np.testing.assert_allclose(values["accuracy"], R.accuracy_reward(texts, answer=["4", "7"]))
+    np.testing.assert_allclose(values["easyr1_lists"], [1.2, 0.2])  # texts and labels as lists
+    np.testing.assert_allclose(subs["easyr1_lists/format"], [0.2, 0.2])
 
 
 def test_the_verl_batch_form_gets_its_rows_as_lists_in_one_call(module, tmp_path):
