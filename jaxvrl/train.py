@@ -157,7 +157,7 @@ def _run(c) -> dict:
     )
     train_step, known_shapes = program.fn, set(program.shapes)
     programs_before = runtime.compiles(train_step)
-    sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh)
+    sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh, source[0])
     rmesh = sampler.mesh  # the rollout's layout: the prompts go there
     phase = make_rollout_phase(
         c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh, fns=rewards

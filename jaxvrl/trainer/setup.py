@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -255,18 +256,33 @@ def records_routes(c, mcfg) -> bool:
     return any(sparse_layers(mcfg.text)) and not c.rollout.partial
 
 
+def stop_token_ids(mcfg, tokenizer=None, model_dir: str | None = None) -> tuple[int, ...]:
+    """The ids a completion ends at, as transformers' generate and vLLM stop: config.json's
+    eos_token_id and those of the checkpoint's generation_config.json (Qwen2.5's Instruct
+    models end at <|im_end|> or <|endoftext|>), else the tokenizer's EOS."""
+    eos = [] if mcfg.eos_token_id is None else list(np.atleast_1d(mcfg.eos_token_id))
+    path = os.path.join(model_dir, "generation_config.json") if model_dir else None
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                more = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{path}: cannot be read ({e})") from None
+        eos += [] if more is None else list(np.atleast_1d(more))
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    return tuple(dict.fromkeys(int(x) for x in eos))
+
+
 def sampling_config(
-    c, mcfg, tokenizer=None, entropies: bool = False, mesh=None, **where
+    c, mcfg, tokenizer=None, entropies: bool = False, mesh=None, model_dir=None, **where
 ) -> SamplingConfig:
-    """The rollout's SamplingConfig for model config `mcfg`: EOS from the model config (else
-    the tokenizer's), pad from the tokenizer (0 without one), vision tokens suppressed;
-    entropies: return each token's entropy (the trainer's token shaping reads them); the
-    routes where `records_routes`; the slots `rollout_slots` gives on the rollout mesh
-    `mesh` (`where`: its processes and hbm)."""
-    if mcfg.eos_token_id is not None:
-        eos = tuple(int(x) for x in np.atleast_1d(mcfg.eos_token_id))
-    else:
-        eos = (tokenizer.eos_token_id,) if tokenizer is not None else ()
+    """The rollout's SamplingConfig for model config `mcfg`: its stop ids (`stop_token_ids`,
+    model_dir: the checkpoint's directory), pad from the tokenizer (0 without one), vision
+    tokens suppressed; entropies: return each token's entropy (the trainer's token shaping
+    reads them); the routes where `records_routes`; the slots `rollout_slots` gives on the
+    rollout mesh `mesh` (`where`: its processes and hbm)."""
+    eos = stop_token_ids(mcfg, tokenizer, model_dir)
     r = c.rollout
     pad = (tokenizer.pad_token_id if tokenizer is not None else 0) or 0
     cfg = generation_config(
@@ -424,18 +440,18 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     return rmesh, dtype  # the same devices' platform as `mesh`'s
 
 
-def make_samplers(graph, mcfg, tokenizer, c, mesh=None):
+def make_samplers(graph, mcfg, tokenizer, c, mesh=None, model_dir=None):
     """-> (sampler, greedy): the rollout sampler and the greedy one for validation, for the
-    model graph `graph` (after init: with LoRA adapters) with config `mcfg`, in the rollout
-    layout over the devices of the training mesh `mesh`, or the sampler's own with
-    rollout.devices (`rollout_layout`, `sampling_devices`; None: one device, the model's
-    dtype)."""
+    model graph `graph` (after init: with LoRA adapters) with config `mcfg` (model_dir: its
+    checkpoint's directory, for generation_config.json's stop ids), in the rollout layout
+    over the devices of the training mesh `mesh`, or the sampler's own with rollout.devices
+    (`rollout_layout`, `sampling_devices`; None: one device, the model's dtype)."""
     rmesh, dtype = None, None
     if mesh is not None:
         rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
     check_decode_attention(c, jax.devices()[0] if rmesh is None else rmesh.devices.flat[0])
     shaping = step_config(c, mesh).sampler_shaping
-    cfg = sampling_config(c, mcfg, tokenizer, entropies=shaping, mesh=rmesh)
+    cfg = sampling_config(c, mcfg, tokenizer, entropies=shaping, mesh=rmesh, model_dir=model_dir)
     greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False, routes=False)
     split = c.rollout.mesh.sequence if rmesh is not None else 1
     return Sampler(graph, cfg, rmesh, dtype, split), Sampler(graph, greedy, rmesh, dtype, split)

@@ -126,3 +126,30 @@ def test_the_samplers_masses_are_the_clean_passes(setup):
     batch = batch.replace(old_entropy=passes.entropy)
     got = no_grad_passes(graphdef, params, None, batch, jax.random.key(0), sampler_cfg)
     np.testing.assert_array_equal(got.vision_mass, rows(batch.old_vision_mass))
+
+
+def test_rollouts_stop_at_generation_configs_eos_ids_too(setup, tmp_path):
+    """As transformers' generate and vLLM: config.json's eos_token_id and those of the
+    checkpoint's generation_config.json (Qwen2.5 Instruct: <|im_end|> and <|endoftext|>),
+    each once; the tokenizer's EOS only where neither names one; an unreadable file is one
+    ConfigError naming it."""
+    import dataclasses
+    import json
+
+    from configs import base
+    from jaxvrl.config import ConfigError
+    from jaxvrl.trainer.setup import sampling_config, stop_token_ids
+
+    tokenizer, model, _ = setup
+    mcfg = model.config
+    own = tuple(np.atleast_1d(mcfg.eos_token_id).tolist())
+    assert stop_token_ids(mcfg, tokenizer, str(tmp_path)) == own  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [own[0], 7]}))
+    assert stop_token_ids(mcfg, tokenizer, str(tmp_path)) == (*own, 7)
+    cfg = sampling_config(base.get_config(), mcfg, tokenizer, model_dir=str(tmp_path))
+    assert cfg.eos_token_ids == (*own, 7)
+    bare = dataclasses.replace(mcfg, eos_token_id=None)
+    assert stop_token_ids(bare, tokenizer) == (tokenizer.eos_token_id,)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        stop_token_ids(mcfg, tokenizer, str(tmp_path))
