@@ -88,7 +88,9 @@ def get_config(arg=None):
     c.name = setting("base", NON_EMPTY)
     c.seed = setting(0, NON_NEGATIVE)  # data order, built-in task, LoRA / critic init, sampling
     c.workdir = placeholder(str)  # None: runs/<config>-<YYYYmmdd-HHMMSS>; gs:// allowed
-    c.resume = True  # continue from the latest checkpoint in workdir
+    # continue from the latest checkpoint in workdir (False: a fresh run, refused where
+    # workdir holds an earlier run's checkpoints, which its own would not replace)
+    c.resume = True
     # <workdir>/checkpoints/<step> of another run: start from its parameters (fresh optimizer,
     # step 0); ignored when workdir has a checkpoint to resume
     c.load_checkpoint_path = placeholder(str)

@@ -430,6 +430,22 @@ def _settings(info: dict) -> dict:
     return {k: v.rstrip("/") if isinstance(v, str) else v for k, v in flat.items()}
 
 
+def _saved_steps(fs, root: str) -> list[str]:
+    ckpts = f"{root.rstrip('/')}/checkpoints"
+    listed = fs.ls(ckpts, detail=False) if fs.isdir(ckpts) else []
+    return [p for p in listed if p.rstrip("/").rsplit("/", 1)[-1].isdigit()]
+
+
+def saved_steps(workdir: str) -> list[int]:
+    """The steps `<workdir>/checkpoints` (local or gs://) holds, in order."""
+    import fsspec
+
+    bound_remote_io(workdir)
+    fs, root = fsspec.core.url_to_fs(workdir)
+    with naming(f"listing {workdir}/checkpoints"):
+        return sorted(int(p.rstrip("/").rsplit("/", 1)[-1]) for p in _saved_steps(fs, root))
+
+
 def saved_with_other_settings(workdir: str, info: dict) -> str | None:
     """How the run that saved `<workdir>/checkpoints` (local or gs://) was set up otherwise
     than this one (`info`: what this run writes to run.json): '<config key>=<saved>, this
@@ -440,11 +456,9 @@ def saved_with_other_settings(workdir: str, info: dict) -> str | None:
 
     bound_remote_io(workdir)
     fs, root = fsspec.core.url_to_fs(workdir)
-    ckpts, path = f"{root.rstrip('/')}/checkpoints", f"{root.rstrip('/')}/run.json"
+    path = f"{root.rstrip('/')}/run.json"
     with naming(f"reading {workdir}/run.json"):
-        listed = fs.ls(ckpts, detail=False) if fs.isdir(ckpts) else []
-        steps = [p for p in listed if p.rstrip("/").rsplit("/", 1)[-1].isdigit()]
-        if not steps or not fs.exists(path):
+        if not _saved_steps(fs, root) or not fs.exists(path):
             return None
         saved = _settings(json.loads(fs.cat_file(path)))
     now = _settings(info)

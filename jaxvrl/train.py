@@ -34,6 +34,7 @@ from jaxvrl import models
 from jaxvrl.checkpoint import (
     Checkpointer,
     PreemptionFlag,
+    saved_steps,
     saved_with_other_settings,
     stop_requested_everywhere,
 )
@@ -129,6 +130,13 @@ def _run(c) -> dict:
     other = c.resume and saved_with_other_settings(c.workdir, run_info(c))
     if other:
         raise ConfigError(f"{c.workdir}: saved with {other}; use another workdir or set it back")
+    saved = [] if c.resume or c.val_only else saved_steps(c.workdir)
+    if saved:  # a fresh run would save nothing over them, and exports read the newest
+        raise ConfigError(
+            f"config.resume=False: {c.workdir}/checkpoints holds an earlier run's steps (up to "
+            f"{saved[-1]}), which this run's would not replace; set resume=True to continue "
+            "it, or use another workdir (or remove those checkpoints)"
+        )
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
     check_model_settings(c, models.load_config(source[0]))
     rewards = reward_functions(c)  # a reward that cannot load ends the run before the model does

@@ -289,9 +289,13 @@ def test_a_workdir_saved_with_another_model_is_refused_before_loading(
     assert str(e.value) == f"{tmp_path}: saved with {message}; use another workdir or set it back"
     assert (tmp_path / "run.json").read_text() == before  # still the saved run's
     assert saved_with_other_settings(str(tmp_path), train.run_info(saved)) is None
-    # resume=False starts over instead (the check is for a resume)
-    with pytest.raises(AssertionError, match="the model was loaded"):
+    # resume=False does not compare settings, but refuses to start beside an earlier run's
+    # checkpoints (its own would not replace them, and exports read the newest)
+    with pytest.raises(
+        ConfigError, match=r"resume=False: .*holds an earlier run's steps \(up to 1\)"
+    ):
         train.run(config(tmp_path, override, "resume=False"))
+    assert (tmp_path / "run.json").read_text() == before
 
 
 def test_settings_a_run_json_lacks_or_a_workdir_without_checkpoints_are_not_compared(tmp_path):
