@@ -196,11 +196,14 @@ def render_prompt(
     A tokenizer without a chat template (a base model) gets the plain text: the system
     prompt, a blank line and the text (its ids then carry the tokenizer's own special tokens,
     e.g. Llama's BOS; the main job says so once when it loads such a tokenizer). placeholders:
-    read `<image>` / `<video>` (False: a text-only model, whose prompts keep them as text).
-    Raises PlaceholderMismatch (`place_media`)."""
+    read `<image>` / `<video>` (False: a text-only model, whose prompts keep them as text,
+    and whose turns given as lists of parts are read as their text: text-only chat templates
+    read no list of parts). Raises PlaceholderMismatch (`place_media`)."""
     msgs = chat_messages(prompt, system, format_prompt)
     if placeholders:
         msgs = place_media(msgs, n_images, n_videos)
+    else:
+        msgs = [{"role": m["role"], "content": _placeholder_text(m["content"])} for m in msgs]
     if not getattr(tokenizer, "chat_template", None):
         if n_images or n_videos:
             raise ValueError("the tokenizer has no chat template to place images or videos in")

@@ -204,3 +204,32 @@ def test_the_text_pool_holds_a_user_text_that_starts_with_a_line_break(tmp_path)
         kept = np.asarray(row)[pools["text"][0]]
         assert tok.decode(kept).strip() == "What is 2+3?", repr(text)
     assert "ĊĊ" in tok.convert_ids_to_tokens(ids["header_breaks"])
+
+
+def test_a_text_models_turns_given_as_parts_render_as_their_text(tokenizer):
+    """A text-only model's chat template (Qwen2.5's, Llama's) concatenates `content` as a
+    string: turns given as lists of parts (verl's and TRL's conversational rows) are read as
+    their text, every turn, as a string turn renders; `<image>` text stays text."""
+    import copy
+
+    from jaxvrl.data.prompts import render_prompt
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "2+3?"}, {"type": "text", "text": " <image>"}],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "5"}]},
+        {"role": "user", "content": [{"type": "text", "text": TEXT}]},
+    ]
+    plain = [dict(m, content="".join(p["text"] for p in m["content"])) for m in parts]
+    want = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert render_prompt(tok, parts, placeholders=False) == want
+    assert render_prompt(tok, plain, placeholders=False) == want
+    assert "'type'" not in want and "2+3? <image>" in want
