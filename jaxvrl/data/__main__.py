@@ -27,6 +27,7 @@ from jaxvrl.data.rows import (
     SkipStats,
     encode_row,
     load_image,
+    load_tokenizer,
     row_label,
     row_media,
 )
@@ -90,7 +91,6 @@ def show_rows(source, tokenizer, opts: EncodeOptions, n: int, out=None) -> SkipS
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
 
     argv = list(sys.argv[1:] if argv is None else argv)
     rows, rest, i = 3, [], 0
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         directory = model_dir(c)
         opts = encode_options(c, models.load_config(directory))
         source = train_source(c)
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = load_tokenizer(directory)
         print(f"{path}: rows: {len(source)}; tokenizer and processor of {directory}", flush=True)
         show_rows(source, tokenizer, opts, int(rows))
     except (ConfigError, DataError) as e:  # the user's to fix: one line, no traceback

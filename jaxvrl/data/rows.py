@@ -26,6 +26,7 @@ import binascii
 import collections
 import dataclasses
 import io
+import json
 import logging
 import os
 import threading
@@ -67,6 +68,26 @@ NESTED_LABEL = ("reward_model", "ground_truth")  # verl's parquet layout
 
 class DataError(ValueError):
     """A data file that cannot be read at all (fails at start, naming the file and line)."""
+
+
+def load_tokenizer(path: str):
+    """transformers' AutoTokenizer of a checkpoint directory, with the chat template its
+    processor keeps where the tokenizer has none (`chat_template.json`: transformers'
+    processors read it, its tokenizers do not)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    file = os.path.join(path, "chat_template.json")
+    if getattr(tokenizer, "chat_template", None) or not os.path.isfile(file):
+        return tokenizer
+    try:
+        with open(file, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(f"{file}: cannot be read ({e})") from None
+    if isinstance(template, str) and template:
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 @dataclasses.dataclass

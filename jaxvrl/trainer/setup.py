@@ -36,6 +36,7 @@ from jaxvrl.data.from_config import (
 )
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import collate, encode_rows, read_rows
+from jaxvrl.data.rows import load_tokenizer
 from jaxvrl.data.sources import DataNotFound
 from jaxvrl.models import load
 from jaxvrl.models.moe import sparse_layers
@@ -186,7 +187,6 @@ def check_model_settings(c, model_config) -> None:
 def load_model(c, source: tuple[str, str | None] | None = None):
     """-> (model, tokenizer): the HF checkpoint at model.path, or the embedded tiny one
     (source: model_source(c), when the caller has it already)."""
-    from transformers import AutoTokenizer
 
     path, commit = source or model_source(c)
     with runtime.on_host():  # host memory; sharded_train_state cuts it onto the mesh
@@ -199,7 +199,7 @@ def load_model(c, source: tuple[str, str | None] | None = None):
     model.set_remat_policy(c.model.remat_policy)  # part of the graphdef: before any split
     model.set_attention(c.model.attention)
     model.set_expert_capacity(c.model.expert_capacity)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     if not getattr(tokenizer, "chat_template", None):
         log.warning("%s: the tokenizer has no chat template: prompts are the plain text", path)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -233,3 +233,24 @@ def test_a_text_models_turns_given_as_parts_render_as_their_text(tokenizer):
     assert render_prompt(tok, parts, placeholders=False) == want
     assert render_prompt(tok, plain, placeholders=False) == want
     assert "'type'" not in want and "2+3? <image>" in want
+
+
+def test_a_chat_template_kept_for_the_processor_only_is_read(tmp_path):
+    """A checkpoint whose chat template is only in `chat_template.json` (what transformers'
+    processors read; its tokenizers do not) renders with it, not as plain text."""
+    import json
+    import shutil
+
+    from jaxvrl.data.rows import load_tokenizer
+    from jaxvrl.train import EMBEDDED
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{EMBEDDED}/{name}", tmp_path / name)
+    template = open(f"{EMBEDDED}/chat_template.jinja", encoding="utf-8").read()
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert not getattr(load_tokenizer(str(tmp_path)), "chat_template", None)
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_tokenizer(str(tmp_path)).chat_template == template
+    assert load_tokenizer(EMBEDDED).chat_template == template  # the tokenizer's own first
