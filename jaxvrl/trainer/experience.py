@@ -266,8 +266,9 @@ def shaping(batch: RolloutBatch, passes: Passes, cfg: StepConfig, adv):
     return methods.shape(cfg.terms, cols, dict(cfg.options), adv)
 
 
-def _next_kl_coef(kl_coef, kl, rows: int, cfg: StepConfig):
-    """The KL controller's next beta, with n = rows of the batch (verl's n_steps): the
+def _next_kl_coef(kl_coef, kl, rows, cfg: StepConfig):
+    """The KL controller's next beta, with n = the batch's rows with completion tokens
+    (verl's n_steps, its batch size): the
     adaptive one's beta (1 + clip(KL / target - 1, -0.2, 0.2) n / horizon), the fixed one's
     beta."""
     k = cfg.algorithm.kl_ctrl
@@ -352,5 +353,6 @@ def experience(graphdef, state: TrainState, ref_params, batch: RolloutBatch, rng
             metrics["kl"] = jnp.sum(kl * mask) / tokens
     kl_coef = None
     if cfg.algorithm.use_kl_in_reward:
-        kl_coef = _next_kl_coef(state.kl_coef, metrics["kl_reward"], mask.shape[0], cfg)
+        real = jnp.sum(mask.sum(axis=1) > 0)  # padding rows (unfilled groups) are not rows
+        kl_coef = _next_kl_coef(state.kl_coef, metrics["kl_reward"], real, cfg)
     return Experience(rows, metrics, Extras(adv, weights), kl_coef)

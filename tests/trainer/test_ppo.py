@@ -82,6 +82,7 @@ def test_kl_in_reward_advantages_and_adaptive_coefficient(ckpt):
     want_coef = rl.adaptive_kl_coef(beta, kl, 0.01, 20, n_steps=m.shape[0])
 
     step = make_train_step(graphdef, tx, cfg)
+    spare = jax.tree.map(jnp.copy, state)  # the step donates its state
     state, metrics, extras = step(state, ref, batch, jax.random.key(0))
     np.testing.assert_allclose(np.asarray(extras.advantages), want, atol=1e-4)
     assert np.abs(want - plain).max() > 1e-3  # the KL term did change them
@@ -90,6 +91,11 @@ def test_kl_in_reward_advantages_and_adaptive_coefficient(ckpt):
     assert float(metrics["kl_coef"]) == pytest.approx(beta)
     np.testing.assert_allclose(float(state.kl_coef), want_coef, rtol=1e-5)
     assert float(state.kl_coef) != beta
+    # a padding row (an unfilled group's: no completion tokens) is not one of verl's n_steps
+    padded = batch.replace(completion_mask=batch.completion_mask.at[-1].set(0))
+    state, metrics, _ = step(spare, ref, padded, jax.random.key(0))
+    want_coef = rl.adaptive_kl_coef(beta, float(metrics["kl_reward"]), 0.01, 20, n_steps=3)
+    np.testing.assert_allclose(float(state.kl_coef), want_coef, rtol=1e-5)
 
 
 def test_shared_backbone_critic_trains_head_and_policy_together(ckpt):
