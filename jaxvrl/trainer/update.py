@@ -227,6 +227,20 @@ def _apply(tx, grads, opt_state, params, ok, host: bool = False, clip: float | N
     return offload.pick(ok, new_params, params), offload.pick(ok, new_opt, opt_state)
 
 
+def _advance_schedule(opt_state, where):
+    """The optimizer state with its learning-rate schedule's update count one on where
+    `where` (Adam's moments and bias-correction count stay, as torch's skipped
+    optimizer.step() leaves them)."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+
+    def bump(x):
+        if not is_schedule(x):
+            return x
+        return x._replace(count=x.count + jnp.asarray(where).astype(x.count.dtype))
+
+    return jax.tree.map(bump, opt_state, is_leaf=is_schedule)
+
+
 def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows, cfg):
     """Critic gradient over the micro-batches of these rows and its optax update (skipped if
     non-finite)."""
@@ -348,6 +362,10 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
         ok = finite & (step >= cfg.critic.warmup_steps) if cfg.has_critic else finite
         off, clip = cfg.actor.offload_optimizer, cfg.optim.grad_clip
         trainable, opt = _apply(tx, grads, carry["opt"], carry["trainable"], ok, off, clip)
+        # a non-finite update is skipped, but the schedule moves on (verl steps its scheduler
+        # every step): the step's other updates and the later steps keep their rates
+        moved = step >= cfg.critic.warmup_steps if cfg.has_critic else True
+        opt = _advance_schedule(opt, ~finite & moved)
         carry = dict(carry, trainable=trainable, opt=opt)
         mets.update(
             loss=loss,

@@ -215,6 +215,36 @@ def test_nonfinite_loss_skips_update_and_counts(model):
         np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(path))
 
 
+def test_a_skipped_update_moves_the_schedule_not_adams_state(model):
+    """After a non-finite update the learning-rate schedule moves on (verl steps its scheduler
+    every step; the step's other updates and later steps keep their rates) while Adam's
+    moments and bias-correction count stay, as torch's skipped optimizer.step() leaves them;
+    in host memory (actor.offload_optimizer) too."""
+    from configs import grpo
+    from jaxvrl.trainer import build
+    from jaxvrl.trainer.update import _advance_schedule
+
+    graphdef, _ = nnx.split(model, nnx.Param)
+    o = grpo.get_config().optim
+    o.warmup_steps, o.lr = 4, 1.0
+    tx = build.make_optimizer(o, total_steps=10)
+    step = make_train_step(graphdef, tx, step_config())
+    batch = make_batch(model, rewards=np.array([1.0, np.nan, 0.0, 1.0]))
+    state, _, _ = step(init_state(model, tx), None, batch, jax.random.key(0))
+    counts = lambda s, kind: [  # noqa: E731
+        int(x.count)
+        for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, kind))
+        if isinstance(x, kind)
+    ]
+    assert int(state.skipped) == 1
+    assert counts(state.opt_state, optax.ScaleByScheduleState) == [1]
+    assert counts(state.opt_state, optax.ScaleByAdamState) == [0]
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    opt = jax.device_put(state.opt_state, host)
+    moved = jax.jit(lambda o: _advance_schedule(o, jnp.bool_(True)))(opt)
+    assert counts(moved, optax.ScaleByScheduleState) == [2]
+
+
 def test_tprl_step_compiles_once_per_shape(model):
     graphdef, _ = nnx.split(model, nnx.Param)
     tx = optax.adam(1e-3)
