@@ -92,7 +92,8 @@ def get_config(arg=None):
     # workdir holds an earlier run's checkpoints, which its own would not replace)
     c.resume = True
     # <workdir>/checkpoints/<step> of another run: start from its parameters (fresh optimizer,
-    # step 0); ignored when workdir has a checkpoint to resume
+    # step 0; also the reference, but with LoRA the base model stays the reference); ignored
+    # when workdir has a checkpoint to resume
     c.load_checkpoint_path = placeholder(str)
     # training (rollout) steps; the cosine schedule ends here
     c.total_steps = setting(60, at_least(1))

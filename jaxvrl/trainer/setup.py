@@ -632,7 +632,9 @@ def make_validate(
 
 def load_start_params(path: str, state, ref_params, ref_shardings):
     """config.load_checkpoint_path (`<dir>/<step>`): that checkpoint's parameters with a fresh
-    optimizer at step 0; they are also the reference policy's."""
+    optimizer at step 0; they are also the reference policy's in a full fine-tune. With LoRA
+    (no reference copy) the reference stays the policy with its adapters off, the base
+    model, as in every LoRA run (verl's too), and the loaded adapters are the policy's."""
     directory, step = os.path.split(path.rstrip("/"))
     if not step.isdigit():
         raise ConfigError(f"config.load_checkpoint_path={path!r}: expected <dir>/<step>")
