@@ -209,6 +209,9 @@ def get_config(arg=None):
     # "{{ content | trim }} Put the final answer in \boxed{}."; `<image>` / `<video>` in the
     # result place each image / video, in order (without them the media come first)
     c.data.format_prompt = placeholder(str)
+    # keyword arguments of the chat template (verl's apply_chat_template_kwargs), a Python dict
+    # literal, e.g. "{'enable_thinking': False}" for Qwen3's non-thinking prompts
+    c.data.chat_template_kwargs = setting("{}", REWARD_KWARGS)
     # prompt lengths padded to a multiple (one compile per bucket)
     c.data.prompt_bucket = setting(32, at_least(1))
     # the task trained on when train_files is unset: shapes (multiple choice about a drawn

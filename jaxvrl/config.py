@@ -355,6 +355,7 @@ THEIR_NAMES = {
     "expert_model_parallel_size": "mesh.expert",
     "expert_parallel_size": "rollout.mesh.expert",
     "gpu_memory_utilization": "rollout.memory_fraction",
+    "apply_chat_template_kwargs": "data.chat_template_kwargs",
     "n": "rollout.num_generations",
     "response_length": "rollout.max_new_tokens",
     "max_response_length": "rollout.max_new_tokens",

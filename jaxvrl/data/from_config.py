@@ -6,6 +6,7 @@ through these, so that both see the same prompts.
 
 from __future__ import annotations
 
+import ast
 import os
 
 from jaxvrl import models
@@ -62,6 +63,7 @@ def encode_options(c, model_config=None) -> EncodeOptions:
         max_pixels=c.data.max_pixels,
         system_prompt=c.data.system_prompt or task_prompt,
         format_prompt=format_prompt(c),
+        chat_template_kwargs=tuple(sorted(ast.literal_eval(c.data.chat_template_kwargs).items())),
         video_fps=c.data.video_fps,
         video_min_pixels=c.data.video_min_pixels,
         video_max_pixels=c.data.video_max_pixels,

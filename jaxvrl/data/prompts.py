@@ -190,6 +190,7 @@ def render_prompt(
     system: str | None = None,
     format_prompt: str | None = None,
     placeholders: bool = True,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The prompt as the chat template writes it (generation prompt appended), one vision span
     (`<|vision_start|><|image_pad|><|vision_end|>`) per medium, before the pads are expanded.
@@ -198,7 +199,8 @@ def render_prompt(
     e.g. Llama's BOS; the main job says so once when it loads such a tokenizer). placeholders:
     read `<image>` / `<video>` (False: a text-only model, whose prompts keep them as text,
     and whose turns given as lists of parts are read as their text: text-only chat templates
-    read no list of parts). Raises PlaceholderMismatch (`place_media`)."""
+    read no list of parts). template_kwargs: the chat template's keyword arguments (e.g.
+    Qwen3's enable_thinking). Raises PlaceholderMismatch (`place_media`)."""
     msgs = chat_messages(prompt, system, format_prompt)
     if placeholders:
         msgs = place_media(msgs, n_images, n_videos)
@@ -208,7 +210,9 @@ def render_prompt(
         if n_images or n_videos:
             raise ValueError("the tokenizer has no chat template to place images or videos in")
         return "\n\n".join(_text(m["content"]) for m in msgs)
-    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
 
 
 def _text(content) -> str:

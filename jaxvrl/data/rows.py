@@ -216,6 +216,8 @@ class EncodeOptions:
     video_max_pixels: int | None = None
     system_prompt: str | None = None  # for rows without a system message of their own
     format_prompt: str | None = None  # a Jinja template of the prompt text (`content`)
+    # keyword arguments of the chat template, e.g. (("enable_thinking", False),)
+    chat_template_kwargs: tuple = ()
     require_label: bool = True
     video_fps: float = 2.0  # frames per second of the videos' frame lists
 
@@ -349,6 +351,7 @@ def _encode(row: dict, tokenizer, opts: EncodeOptions, where: str, stats: SkipSt
             tokenizer,
             prompt,
             *(len(refs), len(video_refs), opts.system_prompt, opts.format_prompt, vision),
+            template_kwargs=dict(opts.chat_template_kwargs),
         )
     except PlaceholderMismatch as e:
         stats.skip("placeholder_mismatch", where, str(e))

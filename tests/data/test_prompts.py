@@ -3,6 +3,7 @@ processor + apply_chat_template for the same messages."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -254,3 +255,34 @@ def test_a_chat_template_kept_for_the_processor_only_is_read(tmp_path):
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     assert load_tokenizer(str(tmp_path)).chat_template == template
     assert load_tokenizer(EMBEDDED).chat_template == template  # the tokenizer's own first
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    """data.chat_template_kwargs (verl's apply_chat_template_kwargs) are the chat template's
+    keyword arguments, e.g. Qwen3's enable_thinking=False (an empty think block)."""
+    import copy
+
+    from configs import base
+    from jaxvrl.config import ConfigError, set_values, validate
+    from jaxvrl.data.from_config import encode_options
+    from jaxvrl.data.pipeline import encode_rows
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+        "{% endif %}"
+    )
+    c = base.get_config()
+    set_values(c, {"data.chat_template_kwargs": "{'enable_thinking': False}"})
+    opts = encode_options(c)
+    assert opts.chat_template_kwargs == (("enable_thinking", False),)
+    rows = [{"problem": "2+3?", "answer": "5"}]
+    thinking = encode_rows(rows, tok, dataclasses.replace(opts, chat_template_kwargs=()))[0]
+    plain = encode_rows(rows, tok, opts)[0]
+    empty = tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert list(plain[0]["prompt_ids"]) == list(thinking[0]["prompt_ids"]) + empty
+    set_values(c, {"data.chat_template_kwargs": "enable_thinking=False"})
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs"):
+        validate(c)
