@@ -216,9 +216,9 @@ def _normalise(s: str) -> str:
 
 
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,234.5: its commas group digits
-_DECIMAL = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_FRACTION = re.compile(r"(-?\d+)\s*/\s*(\d+)")
-_INTEGER = re.compile(r"-?\d+")
+_DECIMAL = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_FRACTION = re.compile(r"([-+]?\d+)\s*/\s*(\d+)")
+_INTEGER = re.compile(r"[-+]?\d+")
 # words only (no digits, no LaTeX): compared as text, never as products of one-letter symbols
 _WORDS = re.compile(r"[^\W\d_]+(?:[\s'’-]+[^\W\d_]+)*[.!?]?")
 
