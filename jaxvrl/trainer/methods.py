@@ -151,7 +151,14 @@ def _visual_dependency(cols, opts):
 
 def _perception_mask(cols, opts):
     top_p = opts["tprl.top_p_perception_tokens"]
-    return rl.top_p_token_mask(cols["visual_dependency"], cols["completion_mask"], top_p), {}
+    score, mask = cols["visual_dependency"], cols["completion_mask"]
+    chosen = rl.top_p_token_mask(score, mask, top_p)
+    # the mean visual dependency of the tokens the mask keeps and of those it leaves out
+    metrics = {
+        "low_var_kl_mean_selected": _token_mean(score, chosen * mask),
+        "low_var_kl_mean_rejected": _token_mean(score, (1 - chosen) * mask),
+    }
+    return chosen, metrics
 
 
 def _trajectory_scaling(cols, opts):

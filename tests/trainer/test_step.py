@@ -137,6 +137,8 @@ def test_micro_batches_give_the_same_update(model, mode):
         "sensitivity_score_mean",
         "scaling_factor_mean",
         "perception_token_fraction",
+        "low_var_kl_mean_selected",
+        "low_var_kl_mean_rejected",
         "token_weight_mean",
         "entropy",
         "advantage_mean",

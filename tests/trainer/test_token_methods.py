@@ -102,3 +102,20 @@ def test_the_step_settings_are_the_typed_values_it_reads():
     c = base.get_config()
     with pytest.raises(KeyError, match="'first_tokens_mask' reads config key"):
         StepConfig.of(c, table=TOKEN_METHODS + (FIRST_TOKENS,))  # the key is not declared
+
+
+def test_the_perception_masks_metrics_are_the_kept_and_left_tokens_mean_dependency():
+    """low_var_kl_mean_selected / _rejected: the mean visual dependency S of the completion
+    tokens the perception mask keeps and of those it leaves out (padding in neither)."""
+    from jaxvrl.trainer.methods import _perception_mask
+
+    rng = np.random.default_rng(0)
+    mask = (np.arange(9)[None] < np.array([[9], [5], [1], [0]])).astype(np.float32)
+    score = rng.uniform(0, 3, mask.shape).astype(np.float32)
+    cols = {"visual_dependency": jnp.asarray(score), "completion_mask": jnp.asarray(mask)}
+    chosen, m = _perception_mask(cols, {"tprl.top_p_perception_tokens": 0.4})
+    chosen = np.asarray(chosen)
+    keep, leave = chosen * mask > 0, (1 - chosen) * mask > 0
+    assert keep.sum() == 4 + 2 + 1 and leave.sum() == 5 + 3  # ceil(n * 0.4) per row
+    np.testing.assert_allclose(float(m["low_var_kl_mean_selected"]), score[keep].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(m["low_var_kl_mean_rejected"]), score[leave].mean(), rtol=1e-6)
