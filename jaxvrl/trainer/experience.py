@@ -210,7 +210,9 @@ def advantages(batch: RolloutBatch, passes: Passes, cfg: StepConfig, kl_coef):
 
     Token-level rewards: the score on each row's last completion token, minus kl_coef * KL_t
     with KL-in-reward. GAE reads them with the critic's values; the group estimators read
-    their row sums (verl), REINFORCE++ their discounted returns."""
+    their row sums (verl), REINFORCE++ their discounted returns, REMAX with KL-in-reward
+    each token's return less the greedy baseline (verl; without it, the row's reward less the
+    baseline on every token)."""
     mask = batch.completion_mask
     metrics = {}
     if cfg.algorithm.use_kl_in_reward:
@@ -240,6 +242,10 @@ def advantages(batch: RolloutBatch, passes: Passes, cfg: StepConfig, kl_coef):
     elif cfg.algorithm.adv_estimator == "reinforce_plus_plus":
         returns_t = rl.discounted_returns(token_rewards, mask, cfg.algorithm.gamma)
         adv = rl.whiten(returns_t, mask)
+    elif cfg.algorithm.adv_estimator == "remax" and cfg.algorithm.use_kl_in_reward:
+        # verl: each token's return (the rewards from it to the end) less the greedy baseline
+        returns_t = rl.discounted_returns(token_rewards, mask, 1.0)
+        adv = (returns_t - batch.baseline[:, None]) * mask
     else:
         adv = rl.group_advantages(
             seq_rewards,

@@ -98,6 +98,39 @@ def test_kl_in_reward_advantages_and_adaptive_coefficient(ckpt):
     np.testing.assert_allclose(float(state.kl_coef), want_coef, rtol=1e-5)
 
 
+def test_remax_with_kl_in_reward_takes_each_tokens_return(ckpt):
+    """REMAX with the KL in the reward (verl's compute_remax_outcome_advantage): each token's
+    advantage is its return, the token rewards from it to the row's end, less the greedy
+    baseline; a row's tokens then differ by the KL behind them."""
+    model = q.load(ckpt)
+    c = grpo.get_config()
+    c.rollout.num_generations = G
+    c.algorithm.adv_estimator = "remax"
+    c.algorithm.use_kl_in_reward = True
+    c.algorithm.kl_ctrl.kl_coef = 0.5
+    cfg = step_config(c)
+    graphdef, tx, state, ref = init_train_state(model, c)
+    noise = lambda i, x: x + 0.02 * jax.random.normal(jax.random.key(i), x.shape, x.dtype)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(ref)
+    ref = jax.tree.unflatten(treedef, [noise(i, x) for i, x in enumerate(leaves)])
+    batch = make_batch(model, seed=4, rewards=np.array([1.0, 0.0, 0.0, 1.0]))
+    baseline = jnp.array([0.25, 0.25, 0.75, 0.75], jnp.float32)
+    batch = batch.replace(baseline=baseline)
+    m = np.asarray(batch.completion_mask)
+    old = np.asarray(reference_logp(state.params, graphdef, batch, 1.0)[0])
+    ref_lp = np.asarray(reference_logp(ref, graphdef, batch, 1.0)[0])
+    token_r = -0.5 * (old - ref_lp) * m
+    last = m.sum(1).astype(int) - 1
+    token_r[np.arange(len(last)), last] += np.asarray(batch.rewards)
+    returns = np.cumsum(token_r[:, ::-1], axis=1)[:, ::-1]  # the rewards from each token on
+    want = (returns - np.asarray(baseline)[:, None]) * m
+    _, _, extras = make_train_step(graphdef, tx, cfg)(state, ref, batch, jax.random.key(0))
+    got = np.asarray(extras.advantages)
+    assert got.shape == m.shape
+    np.testing.assert_allclose(got * m, want, atol=1e-4)
+    assert np.ptp(want[0, : last[0] + 1]) > 1e-3  # the tokens' advantages differ
+
+
 def test_shared_backbone_critic_trains_head_and_policy_together(ckpt):
     model = q.load(ckpt)
     c = ppo.get_config()
