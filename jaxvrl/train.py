@@ -176,7 +176,7 @@ def _run(c) -> dict:
     )
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings
-    counters = RunCounters(skipped, phase.rewards)
+    counters = RunCounters(skipped, phase.tallies)
     start, state, rng, meta, carried = resume(
         c, ckpt, state, data, mesh, counters, phase.replay, phase.partial
     )
@@ -310,7 +310,7 @@ def _run(c) -> dict:
             metrics.update(counters.update(metrics))
             if (c.val_freq and done % c.val_freq == 0) or done == c.total_steps:
                 metrics.update(validate(sampling_params(state)))
-            failing = phase.scorer.end_step()  # a reward failing too often ends the run
+            failing = phase.end_step()  # a reward failing too often ends the run
             logs.scalars(done, metrics)
             if logged:
                 host = runtime.host_local(extras)

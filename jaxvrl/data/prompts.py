@@ -90,7 +90,7 @@ def chat_messages(prompt, system: str | None = None, format_prompt: str | None =
     if format_prompt:
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         if users:  # a list of parts is read as its text with a placeholder per medium
-            text = _placeholder_text(msgs[users[-1]]["content"])
+            text = content_text(msgs[users[-1]]["content"])
             msgs[users[-1]]["content"] = prompt_template(format_prompt).render(content=text)
     if system and not any(m["role"] == "system" for m in msgs):
         msgs = [{"role": "system", "content": system}, *msgs]
@@ -125,7 +125,7 @@ def content_parts(content) -> list[dict]:
     return parts
 
 
-def _placeholder_text(content) -> str:
+def content_text(content) -> str:
     """A message's content as text with `<image>` / `<video>` where its media parts are."""
     out = []
     for p in content_parts(content):
@@ -205,7 +205,7 @@ def render_prompt(
     if placeholders:
         msgs = place_media(msgs, n_images, n_videos)
     else:
-        msgs = [{"role": m["role"], "content": _placeholder_text(m["content"])} for m in msgs]
+        msgs = [{"role": m["role"], "content": content_text(m["content"])} for m in msgs]
     if not getattr(tokenizer, "chat_template", None):
         if n_images or n_videos:
             raise ValueError("the tokenizer has no chat template to place images or videos in")

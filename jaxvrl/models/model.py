@@ -313,14 +313,20 @@ class Model(nnx.Module):
             expert_dropped=got.get("dropped"),
         )
 
-    def classify(self, input_ids, attention_mask, position_ids) -> jax.Array:
+    def classify(
+        self, input_ids, attention_mask, position_ids, pad_token_id: int | None = None
+    ) -> jax.Array:
         """A sequence classifier's logits float32[B, num_labels] at each row's last real token
-        (the last attention_mask 1: left or right padding). transformers takes the last
-        token that is not pad_token_id, the same token where no real token is the pad
-        token."""
+        (the last attention_mask 1: left or right padding) that is not `pad_token_id`, as
+        transformers reads them (a text ending in the pad token, e.g. an EOS that pads, is
+        read before it); a row of pad tokens only at its last real token."""
         out = self.forward(input_ids, attention_mask, position_ids, return_logits=False)
         t = jnp.arange(input_ids.shape[1])
-        last = jnp.argmax(jnp.where(attention_mask > 0, t, -1), axis=1)  # [B]
+        real = attention_mask > 0
+        if pad_token_id is not None:
+            kept = real & (input_ids != pad_token_id)
+            real = jnp.where(kept.any(axis=1, keepdims=True), kept, real)
+        last = jnp.argmax(jnp.where(real, t, -1), axis=1)  # [B]
         hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
         return self.logits(hidden)
 

@@ -301,7 +301,7 @@ def _trl_kwargs(fn, form: Form, rows: list[RowInput], kwargs: dict, constants: d
     return cols
 
 
-def _is_messages(value) -> bool:
+def is_messages(value) -> bool:
     return (
         isinstance(value, list | tuple)
         and bool(value)
@@ -312,7 +312,7 @@ def _is_messages(value) -> bool:
 def _conversational(rows: list[RowInput]) -> bool:
     """Rows whose `prompt` column is a list of chat messages (TRL's conversational datasets,
     verl's layout)."""
-    return bool(rows) and all(_is_messages(r.columns.get("prompt")) for r in rows)
+    return bool(rows) and all(is_messages(r.columns.get("prompt")) for r in rows)
 
 
 def _row_dict(r: RowInput, kind: str) -> dict:

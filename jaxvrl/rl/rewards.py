@@ -393,7 +393,59 @@ class RewardFailing(ConfigError):
     the last reward.failure_window steps: the run saves and ends (one `error:` line, exit 2)."""
 
 
-class SafeReward:
+class RewardTally:
+    """What a reward's calls did: `failures`, `timeouts` over the run, this step's calls and
+    failed calls, the last steps' for `failing`; the first failure logged as one line naming
+    the reward (`name`, `spec`), the error and how it is called (`how`); `remedy`: what the
+    user can do when it fails too often."""
+
+    def __init__(self, name: str, spec: str, how: str, remedy: str):
+        self.name, self.spec, self.how, self.remedy = name, spec, how, remedy
+        self.failures = self.timeouts = 0
+        self.step_calls = [0, 0]  # this step's calls, failed calls
+        self.history: collections.deque = collections.deque()  # earlier steps' [calls, failed]
+        self._logged = False
+
+    def record(self, error: str | None = None, trace: str = "", timed_out: bool = False) -> None:
+        """Count one call; `error` (one line) when it failed."""
+        self.step_calls[0] += 1
+        if error is None:
+            return
+        self.step_calls[1] += 1
+        self.failures += 1
+        self.timeouts += int(timed_out)
+        if not self._logged:
+            self._logged = True
+            log.error("%s; its rows score 0", self.describe_failure(error))
+            if trace:
+                log.debug("reward %s traceback:\n%s", self.name, trace)
+
+    def describe_failure(self, error: str) -> str:
+        return f"reward {self.name} ({self.spec}) failed: {error} (called in the {self.how})"
+
+    def end_step(self, window: int) -> None:
+        """Close the step's tally; keep the last `window` steps'."""
+        self.history.append(self.step_calls)
+        while len(self.history) > window:
+            self.history.popleft()
+        self.step_calls = [0, 0]
+
+    def failing(self, fraction: float, window: int) -> str | None:
+        """Why the run must end, when over the last `window` steps (all of them run) more than
+        `fraction` of this reward's calls failed; else None."""
+        calls = sum(c for c, _ in self.history)
+        failed = sum(f for _, f in self.history)
+        if len(self.history) < window or not calls or failed <= fraction * calls:
+            return None
+        return (
+            f"reward {self.name} ({self.spec}) failed on {failed} of its {calls} calls over the "
+            f"last {window} steps, more than config.reward.max_failure_fraction={fraction:g} "
+            f"(config.reward.failure_window={window}); it is called in the {self.how}. "
+            f"{self.remedy}"
+        )
+
+
+class SafeReward(RewardTally):
     """One reward function as the run calls it: its name, spec (`module:function`, for the
     workers), form (`reward_forms.detect`), keyword arguments, and what its calls did.
 
@@ -417,51 +469,12 @@ class SafeReward:
                 f"reward.kwargs; set {'it' if len(unfilled) == 1 else 'them'} there, e.g. "
                 f'--config.reward.kwargs="{{{example}}}"'
             )
-        self.failures = self.timeouts = 0
-        self.step_calls = [0, 0]  # this step's calls, failed calls
-        self.history: collections.deque = collections.deque()  # earlier steps' [calls, failed]
-        self._logged = False
-
-    def record(self, error: str | None = None, trace: str = "", timed_out: bool = False) -> None:
-        """Count one call; `error` (one line) when it failed."""
-        self.step_calls[0] += 1
-        if error is None:
-            return
-        self.step_calls[1] += 1
-        self.failures += 1
-        self.timeouts += int(timed_out)
-        if not self._logged:
-            self._logged = True
-            log.error("%s; its rows score 0", self.describe_failure(error))
-            if trace:
-                log.debug("reward %s traceback:\n%s", self.name, trace)
-
-    def describe_failure(self, error: str) -> str:
-        return (
-            f"reward {self.name} ({self.spec}) failed: {error} (called in the "
-            f"{self.form.describe()})"
-        )
-
-    def end_step(self, window: int) -> None:
-        """Close the step's tally; keep the last `window` steps'."""
-        self.history.append(self.step_calls)
-        while len(self.history) > window:
-            self.history.popleft()
-        self.step_calls = [0, 0]
-
-    def failing(self, fraction: float, window: int) -> str | None:
-        """Why the run must end, when over the last `window` steps (all of them run) more than
-        `fraction` of this function's calls failed; else None."""
-        calls = sum(c for c, _ in self.history)
-        failed = sum(f for _, f in self.history)
-        if len(self.history) < window or not calls or failed <= fraction * calls:
-            return None
-        return (
-            f"reward {self.name} ({self.spec}) failed on {failed} of its {calls} calls over the "
-            f"last {window} steps, more than config.reward.max_failure_fraction={fraction:g} "
-            f"(config.reward.failure_window={window}); it is called in the "
-            f"{self.form.describe()}. Fix the function (its first failure is logged above) or "
-            "remove it from config.reward.funcs"
+        super().__init__(
+            name,
+            self.spec,
+            self.form.describe(),
+            "Fix the function (its first failure is logged above) or remove it from "
+            "config.reward.funcs",
         )
 
     def __call__(self, completions: Sequence[str], **columns) -> np.ndarray:

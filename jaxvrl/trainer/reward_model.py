@@ -3,11 +3,14 @@
 and completion on the run's mesh after the rollout, as one more weighted reward (`model`).
 
 Each pair is rendered as TRL's GRPOTrainer renders it for a reward model: the reward model's
-own chat template over a user turn (the prompt text) and an assistant turn (the completion),
-tokenized without added special tokens (the template holds them) and right-padded; without a
-chat template, the prompt text followed by the completion. The score is the classifier's
-logit at the last real token (`Model.classify`; one label: a classifier of several labels
-is refused, which label would be the reward is not known).
+own chat template over the prompt's turns (a row's chat messages as the dataset gives them,
+else one user turn of the prompt text) and an assistant turn (the completion), tokenized
+without added special tokens (the template holds them) and right-padded with the tokenizer's
+pad token (its EOS where it has none, as TRL sets it); without a chat template, the prompt
+text followed by the completion. The score is the classifier's logit at the last token that
+is not the pad token, as transformers reads it (`Model.classify`; one label: a classifier
+of several labels is refused, which label would be the reward is not known). A non-finite
+score is 0 and counted as the reward's failure (`tally`).
 
     rm = RewardModel.load(path, mesh=mesh, weight=1.0)
     scores = rm(prompts, completions)  # float64[B]
@@ -29,24 +32,33 @@ from jaxvrl import models
 from jaxvrl.config import ConfigError
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import param_shardings, row_shards
+from jaxvrl.rl.rewards import RewardTally
 
 NAME = "model"  # the reward's name: reward/model, the markdown logs, the filters
 MIN_LENGTH = 16  # padded lengths are powers of two from here (few programs)
 
 
-def render(tokenizer, prompts: list[str], completions: list[str]) -> list[list[int]]:
-    """Token ids of each (prompt, completion) as the reward model reads it."""
+def render(tokenizer, prompts: list, completions: list[str]) -> list[list[int]]:
+    """Token ids of each (prompt, completion) as the reward model reads it; a prompt is a text
+    or a list of chat messages ({"role", "content": text})."""
+    turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
     if getattr(tokenizer, "chat_template", None):
         texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
-                tokenize=False,
-            )
-            for p, c in zip(prompts, completions)
+            tokenizer.apply_chat_template(t + [{"role": "assistant", "content": c}], tokenize=False)
+            for t, c in zip(turns, completions)
         ]
     else:
-        texts = [p + c for p, c in zip(prompts, completions)]
+        texts = ["\n\n".join(m["content"] for m in t) + c for t, c in zip(turns, completions)]
     return list(tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def pad_id(tokenizer) -> int:
+    """The pad token the pairs are padded with and the score skips: the tokenizer's, else its
+    EOS (TRL sets pad = eos for a reward model's tokenizer without one), else 0."""
+    for i in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if i is not None:
+            return int(i)
+    return 0
 
 
 def padded(ids: list[list[int]], pad_id: int, rows: int, length: int):
@@ -61,11 +73,11 @@ def padded(ids: list[list[int]], pad_id: int, rows: int, length: int):
     return out, mask
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _scores(graphdef, params, input_ids, attention_mask, position_ids):
-    """float32[B]: the classifier's only logit at each row's last real token."""
-    logits = nnx.merge(graphdef, params).classify(input_ids, attention_mask, position_ids)
-    return logits[:, 0]
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _scores(graphdef, params, input_ids, attention_mask, position_ids, pad: int):
+    """float32[B]: the classifier's only logit at each row's last token that is not `pad`."""
+    model = nnx.merge(graphdef, params)
+    return model.classify(input_ids, attention_mask, position_ids, pad_token_id=pad)[:, 0]
 
 
 @dataclasses.dataclass
@@ -78,6 +90,16 @@ class RewardModel:
     tokenizer: object
     mesh: Mesh | None = None
     weight: float = 1.0
+    # its calls and the non-finite scores among them (counted like a reward function's
+    # failures: reward/model_failures, reward.max_failure_fraction)
+    tally: RewardTally = dataclasses.field(
+        default_factory=lambda: RewardTally(
+            NAME,
+            "reward.model.path",
+            "reward model's scoring of each prompt and completion",
+            "Check the classifier's weights (config.reward.model.path)",
+        )
+    )
 
     @functools.cached_property
     def model_config(self):
@@ -112,9 +134,10 @@ class RewardModel:
             params = runtime.put_on_mesh(params, param_shardings(params, mesh))
         return cls(graphdef, params, AutoTokenizer.from_pretrained(path), mesh, float(weight))
 
-    def __call__(self, prompts: list[str], completions: list[str]) -> np.ndarray:
-        """float64[B] scores of this process's rows (a collective on a pod: every process
-        calls it with as many rows); a non-finite score is 0."""
+    def __call__(self, prompts: list, completions: list[str]) -> np.ndarray:
+        """float64[B] scores of this process's rows (prompts: texts or chat messages; a
+        collective on a pod: every process calls it with as many rows); a non-finite score is
+        0, the call counted as failed."""
         ids = render(self.tokenizer, prompts, completions)
         n = max(len(r) for r in ids) if ids else 1
         # every process runs the same program: the longest row of them all
@@ -122,17 +145,19 @@ class RewardModel:
         length = max(MIN_LENGTH, 2 ** math.ceil(math.log2(max(n, 1))))
         shards = 1 if self.mesh is None else max(1, row_shards(self.mesh) // jax.process_count())
         rows = max(1, -(-len(ids) // shards) * shards)
-        pad = self.tokenizer.pad_token_id
-        input_ids, mask = padded(ids, 0 if pad is None else pad, rows, length)
+        pad = pad_id(self.tokenizer)
+        input_ids, mask = padded(ids, pad, rows, length)
         pos, _ = models.rope_index(self.model_config, input_ids, mask)
         x = {"input_ids": input_ids, "attention_mask": mask, "position_ids": pos}
         if self.mesh is None:
             x = jax.tree.map(jnp.asarray, x)
-            out = _scores(self.graphdef, self.params, **x)
+            out = _scores(self.graphdef, self.params, **x, pad=pad)
         else:
             x = runtime.place_batch(x, self.mesh)  # a dict in sorted order: pass by name
             with jax.set_mesh(self.mesh):
-                out = _scores(self.graphdef, self.params, **x)
+                out = _scores(self.graphdef, self.params, **x, pad=pad)
             out = runtime.host_local(out)
         scores = np.asarray(out, np.float64)[: len(ids)]
-        return np.where(np.isfinite(scores), scores, 0.0)
+        bad = ~np.isfinite(scores)
+        self.tally.record(f"{bad.sum()} of {len(ids)} scores not finite" if bad.any() else None)
+        return np.where(bad, 0.0, scores)

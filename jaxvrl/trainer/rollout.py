@@ -21,10 +21,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxvrl import models, rl
+from jaxvrl.data.prompts import content_text
 from jaxvrl.models import positions
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
-from jaxvrl.rl.reward_forms import TrainerState
+from jaxvrl.rl.reward_forms import TrainerState, is_messages
 from jaxvrl.sampling import Sampler
 from jaxvrl.trainer.groups import (
     Collected,
@@ -224,6 +225,15 @@ def reward_constants(mdi_balance_ratio: float, max_steps: int = 0) -> dict:
         "mdi_balance_ratio": mdi_balance_ratio,
         "trainer_state": TrainerState(max_steps=int(max_steps)),
     }
+
+
+def model_prompt(row: dict):
+    """What the reward model reads of a row's prompt: the dataset's chat messages, each turn
+    as its text (TRL passes a conversational prompt whole), else the prompt text."""
+    prompt = row.get("prompt")
+    if is_messages(prompt):
+        return [{"role": m["role"], "content": content_text(m["content"])} for m in prompt]
+    return str(row.get("problem", prompt) or "")
 
 
 def completion_ids(tokens, mask) -> list[np.ndarray]:
@@ -455,6 +465,16 @@ class RolloutPhase:
         """Stop the reward workers."""
         self.scorer.close()
 
+    @property
+    def tallies(self) -> dict:
+        """{name: RewardTally}: each reward function's, and the reward model's as `model`."""
+        tally = getattr(self.reward_model, "tally", None)
+        return {**self.rewards, **({"model": tally} if tally is not None else {})}
+
+    def end_step(self) -> str | None:
+        """Close the step's reward tallies -> why the run must end, or None."""
+        return self.scorer.end_step(self.tallies.values())
+
     def generate(self, params, examples: list, key, step: int) -> tuple[list[Group], dict]:
         """One generation batch: sample, score, overlong / truncation rules -> its groups."""
         t0 = time.time()
@@ -554,8 +574,7 @@ class RolloutPhase:
         the totals with its weight and to the parts as reward `model`."""
         if self.reward_model is None:
             return totals, parts
-        prompts = [str(r.get("problem", r.get("prompt")) or "") for r in rows]
-        scores = self.reward_model(prompts, texts)
+        scores = self.reward_model([model_prompt(r) for r in rows], texts)
         return totals + self.reward_model.weight * scores, {**parts, "model": scores}
 
     def _greedy_baseline(self, params, batch: dict, step: int) -> np.ndarray:
@@ -673,7 +692,7 @@ class RolloutPhase:
             vals = [x.parts.get(k, np.full(len(x.texts), np.nan)) for x in sampled]
             m[f"reward/{k}"] = _finite_mean(np.concatenate(vals))
         # failures and timeouts over the run (SafeReward counts them; the checkpoint keeps them)
-        m.update({f"reward/{k}_failures": float(fn.failures) for k, fn in self.rewards.items()})
+        m.update({f"reward/{k}_failures": float(fn.failures) for k, fn in self.tallies.items()})
         m.update({f"reward/{k}_timeouts": float(fn.timeouts) for k, fn in self.rewards.items()})
         # wall time waiting for the reward functions (greedy baseline's included)
         m["rollout/reward_s"] = self.scorer.take_seconds()

@@ -173,11 +173,13 @@ class RewardScorer:
         s, self.seconds = self.seconds, 0.0
         return s
 
-    def end_step(self) -> str | None:
-        """Close the step's tallies -> why the run must end (`SafeReward.failing`), or None."""
-        for fn in self.rewards.values():
+    def end_step(self, tallies=None) -> str | None:
+        """Close the step's tallies (`tallies`: RewardTally, default the rewards') -> why the
+        run must end (`RewardTally.failing`), or None."""
+        tallies = list(self.rewards.values() if tallies is None else tallies)
+        for fn in tallies:
             fn.end_step(self.failure_window)
-        for fn in self.rewards.values():
+        for fn in tallies:
             why = fn.failing(self.max_failure_fraction, self.failure_window)
             if why:
                 return why

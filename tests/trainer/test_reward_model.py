@@ -118,3 +118,56 @@ def test_a_causal_lm_or_two_labels_is_refused_naming_the_key(tmp_path):
     T.build_classifier(tmp_path, "qwen3", num_labels=2)
     with pytest.raises(ConfigError, match=r"config\.reward\.model\.path=.*has 2 labels"):
         RewardModel.load(str(tmp_path))
+
+
+def test_conversations_the_pad_token_and_non_finite_scores_as_trl_reads_them(classifiers):
+    """A row's chat messages reach the reward model whole (system turn included, as TRL
+    renders a conversational prompt); a text ending in the pad token (pad = EOS, as TRL sets
+    it for a tokenizer without one) is read at its last token that is not the pad token, as
+    transformers reads it; a non-finite score is 0 and counted as the reward's failure."""
+    import copy
+
+    import jax
+
+    from jaxvrl.trainer.reward_model import pad_id
+
+    hf, path = classifiers["llama"]
+    rm = RewardModel.load(str(path))
+    tok = copy.copy(rm.tokenizer)
+    msgs = [
+        {"role": "system", "content": "You are a strict grader."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    cases = [(msgs, "red"), (PROMPTS[0], COMPLETIONS[0])]
+
+    def want(tokenizer, pad):
+        hf.config.pad_token_id = pad
+        out = []
+        for p, c in cases:
+            turns = p if isinstance(p, list) else [{"role": "user", "content": p}]
+            t = tokenizer.apply_chat_template(
+                turns + [{"role": "assistant", "content": c}], tokenize=False
+            )
+            enc = tokenizer([t], return_tensors="pt", add_special_tokens=False)
+            with torch.no_grad():
+                out.append(float(hf(**enc).logits[0, 0]))
+        return np.array(out)
+
+    got = rm([p for p, _ in cases], [c for _, c in cases])
+    np.testing.assert_allclose(got, want(tok, pad_id(tok)), rtol=1e-5, atol=1e-5)
+    # turns that end in the EOS, which pads: the score is read before it
+    tok.pad_token = tok.eos_token
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{{ eos_token }}{% endfor %}"
+    )
+    ends = dataclasses.replace(rm, tokenizer=tok)
+    got = ends([p for p, _ in cases], [c for _, c in cases])
+    np.testing.assert_allclose(got, want(tok, tok.eos_token_id), rtol=1e-5, atol=1e-5)
+    # a classifier whose score is NaN (its tally the run's: the calls above were fine)
+    assert rm.tally.failures == 0 and rm.tally.step_calls == [2, 0]
+    broken = dataclasses.replace(
+        rm, params=jax.tree.map(lambda x: x * np.nan if x.ndim == 2 else x, rm.params)
+    )
+    np.testing.assert_array_equal(broken(PROMPTS, COMPLETIONS), [0.0, 0.0, 0.0])
+    assert broken.tally.failures == 1 and broken.tally.step_calls == [3, 1]
