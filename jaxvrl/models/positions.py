@@ -103,7 +103,7 @@ def get_rope_index(
         2: iter(np.asarray(video_grid_thw).reshape(-1, 3)) if video_grid_thw is not None else None,
     }
     seconds = (
-        iter(np.asarray(second_per_grid_ts, np.float64).reshape(-1))
+        iter(np.asarray(second_per_grid_ts, np.float32).reshape(-1))
         if (second_per_grid_ts is not None)
         else None
     )
@@ -149,11 +149,11 @@ def _vision_positions(kind, n, cur, grids, seconds, cfg, merge, row, timed):
             raise ValueError(
                 f"row {row}: {name} grid {(gt, gh, gw)} needs {count} pad tokens, found {n}"
             )
-        interval = 1.0
-        if kind == 2 and timed:
-            sec = 1.0 if seconds is None else float(next(seconds, 1.0))
-            interval = cfg.vision.tokens_per_second * sec
-        tt = (np.arange(gt) * interval).astype(np.int64)
+        interval = np.float32(1.0)
+        if kind == 2 and timed:  # in float32, as transformers (its processor's float32 seconds)
+            sec = np.float32(1.0 if seconds is None else next(seconds, 1.0))
+            interval = np.float32(cfg.vision.tokens_per_second) * sec
+        tt = (np.arange(gt, dtype=np.float32) * interval).astype(np.int64)
         t_idx, h_idx, w_idx = np.meshgrid(tt, np.arange(lh), np.arange(lw), indexing="ij")
         parts.append(np.stack([t_idx.ravel(), h_idx.ravel(), w_idx.ravel()]) + cur)
         cur += max(gh, gw) // merge

@@ -232,3 +232,29 @@ def test_cudnn_model_on_a_gpu(tiny):
     scale = np.abs(out["xla"][m]).max()
     assert np.abs(out["cudnn"][m] - out["xla"][m]).max() <= 3e-2 * scale
     np.testing.assert_array_equal(out["cudnn"][m].argmax(-1), out["xla"][m].argmax(-1))
+
+
+def test_long_video_positions_at_frame_rates_whose_interval_rounds(tiny):
+    """A video's temporal positions, tokens_per_second x second_per_grid_ts x frame group,
+    computed in float32 as transformers does with its processor's float32 seconds: at 25 fps
+    (2 / 25 s a group) the 25th group's product is 4 in float32 (3.99... in float64)."""
+    from jaxvrl import models as M
+
+    hf, model, _ = tiny
+    rng = np.random.default_rng(6)
+    for fps, groups in ((25.0, 26), (12.5, 51), (29.0, 30), (2.0, 8)):
+        grids = [[groups, 2, 2]]
+        spg = np.array([2 / fps], np.float32)  # what the processors hand over
+        ids = np.array([T.prompt(rng, videos=grids)])
+        mask = np.ones_like(ids)
+        ours, deltas = M.rope_index(model.config, ids, mask, None, np.array(grids), spg)
+        ref, ref_deltas = hf.model.get_rope_index(
+            torch.tensor(ids),
+            torch.tensor(T.token_types(ids)),
+            None,
+            torch.tensor(grids),
+            torch.tensor(spg),
+            torch.tensor(mask),
+        )
+        np.testing.assert_array_equal(ours, ref.numpy(), err_msg=f"fps {fps}")
+        np.testing.assert_array_equal(deltas, ref_deltas.numpy()[:, 0], err_msg=f"fps {fps}")
