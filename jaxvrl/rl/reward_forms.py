@@ -145,8 +145,7 @@ def detect(fn) -> Form:
     `reward_input` / `data_dict` -> that form; one other parameter and **kwargs -> trl
     (completions passed by position); one parameter alone -> easyr1_batch (EasyR1's default
     type); two or more, the second `ground_truth` -> scorer, `ground_truths` -> easyr1_lists
-    (before `REWARD_TYPE`). Raises TypeError for a signature
-    no form fits."""
+    (before `REWARD_TYPE`). Raises TypeError for a signature no form fits."""
     target = inspect.unwrap(fn)
     is_async = inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
         type(target).__call__  # an object whose __call__ is async
