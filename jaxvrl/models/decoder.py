@@ -295,8 +295,13 @@ class DecoderLayer(nnx.Module):
         h, new_kv, stats = self.self_attn(x_in, cos, sin, mask, kv, pools, **kw)
         x = x + h
         routing = router or experts or given is not None
-        if routing and isinstance(self.mlp, SparseMoE):
-            h, aux = self.mlp.apply(self.post_attention_layernorm(x), given, replay=replay)
+        if isinstance(self.mlp, SparseMoE):
+            # the real tokens (a key mask or segment ids [B, T]; a cache's [B, T, S]: all)
+            valid = mask > 0 if mask is not None and mask.ndim == 2 else None
+            y = self.post_attention_layernorm(x)
+            h, aux = self.mlp.apply(y, given, replay=replay, valid=valid)
+            if not routing:
+                return constrain(x + h, RESIDUAL), new_kv, stats
             wanted = {"logits": router, "experts": experts, "mismatch": given is not None,
                       "dropped": True}  # fmt: skip
             aux = {k: v for k, v in aux.items() if wanted[k]}

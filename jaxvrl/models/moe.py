@@ -162,7 +162,9 @@ def dense_experts(x, weights, experts, kernels, act):
 EXPERTS = {"ragged": ragged_experts, "dense": dense_experts}
 
 
-def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity: float = 0.0):
+def expert_parallel(
+    run, rows: int, x, weights, experts, kernels, act, capacity: float = 0.0, valid=None
+):
     """`run` (an EXPERTS entry) over the mesh being traced for: where its `expert` axis is
     larger than 1, each device holds E / expert of the experts (the kernels' leading axis
     split over it) and runs only those. Returns (y [N, D], dropped: the share of (token,
@@ -178,7 +180,9 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
     its token's sum, as GShard and Switch drop). Otherwise every device routes all its
     tokens through its own experts and the partial sums are added over the axis. A tensor
     axis splits each expert's width, as a dense MLP's (its partial sums added too).
-    Elsewhere `run` itself. kernels: as `ragged_experts` takes them."""
+    Elsewhere `run` itself. kernels: as `ragged_experts` takes them. valid: None, or bool[N]
+    the real tokens (padding neither takes a buffer's place nor counts as dropped; its
+    output is 0 where pairs are sent)."""
     mesh = jax.sharding.get_abstract_mesh()
     ep = 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
     e = kernels[-1].shape[0]
@@ -205,7 +209,14 @@ def expert_parallel(run, rows: int, x, weights, experts, kernels, act, capacity:
     n, k = x.shape[0] // math.prod(mesh.shape[a] for a in axes), experts.shape[1]
     cap = n * k if not capacity else min(n * k, math.ceil(capacity * n * k / ep))
     fn = functools.partial(_dispatched, run, act, cap, tuple(mesh.axis_names), width)
-    return per_device(fn, out_specs=(tokens, P()))(x, weights, experts, kernels)
+    valid = jnp.ones(x.shape[0], bool) if valid is None else valid.reshape(-1).astype(bool)
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(tokens,) * 3 + (specs, P(axes or None)),
+        out_specs=(tokens, P()),
+        check_vma=False,
+    )(x, weights, experts, kernels, valid)
 
 
 def _summed(run, act, width, x, weights, experts, kernels):
@@ -218,16 +229,19 @@ def _summed(run, act, width, x, weights, experts, kernels):
     return jax.lax.psum(y, ("expert", width) if width else "expert")
 
 
-def _dispatched(run, act, cap: int, names: tuple, width, x, weights, experts, kernels):
+def _dispatched(run, act, cap: int, names: tuple, width, x, weights, experts, kernels, valid):
     """Per device: its tokens [n, D] and their routes [n, k] to the experts' devices (cap
-    pairs each) and back (see `expert_parallel`), the partial sums of the experts' columns
-    on the `width` axis added; -> (y [n, D], the share of the mesh's pairs dropped)."""
+    pairs each, the real tokens' (`valid` [n]) in token order) and back (see
+    `expert_parallel`), the partial sums of the experts' columns on the `width` axis added;
+    -> (y [n, D], the share of the mesh's real pairs dropped)."""
     ep, local = jax.lax.axis_size("expert"), kernels[-1].shape[0]
     n, k = experts.shape
     flat = experts.reshape(-1)  # [n * k] pairs, pair p = token p // k
     dest = flat // local
-    pos = jnp.cumsum(jax.nn.one_hot(dest, ep, dtype=jnp.int32), axis=0) - 1
+    real = jnp.repeat(valid, k)  # [n * k]: padding's pairs take no place
+    pos = jnp.cumsum(jax.nn.one_hot(dest, ep, dtype=jnp.int32) * real[:, None], axis=0) - 1
     pos = jnp.take_along_axis(pos, dest[:, None], axis=1)[:, 0]  # [n * k] within its device
+    pos = jnp.where(real, pos, cap)
     kept = pos < cap  # the scatters below drop the others (out of bounds)
     tokens = x[jnp.arange(n * k) // k]
     send = jnp.zeros((ep, cap, x.shape[-1]), x.dtype).at[dest, pos].set(tokens, mode="drop")
@@ -239,8 +253,8 @@ def _dispatched(run, act, cap: int, names: tuple, width, x, weights, experts, ke
     pairs = back[dest, jnp.minimum(pos, cap - 1)]  # each pair's expert output
     pairs = jnp.where(kept[:, None], pairs, 0).reshape(n, k, -1)
     # the share over every device's pairs (those of a tensor group counted alike)
-    dropped = jax.lax.psum(jnp.sum(~kept, dtype=jnp.float32), names)
-    dropped = dropped / jax.lax.psum(jnp.float32(n * k), names)
+    dropped = jax.lax.psum(jnp.sum(real & ~kept, dtype=jnp.float32), names)
+    dropped = dropped / jnp.maximum(jax.lax.psum(jnp.sum(real, dtype=jnp.float32), names), 1)
     y = jnp.einsum("NKD,NK->ND", pairs, weights.astype(pairs.dtype))
     return (jax.lax.psum(y, width) if width else y), dropped
 
@@ -310,14 +324,17 @@ class SparseMoE(nnx.Module):
         """`Experts.kernels` in the compute dtype."""
         return self.experts.kernels(self.dtype)
 
-    def apply(self, x: jax.Array, given: jax.Array | None = None, *, replay: bool = False):
+    def apply(
+        self, x: jax.Array, given: jax.Array | None = None, *, replay: bool = False, valid=None
+    ):
         """x [B, T, D] -> (out [B, T, D], {"logits": router logits [B*T, E] in x's dtype,
         "experts": the router's own top-k int32[B*T, k], "mismatch": bool[B*T] whether that
         top-k (as a set) differs from `given`'s, with `given`}). given: None, or a recorded
         selection int[B*T, k] (a rollout's routes); `replay` routes by it (weights from the
         live router, see `route`), else by the router's own top k; with an expert mesh axis
         whose buffers drop pairs (`capacity`), aux also holds "dropped": the share of (token,
-        expert) pairs left out, float32[]."""
+        expert) pairs left out, float32[]; valid: None or bool[B, T], the real tokens (the
+        padding's pairs take no buffer place there)."""
         b, t, d = x.shape
         xf = x.reshape(b * t, d).astype(self.dtype)
         logits = self.gate(xf)  # [N, E]
@@ -331,7 +348,9 @@ class SparseMoE(nnx.Module):
         weights = weights.astype(logits.dtype)  # as transformers casts them back
         run = EXPERTS[self.implementation]
         kernels, act = self.kernels(), activation(self.act_name)
-        out, dropped = expert_parallel(run, b, xf, weights, experts, kernels, act, self.capacity)
+        out, dropped = expert_parallel(
+            run, b, xf, weights, experts, kernels, act, self.capacity, valid
+        )
         if dropped is not None:
             aux["dropped"] = dropped
         return self.shared(x, out.reshape(b, t, d)), aux

@@ -82,8 +82,9 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
     """Qwen3-MoE (8 experts, top 2) with its experts split over the `expert` axis: with the
     rows split over it too (fsdp 2 x expert 4, 8 rows) tokens go to their experts' devices by
     all-to-all; with rows it does not divide (data 2 x expert 2 x tensor 2, 4 rows) every
-    device runs its own experts and the sums are added. Logits, the loss and its gradients
-    equal one device's."""
+    device runs its own experts and the sums are added. Logits (real tokens'), the loss and
+    its gradients equal one device's; with a capacity, the dropped share counts the real
+    tokens' pairs, padding taking no buffer place."""
     out = run_with_devices(
         """
         import json
@@ -122,14 +123,17 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
                 assert kernel.addressable_shards[0].data.shape == shard, kernel.sharding
                 (got, logits), got_grad = grad(sharded, ids, mask, pos)
             scale = max(float(jnp.abs(g).max()) for g in leaves(want_grad))
+            real = mask[..., None] > 0  # padding's expert outputs are 0 where pairs are sent
             errors = (
                 abs(float(got - want)) / float(want),
-                float(jnp.abs(logits - want_logits).max() / jnp.abs(want_logits).max()),
+                float(jnp.abs(jnp.where(real, logits - want_logits, 0)).max()
+                      / jnp.abs(want_logits).max()),
                 max(float(jnp.abs(a - b).max()) for a, b in zip(leaves(got_grad), leaves(want_grad))) / scale,
             )
             print("errors", max(errors))
         # a capacity of half the pairs a device would send each device: pairs past it are
-        # dropped, and their share is each device's overflow counted from the routes it used
+        # dropped, and their share is each device's overflow counted from the routes its real
+        # tokens used (left padding takes no place and is not counted)
         ids, mask = T.prompts(seed=1, lengths=(7, 11, 4, 9, 5, 8, 10, 6))
         pos, _ = M.rope_index(cfg, ids, mask)
         model.set_expert_capacity(0.5)
@@ -142,8 +146,10 @@ def test_a_mixture_of_experts_model_on_expert_meshes_equals_one_device():
         routes = np.asarray(out.routes).reshape(2, 8, -1, 2)  # [L', device (its row), n, k]
         n = routes.shape[2]
         cap = -(-n * 2 // 2 // 4)  # ceil(0.5 * n k / 4)
-        per_device = np.stack([(routes // 2 == d).sum(axis=(2, 3)) for d in range(4)], -1)
-        want = np.maximum(per_device - cap, 0).sum(axis=(1, 2)) / (8 * n * 2)
+        real = np.asarray(mask, bool)[None, :, :, None]  # [1, device, n, 1]
+        per_device = np.stack([((routes // 2 == d) & real).sum(axis=(2, 3)) for d in range(4)], -1)
+        want = np.maximum(per_device - cap, 0).sum(axis=(1, 2)) / (real.sum() * 2)
+        assert want.max() > 0 and (np.asarray(mask) == 0).any()
         got = [float(x) for x in np.asarray(out.expert_dropped)]
         print("dropped" + json.dumps([got, [float(x) for x in want]]))
 
