@@ -142,7 +142,9 @@ def decode_pieces(
 def token_weight_section(step: int, token_texts, weights, limit: int = 4) -> str:
     """token_texts: per row a list of token strings, or of (text, weight) pairs (then
     `weights` may be None); weights: float[B, T] aligned with the tokens. Each completion is
-    written as `word(0.93) word(1.20) ...`."""
+    written as `word(0.93) word(1.20) ...`, one `piece(weight)` per token: the pieces of one
+    word (a token not starting or following whitespace) written together,
+    `yellow(1.10)ish(0.90) cube(1.00)`."""
     lines = [f"## Step {step}", ""]
     for i in range(min(limit, len(token_texts))):
         row = token_texts[i]
@@ -150,8 +152,13 @@ def token_weight_section(step: int, token_texts, weights, limit: int = 4) -> str
             pairs = row
         else:
             pairs = list(zip(row, np.asarray(weights[i], np.float64)))
-        words = " ".join(f"{show_token(t)}({_num(w, 2)})" for t, w in pairs)
-        lines += [f"### Sample {i}", "", fenced(words), ""]
+        out, before = [], " "
+        for t, w in pairs:
+            # a new word where this token or the one before it holds whitespace
+            gap = not t.strip() or t[:1].isspace() or before[-1:].isspace()
+            out.append((" " if gap and out else "") + f"{show_token(t)}({_num(w, 2)})")
+            before = t
+        lines += [f"### Sample {i}", "", fenced("".join(out)), ""]
     return "\n".join(lines)
 
 

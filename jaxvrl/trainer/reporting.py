@@ -263,7 +263,9 @@ class RunLogs:
             else [float(np.mean(a)) for a in adv]
         )
         kept = [r.get("kept", True) for r in rows]
-        self.rollouts.append(rollout_section(step, prompts, texts, parts, totals, adv, kept=kept))
+        self.rollouts.append(
+            rollout_section(step, prompts, texts, parts, totals, adv, self.samples, kept=kept)
+        )
         columns, table = rollout_table(prompts, texts, parts, totals, adv, self.samples)
         with self._tracking:
             self.trackers.log_table(step, "rollouts", columns, table)

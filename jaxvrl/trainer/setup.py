@@ -558,7 +558,7 @@ def make_rollout_phase(
         replay=replay,
         greedy=greedy if c.algorithm.adv_estimator == "remax" else None,
         mesh=mesh,
-        accuracy=by_spec.get("mc_idx"),
+        accuracy=by_spec.get("mc_idx", by_spec.get("accuracy")),
         reward_model=reward_model(c, names, mesh),
         partial=partial_rollouts(c, layers if stats else 0, sampler.cfg.entropies),
     )

@@ -46,3 +46,14 @@ def test_samples_are_drawn_from_kept_then_filtered_groups(tmp_path):
     # without the sampled groups (an older caller): the batch's real groups, as before
     rollout = types.SimpleNamespace(groups=[padding, kept], real=[False, True])
     assert [d.row for d in draw_samples(rollout, 8)] == [2, 3]
+
+
+def test_rollout_results_holds_log_samples_rows_past_eight(tmp_path):
+    groups = [_group(f"g{i}", 0.1 * i) for i in range(6)]
+    rollout = types.SimpleNamespace(groups=groups, real=[True] * 6, sampled=groups)
+    logs = RunLogs(str(tmp_path), 2, samples=10, backends=())
+    extras = types.SimpleNamespace(advantages=np.zeros(12), token_weights=None)
+    logs.markdown(1, [logs.sample_rows(rollout, extras, tokenizer=None)])
+    logs.close()
+    text = (tmp_path / "rollout_results.md").read_text()
+    assert sum(line.startswith("### Sample") for line in text.splitlines()) == 10

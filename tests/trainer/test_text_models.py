@@ -169,4 +169,4 @@ def test_the_text_default_runs_the_methods_that_need_no_image(tmp_path, extra):
     )  # fmt: skip
     metrics = run(c)
     assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
-    assert "reward/accuracy" in metrics
+    assert metrics["accuracy"] == metrics["reward/accuracy"]  # the top-level accuracy too
