@@ -2,10 +2,8 @@
 call of each form on a list of rows. Pure Python (no jax): the reward workers import it.
 
 Forms (`detect`):
-- trl: `fn(completions, **columns) -> list[float]` (TRL's GRPOTrainer), called by keyword with
-  `completions`, `prompts`, `completion_ids` (each completion's token ids, its EOS included),
-  `trainer_state` (`TrainerState`), one list per row column, `images` when named; a batch
-  per call.
+- trl: `fn(completions, **columns) -> list[float]` (TRL's GRPOTrainer) on a batch, by keyword:
+  `completions`, `prompts`, `completion_ids` (EOS included), `trainer_state`, the columns.
 - verl: `compute_score(data_source, solution_str, ground_truth, extra_info=None)` per row
   (verl's reward managers), -> a float or a dict with `score` (other keys: sub-scores).
 - verl_batch: `compute_score(data_sources, solution_strs, ground_truths, extra_infos)` on a
@@ -16,9 +14,8 @@ Forms (`detect`):
 - easyr1_batch: `compute_score(reward_inputs: list[dict]) -> list[dict]` (EasyR1's
   `REWARD_TYPE = "batch"`, its default), each dict with `overall` plus sub-scores.
 - easyr1_sequential: `compute_score(reward_input: dict) -> dict` (`REWARD_TYPE =
-  "sequential"`), per row.
-- easyr1_lists: `compute_score(predicts, ground_truths, ...) -> list[dict]` (EasyR1's batch
-  functions of spring 2025), the completions and the labels as two lists.
+  "sequential"`), per row; easyr1_lists: `compute_score(predicts, ground_truths)` (its
+  earlier batch form), the completions and the labels as two lists.
 - data_dict: `reward_function(data_dict) -> (reward, metrics)` per row; data_dict holds
   `prompt`, `response`, `ground_truth`, `images` and the row's columns.
 `async def` functions (or ones returning an awaitable) are awaited. Keyword arguments
