@@ -218,6 +218,10 @@ def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     return out.replace(position_ids=positions.take_rows(np.asarray(batch.position_ids), rows))
 
 
+# the soft overlong punishment's part of each row's total (rollout_results.md, reward/<it>)
+OVERLONG = "overlong_penalty"
+
+
 def reward_constants(mdi_balance_ratio: float, max_steps: int = 0) -> dict:
     """Batch-wide keywords of TRL-form rewards: the built-in mdi's balance ratio, and TRL's
     `trainer_state` (its global_step set per batch by `RewardScorer.submit`)."""
@@ -563,10 +567,12 @@ class RolloutPhase:
         totals = rl.rewards.weighted_total(values, self.reward_weights(step), len(texts))
         parts = {**values, **subs}
         o = self.opts
-        if o.overlong_buffer_len:
-            totals = totals + rl.soft_overlong_punishment(
+        if o.overlong_buffer_len:  # in the totals, and shown beside the rewards
+            penalty = rl.soft_overlong_punishment(
                 lengths, o.max_new_tokens, o.overlong_buffer_len, o.overlong_penalty_factor
             )
+            totals = totals + penalty
+            parts[OVERLONG] = np.asarray(penalty, np.float64)
         return totals, parts
 
     def _score_model(self, totals: np.ndarray, parts: dict, rows: list, texts: list):
@@ -685,6 +691,7 @@ class RolloutPhase:
         lengths = np.concatenate([x.mask.sum(1) for x in sampled])
         sample_s = sum(i["sample_s"] for i in infos)
         names = [*self.rewards, *(["model"] if self.reward_model is not None else [])]
+        names += [OVERLONG] if all(OVERLONG in x.parts for x in sampled) else []
         m = {f"reward/{k}": float(np.mean([x.parts[k] for x in sampled])) for k in names}
         # sub-scores and metrics of dict-returning rewards (NaN: rows without the key)
         subs = dict.fromkeys(k for x in sampled for k in x.parts if "/" in k)

@@ -170,3 +170,7 @@ def test_the_text_default_runs_the_methods_that_need_no_image(tmp_path, extra):
     metrics = run(c)
     assert np.isfinite(metrics["loss"]) and metrics["train/nonfinite"] == 0
     assert metrics["accuracy"] == metrics["reward/accuracy"]  # the top-level accuracy too
+    if c.filter.overlong_buffer_len:  # the punishment's share of the totals, logged beside
+        parts = metrics["reward/accuracy"] + metrics["reward/overlong_penalty"]
+        assert metrics["reward/overlong_penalty"] <= 0
+        assert np.isclose(metrics["reward/total"], parts, rtol=1e-6, atol=1e-9)
