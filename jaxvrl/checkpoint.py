@@ -430,10 +430,11 @@ def _settings(info: dict) -> dict:
     return {k: v.rstrip("/") if isinstance(v, str) else v for k, v in flat.items()}
 
 
-def _saved_steps(fs, root: str) -> list[str]:
+def _saved_steps(fs, root: str) -> list[int]:
     ckpts = f"{root.rstrip('/')}/checkpoints"
     listed = fs.ls(ckpts, detail=False) if fs.isdir(ckpts) else []
-    return [p for p in listed if p.rstrip("/").rsplit("/", 1)[-1].isdigit()]
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in listed]
+    return sorted(int(n) for n in names if n.isdigit())
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -443,7 +444,7 @@ def saved_steps(workdir: str) -> list[int]:
     bound_remote_io(workdir)
     fs, root = fsspec.core.url_to_fs(workdir)
     with naming(f"listing {workdir}/checkpoints"):
-        return sorted(int(p.rstrip("/").rsplit("/", 1)[-1]) for p in _saved_steps(fs, root))
+        return _saved_steps(fs, root)
 
 
 def saved_with_other_settings(workdir: str, info: dict) -> str | None:

@@ -34,6 +34,7 @@ import threading
 import numpy as np
 from PIL import Image
 
+from jaxvrl.config import ConfigError
 from jaxvrl.data.processor import process_images, process_video, process_video_qwen3
 from jaxvrl.data.prompts import (
     PlaceholderMismatch,
@@ -70,6 +71,20 @@ class DataError(ValueError):
     """A data file that cannot be read at all (fails at start, naming the file and line)."""
 
 
+def checkpoint_json_key(directory: str, name: str, key: str):
+    """`key` of the JSON file `name` in a checkpoint directory (generation_config.json,
+    chat_template.json); None where the file or the key is absent. A file that cannot be
+    read is a ConfigError naming it (the model's, as config.json's)."""
+    file = os.path.join(directory, name)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f).get(key)
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{file}: cannot be read ({e})") from None
+
+
 def load_tokenizer(path: str):
     """transformers' AutoTokenizer of a checkpoint directory, with the chat template its
     processor keeps where the tokenizer has none (`chat_template.json`: transformers'
@@ -77,14 +92,9 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    file = os.path.join(path, "chat_template.json")
-    if getattr(tokenizer, "chat_template", None) or not os.path.isfile(file):
+    if getattr(tokenizer, "chat_template", None):
         return tokenizer
-    try:
-        with open(file, encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
-    except (OSError, ValueError, AttributeError) as e:
-        raise DataError(f"{file}: cannot be read ({e})") from None
+    template = checkpoint_json_key(path, "chat_template.json", "chat_template")
     if isinstance(template, str) and template:
         tokenizer.chat_template = template
     return tokenizer

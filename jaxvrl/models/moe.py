@@ -200,23 +200,21 @@ def expert_parallel(
         f = kernels[1].shape[-2]
         kernels = (kernels[0][..., :f], kernels[0][..., f:], kernels[1])
     specs = (P("expert", None, width),) * (len(kernels) - 1) + (P("expert", width, None),)
-    per_device = functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(tokens,) * 3 + (specs,), check_vma=False
-    )
+    per_device = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     if "expert" not in axes:
         fn = functools.partial(_summed, run, act, width)
-        return per_device(fn, out_specs=tokens)(x, weights, experts, kernels), None
+        in_specs = (tokens,) * 3 + (specs,)
+        return per_device(fn, in_specs=in_specs, out_specs=tokens)(
+            x, weights, experts, kernels
+        ), None
     n, k = x.shape[0] // math.prod(mesh.shape[a] for a in axes), experts.shape[1]
     cap = n * k if not capacity else min(n * k, math.ceil(capacity * n * k / ep))
     fn = functools.partial(_dispatched, run, act, cap, tuple(mesh.axis_names), width)
     valid = jnp.ones(x.shape[0], bool) if valid is None else valid.reshape(-1).astype(bool)
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=(tokens,) * 3 + (specs, P(axes or None)),
-        out_specs=(tokens, P()),
-        check_vma=False,
-    )(x, weights, experts, kernels, valid)
+    in_specs = (tokens,) * 3 + (specs, P(axes or None))
+    return per_device(fn, in_specs=in_specs, out_specs=(tokens, P()))(
+        x, weights, experts, kernels, valid
+    )
 
 
 def _summed(run, act, width, x, weights, experts, kernels):

@@ -274,9 +274,8 @@ def shaping(batch: RolloutBatch, passes: Passes, cfg: StepConfig, adv):
 
 def _next_kl_coef(kl_coef, kl, rows, cfg: StepConfig):
     """The KL controller's next beta, with n = the batch's rows with completion tokens
-    (verl's n_steps, its batch size): the
-    adaptive one's beta (1 + clip(KL / target - 1, -0.2, 0.2) n / horizon), the fixed one's
-    beta."""
+    (verl's n_steps, its batch size): the adaptive one's beta (1 + clip(KL / target - 1,
+    -0.2, 0.2) n / horizon), the fixed one's beta."""
     k = cfg.algorithm.kl_ctrl
     if k.type == "fixed":
         ctrl = rl.FixedKLController(kl_coef)

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from jaxvrl import models
 from jaxvrl.config import ConfigError
+from jaxvrl.data.rows import load_tokenizer
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import param_shardings, row_shards
 from jaxvrl.rl.rewards import RewardTally
@@ -110,7 +111,6 @@ class RewardModel:
     def load(cls, path: str, *, mesh=None, dtype=jnp.float32, weight=1.0, key="reward.model.path"):
         """The sequence classifier in the HF directory `path` (`key`: the config key that
         named it, for errors)."""
-        from transformers import AutoTokenizer
 
         cfg = models.load_config(path)
         labels = getattr(cfg, "num_labels", None)
@@ -132,7 +132,7 @@ class RewardModel:
             params = jax.device_put(params)
         else:
             params = runtime.put_on_mesh(params, param_shardings(params, mesh))
-        return cls(graphdef, params, AutoTokenizer.from_pretrained(path), mesh, float(weight))
+        return cls(graphdef, params, load_tokenizer(path), mesh, float(weight))
 
     def __call__(self, prompts: list, completions: list[str]) -> np.ndarray:
         """float64[B] scores of this process's rows (prompts: texts or chat messages; a

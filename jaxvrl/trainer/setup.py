@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
@@ -36,7 +35,7 @@ from jaxvrl.data.from_config import (
 )
 from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import collate, encode_rows, read_rows
-from jaxvrl.data.rows import load_tokenizer
+from jaxvrl.data.rows import checkpoint_json_key, load_tokenizer
 from jaxvrl.data.sources import DataNotFound
 from jaxvrl.models import load
 from jaxvrl.models.moe import sparse_layers
@@ -261,14 +260,9 @@ def stop_token_ids(mcfg, tokenizer=None, model_dir: str | None = None) -> tuple[
     eos_token_id and those of the checkpoint's generation_config.json (Qwen2.5's Instruct
     models end at <|im_end|> or <|endoftext|>), else the tokenizer's EOS."""
     eos = [] if mcfg.eos_token_id is None else list(np.atleast_1d(mcfg.eos_token_id))
-    path = os.path.join(model_dir, "generation_config.json") if model_dir else None
-    if path and os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                more = json.load(f).get("eos_token_id")
-        except (OSError, ValueError, AttributeError) as e:
-            raise ConfigError(f"{path}: cannot be read ({e})") from None
-        eos += [] if more is None else list(np.atleast_1d(more))
+    name = "generation_config.json"
+    more = checkpoint_json_key(model_dir, name, "eos_token_id") if model_dir else None
+    eos += [] if more is None else list(np.atleast_1d(more))
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     return tuple(dict.fromkeys(int(x) for x in eos))

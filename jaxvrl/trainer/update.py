@@ -359,13 +359,13 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
         mets = {**mets.sums, **mets.maxima}
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        ok = finite & (step >= cfg.critic.warmup_steps) if cfg.has_critic else finite
+        warm = step >= cfg.critic.warmup_steps if cfg.has_critic else True
+        ok = finite & warm
         off, clip = cfg.actor.offload_optimizer, cfg.optim.grad_clip
         trainable, opt = _apply(tx, grads, carry["opt"], carry["trainable"], ok, off, clip)
         # a non-finite update is skipped, but the schedule moves on (verl steps its scheduler
         # every step): the step's other updates and the later steps keep their rates
-        moved = step >= cfg.critic.warmup_steps if cfg.has_critic else True
-        opt = _advance_schedule(opt, ~finite & moved)
+        opt = _advance_schedule(opt, ~finite & warm)
         carry = dict(carry, trainable=trainable, opt=opt)
         mets.update(
             loss=loss,
