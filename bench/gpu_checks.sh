@@ -10,8 +10,9 @@
 #      engine with a slot per row reading its pages through the kernel; it asserts that both
 #      sample the same completions).
 #
-# The machine's Python ($PYTHON, default python3) needs jax with CUDA, flax, optax, transformers and torch; the project's
-# other pure-Python dependencies (grain, ml-collections, tensorboardX) can travel as wheels.
+# The machine's Python ($PYTHON, default python3) needs jax with CUDA, flax, optax,
+# transformers and torch; the project's other pure-Python dependencies (grain, ml-collections,
+# tensorboardX) can travel as wheels.
 #
 #   bash bench/gpu_checks.sh
 set -o pipefail
@@ -32,7 +33,7 @@ JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -q -rA tests/models/test_attention.py -k 
 for sizes in "8 64" "32 256"; do  # prompts x 8 samples = rows, a slot per row
     set -- $sizes
     JAX_PLATFORMS=cuda "$PY" bench/rollout.py --size medium --dtype bfloat16 \
-        --decode-attention gpu --prompts "$1" --samples 8 --slots "$2" --new-tokens 512 --narrow 0 \
-        2>&1 | tee -a "$OUT/rollout.log" || status=1
+        --decode-attention gpu --prompts "$1" --samples 8 --slots "$2" --new-tokens 512 \
+        --narrow 0 2>&1 | tee -a "$OUT/rollout.log" || status=1
 done
 exit $status
