@@ -146,18 +146,20 @@ def main() -> None:
     row("static", r * g, static, secs)
     for narrow in (int(x) for x in args.narrow.split(",") if int(x)):  # static, narrowing
         out, secs, work = run(0, narrow)
-        same_completions(out, static)
+        same_completions(out, static, args.dtype)
         row(f"static, narrow={narrow}", ladder(r * g, narrow), out, secs, work)
     for slots in (int(x) for x in args.slots.split(",")):
         for narrow in (int(x) for x in args.narrow.split(",")):
             out, secs, work = run(slots, narrow)
-            same_completions(out, static)
+            same_completions(out, static, args.dtype)
             name = f"slots={slots}" + (f", narrow={narrow}" if narrow else "")
             row(name, ladder(min(slots, r * g), narrow), out, secs, work)
 
 
-def same_completions(out, ref, tie_rows: float = 0.01) -> None:
-    """`out` sampled what `ref` sampled: the same tokens, log-probs within float32 rounding.
+def same_completions(out, ref, dtype: str = "float32", tie_rows: float = 0.01) -> None:
+    """`out` sampled what `ref` sampled: the same tokens, log-probs within float32 rounding
+    (bfloat16: within 4 of its epsilons of each log-prob, as the engines may round the
+    bfloat16 logits differently).
 
     The engines run the same arithmetic in differently shaped programs (slots vs rows), so
     XLA may round a sum differently in the last bit; where a row's uniform number falls that
@@ -167,9 +169,12 @@ def same_completions(out, ref, tie_rows: float = 0.01) -> None:
     first = np.argmax(out.tokens != ref.tokens, axis=1)
     upto = np.where(np.isin(np.arange(len(first)), parted), first, out.tokens.shape[1])
     before = np.arange(out.tokens.shape[1])[None, :] < upto[:, None]
-    np.testing.assert_allclose(out.logprobs * before, ref.logprobs * before, atol=1e-4)
+    rtol = 0.0 if dtype == "float32" else 4 * 2.0**-7  # bfloat16 epsilon: 2^-7
+    np.testing.assert_allclose(out.logprobs * before, ref.logprobs * before, rtol=rtol, atol=1e-4)
     if parted.size:
         print(f"# rows that parted at an inverse-CDF near-tie: {parted.size} ({parted.tolist()})")
+    if dtype != "float32":  # a random model's near-flat bfloat16 logits part most rows
+        return
     assert parted.size <= max(1, tie_rows * len(first)), (
         f"{parted.size} rows differ: {parted.tolist()}"
     )
