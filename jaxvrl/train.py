@@ -171,9 +171,7 @@ def _run(c) -> dict:
         c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh, fns=rewards
     )
     examples = val_examples(c, tokenizer, model.config)
-    validate = make_validate(
-        c, examples, greedy, model.config, tokenizer, rmesh, phase.decode, phase.scorer
-    )
+    validate = make_validate(c, examples, greedy, model.config, tokenizer, rmesh, phase)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings
     counters = RunCounters(skipped, phase.tallies)

@@ -88,11 +88,14 @@ def evaluate(
     mesh=None,
     decode: PhaseWeights | None = None,
     scorer=None,
+    attention=None,
 ) -> dict:
     """Greedy accuracy (`held_out_score`) and think-format rate on held-out examples, and
     with `scorer` (trainer/scoring.py: RewardScorer, the training rewards) each reward's mean
     as val/reward/<name> and each of its sub-scores' mean over the rows that have it as
-    val/reward/<name>/<key>.
+    val/reward/<name>/<key>. attention(out, batch) -> per-row attention metrics (the
+    rollout's `RolloutPhase.attention_metrics`, over the collated batch's pools: the
+    greedy completions' MDI for the mdi reward); None: the batches carry no pools.
 
     collate(examples) -> a prompt batch with one row per example; batches are padded to
     `rows_per_batch` rows (one compiled shape) and the padding rows are not counted. mesh:
@@ -110,14 +113,18 @@ def evaluate(
             k = len(chunk)
             chunk = chunk + [chunk[-1]] * (rows_per_batch - k)
             key = jax.random.key(0)
-            out = sample_completions(greedy, params, collate(chunk), key, None, mesh, decode)
+            batch = collate(chunk)
+            pools = None if attention is None else batch["pools"]
+            out = sample_completions(greedy, params, batch, key, pools, mesh, decode)
             texts = decode_completions(tokenizer, out.tokens, out.mask)[:k]
             correct += sum(held_out_score(texts, chunk[:k]))
             fmt += sum(rl.rewards.think_format_reward(texts))
             if scorer is not None:
                 mask = out.mask[:k]
                 ids = completion_ids(out.tokens[:k], mask)
-                values, subs = scorer.score(chunk[:k], texts, mask.sum(1), ids=ids)
+                att = {} if attention is None else attention(out, batch)
+                extra = {"mdi": list(att["mdi"][:k])} if "mdi" in att else {}
+                values, subs = scorer.score(chunk[:k], texts, mask.sum(1), extra, ids=ids)
                 for name, v in values.items():
                     sums[name] = sums.get(name, 0.0) + float(v.sum())
                 for key, v in subs.items():  # NaN where a row has no such sub-score

@@ -584,15 +584,20 @@ class RolloutPhase:
         return totals + self.reward_model.weight * scores, {**parts, "model": scores}
 
     def _greedy_baseline(self, params, batch: dict, step: int) -> np.ndarray:
-        """float64[B]: the total reward of each prompt's greedy completion, on its G rows.
-        The greedy sampler runs on the whole batch (the validation shape: no new program)."""
+        """float64[B]: the total reward of each prompt's greedy completion, on its G rows
+        (the mdi reward from the greedy completion's own attention, where the rollout
+        measures it). The greedy sampler runs on the whole batch (the validation shape: no
+        new program)."""
         g = self.opts.group_size
         key = jax.random.key(0)
-        out = sample_completions(self.greedy, params, batch, key, None, self.mesh, self.decode)
+        pools = None if self.attention is None else batch["pools"]
+        out = sample_completions(self.greedy, params, batch, key, pools, self.mesh, self.decode)
+        att = self.attention_metrics(out, batch)
+        extra = {"mdi": list(att["mdi"][::g])} if "mdi" in att else {}
         tokens, mask = out.tokens[::g], out.mask[::g]
         texts = decode_completions(self.tokenizer, tokens, mask)
         ids = completion_ids(tokens, mask)
-        totals, _ = self._score(step, batch["rows"][::g], texts, mask.sum(1), {}, ids)
+        totals, _ = self._score(step, batch["rows"][::g], texts, mask.sum(1), extra, ids)
         totals, _ = self._score_model(totals, {}, batch["rows"][::g], texts)
         return np.repeat(totals, g)
 

@@ -604,23 +604,24 @@ def reward_model(c, names, mesh=None) -> RewardModel | None:
     return RewardModel.load(local, mesh=mesh, dtype=dtype, weight=c.reward.model.weight)
 
 
-def make_validate(
-    c, examples, greedy, model_config, tokenizer, mesh=None, decode=None, scorer=None
-):
+def make_validate(c, examples, greedy, model_config, tokenizer, mesh=None, phase=None):
     """-> validate(params): greedy val/accuracy and val/format on the held-out examples, in
-    batches of the rollout's row count (`decode`: where the rollout keeps its decode
-    weights, reused here), and with `scorer` (the rollout's) val/reward/<name>."""
+    batches of the rollout's row count, and with the rollout `phase` (RolloutPhase: its
+    decode weights reused here) val/reward/<name> by its rewards, the mdi reward from the
+    greedy completions' attention where the rollout measures it."""
+    attention = None if phase is None or phase.attention is None else phase.attention_metrics
     val_collate = functools.partial(
         collate,
         repeat=1,
         model_config=model_config,
         tokenizer=tokenizer,
         prompt_bucket=c.data.prompt_bucket,
-        with_pools=False,
+        with_pools=attention is not None,
     )
     rows = c.prompts_per_step * c.rollout.num_generations
+    decode, scorer = (None, None) if phase is None else (phase.decode, phase.scorer)
     return lambda params: evaluate(
-        examples, greedy, params, val_collate, tokenizer, rows, mesh, decode, scorer
+        examples, greedy, params, val_collate, tokenizer, rows, mesh, decode, scorer, attention
     )
 
 

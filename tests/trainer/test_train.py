@@ -54,6 +54,8 @@ def test_every_config_runs_two_steps(path, tmp_path):
     # at most one new program per sampler in this run (none if an earlier test in this process
     # already compiled the same shape)
     assert metrics["compiles/sampler"] <= 1 and metrics["compiles/greedy_sampler"] <= 1
+    if path == "configs/mdi.py":  # the greedy completions' own attention, not a neutral 0
+        assert metrics["val/reward/mdi"] != 0
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in (
@@ -454,11 +456,14 @@ def test_training_data_without_one_usable_row_stops_with_the_reasons(tmp_path):
 
 
 def test_remax_uses_the_greedy_completion_reward_as_baseline(tmp_path):
-    cfg = tiny_config(
-        "configs/grpo.py", tmp_path, "total_steps=2", "val_freq=2", "algorithm.adv_estimator=remax"
-    )
+    """The baseline is the greedy completion's total reward, here the mdi reward alone: from
+    the greedy completion's own attention (a neutral 0 without it)."""
+    cfg = tiny_config("configs/mdi.py", tmp_path, "total_steps=2", "val_freq=2",
+                      "algorithm.adv_estimator=remax", "reward.funcs=('mdi',)",
+                      "reward.weights=(1.0,)")  # fmt: skip
     metrics = run(cfg)
     assert np.isfinite(metrics["loss"]) and "reward/greedy_baseline" in metrics
+    assert metrics["reward/greedy_baseline"] != 0 and metrics["val/reward/mdi"] != 0
     assert metrics["compiles/greedy_sampler"] <= 1  # the validation shape: no extra program
     # advantage = reward - the prompt's greedy reward, so its mean is the difference of means
     # over the batch's rows (every group is real without dynamic sampling)
