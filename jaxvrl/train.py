@@ -316,7 +316,8 @@ def _run(c) -> dict:
                 logs.markdown(done, runtime.gather_json(rows))  # every process's rows
                 if pictures:  # a diagnostic pass over a few of the rows
                     try:
-                        samples = maps(sampling_params(state), rollout, host.token_weights)
+                        key = jax.random.fold_in(jax.random.key(c.seed), done)
+                        samples = maps(sampling_params(state), rollout, host.token_weights, key)
                         logs.attention_maps(done, samples, tokenizer)
                     except Exception:  # noqa: BLE001 -- the pictures must not stop training
                         logs.picture_failures += 1

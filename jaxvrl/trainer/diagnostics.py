@@ -9,6 +9,9 @@ log-sum-exps otherwise). The image and video tokens' masses are laid out on each
 merged-patch grid; the frames are rebuilt from the normalised patches. Where the run has a
 perturbed pass (TPRL), the same rows run again on the blackened image, which also gives each
 token's visual dependency (perception score) and, with perception filtering, its mask.
+The pass runs after the step's update: its masses and scores are the updated policy's, on a
+blackening of its own (a key from the run's seed and the step), while the VGR weights shown
+are the train step's own.
 
 The pass runs on this process's first rows and only in single-process runs (the params of a
 multi-process run are split over hosts; there the pictures are skipped, with one warning).
