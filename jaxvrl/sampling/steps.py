@@ -295,7 +295,9 @@ def decode_forms(model, cfg: SamplingConfig, rows: int, weights: DecodeWeights |
 # the cached attention `decode_attention="auto"` takes on each platform besides the CPU (its
 # own form) and "dense": on TPUs the Pallas kernel, which keeps the scores on chip and reads
 # only the written blocks of the cache (with the keys positions second-minor, the 7B decode
-# step is priced 7-11% lower than the dense form's, docs/scaling.md)
+# step is priced 7-11% lower than the dense form's, docs/scaling.md). Not on GPUs: there the
+# slots engine through the Pallas Triton kernel ("gpu") decoded at 0.80x the static sampler's
+# tokens/s with XLA's dense form (bf16, 0.5B, 64 and 256 rows on an H200: bench/RESULTS.md)
 DECODE_KERNELS: dict[str, str] = {"tpu": "tpu"}
 
 
