@@ -148,15 +148,16 @@ class SkipStats:
 
 
 def load_image(ref, image_dir: str | None) -> Image.Image:
-    """A PIL image from a path (relative to `image_dir`; local or a URL such as gs://), bytes,
-    base64 text, a `data:` URI or a dict with "bytes"/"path" (HF datasets' Image feature).
-    A string is a path when that file exists, else base64 when it decodes as such. Raises
-    FileNotFoundError or a decode error."""
-    if isinstance(ref, Image.Image):
-        return ref
+    """A PIL image from a path (relative to `image_dir`; local, a `file://` URI or a URL such
+    as gs://), bytes, base64 text, a `data:` URI, a dict with "bytes"/"path" (HF datasets'
+    Image feature) or with "image" (verl's and qwen-vl-utils' form: any of these, or a PIL
+    image). A string is a path when that file exists, else base64 when it decodes as such.
+    Raises FileNotFoundError or a decode error."""
     in_bytes_field = isinstance(ref, dict) and bool(ref.get("bytes"))
     if isinstance(ref, dict):
-        ref = ref.get("bytes") or ref.get("path")
+        ref = ref.get("bytes") or ref.get("path") or ref.get("image")
+    if isinstance(ref, Image.Image):
+        return ref
     if ref is None:
         raise FileNotFoundError("image reference is empty")
     guessed = None  # the path a string names when it was taken for base64 instead
@@ -181,6 +182,8 @@ def _str_image(ref: str, image_dir: str | None) -> tuple[bytes | str, str | None
     arrive as base64 text)."""
     if ref.startswith("data:") and "," in ref:
         return base64.b64decode(ref.split(",", 1)[1]), None
+    if ref.startswith("file://"):  # a local file's URI (qwen-vl-utils' form)
+        ref = ref[len("file://") :]
     path = _resolve(ref, image_dir)
     if is_remote(path):
         try:
@@ -236,14 +239,21 @@ class EncodeOptions:
             raise ValueError(f"video_fps must be positive, got {self.video_fps}")
 
 
+def no_label(value) -> bool:
+    """Whether a label column's value is missing: None or NaN (a missing number in a pandas
+    or parquet column)."""
+    return value is None or (isinstance(value, float | np.floating) and bool(np.isnan(value)))
+
+
 def row_label(row: dict):
     """The row's label: `label_idx`, else `answer`, else `solution`, else
-    `reward_model.ground_truth` (None when absent)."""
+    `reward_model.ground_truth` (None when absent; `no_label` values are absent)."""
     for key in LABELS:
-        if row.get(key) is not None:
+        if not no_label(row.get(key)):
             return row[key]
     nested = row.get(NESTED_LABEL[0])
-    return nested.get(NESTED_LABEL[1]) if isinstance(nested, dict) else None
+    label = nested.get(NESTED_LABEL[1]) if isinstance(nested, dict) else None
+    return None if no_label(label) else label
 
 
 def media_list(value) -> list:
@@ -254,12 +264,18 @@ def media_list(value) -> list:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
+def _one_video(value) -> bool:
+    return isinstance(value, list | tuple) or (isinstance(value, dict) and "video" in value)
+
+
 def video_lists(value) -> list[list]:
-    """A row's videos as frame lists: a list of videos (each a list of frames), or one video
-    (a list of frames, or a single reference); None = none."""
+    """A row's videos as frame lists: a list of videos (each a list of frames, or verl's
+    {"video": frames or a file} dict), or one video (a list of frames, or a single
+    reference); None = none."""
     value = media_list(value)
-    if value and all(isinstance(v, list | tuple) for v in value):
-        return [list(v) for v in value]
+    if value and all(_one_video(v) for v in value):
+        videos = [v["video"] if isinstance(v, dict) else v for v in value]
+        return [list(v) if isinstance(v, list | tuple) else [v] for v in videos]
     return [value] if value else []
 
 

@@ -29,8 +29,21 @@ from jaxvrl.remote import is_remote, localize_file
 log = logging.getLogger("jaxvrl")
 
 
+def _holds_a_list(path: str) -> bool:
+    """Whether a JSON file's first character (after a byte order mark and blanks) opens a list."""
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+        while not head:
+            chunk = f.read(4096)
+            if not chunk:
+                return False
+            head = chunk.lstrip()
+    return head.startswith(b"[")
+
+
 class JsonlSource:
-    """One JSON object per line (blank lines ignored), or a `.json` file holding a list."""
+    """One JSON object per line (blank lines ignored), or a `.json` file holding a list (a
+    `.json` file of one object per line, as `datasets`' to_json writes, reads as JSON Lines)."""
 
     def __init__(self, path: str, name: str | None = None):
         self.path = path  # read from here; `name` (default: path) is quoted in messages
@@ -38,7 +51,7 @@ class JsonlSource:
         self._rows = None  # .json: parsed list; .jsonl: parsed lazily via line offsets
         self._offsets: list[tuple[int, int]] = []  # (byte offset, line number)
         columns: dict[tuple, None] = {}
-        if path.endswith(".json"):
+        if path.endswith(".json") and _holds_a_list(path):
             with open(path, encoding="utf-8-sig") as f:  # a byte order mark is allowed
                 try:
                     rows = json.load(f)
@@ -46,8 +59,6 @@ class JsonlSource:
                     raise DataError(f"{self.name}: invalid JSON at line {e.lineno}: {e.msg}") from e
                 except UnicodeDecodeError as e:
                     raise DataError(f"{self.name}: not UTF-8 text ({e})") from e
-            if not isinstance(rows, list):
-                raise DataError(f"{self.name}: a .json data file must hold a list of rows")
             for n, r in enumerate(rows):
                 _check_object(r, f"{self.name} row {n}")
                 columns.update(dict.fromkeys(column_paths(r)))
@@ -62,6 +73,8 @@ class JsonlSource:
                         obj = json.loads(line)
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
                         msg = getattr(e, "msg", str(e))
+                        if path.endswith(".json"):
+                            msg += "; a .json data file holds a list of rows or one per line"
                         raise DataError(f"{self.name}:{n}: invalid JSONL ({msg})") from e
                     _check_object(obj, f"{self.name}:{n}")
                     columns.update(dict.fromkeys(column_paths(obj)))
@@ -262,19 +275,30 @@ def _formatted(src, fmt: RowFormat | None, name: str):
     return src
 
 
+# the files a data folder is read from: .json files only where it holds neither of the
+# others, and never a dataset's metadata (a save_to_disk folder's state.json and
+# dataset_dict.json mark it as one, `_directory_source`)
+DATA_FILES = (".parquet", ".jsonl")
+METADATA = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+
+
 def _directory_files(path: str, split: str | None) -> list[str]:
-    """The .parquet and .jsonl files under `path` (hidden folders skipped), sorted; with a
-    split, those named for it (`<split>.jsonl`, `<split>-00000-of-00002.parquet`, or any file
-    in a folder `<split>/`)."""
+    """The .parquet and .jsonl files under `path` (hidden folders skipped), else its .json
+    files (`DATA_FILES`), sorted; with a split, those named for it (`<split>.jsonl`,
+    `<split>-00000-of-00002.parquet`, or any file in a folder `<split>/`)."""
     named = re.compile(rf"(?:.*/)?{re.escape(split)}(?:/.*|[-.][^/]*)") if split else None
-    found = []
+    found, json_files = [], []
     for dirpath, dirs, files in os.walk(path):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for f in files:
             rel = os.path.relpath(os.path.join(dirpath, f), path).replace(os.sep, "/")
-            if f.endswith((".parquet", ".jsonl")) and (named is None or named.fullmatch(rel)):
+            if named is not None and not named.fullmatch(rel):
+                continue
+            if f.endswith(DATA_FILES):
                 found.append(rel)
-    return sorted(found)
+            elif f.endswith(".json") and f not in METADATA:
+                json_files.append(rel)
+    return sorted(found or json_files)
 
 
 def _directory_source(path: str, split: str | None, fmt: RowFormat | None):
@@ -286,7 +310,7 @@ def _directory_source(path: str, split: str | None, fmt: RowFormat | None):
     if not files:
         which = f" for split {split!r}" if split else ""
         raise DataError(
-            f"{path}: no .parquet or .jsonl files{which}, and not a dataset saved with "
+            f"{path}: no .parquet, .jsonl or .json files{which}, and not a dataset saved with "
             "save_to_disk (no state.json)"
         )
     names = [os.path.join(path, f) for f in files]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxvrl.data.rows import load_image, row_label
+from jaxvrl.data.rows import load_image, no_label, row_label
 from jaxvrl.rl.reward_forms import RowInput
 from jaxvrl.rl.reward_pool import RewardPool
 from jaxvrl.rl.rewards import SafeReward
@@ -45,7 +45,7 @@ def ground_truth(row: dict):
     label = row_label(row)
     if label is None:
         label = row.get("reward_model.ground_truth", row.get("ground_truth"))
-    return label
+    return None if no_label(label) else label
 
 
 def row_columns(row: dict) -> dict:

@@ -116,8 +116,25 @@ def test_invalid_files_fail_at_start_with_path_and_line(tmp_path):
     with pytest.raises(DataError, match="none.jsonl: data file not found"):
         open_sources([str(tmp_path / "none.jsonl")])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="no .parquet or .jsonl files.*no state.json"):
+    with pytest.raises(DataError, match="no .parquet, .jsonl or .json files.*no state.json"):
         open_source(str(tmp_path / "empty"))
+    bad = tmp_path / "bad.json"  # neither a list nor one row per line
+    bad.write_text('{"problem":\n "a"}\n')
+    with pytest.raises(DataError, match=r"bad.json:1: invalid JSONL.*a list of rows or one per"):
+        open_source(str(bad))
+
+
+def test_json_files_hold_a_list_or_one_row_per_line(tmp_path):
+    """A .json file of JSON Lines (`datasets`' to_json writes them) reads as its list does, and
+    a folder of .json files (its metadata files left out) as the files do."""
+    rows = [{"problem": f"q{i}", "answer": str(i)} for i in range(3)]
+    (tmp_path / "list.json").write_text(json.dumps(rows, indent=1))
+    folder = tmp_path / "lines"
+    folder.mkdir()
+    (folder / "train.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "dataset_infos.json").write_text('{"default": {}}')
+    for src in (open_source(str(tmp_path / "list.json")), open_source(str(folder))):
+        assert [src[i]["problem"] for i in range(len(src))] == ["q0", "q1", "q2"]
 
 
 def _same(a: list[dict], b: list[dict]) -> bool:
@@ -159,6 +176,10 @@ def test_epochs_are_reshuffled_and_shards_are_disjoint(tokenizer):
     assert order[:12] != order[12:]
     ds_again, _ = make_dataset(rows, tokenizer, opts, batch_size=4, seed=3, num_epochs=2)
     assert ids(ds_again) == order
+    # the next seed's epochs are not this one's shifted by an epoch (grain shuffles epoch e
+    # with its seed + e)
+    ds_next, _ = make_dataset(rows, tokenizer, opts, batch_size=4, seed=4, num_epochs=2)
+    assert ids(ds_next)[:12] != order[12:]
     shards = [
         ids(
             make_dataset(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -110,6 +111,40 @@ def test_format_prompt_reads_a_list_of_parts_with_its_media_in_place(tmp_path, t
     text = ex["prompt_text"]
     want = "Look: <|vision_start|><|image_pad|><|vision_end|>? Put the final answer in \\boxed{}."
     assert want in text, text
+
+
+def test_verl_media_dicts_file_uris_and_nan_labels(tmp_path, tokenizer):
+    """verl's media forms ({"image": a path, a file:// URI or a PIL image}, {"video": frames
+    or a file}) read as the plain forms do; a NaN label (a missing number in a pandas column)
+    is no label: the next label column counts, else the row is skipped as missing_label."""
+    from jaxvrl.trainer.scoring import ground_truth
+
+    (tmp_path / "a.png").write_bytes(png())
+    (tmp_path / "b.png").write_bytes(png((0, 0, 255)))
+    uri, frames = f"file://{tmp_path / 'a.png'}", ["a.png", "b.png"]
+    rows = [
+        {"problem": "<image>", "answer": "x", "images": ["a.png"]},
+        {"problem": "<image>", "answer": "x", "images": [{"image": uri}]},
+        {
+            "problem": "<image>",
+            "answer": "x",
+            "images": [{"image": Image.open(tmp_path / "a.png")}],
+        },
+        {"problem": "<image>", "answer": "x", "images": [uri]},
+        {"problem": "<video>", "answer": "x", "videos": [frames]},
+        {"problem": "<video>", "answer": "x", "videos": [{"video": frames, "fps": 2.0}]},
+        {"problem": "<video>", "answer": "x", "videos": [{"video": "clip.mp4"}]},
+        {"problem": "q", "label_idx": float("nan"), "answer": "4"},
+        {"problem": "q", "label_idx": float("nan")},
+    ]
+    ex, stats = _encode(rows, tokenizer, tmp_path)
+    assert {k: v for k, v in stats.report().items() if v} == {"video_file": 1, "missing_label": 1}
+    assert len(ex) == 7
+    for a, b in ((ex[0], ex[1]), (ex[0], ex[2]), (ex[0], ex[3]), (ex[4], ex[5])):
+        for key in ("prompt_ids", "pixel_values", "pixel_values_videos", "video_grid_thw"):
+            assert np.array_equal(a[key], b[key]), key
+    assert ground_truth(ex[6]) == "4"
+    assert ground_truth({"label_idx": np.float64("nan"), "ground_truth": float("nan")}) is None
 
 
 def test_a_dotted_media_key_removes_only_its_leaf():

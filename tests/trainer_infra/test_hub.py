@@ -226,7 +226,7 @@ def test_local_directories_saved_to_disk_or_holding_parquet(tmp_path):
     assert len(everything) == 5 + 1 + 1
     train = open_source(f"{files}@train", fmt=VQA)
     assert [train[i]["problem"] for i in range(5)] == [f"train question {i}?" for i in range(5)]
-    with pytest.raises(DataError, match="no .parquet or .jsonl files for split 'dev'"):
+    with pytest.raises(DataError, match="no .parquet, .jsonl or .json files for split 'dev'"):
         open_source(f"{files}@dev")
 
 
