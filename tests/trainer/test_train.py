@@ -43,11 +43,26 @@ def tiny_config(path, workdir, *extra):
     return load_config(os.path.join(ROOT, path), overrides)
 
 
+def _two_steps(path, workdir):
+    cfg = tiny_config(path, workdir, "total_steps=2", "val_freq=2")
+    return cfg, run(cfg)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """configs/ppo.py's two steps: (workdir, config, metrics). A run started from its
+    checkpoint reads it too (test_load_checkpoint_path_starts_from_...)."""
+    workdir = tmp_path_factory.mktemp("ppo")
+    return workdir, *_two_steps("configs/ppo.py", workdir)
+
+
 @pytest.mark.parametrize("path", CONFIGS)
-def test_every_config_runs_two_steps(path, tmp_path):
-    cfg = tiny_config(path, tmp_path, "total_steps=2", "val_freq=2")
+def test_every_config_runs_two_steps(path, tmp_path, request):
     assert f"python -m jaxvrl.train --config {path}" in open(os.path.join(ROOT, path)).read()
-    metrics = run(cfg)
+    if path == "configs/ppo.py":
+        tmp_path, cfg, metrics = request.getfixturevalue("ppo_run")
+    else:
+        cfg, metrics = _two_steps(path, tmp_path)
     assert np.isfinite(metrics["loss"]) and "val/accuracy" in metrics
     # one program per batch shape (completion columns, packed buffers): no step recompiles
     assert metrics["compiles/train_step"] == metrics["compiles/train_step_shapes"] <= 2
@@ -474,11 +489,10 @@ def test_remax_uses_the_greedy_completion_reward_as_baseline(tmp_path):
         )
 
 
-def test_load_checkpoint_path_starts_from_that_checkpoints_parameters(tmp_path):
+def test_load_checkpoint_path_starts_from_that_checkpoints_parameters(tmp_path, ppo_run):
     """A GRPO run started from a PPO run's checkpoint reads its policy parameters only (not
     its critic or optimizer state, which the GRPO run does not have)."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    run(tiny_config("configs/ppo.py", a, "total_steps=2", "val_freq=100"))
+    a, b = ppo_run[0], tmp_path / "b"
     run(
         tiny_config(
             "configs/grpo.py",
