@@ -176,8 +176,8 @@ def test_epochs_are_reshuffled_and_shards_are_disjoint(tokenizer):
     assert order[:12] != order[12:]
     ds_again, _ = make_dataset(rows, tokenizer, opts, batch_size=4, seed=3, num_epochs=2)
     assert ids(ds_again) == order
-    # the next seed's epochs are not this one's shifted by an epoch (grain shuffles each
-    # epoch with its seed plus the epoch's number)
+    # seed 4's epochs are not seed 3's shifted by one epoch (grain shuffles each epoch with
+    # its seed plus the epoch's number)
     ds_next, _ = make_dataset(rows, tokenizer, opts, batch_size=4, seed=4, num_epochs=2)
     assert ids(ds_next)[:12] != order[12:]
     shards = [
