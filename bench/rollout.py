@@ -289,7 +289,7 @@ def partial_mix(args) -> None:
                 work + info["decode_work"],
                 tokens + info["tokens"],
             )
-            dropped += pr.take_metrics()["rollout/dropped_stale_rows"]
+            dropped += pr.take_metrics(groups, step)["rollout/dropped_stale_rows"]
         carried = sum(int((f.length > 0).sum()) for f in pr.flights)
         return trained, work, tokens, carried, dropped, time.perf_counter() - t0
 

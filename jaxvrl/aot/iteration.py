@@ -277,7 +277,7 @@ def rollout_work(
         except StopIteration:
             break
         trained, steps = trained + len(groups), step + 1
-        queue.take_metrics()
+        queue.take_metrics(groups, step)
     at = _add({}, queue.at, 1.0 / steps)
     return {"decode_steps": queue.steps / steps, "prefill_tokens": queue.prefilled / steps,
             "groups": trained / steps, "read_positions": _reads(at), "at": at}  # fmt: skip

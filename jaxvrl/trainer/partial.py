@@ -80,8 +80,7 @@ class Flight:
     def staleness(self, step: int) -> np.ndarray:
         """int[G]: the policy versions between each row's first token and `step` (0 for a row
         with no token yet)."""
-        first = np.where(self.versions >= 0, self.versions, step).min(axis=1)
-        return step - first
+        return staleness(self.versions, step)
 
     def extend(self, j: int, out, b: int, version: int) -> int:
         """Appends output row `b` of a sampler call (numpy SampleOutput) to row `j`, sampled
@@ -155,7 +154,6 @@ class PartialRollouts:
     flights: list[Flight] = dataclasses.field(default_factory=list)
     # this step's counts, read and reset by `take_metrics`
     dropped: int = 0
-    staleness: list = dataclasses.field(default_factory=list)
 
     @property
     def width(self) -> int:
@@ -207,7 +205,6 @@ class PartialRollouts:
             groups = phase.make_groups(params, examples, rows, out, step, att)
             for x, f in zip(groups, done):
                 x.versions = f.versions
-                self.staleness.append(f.staleness(step))
             chosen = {id(f) for f in done}
             self.flights = [f for f in self.flights if id(f) not in chosen]
         return groups, _merge(infos, time.time() - t0)
@@ -302,10 +299,15 @@ class PartialRollouts:
         out = jax.tree.map(np.asarray, out)
         return out, sampler_info(phase.sampler, out, times)
 
-    def take_metrics(self) -> dict:
+    def take_metrics(self, trained: list, step: int) -> dict:
         """This step's partial-rollout metrics (then reset): rows carried into the next step,
-        rows dropped as stale, and the staleness of the rows handed to the filters."""
-        stale = np.concatenate(self.staleness) if self.staleness else np.zeros(1)
+        rows dropped as stale, and the staleness of the rows of the `trained` groups (the
+        batch's, after the filters; a group without versions was sampled at `step`)."""
+        g = self.group_size
+        stale = [
+            np.zeros(g) if x.versions is None else staleness(x.versions, step) for x in trained
+        ]
+        stale = np.concatenate(stale) if stale else np.zeros(1)
         m = {
             "rollout/carried_rows": float(sum((f.length > 0).sum() for f in self.flights)),
             "rollout/carried_groups": float(len(self.flights)),
@@ -313,8 +315,15 @@ class PartialRollouts:
             "rollout/staleness_mean": float(stale.mean()),
             "rollout/staleness_max": float(stale.max()),
         }
-        self.dropped, self.staleness = 0, []
+        self.dropped = 0
         return m
+
+
+def staleness(versions: np.ndarray, step: int) -> np.ndarray:
+    """int[G]: the policy versions between each row's first token (`versions` int[G, N], -1:
+    no token) and `step` (0 for a row with no token)."""
+    first = np.where(versions >= 0, versions, step).min(axis=1)
+    return step - first
 
 
 def _merge(infos: list[dict], seconds: float) -> dict:

@@ -658,6 +658,10 @@ class RolloutPhase:
         ]
         batch = self._assemble(groups)
         metrics = self._metrics(got, infos, real)
+        if self.partial is not None:  # the staleness of the rows trained
+            metrics.update(
+                self.partial.take_metrics([x for x in got.groups if x is not None], step)
+            )
         if version is not None and self.partial is None:  # a batch sampled a step ahead
             lag = float(step - version)
             metrics.update({"rollout/staleness_mean": lag, "rollout/staleness_max": lag})
@@ -733,8 +737,6 @@ class RolloutPhase:
         m["rollout/tokens_per_s"] = m["tokens_per_s"]
         if self.greedy is not None:
             m["reward/greedy_baseline"] = float(np.mean([x.baseline for x in sampled]))
-        if self.partial is not None:
-            m.update(self.partial.take_metrics())
         if self.replay is not None:
             m["replay/replaced"] = float(got.replaced)
             m["replay/buffer_size"] = float(len(self.replay))

@@ -124,9 +124,10 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     old_logp = sg(logp) if rows.old_logp is None else rows.old_logp
     adv, token_mask, weights = rows.advantages, rows.token_mask, rows.token_weights
     shaping_metrics = {}
-    if in_loss:  # the whole batch is here: shape it from this pass's own quantities
+    if in_loss:  # the whole batch is here: shape it from this pass's own quantities (the
+        # policy's before this update, also where the sampler's log-probs are an older one's)
         local = Passes(
-            old_logp=old_logp, entropy=sg(entropy), aug_logp=rows.aug_logp, ref_logp=rows.ref_logp
+            old_logp=sg(logp), entropy=sg(entropy), aug_logp=rows.aug_logp, ref_logp=rows.ref_logp
         )
         if cfg.needs_attention:
             local = local.replace(vision_mass=sg(out.vision_mass), text_mass=sg(out.text_mass))

@@ -96,7 +96,7 @@ def _steps(setup, steps: int, max_staleness: int, seed: int = 0):
     for step in range(steps):
         key = jax.random.fold_in(jax.random.key(seed), step)
         groups, _ = partial.generate(phase, versions[step], examples, key, step)
-        out.append((groups, partial.take_metrics()))
+        out.append((groups, partial.take_metrics(groups, step)))
     return out
 
 
@@ -255,3 +255,19 @@ def test_carried_rows_keep_each_tokens_attention_masses(setup):
             q = len(ex["prompt_ids"]) - 1 + np.arange(len(toks))[at]
             np.testing.assert_allclose(vmass[:, at], vm[:, r, q], atol=1e-5)
             np.testing.assert_allclose(tmass[:, at], tm[:, r, q], atol=1e-5)
+
+
+def test_the_staleness_metrics_are_the_trained_rows():
+    """A group handed to the filters and dropped there (or a carried one still in flight)
+    does not count: the staleness is over the rows of the groups the step trains."""
+    import types
+
+    partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5)
+    versions = np.full((G, N), -1, np.int32)
+    old, fresh = versions.copy(), versions.copy()
+    old[:, :3], fresh[:, :2] = 6, 10  # first tokens sampled at versions 6 and 10
+    m = partial.take_metrics([types.SimpleNamespace(versions=fresh)], 10)
+    assert m["rollout/staleness_mean"] == m["rollout/staleness_max"] == 0
+    both = [types.SimpleNamespace(versions=v) for v in (old, fresh, None)]
+    m = partial.take_metrics(both, 10)
+    assert m["rollout/staleness_max"] == 4 and m["rollout/staleness_mean"] == pytest.approx(4 / 3)

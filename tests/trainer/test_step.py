@@ -269,3 +269,28 @@ def test_tprl_step_compiles_once_per_shape(model):
         assert 0.0 < float(metrics["perception_token_fraction"]) <= 1.0
         assert float(metrics["kl"]) >= 0.0
     assert step._cache_size() == 1
+
+
+def test_shaping_in_the_loss_pass_reads_this_policy_not_an_older_samplers(model):
+    """Rows sampled by an earlier policy (partial rollouts: the ratio's old log-probs are the
+    sampler's) with one update and one micro-batch: the perception scores and TAS factors
+    are shaped from the loss pass's own log-probs, whatever the sampler's were."""
+    graphdef, ref = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.1)
+    cfg = step_config(
+        {
+            "rollout.partial": True,
+            "tprl.enable_perception_filtering": True,
+            "tprl.enable_trajectory_reweighting": True,
+            "tprl.top_p_perception_tokens": 0.4,
+        }
+    )
+    assert cfg.shaping_in_loss and cfg.sampler_old
+    step = make_train_step(graphdef, tx, cfg)
+    state = init_state(model, tx)
+    got = []
+    for old in (-3.0, -6.0):
+        batch = make_batch(model, old_logprobs=np.full((2 * G, N), old, np.float32))
+        _, m, _ = step(jax.tree.map(jnp.copy, state), ref, batch, jax.random.key(0))
+        got.append([float(m[k]) for k in ("sensitivity_score_mean", "scaling_factor_mean")])
+    assert got[0] == got[1] and got[0][0] > 0
