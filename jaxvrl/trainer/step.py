@@ -59,8 +59,9 @@ def build_train_step(graphdef, tx: optax.GradientTransformation, cfg: StepConfig
         adv, mask = extras.advantages, batch.completion_mask
         if adv.ndim == 2:
             adv_mean = jnp.sum(adv * mask) / jnp.maximum(mask.sum(), 1)
-        else:
-            adv_mean = jnp.mean(adv)
+        else:  # over the rows with completion tokens (not the padding groups')
+            real = jnp.any(mask > 0, axis=-1)
+            adv_mean = jnp.sum(adv * real) / jnp.maximum(real.sum(), 1)
         metrics = {**exp.metrics, **metrics, "advantage_mean": adv_mean}
         return new_state, metrics, extras
 

@@ -39,14 +39,16 @@ class MicroInputs:
     """What the loss reads for one micro-batch besides its rows of the batch: their
     experience rows, the micro-batch's share of the mini-batch's denominator (`share`: the
     policy loss's, with the token weights; `term_share`: the loss terms', over the plain
-    completion mask, where the two differ, else None), its LoRA dropout key, and with the
-    critic on the shared backbone the global token count."""
+    completion mask, where the two differ, else None), its share of the completion tokens
+    (`token_share`: the token means logged add up over micro-batches), its LoRA dropout key,
+    and with the critic on the shared backbone the global token count."""
 
     rows: Rows
     share: jax.Array
     dropout_key: jax.Array | None = None
     vf_total: jax.Array | None = None
     term_share: jax.Array | None = None
+    token_share: jax.Array | None = None  # of the mini-batch's completion tokens: the metrics'
 
 
 @struct.dataclass
@@ -170,7 +172,10 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     scale = aux.share
     term_scale = scale if aux.term_share is None else aux.term_share
     loss = loss * scale + terms * term_scale
-    metrics = jax.tree.map(lambda x: x * scale, metrics)
+    # the loss's parts add up as the loss does; the token means by each micro-batch's tokens
+    parts = {k: metrics.pop(k) for k in ("pg_loss", "router_aux_loss") if k in metrics}
+    metrics = jax.tree.map(lambda x: x * aux.token_share, metrics)
+    metrics.update(jax.tree.map(lambda x: x * scale, parts))
     metrics.update(jax.tree.map(lambda x: x * term_scale, term_metrics))
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
     maxima = {"ratio_max": jnp.max(jnp.where(mask > 0, jnp.exp(log_ratio), 0.0))}
@@ -264,22 +269,25 @@ def _critic_update(graphdef, cparams, copt, frozen, mb: RolloutBatch, rows: Rows
     grad_fn = jax.value_and_grad(fn, has_aux=True)
     grads, loss, mets = _accumulate(grad_fn, cparams, (micro_split(mb, m), targets))
     norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(norm)
+    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
     ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
     off = cfg.actor.offload_optimizer
+    ok = finite & (total > 0)  # padding groups alone: no update
     cparams, copt = _apply(ctx, grads, copt, cparams, ok, off, cfg.critic.grad_clip)
-    mets = dict(mets, critic_grad_norm=norm, critic_nonfinite=(~ok).astype(jnp.int32))
+    mets = dict(mets, critic_grad_norm=norm, critic_nonfinite=(~finite).astype(jnp.int32))
     return cparams, copt, mets
 
 
-def _head_update(cparams, copt, g_head, cfg: StepConfig):
-    """The shared-backbone critic: only the value head is the critic optimizer's."""
+def _head_update(cparams, copt, g_head, cfg: StepConfig, tokens):
+    """The shared-backbone critic: only the value head is the critic optimizer's (no update
+    without completion `tokens`)."""
     norm = optax.tree.norm(g_head)
-    ok = jnp.isfinite(norm)
+    finite = jnp.isfinite(norm)
     ctx = critic_lib.make_optimizer(cfg.critic.lr, cfg.critic.grad_clip)
     off = cfg.actor.offload_optimizer
+    ok = finite & (tokens > 0)
     head, opt = _apply(ctx, {"head": g_head}, copt, cparams, ok, off, cfg.critic.grad_clip)
-    return head, opt, {"critic_grad_norm": norm, "critic_nonfinite": (~ok).astype(jnp.int32)}
+    return head, opt, {"critic_grad_norm": norm, "critic_nonfinite": (~finite).astype(jnp.int32)}
 
 
 def _policy_grads(graphdef, step, trainable, frozen, xs, head, cfg: StepConfig):
@@ -322,12 +330,14 @@ def _micro_aux(mb: RolloutBatch, rows: Rows, keys, cfg: StepConfig) -> MicroInpu
     # the loss terms (KL, entropy) aggregate over the plain mask; the shares differ only for
     # token-mean with token weights
     term_share = shares(None) if weights is not None and mode == "token-mean" else None
+    tokens = jax.vmap(jnp.sum)(split_rows(mask > 0, m)).astype(jnp.float32)
+    token_share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     vf_total = None
     if cfg.has_critic and cfg.critic.share_backbone:
         vf_total = jnp.full((m,), jnp.sum(mask > 0), jnp.float32)
     else:
         rows = rows.replace(old_values=None, returns=None)
-    return MicroInputs(split_rows(rows, m), share, keys, vf_total, term_share)
+    return MicroInputs(split_rows(rows, m), share, keys, vf_total, term_share, token_share)
 
 
 def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepConfig):
@@ -361,24 +371,29 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         warm = step >= cfg.critic.warmup_steps if cfg.has_critic else True
-        ok = finite & warm
+        # a mini-batch of padding groups alone (dynamic sampling short of groups) has nothing
+        # to learn: AdamW's momentum and decay would still move the weights
+        tokens = jnp.sum(mb.completion_mask > 0)
+        ok = finite & warm & (tokens > 0)
         off, clip = cfg.actor.offload_optimizer, cfg.optim.grad_clip
         trainable, opt = _apply(tx, grads, carry["opt"], carry["trainable"], ok, off, clip)
-        # a non-finite update is skipped, but the schedule moves on (verl steps its scheduler
-        # every step): the step's other updates and the later steps keep their rates
-        opt = _advance_schedule(opt, ~finite & warm)
+        # a non-finite or empty update is skipped, but the schedule moves on (verl steps its
+        # scheduler every step): the step's other updates and the later steps keep their rates
+        opt = _advance_schedule(opt, ~ok & warm)
         carry = dict(carry, trainable=trainable, opt=opt)
         mets.update(
             loss=loss,
             grad_norm=grad_norm,
             nonfinite=(~finite).astype(jnp.int32),
             applied=ok.astype(jnp.int32),
+            tokens=tokens,
         )
         if old_sums is not None:  # no old-policy pass: this update's pass reports them
-            tokens = jnp.maximum(mb.completion_mask.sum(), 1)
-            mets.update({k: v / tokens for k, v in old_sums.items()})
+            mets.update({k: v / jnp.maximum(tokens, 1) for k, v in old_sums.items()})
         if shared:
-            cp, copt, cmets = _head_update(carry["critic"], carry["critic_opt"], g_head, cfg)
+            cp, copt, cmets = _head_update(
+                carry["critic"], carry["critic_opt"], g_head, cfg, tokens
+            )
         elif cfg.has_critic:
             cp, copt, cmets = _critic_update(
                 graphdef, carry["critic"], carry["critic_opt"], frozen, mb, rows, cfg
@@ -392,13 +407,17 @@ def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepCon
 
 
 def _combine(per: dict) -> dict:
-    """Metrics of the updates [U] -> the step's: means over the updates, except clip_frac_last
-    (the last update's), ratio_max (the largest), nonfinite and critic_nonfinite (counts),
-    updates (policy updates applied) and policy_updated (whether any was)."""
+    """Metrics of the updates [U] -> the step's: means over the updates that had completion
+    tokens (a mini-batch of padding groups alone reads 0 everywhere), except clip_frac_last
+    (the last such update's), ratio_max (the largest), nonfinite and critic_nonfinite
+    (counts), updates (policy updates applied) and policy_updated (whether any was)."""
     applied = per.pop("applied")
-    out = {k: jnp.mean(v.astype(jnp.float32)) for k, v in per.items()}
+    real = (per.pop("tokens") > 0).astype(jnp.float32)
+    n = jnp.maximum(real.sum(), 1.0)
+    out = {k: jnp.sum(v.astype(jnp.float32) * real) / n for k, v in per.items()}
+    last = jnp.max(jnp.where(real > 0, jnp.arange(real.shape[0]), 0))
     out.update(
-        clip_frac_last=per["clip_frac"][-1],
+        clip_frac_last=per["clip_frac"][last],
         ratio_max=jnp.max(per["ratio_max"]),
         nonfinite=jnp.sum(per["nonfinite"]),
         updates=jnp.sum(applied),

@@ -294,3 +294,59 @@ def test_shaping_in_the_loss_pass_reads_this_policy_not_an_older_samplers(model)
         _, m, _ = step(jax.tree.map(jnp.copy, state), ref, batch, jax.random.key(0))
         got.append([float(m[k]) for k in ("sensitivity_score_mean", "scaling_factor_mean")])
     assert got[0] == got[1] and got[0][0] > 0
+
+
+def test_a_mini_batch_of_padding_groups_alone_is_no_update(model):
+    """Dynamic sampling short of groups pads the batch's last groups: with 2 mini-batches
+    the second is padding alone. It moves no weight (the momentum would), is not counted
+    in `updates`, and the step's metrics are the real update's: those of a step on the
+    real rows alone (one mini-batch). SGD with momentum, not Adam: Adam's division by
+    sqrt(v) turns the two programs' rounding in near-zero gradients into lr-sized steps."""
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.1, momentum=0.9)
+    rewards = np.arange(4 * G, dtype=np.float32) % 3
+    half = make_batch(model, 2, 3, rewards[: 2 * G], completion_seed=5)
+    whole = make_batch(model, 4, 3, rewards, completion_seed=5)  # the same first 2 prompts
+    assert np.array_equal(whole.input_ids[: 2 * G], half.input_ids)
+    pad = jnp.zeros_like(half.completion_mask)
+    whole = whole.replace(completion_mask=jnp.concatenate([half.completion_mask, pad]))
+    got, want = {}, {}
+    for out, batch, values in (
+        (got, whole, {"prompts_per_step": 4, "actor.global_batch_size": 2}),
+        (want, half, {"prompts_per_step": 2}),
+    ):
+        values["actor.old_logprobs"] = "recompute"
+        step = make_train_step(graphdef, tx, step_config(values))
+        state, m, _ = step(init_state(model, tx), None, batch, jax.random.key(0))
+        out.update(metrics=jax.device_get(m), params=jax.device_get(state.params))
+    assert int(got["metrics"]["updates"]) == 1
+    # two programs of other shapes: their sums round apart in the last bits (the gradient
+    # norm sums ~1e5 squares, the loss +-A terms of order one)
+    for k in ("ratio_mean", "clip_frac", "entropy", "grad_norm", "loss", "advantage_mean"):
+        np.testing.assert_allclose(
+            got["metrics"][k], want["metrics"][k], rtol=1e-4, atol=1e-5, err_msg=k
+        )
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(got["params"]), nnx.to_flat_state(want["params"])
+    ):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-6, err_msg=str(path))
+
+
+def test_micro_batches_log_the_token_means_of_the_whole_mini_batch(model):
+    """Off-policy rows (the sampler's log-probs far from the policy's) in 2 micro-batches of
+    8 and 6 completion tokens, with the loss a mean over rows: the logged token means (clip
+    fractions, ratio, approximate KLs) are the mini-batch's, as one micro-batch logs them,
+    not weighted by the micro-batches' shares of the loss."""
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tx = optax.sgd(0.0)
+    batch = make_batch(model, seed=1, old_logprobs=np.full((2 * G, N), -3.0, np.float32))
+    got = []
+    for m in (1, 2):
+        values = {"rollout.partial": True, "actor.loss_agg_mode": "seq-mean-token-mean"}
+        step = make_train_step(graphdef, tx, step_config({**values, "optim.micro_batches": m}))
+        _, metrics, _ = step(init_state(model, tx), None, batch, jax.random.key(0))
+        got.append(jax.device_get(metrics))
+    keys = ("clip_frac", "clip_frac_high", "clip_frac_low", "ratio_mean", "approx_kl")
+    for k in keys + ("approx_kl_k3",):
+        np.testing.assert_allclose(got[1][k], got[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert 0 < got[0]["clip_frac"] < 1
