@@ -48,7 +48,7 @@ class MicroInputs:
     dropout_key: jax.Array | None = None
     vf_total: jax.Array | None = None
     term_share: jax.Array | None = None
-    token_share: jax.Array | None = None  # of the mini-batch's completion tokens: the metrics'
+    token_share: jax.Array | None = None  # None: `share`
 
 
 @struct.dataclass
@@ -174,7 +174,8 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     loss = loss * scale + terms * term_scale
     # the loss's parts add up as the loss does; the token means by each micro-batch's tokens
     parts = {k: metrics.pop(k) for k in ("pg_loss", "router_aux_loss") if k in metrics}
-    metrics = jax.tree.map(lambda x: x * aux.token_share, metrics)
+    tokens = scale if aux.token_share is None else aux.token_share
+    metrics = jax.tree.map(lambda x: x * tokens, metrics)
     metrics.update(jax.tree.map(lambda x: x * scale, parts))
     metrics.update(jax.tree.map(lambda x: x * term_scale, term_metrics))
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
