@@ -86,7 +86,8 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     # the run's name: printed at start, stored in <workdir>/run.json
     c.name = setting("base", NON_EMPTY)
-    c.seed = setting(0, NON_NEGATIVE)  # data order, built-in task, LoRA / critic init, sampling
+    # data order, built-in task, LoRA / critic init, sampling
+    c.seed = setting(0, Range(0, 2**63, hi_open=True))
     c.workdir = placeholder(str)  # None: runs/<config>-<YYYYmmdd-HHMMSS>; gs:// allowed
     # continue from the latest checkpoint in workdir (False: a fresh run, refused where
     # workdir holds an earlier run's checkpoints, which its own would not replace)
@@ -101,7 +102,18 @@ def get_config(arg=None):
     c.prompts_per_step = setting(8, at_least(1))
     c.val_freq = setting(20, NON_NEGATIVE)  # validate every this many steps (and at the last step)
     c.val_before_train = True  # validate at step 0
-    c.val_only = False  # validate and exit
+    # validate and exit (needs held-out rows: data.val_files, or val_size > 0 with the built-in
+    # task)
+    c.val_only = setting(
+        False,
+        agree(
+            lambda v, c: (
+                not v or bool(c.data.val_files) or (c.val_size > 0 and not c.data.train_files)
+            ),
+            "false unless there are held-out rows (data.val_files, or val_size > 0 and no "
+            "data.train_files)",
+        ),
+    )
     c.val_size = setting(96, NON_NEGATIVE)  # held-out prompts of the built-in task (0: none)
     c.save_freq = setting(20, NON_NEGATIVE)  # checkpoint every this many steps (0: only at the end)
     c.max_to_keep = setting(2, at_least(1))  # checkpoints kept in workdir/checkpoints
@@ -459,7 +471,15 @@ def get_config(arg=None):
     c.reward.names = setting((), reward_names_rule)
     # two-stage: weights for the first early_steps
     c.reward.early_weights = setting((), Each(Range(), length="reward.funcs"))
-    c.reward.early_steps = setting(0, NON_NEGATIVE)  # steps that use early_weights (0 = off)
+    # steps that use early_weights (0 = off); set both or neither
+    c.reward.early_steps = setting(
+        0,
+        NON_NEGATIVE,
+        agree(
+            lambda v, c: (v > 0) == bool(c.reward.early_weights),
+            "> 0 exactly when reward.early_weights are given",
+        ),
+    )
     # R in clip(1 - |ln MDI| / ln R, 0, 1)
     c.reward.mdi_balance_ratio = setting(2.0, Range(1, lo_open=True))
     # keyword arguments of the reward functions (EasyR1's reward_function_kwargs), a Python

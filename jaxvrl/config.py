@@ -526,12 +526,19 @@ def _load_file(spec: str) -> ml_collections.ConfigDict:
     if root not in sys.path:
         sys.path.insert(0, root)
     stem = os.path.splitext(os.path.basename(path))[0]
+    if not path.endswith(".py"):
+        raise ConfigError(f"config file {path}: not a Python file defining get_config(arg=None)")
     mod_spec = importlib.util.spec_from_file_location(f"_jaxvrl_config_{stem}", path)
     module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"{path} defines no get_config(arg=None)")
-    cfg = module.get_config(arg or None)
+    try:
+        mod_spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"{path} defines no get_config(arg=None)")
+        cfg = module.get_config(arg or None)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the user's file: one line, not a traceback
+        raise ConfigError(f"config file {path}: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
     return cfg

@@ -775,11 +775,12 @@ def split_sizes(devices) -> list[int]:
 def training_mesh(c, devices=None):
     """The mesh of `config.mesh` over the train step's devices (`device_split`); a
     ConfigError when they do not fit."""
+    train_devices = device_split(c, devices)[0]  # its own ConfigError names rollout.devices
     try:
-        return runtime.mesh_from_config(c.mesh, device_split(c, devices)[0])
+        return runtime.mesh_from_config(c.mesh, train_devices)
     except ValueError as e:
         what = (
-            f"the {c.rollout.devices} devices rollout.devices leaves" if c.rollout.devices else ""
+            f"the {len(train_devices)} devices rollout.devices leaves" if c.rollout.devices else ""
         )
         raise ConfigError(f"config.mesh: {e}{' (' + what + ')' if what else ''}") from None
 

@@ -85,6 +85,7 @@ def test_none_able_and_tuple_overrides():
         "reward.funcs=mc_idx,think_format,mdi",
         "reward.weights=4,1,1",
         "reward.early_weights=(2, 1, 0)",
+        "reward.early_steps=3",
         "vgr.token_weight_clip=[0.1, 2]",
         "lora.target_modules=('q_proj',)",
         "data.synthetic_kinds=colour",
@@ -222,6 +223,16 @@ def test_missing_or_bad_files(tmp_path):
     bad.write_text("x = 1\n")
     with pytest.raises(ConfigError, match="defines no get_config"):
         load_config(str(bad))
+    with pytest.raises(ConfigError, match=r"README\.md: not a Python file defining get_config"):
+        load_config(os.path.join(ROOT, "README.md"))
+    for text, message in (
+        ("def get_config():\n    return None\n", r"bad\.py: TypeError: get_config\(\) takes 0"),
+        ("def get_config(arg=None)\n", r"bad\.py: SyntaxError"),
+        ("def get_config(arg=None):\n    return {}['x']\n", r"bad\.py: KeyError: 'x'"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_config(str(bad))
 
 
 def test_actor_options_live_only_under_actor():
@@ -419,6 +430,8 @@ def test_a_setting_declared_in_one_place_reaches_the_step_with_its_rule(tmp_path
 # A user's mistakes: each refused at load, naming its key (the whole run's check is `validate`).
 BAD = [
     ("save_freq=-1", r"save_freq=-1 .*>= 0"),
+    ("seed=9223372036854775808", r"seed=9223372036854775808 .*in \[0, 9223372036854775808\)"),
+    ("reward.early_steps=5", r"early_steps=5 .*exactly when reward\.early_weights are given"),
     ("optim.lr=-1e-3", r"optim\.lr=-0\.001 .*>= 0"),
     ("rollout.top_p=1.5", r"rollout\.top_p=1\.5 .*in \(0, 1\]"),
     ("rollout.num_generations=0", r"rollout\.num_generations=0 .*>= 1"),
@@ -461,6 +474,21 @@ def test_dapo_splits_any_prompt_count_into_equal_mini_batches():
 def test_a_bad_value_is_refused_naming_its_key(override, message):
     with pytest.raises(ConfigError, match=message):
         cfg_of(override)
+
+
+def test_rollout_devices_that_leave_no_device_to_train_name_that_key():
+    from jaxvrl.trainer.setup import training_mesh
+
+    with pytest.raises(ConfigError, match=r"^config\.rollout\.devices=1: .* of the 1 devices$"):
+        training_mesh(cfg_of("rollout.devices=1"))  # the one CPU device of the tests
+
+
+def test_val_only_needs_held_out_rows():
+    assert cfg_of("val_only=true").val_only  # the built-in task's val_size rows
+    assert cfg_of("val_only=true", "data.train_files=t.jsonl", "data.val_files=v.jsonl").val_only
+    for extra in ("val_size=0", "data.train_files=t.jsonl"):
+        with pytest.raises(ConfigError, match=r"val_only=True .*held-out rows"):
+            cfg_of("val_only=true", extra)
 
 
 def test_zero_frequencies_mean_only_at_the_end():
