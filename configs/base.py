@@ -193,8 +193,16 @@ def get_config(arg=None):
     # frames per second of the videos' frame lists (temporal positions)
     c.data.video_fps = setting(2.0, POSITIVE)
     # module:function or path/to/file.py:function mapping each raw row (a dict) to a row with
-    # the built-in names (problem, images, label_idx / answer, ...); the keys read its output
-    c.data.format = placeholder(str)
+    # the built-in names (problem, images, label_idx / answer, ...); the keys read its output.
+    # Data files only (train_files or val_files): the built-in task's rows need none
+    c.data.format = setting(
+        None,
+        agree(
+            lambda v, c: v is None or bool(c.data.train_files or c.data.val_files),
+            "null unless data.train_files or data.val_files are given",
+        ),
+        type=str,
+    )
     # tokens; longer prompts are skipped and counted
     c.data.max_prompt_length = setting(256, at_least(1))
     c.data.max_image_side = setting(1024, at_least(1))  # px; larger images are skipped and counted
@@ -303,6 +311,10 @@ def get_config(arg=None):
         False,
         agree(
             lambda v, c: not v or c.rollout.slots != 0, "false unless rollout.slots is auto or > 0"
+        ),
+        agree(  # the greedy baseline is sampled with the step's prompts
+            lambda v, c: not v or c.algorithm.adv_estimator != "remax",
+            "false with algorithm.adv_estimator=remax (its greedy baseline)",
         ),
     )
     c.rollout.oversample = setting(2.0, at_least(1))  # prompts a step starts, x prompts_per_step

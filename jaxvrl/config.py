@@ -89,6 +89,8 @@ class Range:
         return None if low_ok and high_ok else self.text()
 
     def text(self) -> str:
+        if self.hi is None and self.lo is None:
+            return "(not NaN)"
         if self.hi is None:
             return f"{'>' if self.lo_open else '>='} {self.lo}"
         if self.lo is None:

@@ -61,7 +61,8 @@ def encode_options(c, model_config=None) -> EncodeOptions:
         max_image_side=c.data.max_image_side,
         min_pixels=c.data.min_pixels,
         max_pixels=c.data.max_pixels,
-        system_prompt=c.data.system_prompt or task_prompt,
+        # "" is no system prompt, also for the built-in task; None its own
+        system_prompt=task_prompt if c.data.system_prompt is None else c.data.system_prompt,
         format_prompt=format_prompt(c),
         chat_template_kwargs=tuple(sorted(ast.literal_eval(c.data.chat_template_kwargs).items())),
         video_fps=c.data.video_fps,

@@ -432,6 +432,8 @@ BAD = [
     ("save_freq=-1", r"save_freq=-1 .*>= 0"),
     ("seed=9223372036854775808", r"seed=9223372036854775808 .*in \[0, 9223372036854775808\)"),
     ("reward.early_steps=5", r"early_steps=5 .*exactly when reward\.early_weights are given"),
+    ("data.format=rows.py:f", r"data\.format='rows\.py:f' .*null unless data\.train_files"),
+    ("reward.weights=nan,1", r"reward\.weights=.*a number \(not NaN\) \(nan is not\)"),
     ("optim.lr=-1e-3", r"optim\.lr=-0\.001 .*>= 0"),
     ("rollout.top_p=1.5", r"rollout\.top_p=1\.5 .*in \(0, 1\]"),
     ("rollout.num_generations=0", r"rollout\.num_generations=0 .*>= 1"),
@@ -481,6 +483,16 @@ def test_rollout_devices_that_leave_no_device_to_train_name_that_key():
 
     with pytest.raises(ConfigError, match=r"^config\.rollout\.devices=1: .* of the 1 devices$"):
         training_mesh(cfg_of("rollout.devices=1"))  # the one CPU device of the tests
+
+
+def test_settings_that_would_do_nothing_or_something_else_are_refused():
+    with pytest.raises(ConfigError, match=r"rollout\.partial=True .*remax"):
+        cfg_of("rollout.partial=true", "algorithm.adv_estimator=remax")
+    from jaxvrl.data.from_config import encode_options
+
+    # the built-in task's system prompt unless one is given, "" (none) included
+    assert encode_options(cfg_of()).system_prompt
+    assert encode_options(cfg_of("data.system_prompt=")).system_prompt == ""
 
 
 def test_val_only_needs_held_out_rows():
