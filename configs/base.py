@@ -395,7 +395,7 @@ def get_config(arg=None):
     )
     c.actor.kl_loss_coef = setting(0.0, NON_NEGATIVE)  # KL loss weight (with use_kl_loss; 0 = off)
     c.actor.kl_loss_type = setting("low_var_kl", one_of(*KL_KINDS))  # kl | abs | mse | low_var_kl
-    c.actor.entropy_coef = 0.0  # entropy bonus
+    c.actor.entropy_coef = setting(0.0, Range())  # entropy bonus
     c.actor.use_entropy_penalty = False  # VPPO: + coef * agg(-logp)
     # the entropy penalty's weight (with use_entropy_penalty)
     c.actor.entropy_penalty_coef = setting(0.06, NON_NEGATIVE)
@@ -534,7 +534,8 @@ def get_config(arg=None):
     # overall (the weighted total: 0..5 with the built-in mc_idx 4 + think_format 1, so the
     # default 0.01 / 0.99 suit a reward name such as mc_idx better) or a reward name
     c.filter.filter_key = setting("overall", reward_metric_rule)
-    c.filter.filter_low = 0.01  # online filtering: keep a group if its mean score > this
+    # online filtering: keep a group if its mean score > this
+    c.filter.filter_low = setting(0.01, Range())
     # online filtering: keep a group if its mean score < this
     c.filter.filter_high = setting(
         0.99, agree(lambda v, c: v > c.filter.filter_low, "> filter.filter_low")
@@ -546,7 +547,8 @@ def get_config(arg=None):
     c.filter.replay_buffer.enable = False  # True: refill uninformative groups from the buffer
     c.filter.replay_buffer.capacity = setting(64, at_least(1))  # groups
     c.filter.replay_buffer.min_std = setting(1e-6, NON_NEGATIVE)  # informative: std >= min_std and
-    c.filter.replay_buffer.min_mean = float("-inf")  # min_mean <= mean <= max_mean
+    # min_mean <= mean <= max_mean
+    c.filter.replay_buffer.min_mean = setting(float("-inf"), Range())
     # informative: mean <= max_mean
     c.filter.replay_buffer.max_mean = setting(
         float("inf"),

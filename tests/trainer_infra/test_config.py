@@ -434,6 +434,8 @@ BAD = [
     ("reward.early_steps=5", r"early_steps=5 .*exactly when reward\.early_weights are given"),
     ("data.format=rows.py:f", r"data\.format='rows\.py:f' .*null unless data\.train_files"),
     ("reward.weights=nan,1", r"reward\.weights=.*a number \(not NaN\) \(nan is not\)"),
+    ("actor.entropy_coef=nan", r"actor\.entropy_coef=nan .*a number \(not NaN\)"),
+    ("filter.filter_low=nan", r"filter\.filter_low=nan .*a number \(not NaN\)"),
     ("optim.lr=-1e-3", r"optim\.lr=-0\.001 .*>= 0"),
     ("rollout.top_p=1.5", r"rollout\.top_p=1\.5 .*in \(0, 1\]"),
     ("rollout.num_generations=0", r"rollout\.num_generations=0 .*>= 1"),
