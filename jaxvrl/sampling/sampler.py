@@ -491,9 +491,9 @@ def generate(
     runs max_new_tokens; unlike transformers' generate, the model's own EOS is not assumed:
     pass it, e.g. `jaxvrl.trainer.setup.stop_token_ids`). Image/video pad and vision
     start/end tokens are never sampled. Vision inputs are HF-processor style (packed
-    pixel_values [N, C*T*P*P] with grid_thw [I, 3]); they are laid out per row and padded to a multiple of `patch_bucket`
-    patches per row, so calls with different images compile once per bucket (the programs
-    are jax's, shared by every call: `sampler.py`). rng: a typed key (`jax.random.key`) or a
+    pixel_values [N, C*T*P*P] with grid_thw [I, 3]); they are laid out per row and padded
+    to a multiple of `patch_bucket` patches per row, so calls with different images compile
+    once per bucket (the programs are jax's, shared by every call: `sampler.py`). rng: a typed key (`jax.random.key`) or a
     legacy uint32[2] one (`jax.random.PRNGKey`, the same draws for the same seed); default
     key(0). decode_layout: see `SamplingConfig.decode_layout`. sampler: a `Sampler` made for
     the same model and the config these arguments give (`generation_config`), whose

@@ -38,6 +38,7 @@ from jaxvrl.trainer.rollout import (
     completion_ids,
     decode_completions,
     draw_samples,
+    reward_statistics,
     sample_completions,
 )
 
@@ -123,7 +124,7 @@ def evaluate(
                 mask = out.mask[:k]
                 ids = completion_ids(out.tokens[:k], mask)
                 att = {} if attention is None else attention(out, batch)
-                extra = {"mdi": list(att["mdi"][:k])} if "mdi" in att else {}
+                extra = reward_statistics(att, slice(k))
                 values, subs = scorer.score(chunk[:k], texts, mask.sum(1), extra, ids=ids)
                 for name, v in values.items():
                     sums[name] = sums.get(name, 0.0) + float(v.sum())

@@ -222,6 +222,13 @@ def _take_rows(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
 OVERLONG = "overlong_penalty"
 
 
+def reward_statistics(att: dict, rows=slice(None)) -> dict:
+    """The per-row rollout statistics the rewards may read besides the rows' columns, for
+    `rows` of the per-row attention metrics `att` (`RolloutPhase.attention_metrics`): the
+    mdi reward's MDI, where measured."""
+    return {"mdi": list(att["mdi"][rows])} if "mdi" in att else {}
+
+
 def reward_constants(mdi_balance_ratio: float, max_steps: int = 0) -> dict:
     """Batch-wide keywords of TRL-form rewards: the built-in mdi's balance ratio, and TRL's
     `trainer_state` (its global_step set per batch by `RewardScorer.submit`)."""
@@ -516,8 +523,7 @@ class RolloutPhase:
         width = None if batch is None else batch["attention_mask"].shape[1]
         real = None if batch is None else batch["attention_mask"].sum(axis=1)
         texts = decode_completions(self.tokenizer, out.tokens, out.mask)
-        # per-row rollout statistics the rewards may read besides the rows' columns
-        extra = {"mdi": list(att["mdi"])} if "mdi" in att else {}
+        extra = reward_statistics(att)
         mask = np.asarray(out.mask, np.float32)
         masses = (out.vision_mass, out.text_mass)
         ids = completion_ids(out.tokens, mask)
@@ -593,7 +599,7 @@ class RolloutPhase:
         pools = None if self.attention is None else batch["pools"]
         out = sample_completions(self.greedy, params, batch, key, pools, self.mesh, self.decode)
         att = self.attention_metrics(out, batch)
-        extra = {"mdi": list(att["mdi"][::g])} if "mdi" in att else {}
+        extra = reward_statistics(att, slice(None, None, g))
         tokens, mask = out.tokens[::g], out.mask[::g]
         texts = decode_completions(self.tokenizer, tokens, mask)
         ids = completion_ids(tokens, mask)
