@@ -15,6 +15,7 @@ a `RowFormat`'s keys are checked when the file is opened (`jaxvrl.data.columns`)
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import logging
 import os
@@ -101,14 +102,18 @@ def _check_object(obj, where: str) -> None:
 
 
 class ParquetSource:
-    """Rows of a parquet file, read one row group at a time (the last group is cached)."""
+    """Rows of a parquet file. A row is read by decoding its row group, which is kept (as arrow
+    columns, up to `cache_bytes` of groups, least recently used dropped first): a shuffled
+    epoch then decodes each group about once while the groups fit, where re-reading the group
+    for every row cost a whole group's bytes per row (about 0.1 s for a 1,000-row group of
+    100 kB images). Only the row asked for becomes Python objects."""
 
-    def __init__(self, path: str, name: str | None = None):
+    def __init__(self, path: str, name: str | None = None, cache_bytes: int = 1 << 30):
         import pyarrow.parquet as pq
 
-        self.path, self.name = path, name or path
+        self.path, self.name, self.cache_bytes = path, name or path, cache_bytes
         try:
-            self._file = pq.ParquetFile(path)
+            self._file = pq.ParquetFile(path, memory_map=True)
         except Exception as e:  # noqa: BLE001 -- report any parquet failure with the path
             raise DataError(f"{self.name}: not a readable parquet file ({e})") from e
         self.columns = list(_schema_paths(self._file.schema_arrow))
@@ -116,27 +121,36 @@ class ParquetSource:
         sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._starts = [sum(sizes[:g]) for g in range(len(sizes))]
         self._len = sum(sizes)
-        self._cache: tuple[int, list] | None = None
+        self._groups: collections.OrderedDict = collections.OrderedDict()  # group -> table
+        self._cached = 0  # bytes of the kept groups
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self._len
 
+    def _group(self, g: int):
+        with self._lock:
+            table = self._groups.pop(g, None)
+            if table is None:
+                table = self._file.read_row_group(g)
+                self._cached += table.nbytes
+            self._groups[g] = table
+            while len(self._groups) > 1 and self._cached > self.cache_bytes:
+                self._cached -= self._groups.popitem(last=False)[1].nbytes
+            return table
+
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < self._len:
             raise IndexError(f"{self.name}: row {i} out of range [0, {self._len})")
         g = bisect.bisect_right(self._starts, i) - 1
-        with self._lock:
-            if self._cache is None or self._cache[0] != g:
-                self._cache = (g, self._file.read_row_group(g).to_pylist())
-            rows = self._cache[1]
-        return {**rows[i - self._starts[g]], "_where": f"{self.name} row {i}"}
+        row = self._group(g).slice(i - self._starts[g], 1).to_pylist()[0]
+        return {**row, "_where": f"{self.name} row {i}"}
 
     def __getstate__(self):  # picklable for grain worker processes: reopen there
-        return {"path": self.path, "name": self.name}
+        return {"path": self.path, "name": self.name, "cache_bytes": self.cache_bytes}
 
     def __setstate__(self, state):
-        self.__init__(state["path"], state["name"])
+        self.__init__(state["path"], state["name"], state.get("cache_bytes", 1 << 30))
 
 
 class ArrowDatasetSource:

@@ -101,6 +101,37 @@ def test_sources_jsonl_parquet_and_saved_dataset_agree(tmp_path):
     assert len(open_sources([str(tmp_path / "x.parquet"), str(tmp_path / "x.jsonl")])) == 10
 
 
+def test_a_shuffled_parquet_epoch_decodes_each_row_group_once_while_they_fit(tmp_path):
+    import pickle
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxvrl.data.sources import ParquetSource
+
+    n, group = 60, 7  # 9 groups, the last one short
+    table = pa.table({"problem": [f"q{i}" for i in range(n)], "blob": [bytes(1000)] * n})
+    pq.write_table(table, tmp_path / "x.parquet", row_group_size=group)
+    order = [int(i) for i in np.random.default_rng(0).permutation(n)]
+
+    def epoch(src):
+        reads = []
+        read = src._file.read_row_group
+        src._file.read_row_group = lambda g, **kw: (reads.append(g), read(g, **kw))[1]
+        assert [src[i]["problem"] for i in order] == [f"q{i}" for i in order]
+        assert src[order[0]]["_where"].endswith(f"x.parquet row {order[0]}")
+        return reads
+
+    reads = epoch(ParquetSource(str(tmp_path / "x.parquet")))
+    assert sorted(reads) == list(range(9))  # each group decoded once
+    # a budget of about two groups: rows still right, groups re-read, the kept bytes bounded
+    small = ParquetSource(str(tmp_path / "x.parquet"), cache_bytes=2 * group * 1000 + 100)
+    reads = epoch(small)
+    assert len(reads) > 9 and len(small._groups) <= 2
+    assert small._cached == sum(t.nbytes for t in small._groups.values()) <= small.cache_bytes
+    assert pickle.loads(pickle.dumps(small)).cache_bytes == small.cache_bytes
+
+
 def test_invalid_files_fail_at_start_with_path_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "a"}\n\n{"problem": \n')
