@@ -388,6 +388,36 @@ def reward_kwargs(text: str, names, specs) -> dict[str, dict]:
     return out
 
 
+def unused_reward_kwargs(text, rewards: dict) -> str | None:
+    """Why a key of `reward.kwargs` would reach no function, or None: a common key that no
+    reward's signature names (nor a user function's `**kwargs` takes; the built-in rewards'
+    `**kwargs` are dataset columns), or a key under one reward's name that it does not take.
+    rewards: {name: SafeReward}."""
+    value = ast.literal_eval(text) if isinstance(text, str) else dict(text)
+    by_spec = {r.spec: n for n, r in rewards.items()}
+
+    def takes(r, key) -> bool:
+        return key in r.form.params or (r.form.var_kw and r.spec not in BUILTIN)
+
+    def params(r) -> str:
+        return f"{r.name} takes {', '.join(sorted(r.form.params)) or 'nothing'}"
+
+    for key, v in value.items():
+        own = key if key in rewards else by_spec.get(key)
+        if own is not None and isinstance(v, dict):
+            r = rewards[own]
+            for k in v:
+                if not takes(r, k):
+                    return f"{k!r} under {key!r}: reward {own} ({r.spec}) has no such parameter ({params(r)})"
+        elif not any(takes(r, key) for r in rewards.values()):
+            return (
+                f"{key!r} is a parameter of no reward function "
+                f"({'; '.join(params(r) for r in rewards.values())}); under a reward's name, "
+                "a dict of its own keywords"
+            )
+    return None
+
+
 class RewardFailing(ConfigError):
     """A reward function failed on more than reward.max_failure_fraction of its calls over
     the last reward.failure_window steps: the run saves and ends (one `error:` line, exit 2)."""

@@ -48,6 +48,7 @@ from jaxvrl.rl.rewards import (
     load_reward_fn,
     reward_kwargs,
     reward_names,
+    unused_reward_kwargs,
 )
 from jaxvrl.sampling import (
     Sampler,
@@ -481,6 +482,9 @@ def reward_functions(c) -> dict[str, SafeReward]:
             fns[n] = SafeReward(n, load_reward_fn(f), f, kwargs[n])
         except (TypeError, *LOAD_ERRORS) as e:  # TypeError: a signature no form fits
             raise ConfigError(f"config.reward.funcs: {e}") from None
+    unused = unused_reward_kwargs(c.reward.kwargs, fns)
+    if unused:  # a misspelt keyword would silently leave the function at its default
+        raise ConfigError(f"config.reward.kwargs: {unused}")
     return fns
 
 

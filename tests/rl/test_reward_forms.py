@@ -282,6 +282,39 @@ def test_parameters_without_a_default_must_come_from_reward_kwargs(module, tmp_p
     assert F.detect(R.load_reward_fn(f"{path}:trl_fn")).unfilled({}) == []  # columns
 
 
+def test_a_reward_kwarg_that_no_function_takes_is_refused_before_the_run(module):
+    """A misspelt keyword would leave the function at its default for the whole run."""
+    from jaxvrl.config import ConfigError, load_config
+    from jaxvrl.trainer.setup import reward_functions
+
+    path = module()
+    easy = f"{path}:compute_score"
+
+    def refusal(specs, kwargs):
+        weights = f"reward.weights={[1.0] * len(specs)!r}"
+        c = load_config(
+            "configs/grpo.py", [f"reward.funcs={specs!r}", weights, f"reward.kwargs={kwargs}"]
+        )
+        try:
+            reward_functions(c)
+        except ConfigError as e:
+            return str(e)
+
+    assert refusal([easy, "accuracy"], "{'format_weight': 0.2}") is None
+    assert refusal([easy, "accuracy"], "{'formt_weight': 0.2}") == (
+        "config.reward.kwargs: 'formt_weight' is a parameter of no reward function "
+        "(compute_score takes format_weight, reward_inputs; accuracy takes answer, completions, "
+        "solution); under a reward's name, a dict of its own keywords"
+    )
+    assert refusal([easy, "accuracy"], "{'compute_score': {'scale': 2}}") == (
+        f"config.reward.kwargs: 'scale' under 'compute_score': reward compute_score ({easy}) "
+        "has no such parameter (compute_score takes format_weight, reward_inputs)"
+    )
+    assert refusal([f"{path}:verl_batch"], f"{{'{path}:verl_batch': {{'scale': 2.0}}}}") is None
+    assert refusal([f"{path}:verl_batch"], "{'verl_batch': {'scale': 2.0}}") is None
+    assert refusal([f"{path}:trl_fn"], "{'offset': 1.0}") is None  # its **kwargs take it
+
+
 def test_kwargs_by_name_and_the_trl_form_in_workers(module, tmp_path):
     path = module()
     specs = [f"{path}:trl_fn", "mc_idx"]
