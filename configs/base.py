@@ -22,6 +22,7 @@ from ml_collections.config_dict import placeholder
 
 from jaxvrl import models
 from jaxvrl.config import (
+    CAP,
     COUNT,
     FRACTION,
     NON_EMPTY,
@@ -350,13 +351,13 @@ def get_config(arg=None):
     # row's summed difference); null = off. For sampling in other numerics (bf16) than training
     # null | token | sequence
     c.algorithm.rollout_is = setting(None, one_of(*ROLLOUT_IS), RECOMPUTED, type=str)
-    c.algorithm.rollout_is_threshold = setting(2.0, POSITIVE)  # cap of the rollout_is weights
+    c.algorithm.rollout_is_threshold = setting(2.0, CAP)  # cap of the rollout_is weights
     # IcePop's band (lo, hi), with actor.old_logprobs=recompute: tokens whose ratio
     # exp(recomputed - sampler) (the row's at rollout_is=sequence, else the token's) lies
     # outside [lo, hi] get weight 0 in the loss, the rest keep their rollout_is weight (1 with
     # rollout_is null); null = off
     c.algorithm.rollout_is_band = setting(
-        None, Each(POSITIVE, length=2), increasing, RECOMPUTED, type=tuple
+        None, Each(CAP, length=2), increasing, RECOMPUTED, type=tuple
     )
 
     c.actor = ml_collections.ConfigDict()
@@ -381,9 +382,9 @@ def get_config(arg=None):
     # PPO ratio clip below: 1 - low
     c.actor.clip_ratio_low = setting(0.2, Range(0, 1, hi_open=True))
     # PPO ratio clip above: 1 + high (DAPO clip-higher: 0.28)
-    c.actor.clip_ratio_high = setting(0.2, NON_NEGATIVE)
+    c.actor.clip_ratio_high = setting(0.2, Range(0, finite=False))
     # dual clip: for A < 0 the loss is at most -A * dual
-    c.actor.clip_ratio_dual = setting(3.0, Range(1, lo_open=True))
+    c.actor.clip_ratio_dual = setting(3.0, Range(1, lo_open=True, finite=False))
     # add kl_loss_coef * KL(policy || reference) to the loss
     c.actor.use_kl_loss = setting(
         False,
@@ -440,8 +441,8 @@ def get_config(arg=None):
     c.critic.lr = setting(1e-5, POSITIVE)
     # the policy is not updated before this step (the critic is)
     c.critic.warmup_steps = setting(0, NON_NEGATIVE)
-    c.critic.grad_clip = setting(1.0, POSITIVE)  # the critic's gradient global-norm clip
-    c.critic.cliprange_value = setting(0.5, POSITIVE)  # value clip: new values within old +- this
+    c.critic.grad_clip = setting(1.0, CAP)  # the critic's gradient global-norm clip
+    c.critic.cliprange_value = setting(0.5, CAP)  # value clip: new values within old +- this
     c.critic.value_loss_coef = setting(0.5, NON_NEGATIVE)  # the value loss's weight
     c.critic.share_backbone = False  # True: value head on the policy's hidden states
 
@@ -503,7 +504,7 @@ def get_config(arg=None):
     # seconds each reward call may take (a batch for TRL / EasyR1-batch functions, a row for
     # per-row ones); past it the rows score 0, counted in reward/<name>_timeouts, and the
     # worker is replaced (inf = no bound)
-    c.reward.timeout_s = setting(300.0, Range(0, lo_open=True))
+    c.reward.timeout_s = setting(300.0, CAP)
     # a function failing (raising, timing out, wrong count, non-finite) on more than this
     # fraction of its calls over the last failure_window steps ends the run (exit 2, saved)
     c.reward.max_failure_fraction = setting(0.5, PROBABILITY)
@@ -535,7 +536,7 @@ def get_config(arg=None):
     # default 0.01 / 0.99 suit a reward name such as mc_idx better) or a reward name
     c.filter.filter_key = setting("overall", reward_metric_rule)
     # online filtering: keep a group if its mean score > this
-    c.filter.filter_low = setting(0.01, Range())
+    c.filter.filter_low = setting(0.01, Range(finite=False))
     # online filtering: keep a group if its mean score < this
     c.filter.filter_high = setting(
         0.99, agree(lambda v, c: v > c.filter.filter_low, "> filter.filter_low")
@@ -548,7 +549,7 @@ def get_config(arg=None):
     c.filter.replay_buffer.capacity = setting(64, at_least(1))  # groups
     c.filter.replay_buffer.min_std = setting(1e-6, NON_NEGATIVE)  # informative: std >= min_std and
     # min_mean <= mean <= max_mean
-    c.filter.replay_buffer.min_mean = setting(float("-inf"), Range())
+    c.filter.replay_buffer.min_mean = setting(float("-inf"), Range(finite=False))
     # informative: mean <= max_mean
     c.filter.replay_buffer.max_mean = setting(
         float("inf"),
@@ -576,7 +577,7 @@ def get_config(arg=None):
     # AdamW (beta1, beta2)
     c.optim.betas = setting((0.9, 0.999), Each(Range(0, 1, hi_open=True), length=2))
     c.optim.weight_decay = setting(0.0, NON_NEGATIVE)  # AdamW decoupled weight decay
-    c.optim.grad_clip = setting(1.0, POSITIVE)  # global norm
+    c.optim.grad_clip = setting(1.0, CAP)  # global norm
     # gradient accumulation: rows split into this many chunks
     c.optim.micro_batches = setting(1, at_least(1))
 

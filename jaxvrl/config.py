@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -74,16 +75,20 @@ def one_of(*choices) -> OneOf:
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """lo <= value <= hi (either end open, or None: unbounded)."""
+    """lo <= value <= hi (either end open, or None: unbounded); +-inf only where `finite` is
+    False (a cap or a bound that inf turns off)."""
 
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
+    finite: bool = True
 
     def __call__(self, value, config=None):
         if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
             return f"a number {self.text()}"
+        if self.finite and math.isinf(value):
+            return f"a finite number {self.text()}".replace(" (not NaN)", "")
         low_ok = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
         high_ok = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
         return None if low_ok and high_ok else self.text()
@@ -183,6 +188,7 @@ def at_least(n) -> Range:
 
 NON_EMPTY = Agree(lambda v, c: bool(v), "a non-empty value")
 POSITIVE = Range(0, lo_open=True)
+CAP = Range(0, lo_open=True, finite=False)  # > 0, inf = no cap
 NON_NEGATIVE = Range(0)
 FRACTION = Range(0, 1, lo_open=True)  # a share that keeps something: (0, 1]
 PROBABILITY = Range(0, 1)
@@ -304,10 +310,10 @@ def _scalar(raw: str, typ: type, key: str):
         if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
             return raw[1:-1]
         return raw
-    try:  # no type to go by: a Python literal, else the text
+    try:  # no type to go by: a Python literal, else the text (inf and nan: floats)
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        return raw
+        return float(raw) if raw.strip().lower().lstrip("+-") in ("inf", "nan") else raw
 
 
 def _sequence(raw: str, current, key: str):
@@ -337,8 +343,8 @@ def _parse_value(raw: str | None, current, typ: type, nullable: bool, key: str):
         raise ConfigError(f"--config.{key} needs a value, e.g. --config.{key}=...")
     if raw.strip().lower() in _NONE and (nullable or current is None):
         return None
-    if isinstance(current, tuple | list):
-        return _sequence(raw, current, key)
+    if isinstance(current, tuple | list) or typ in (tuple, list):  # typ: an unset sequence's
+        return _sequence(raw, current if current is not None else typ(), key)
     if typ in (bool, int, float, str):
         return _scalar(raw.strip() if typ is not str else raw, typ, key)
     return _scalar(raw, None, key)
@@ -450,9 +456,11 @@ def validate(cfg: ml_collections.ConfigDict, source: str = "the config") -> None
 def reward_names_rule(names, cfg):
     """Rule of `reward.names`: the functions' metric names are distinct and allowed."""
     try:
-        reward_names(tuple(get(cfg, "reward.funcs")), tuple(names))
+        out = reward_names(tuple(get(cfg, "reward.funcs")), tuple(names))
     except ValueError as e:
         return f"names that identify each reward: {e}"
+    if get(cfg, "reward.model.path") and "model" in out:
+        return "names other than 'model', the reward model's (reward.model.path)"
     return None
 
 

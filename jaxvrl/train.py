@@ -70,6 +70,7 @@ from jaxvrl.trainer.packing import StepShapes, fit_batch
 from jaxvrl.trainer.replay_state import encode_items, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, step_scalars
 from jaxvrl.trainer.setup import (
+    check_decode_attention,
     check_model_settings,
     check_nonfinite,
     check_offload,
@@ -139,6 +140,7 @@ def _run(c) -> dict:
         )
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
     check_model_settings(c, models.load_config(source[0]))
+    check_decode_attention(c, mesh.devices.flat[0])  # the rollout's devices are of this platform
     rewards = reward_functions(c)  # a reward that cannot load ends the run before the model does
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))

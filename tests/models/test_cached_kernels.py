@@ -294,11 +294,18 @@ def test_the_kernel_per_device_on_a_rollout_mesh():
     assert out.strip().endswith("OK")
 
 
-def test_the_kernel_asked_for_elsewhere_than_on_tpus_is_a_config_error():
+def test_the_kernel_asked_for_elsewhere_than_on_tpus_is_a_config_error(tmp_path, monkeypatch):
     import types
 
+    import jaxvrl.train as T
     from jaxvrl.config import ConfigError, load_config
     from jaxvrl.trainer.setup import check_decode_attention
+
+    # the run ends there before the model loads
+    monkeypatch.setattr(T, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    run = load_config("configs/tprl.py", ["rollout.decode_attention=tpu", f"workdir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rollout.decode_attention='tpu'.* runs on cpu"):
+        T.run(run)
 
     asked = load_config("configs/tprl.py", ["rollout.decode_attention=tpu"])
     with pytest.raises(ConfigError, match=r"rollout.decode_attention='tpu'.* runs on cpu"):

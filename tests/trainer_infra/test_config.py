@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 
@@ -437,6 +438,10 @@ BAD = [
     ("actor.entropy_coef=nan", r"actor\.entropy_coef=nan .*a number \(not NaN\)"),
     ("filter.filter_low=nan", r"filter\.filter_low=nan .*a number \(not NaN\)"),
     ("optim.lr=-1e-3", r"optim\.lr=-0\.001 .*>= 0"),
+    ("optim.lr=inf", r"optim\.lr=inf .*a finite number >= 0"),
+    ("data.video_fps=inf", r"video_fps=inf .*a finite number > 0"),
+    ("reward.weights=inf,1", r"reward\.weights=.*a finite number \(inf is not\)"),
+    ("algorithm.rollout_is_band=0.5", r"rollout_is_band=\(0\.5,\) .*2 values \(1 given\)"),
     ("rollout.top_p=1.5", r"rollout\.top_p=1\.5 .*in \(0, 1\]"),
     ("rollout.num_generations=0", r"rollout\.num_generations=0 .*>= 1"),
     ("rollout.max_new_tokens=0", r"rollout\.max_new_tokens=0 .*>= 1"),
@@ -490,6 +495,12 @@ def test_rollout_devices_that_leave_no_device_to_train_name_that_key():
 def test_settings_that_would_do_nothing_or_something_else_are_refused():
     with pytest.raises(ConfigError, match=r"rollout\.partial=True .*remax"):
         cfg_of("rollout.partial=true", "algorithm.adv_estimator=remax")
+    with pytest.raises(ConfigError, match=r"reward\.names=\('model', 'f'\) .*reward model's"):
+        cfg_of("reward.model.path=rm", "reward.names=model,f")
+    # where inf turns a cap or a bound off, it is a value
+    c = cfg_of("optim.grad_clip=inf", "reward.timeout_s=inf", "actor.old_logprobs=recompute",
+               "algorithm.rollout_is_band=(0.5, inf)", "filter.replay_buffer.max_mean=inf")  # fmt: skip
+    assert c.optim.grad_clip == c.reward.timeout_s == c.algorithm.rollout_is_band[1] == math.inf
     from jaxvrl.data.from_config import encode_options
 
     # the built-in task's system prompt unless one is given, "" (none) included
