@@ -206,8 +206,9 @@ def kl_in_reward(
     kl_penalty of the rollout policy's logp vs the reference, [B, T]).
 
     Returns (token_rewards float32[B, T], metrics): seq_rewards [B] = R - beta sum_t KL_t
-    (for group estimators), kl = mean over rows of the per-row token-mean KL (feed it to the
-    adaptive controller), kl_coef = beta.
+    (for group estimators; a row without a token in `mask`, a truncated one left out of the
+    loss, keeps its R there, as in the group's statistics without KL-in-reward), kl = mean
+    over rows of the per-row token-mean KL (feed it to the adaptive controller), kl_coef = beta.
     """
     m = (mask > 0).astype(jnp.float32)
     kl = kl_penalty(logp, ref_logp, kind) * m
@@ -215,7 +216,7 @@ def kl_in_reward(
     rows = jnp.sum(m, -1) > 0
     per_row = jnp.sum(kl, -1) / jnp.maximum(jnp.sum(m, -1), 1.0)
     metrics = {
-        "seq_rewards": jnp.sum(token_rewards, -1),
+        "seq_rewards": rewards - beta * jnp.sum(kl, -1),
         "kl": jnp.sum(per_row) / jnp.maximum(jnp.sum(rows), 1),
         "kl_coef": jnp.asarray(beta, jnp.float32),
     }

@@ -37,9 +37,8 @@ from jaxvrl.trainer.state import StepConfig, TrainState, join, split_trainable
 @struct.dataclass
 class MicroInputs:
     """What the loss reads for one micro-batch besides its rows of the batch: their
-    experience rows, the micro-batch's share of the mini-batch's denominator (`share`: the
-    policy loss's, with the token weights; `term_share`: the loss terms', over the plain
-    completion mask, where the two differ, else None), its share of the completion tokens
+    experience rows, the micro-batch's share of the mini-batch's denominator (`share`, with
+    the token weights: the policy loss's and the loss terms'), its share of the completion tokens
     (`token_share`: the token means logged add up over micro-batches), its LoRA dropout key,
     and with the critic on the shared backbone the global token count."""
 
@@ -47,7 +46,6 @@ class MicroInputs:
     share: jax.Array
     dropout_key: jax.Array | None = None
     vf_total: jax.Array | None = None
-    term_share: jax.Array | None = None
     token_share: jax.Array | None = None  # None: `share`
 
 
@@ -152,12 +150,15 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     )
     metrics = {"pg_loss": loss, **metrics}
     # the loss terms of the token methods (KL loss, entropy bonus and penalty, ...)
-    cols = {"completion_mask": mask, "has_image": mb.has_image, "pools": mb.pools, "logp": logp}
+    # with token weights (VGR) the terms aggregate over m * w too: the weights scale the loss
+    # mask, as the VGR designs apply them (EasyR1's and TRL's KL loss read that mask)
+    term_mask = mask if weights is None else mask * weights
+    cols = {"completion_mask": term_mask, "has_image": mb.has_image, "pools": mb.pools}
+    cols["logp"] = logp
     if want_entropy:
         cols["entropy"] = entropy
     if rows.ref_logp is not None:
         cols["ref_logp"] = rows.ref_logp
-    # the terms aggregate over the plain completion mask: their own share of it
     zero = jnp.zeros((), loss.dtype)
     terms, term_metrics = methods.loss_terms(cfg.terms, cols, dict(cfg.options), zero)
     if out.router_logits is not None:
@@ -170,14 +171,12 @@ def _loss(trainable, frozen, graphdef, mb: RolloutBatch, aux: MicroInputs, cfg, 
     if out.expert_dropped is not None:  # the share of pairs, over the sparse layers
         metrics["expert_dropped"] = jnp.mean(out.expert_dropped)
     scale = aux.share
-    term_scale = scale if aux.term_share is None else aux.term_share
-    loss = loss * scale + terms * term_scale
+    loss = (loss + terms) * scale
     # the loss's parts add up as the loss does; the token means by each micro-batch's tokens
     parts = {k: metrics.pop(k) for k in ("pg_loss", "router_aux_loss") if k in metrics}
     tokens = scale if aux.token_share is None else aux.token_share
     metrics = jax.tree.map(lambda x: x * tokens, metrics)
-    metrics.update(jax.tree.map(lambda x: x * scale, parts))
-    metrics.update(jax.tree.map(lambda x: x * term_scale, term_metrics))
+    metrics.update(jax.tree.map(lambda x: x * scale, {**parts, **term_metrics}))
     log_ratio = jnp.clip(sg(logp) - old_logp, -20.0, 20.0)
     maxima = {"ratio_max": jnp.max(jnp.where(mask > 0, jnp.exp(log_ratio), 0.0))}
     extras = old_sums = None
@@ -328,9 +327,6 @@ def _micro_aux(mb: RolloutBatch, rows: Rows, keys, cfg: StepConfig) -> MicroInpu
         return parts / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
 
     share = shares(weights)
-    # the loss terms (KL, entropy) aggregate over the plain mask; the shares differ only for
-    # token-mean with token weights
-    term_share = shares(None) if weights is not None and mode == "token-mean" else None
     tokens = jax.vmap(jnp.sum)(split_rows(mask > 0, m)).astype(jnp.float32)
     token_share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     vf_total = None
@@ -338,7 +334,7 @@ def _micro_aux(mb: RolloutBatch, rows: Rows, keys, cfg: StepConfig) -> MicroInpu
         vf_total = jnp.full((m,), jnp.sum(mask > 0), jnp.float32)
     else:
         rows = rows.replace(old_values=None, returns=None)
-    return MicroInputs(split_rows(rows, m), share, keys, vf_total, term_share, token_share)
+    return MicroInputs(split_rows(rows, m), share, keys, vf_total, token_share)
 
 
 def _one_update(graphdef, tx, step, frozen, batch, exp: Experience, cfg: StepConfig):

@@ -248,6 +248,13 @@ def test_kl_in_reward_hand_values():
     np.testing.assert_allclose(np.asarray(tok), [[-0.05, 1.05, 0.0], [2.1, 0.0, 0.0]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(m["seq_rewards"]), [1.0, 2.1], rtol=1e-6)
     np.testing.assert_allclose(float(m["kl"]), (0.0 + -1.0) / 2, rtol=1e-6)
+    # a row left out of the loss (truncated, mask_truncated_completions) keeps its reward in
+    # the group's sums: no token pays KL, none carries the reward
+    tok, m = rl.kl_in_reward(
+        jnp.array([1.0, -1.0]), logp, ref, jnp.array([[1, 1, 0], [0, 0, 0]]), 0.1
+    )
+    np.testing.assert_allclose(np.asarray(tok)[1], [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(np.asarray(m["seq_rewards"]), [1.0, -1.0], rtol=1e-6)
 
 
 def test_rollout_correction_hand_values():

@@ -108,7 +108,7 @@ def test_micro_batches_give_the_same_update(model, mode):
             "tprl.enable_trajectory_reweighting": True,
             "tprl.enable_entropy_filtering": True,
             "tprl.entropy_filter_scope": "batch",
-            # loss terms over the plain completion mask beside the weighted policy loss
+            # loss terms over the weighted mask, as the policy loss
             "actor.entropy_coef": 0.3,
             "actor.use_entropy_penalty": True,
             "actor.entropy_penalty_coef": 0.2,
@@ -157,9 +157,10 @@ def test_micro_batches_give_the_same_update(model, mode):
 
 
 def test_loss_terms_add_up_over_micro_batches_when_token_weights_differ(model):
-    """token-mean with VGR weights: the policy loss aggregates over m * w, the entropy bonus
-    and penalty over m. Rows whose clipped weights sum far from their token counts (one
-    token drawing 1,000x the vision mass of the rest) sit in one micro-batch: 2 and 4
+    """token-mean with VGR weights: the policy loss and the loss terms (KL loss, entropy bonus
+    and penalty) aggregate over m * w, as the VGR designs scale the response mask that
+    EasyR1's KL loss also reads. Rows whose clipped weights sum far from their token counts
+    (one token drawing 1,000x the vision mass of the rest) sit in one micro-batch: 2 and 4
     micro-batches still give the whole batch's terms and the same update."""
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.sgd(1.0)
@@ -171,11 +172,15 @@ def test_loss_terms_add_up_over_micro_batches_when_token_weights_differ(model):
             "actor.entropy_coef": 0.3,
             "actor.use_entropy_penalty": True,
             "actor.entropy_penalty_coef": 0.2,
+            "actor.use_kl_loss": True,
+            "actor.kl_loss_coef": 0.3,
             "rollout.temperature": 1.0,
         }
     )
     batch = make_batch(model, seed=1)
     logp, ent = reference_logp(params, graphdef, batch, 1.0)
+    ref = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), params)
+    d = np.asarray(reference_logp(ref, graphdef, batch, 1.0)[0] - logp, np.float64)
     b, layers = batch.completion_mask.shape[0], model.config.text.num_hidden_layers
     skewed = (jnp.arange(b)[:, None] < b // 2) & (jnp.arange(N)[None] > 0)
     vision = jnp.repeat(jnp.where(skewed, 1e-4, 0.3)[:, None], layers, axis=1)
@@ -186,17 +191,20 @@ def test_loss_terms_add_up_over_micro_batches_when_token_weights_differ(model):
         old_text_mass=jnp.full(vision.shape, 0.3),
     )
     m = np.asarray(batch.completion_mask, np.float64)
-    whole = {  # token means over the batch's plain mask
-        "entropy_loss": np.sum(np.asarray(ent) * m) / m.sum(),
-        "entropy_penalty": np.sum(-np.asarray(logp) * m) / m.sum(),
+    terms = {
+        "entropy_loss": np.asarray(ent, np.float64),
+        "entropy_penalty": -np.asarray(logp, np.float64),
+        "kl_loss": np.exp(d) - d - 1.0,  # k3 (low_var_kl, clamped far beyond these values)
     }
     states = []
     for micro in (2, 4):
         step = make_train_step(graphdef, tx, cfg.with_values({"optim.micro_batches": micro}))
-        state, metrics, extras = step(init_state(model, tx), None, batch, jax.random.key(3))
-        w = np.asarray(extras.token_weights)
+        state, metrics, extras = step(init_state(model, tx), ref, batch, jax.random.key(3))
+        w = np.asarray(extras.token_weights, np.float64)
         assert w.max() == 3.0 and w[b // 2 :].max() < 1.01  # clipped in the first half only
-        for k, want in whole.items():
+        for k, x in terms.items():  # token means over the whole batch's m * w
+            want, plain = np.sum(x * m * w) / np.sum(m * w), np.sum(x * m) / m.sum()
+            assert abs(want - plain) > 1e-4 * abs(want), k  # 10x the tolerance: w matters
             np.testing.assert_allclose(float(metrics[k]), want, rtol=1e-5, err_msg=k)
         states.append(state)
     for (path, a), (_, c) in zip(*(nnx.to_flat_state(s.params) for s in states)):
