@@ -157,13 +157,15 @@ def vgr_token_weights(
 
 
 def mdi_balance_reward(mdi: jax.Array, ratio: float = 2.0) -> jax.Array:
-    """balance = clip(1 - |ln MDI| / ln R, 0, 1); reward = 2 balance - 1. Rows without
-    statistics (NaN, inf, non-positive MDI) get 0, the neutral value. mdi: float32[B]; the
-    tolerance ratio R > 1 (`mdi_balance_ratio`) is static. Returns float32[B]."""
+    """balance = clip(1 - |ln MDI| / ln R, 0, 1); reward = 2 balance - 1 (-1 at MDI = 0: no
+    attention on the text at all). Rows without statistics (NaN, inf, negative MDI) get 0,
+    the neutral value. mdi: float32[B]; the tolerance ratio R > 1 (`mdi_balance_ratio`) is
+    static. Returns float32[B]."""
     if not ratio > 1.0:
         raise ValueError(f"mdi_balance_ratio must be > 1, got {ratio}")
     mdi = jnp.asarray(mdi, jnp.float32)
-    ok = jnp.isfinite(mdi) & (mdi > 0)
-    safe = jnp.where(ok, mdi, 1.0)
+    ok = jnp.isfinite(mdi) & (mdi >= 0)
+    safe = jnp.where(ok & (mdi > 0), mdi, 1.0)
     balance = jnp.clip(1.0 - jnp.abs(jnp.log(safe)) / math.log(ratio), 0.0, 1.0)
+    balance = jnp.where(mdi == 0, 0.0, balance)
     return jnp.where(ok, 2.0 * balance - 1.0, 0.0)

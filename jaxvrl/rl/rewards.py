@@ -321,17 +321,18 @@ def mdi_reward(
     completions: Sequence[str], mdi: Sequence | None = None, mdi_balance_ratio=2.0, **_
 ) -> list[float]:
     """MDI balance reward (weight 1.0 in configs/mdi.py): 2 * clip(1 - |ln MDI| / ln R, 0, 1)
-    - 1 per row, R = mdi_balance_ratio; 0 (neutral) for rows without statistics (None, NaN,
-    MDI <= 0) and for every row when the column is absent (e.g. a sampler without attention
-    statistics)."""
+    - 1 per row, R = mdi_balance_ratio (-1 at MDI = 0); 0 (neutral) for rows without
+    statistics (None, NaN, MDI < 0) and for every row when the column is absent (e.g. a
+    sampler without attention statistics)."""
     if mdi is None:
         return [0.0] * len(completions)
     out = []
     for v in mdi:
-        if v is None or not np.isfinite(v) or v <= 0:
+        if v is None or not np.isfinite(v) or v < 0:
             out.append(0.0)
             continue
-        bal = min(max(1.0 - abs(math.log(v)) / math.log(mdi_balance_ratio), 0.0), 1.0)
+        far = math.inf if v == 0 else abs(math.log(v))
+        bal = min(max(1.0 - far / math.log(mdi_balance_ratio), 0.0), 1.0)
         out.append(2.0 * bal - 1.0)
     return out
 

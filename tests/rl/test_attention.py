@@ -101,8 +101,9 @@ def test_vgr_weights_padding_invariant():
 def test_mdi_balance_reward():
     mdi = jnp.array([1.0, 2.0, 0.5, 1.5, jnp.nan, 0.0, 8.0, jnp.inf, -1.0])
     r = np.asarray(rl.mdi_balance_reward(mdi))
-    # balance(1.5) = 1 - ln 1.5 / ln 2 = 0.4150375 -> reward -0.169925
-    np.testing.assert_allclose(r, [1, -1, -1, -0.169925, 0, 0, -1, 0, 0], rtol=1e-5, atol=1e-7)
+    # balance(1.5) = 1 - ln 1.5 / ln 2 = 0.4150375 -> reward -0.169925; MDI 0 (no attention
+    # on the text) is as far from balance as can be: -1; NaN, inf and negative: no statistic
+    np.testing.assert_allclose(r, [1, -1, -1, -0.169925, 0, -1, -1, 0, 0], rtol=1e-5, atol=1e-7)
     r3 = float(rl.mdi_balance_reward(jnp.array([1.5]), ratio=3.0)[0])
     np.testing.assert_allclose(r3, 0.2618595, rtol=1e-5)  # 2 (1 - ln 1.5 / ln 3) - 1
     with pytest.raises(ValueError, match="ratio"):

@@ -153,6 +153,7 @@ def test_mdi_reward():
     np.testing.assert_allclose(out, [1.0, 0.0, -1.0, 0.0, 2 * bal - 1])
     assert R.mdi_reward(["a", "b"]) == [0.0, 0.0]  # no statistics: neutral
     assert R.mdi_reward(["a"], mdi=[3.0], mdi_balance_ratio=3.0) == [-1.0]
+    assert R.mdi_reward(["a"] * 3, mdi=[0.0, -1.0, float("inf")]) == [-1.0, 0.0, 0.0]
 
 
 def test_load_reward_fn(tmp_path):
