@@ -17,6 +17,9 @@ Each key is declared once: `c.key = setting(default, rules...)  # what it does`;
 A key without `setting` is checked by its type alone.
 """
 
+import os
+import re
+
 import ml_collections
 from ml_collections.config_dict import placeholder
 
@@ -63,10 +66,15 @@ REWARD_KWARGS = agree(
     lambda v, c: reward_kwargs_error(v) is None, "a Python dict literal, e.g. \"{'k': 0.5}\""
 )
 MESH_AXIS = agree(lambda v, c: v == -1 or v >= 1, "-1 (the rest of the devices) or >= 1")
-ONE_REST = agree(
-    lambda v, c: [c.mesh.data, c.mesh.fsdp, v].count(-1) <= 1,
-    "at most one of mesh.data, mesh.fsdp, mesh.tensor set to -1",
-)
+
+
+def ONE_REST(v, c):  # noqa: N802 -- a rule, named like the others
+    rest = [k for k, x in (("data", c.mesh.data), ("fsdp", c.mesh.fsdp), ("tensor", v)) if x == -1]
+    if len(rest) <= 1:
+        return None
+    return f"at most one of mesh.data, mesh.fsdp, mesh.tensor set to -1 (-1: mesh.{', mesh.'.join(rest)})"
+
+
 RECOMPUTED = agree(
     lambda v, c: c.actor.old_logprobs == "recompute",
     "null unless actor.old_logprobs=recompute (it weighs the recomputed old log-probs "
@@ -96,11 +104,18 @@ def get_config(arg=None):
     # <workdir>/checkpoints/<step> of another run: start from its parameters (fresh optimizer,
     # step 0; also the reference, but with LoRA the base model stays the reference); ignored
     # when workdir has a checkpoint to resume
-    c.load_checkpoint_path = placeholder(str)
+    c.load_checkpoint_path = setting(
+        None,
+        agree(
+            lambda v, c: os.path.basename(v.rstrip("/")).isdigit(),
+            "<dir>/<step>, e.g. runs/x/checkpoints/40",
+        ),
+        type=str,
+    )
     # training (rollout) steps; the cosine schedule ends here
     c.total_steps = setting(60, at_least(1))
     # prompts per step; rows = prompts_per_step * num_generations
-    c.prompts_per_step = setting(8, at_least(1))
+    c.prompts_per_step = setting(8, Range(1, 2**31 - 1))
     c.val_freq = setting(20, NON_NEGATIVE)  # validate every this many steps (and at the last step)
     c.val_before_train = True  # validate at step 0
     # validate and exit (needs held-out rows: data.val_files, or val_size > 0 with the built-in
@@ -321,7 +336,14 @@ def get_config(arg=None):
     c.rollout.oversample = setting(2.0, at_least(1))  # prompts a step starts, x prompts_per_step
     # with rollout.partial: the policy versions (steps) a row may span; a group with an older
     # row is dropped whole and counted (rollout/dropped_stale_rows)
-    c.rollout.max_staleness = setting(1, NON_NEGATIVE)
+    c.rollout.max_staleness = setting(
+        1,
+        NON_NEGATIVE,
+        agree(
+            lambda v, c: v >= 1 or not c.rollout.partial,
+            ">= 1 with rollout.partial (at 0 every carried row would be dropped)",
+        ),
+    )
     # One-step-off training (docs/scaling.md#one-step-off-training): K > 0 gives the sampler K
     # devices of its own (K / hosts on each host) and the train step the rest (config.mesh
     # lays those out); while step k trains, the sampler generates step k+1's batch with the
@@ -440,7 +462,14 @@ def get_config(arg=None):
     # the critic's AdamW learning rate (constant, no weight decay)
     c.critic.lr = setting(1e-5, POSITIVE)
     # the policy is not updated before this step (the critic is)
-    c.critic.warmup_steps = setting(0, NON_NEGATIVE)
+    c.critic.warmup_steps = setting(
+        0,
+        NON_NEGATIVE,
+        agree(
+            lambda v, c: v < c.total_steps or c.algorithm.adv_estimator != "gae",
+            "< total_steps (the policy would never be updated)",
+        ),
+    )
     c.critic.grad_clip = setting(1.0, CAP)  # the critic's gradient global-norm clip
     c.critic.cliprange_value = setting(0.5, CAP)  # value clip: new values within old +- this
     c.critic.value_loss_coef = setting(0.5, NON_NEGATIVE)  # the value loss's weight
@@ -478,7 +507,14 @@ def get_config(arg=None):
     # built-ins, module:fn, path.py:fn or path.py (its compute_score, else main)
     c.reward.funcs = setting(("mc_idx", "think_format"), Each(NON_EMPTY, allow_empty=False))
     # one per func (the regular weights)
-    c.reward.weights = setting((4.0, 1.0), Each(Range(), length="reward.funcs", allow_empty=False))
+    c.reward.weights = setting(
+        (4.0, 1.0),
+        Each(Range(), length="reward.funcs", allow_empty=False),
+        agree(
+            lambda v, c: any(v) or bool(c.reward.model.path),
+            "a weight other than 0 (all 0 and no reward model: every reward 0, nothing learned)",
+        ),
+    )
     # one per func: the names its metrics (reward/<name>, reward/<name>_failures), the markdown
     # logs and the filters use. () = a built-in's name, else the function's (a.py:fn -> fn)
     c.reward.names = setting((), reward_names_rule)
@@ -531,7 +567,14 @@ def get_config(arg=None):
     # generation batches per step to fill it with informative groups; short: the rest is
     # padding (mask 0). 0 = no limit (an error after a whole pass over the data)
     c.filter.max_num_gen_batches = setting(1, NON_NEGATIVE)
-    c.filter.online_filtering = False  # keep filter_low < mean score < filter_high
+    c.filter.online_filtering = setting(  # keep filter_low < mean score < filter_high
+        False,
+        agree(
+            lambda v, c: not v or c.rollout.num_generations > 1,
+            "false with rollout.num_generations=1 (a group of one is never strictly inside "
+            "the band of a 0/1 score: every group would be dropped)",
+        ),
+    )
     # overall (the weighted total: 0..5 with the built-in mc_idx 4 + think_format 1, so the
     # default 0.01 / 0.99 suit a reward name such as mc_idx better) or a reward name
     c.filter.filter_key = setting("overall", reward_metric_rule)
@@ -599,7 +642,14 @@ def get_config(arg=None):
     # multi-host: jax.distributed.initialize before anything touches a device (launch/*.sh)
     c.distributed = ml_collections.ConfigDict()
     c.distributed.enable = False  # True: from the platform's environment unless set below
-    c.distributed.coordinator_address = placeholder(str)  # host:port of process 0; None: env
+    # host:port of process 0; None: env
+    c.distributed.coordinator_address = setting(
+        None,
+        agree(
+            lambda v, c: re.fullmatch(r"\S+:\d+", v) is not None, "host:port, e.g. 10.0.0.2:1234"
+        ),
+        type=str,
+    )
     # processes (hosts) in the run; None: env
     c.distributed.num_processes = setting(None, at_least(1), type=int)
     # this process's index; None: env

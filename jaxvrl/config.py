@@ -179,7 +179,16 @@ def half_divisor(count: FieldReference) -> FieldReference:
     """A count that follows `count` (a config reference): its largest divisor at most half of
     it (half of an even count, 1 for a prime or for 1), e.g. the prompts of each of at least
     two equal mini-batches."""
-    return count._apply_op(lambda n: max(d for d in range(1, max(n // 2, 1) + 1) if n % d == 0))
+    return count._apply_op(_half_divisor)
+
+
+def _half_divisor(n: int) -> int:
+    """n over its smallest prime factor (1 for a prime or for 1), trying factors up to 10^6
+    (a count past 10^12 without one is refused by its own setting's bound anyway)."""
+    for p in range(2, min(math.isqrt(n), 10**6) + 1):
+        if n % p == 0:
+            return n // p
+    return 1
 
 
 def at_least(n) -> Range:
@@ -292,15 +301,18 @@ def _scalar(raw: str, typ: type, key: str):
         raise ConfigError(f"--config.{key}: expected a bool (true/false), got {raw!r}")
     if typ is int:
         try:
-            return int(raw)
+            value = int(raw)
         except ValueError:
             try:  # 1e4
                 f = float(raw)
             except ValueError:
                 f = None
-            if f is not None and f.is_integer():
-                return int(f)
-            raise ConfigError(f"--config.{key}: expected an int, got {raw!r}") from None
+            if f is None or not f.is_integer():
+                raise ConfigError(f"--config.{key}: expected an int, got {raw!r}") from None
+            value = int(f)
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(f"--config.{key}: expected a 64-bit int, got {raw!r}")
+        return value
     if typ is float:
         try:
             return float(raw)
@@ -321,7 +333,9 @@ def _sequence(raw: str, current, key: str):
         items = ast.literal_eval(raw) if raw.strip() else ()
     except (ValueError, SyntaxError):
         items = None
-    if not isinstance(items, list | tuple):
+    if isinstance(items, str):  # one quoted item: '' is none
+        items = [items] if items else []
+    elif not isinstance(items, list | tuple):
         body = raw.strip().strip("()[]")
         items = [s.strip() for s in body.split(",") if s.strip()]
     types = {type(x) for x in current}
@@ -603,10 +617,37 @@ def _flatten(cfg, prefix: str = ""):
             yield name, value
 
 
+def _check_declared(cfg: ml_collections.ConfigDict, source: str) -> None:
+    """A key that the config file set but the base config it builds on (the `configs.base`
+    it imported) does not declare is a misspelling (`c.actor.clip_ratio_hihg = 0.5` would
+    otherwise be a new option that nothing reads), unless the file declares it as a new
+    option with `setting(...)`."""
+    base = sys.modules.get("configs.base")
+    if base is None or not callable(getattr(base, "get_config", None)):
+        return
+    known = flat_keys(base.get_config())
+    fields = dict(_leaf_fields(cfg))
+    for key in flat_keys(cfg):
+        if key not in known and not isinstance(fields.get(key), Setting):
+            raise ConfigError(
+                _unknown_key_message(key, known, source)
+                + "; a new option is declared with setting(default, *rules)"
+            )
+
+
+def _leaf_fields(cfg: ml_collections.ConfigDict, prefix: str = ""):
+    for k, field in cfg._fields.items():
+        if isinstance(field, ml_collections.ConfigDict):
+            yield from _leaf_fields(field, f"{prefix}{k}.")
+        else:
+            yield prefix + k, field
+
+
 def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
     """'configs/x.py[:arg]' + ['key=value', ...] -> validated, locked ConfigDict."""
     source = spec.partition(":")[0]
     cfg = _load_file(spec)
+    _check_declared(cfg, source)
     cfg.lock()
     for item in overrides:
         apply_override(cfg, item, source)

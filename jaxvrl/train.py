@@ -47,6 +47,7 @@ from jaxvrl.config import (
     parse_argv,
     validate,
 )
+from jaxvrl.data.from_config import checkpoint_dir, train_source
 from jaxvrl.data.rows import DataError
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names, show_logs
@@ -70,6 +71,7 @@ from jaxvrl.trainer.packing import StepShapes, fit_batch
 from jaxvrl.trainer.replay_state import encode_items, save_buffer
 from jaxvrl.trainer.reporting import RunLogs, step_scalars
 from jaxvrl.trainer.setup import (
+    check_attention,
     check_decode_attention,
     check_model_settings,
     check_nonfinite,
@@ -85,7 +87,9 @@ from jaxvrl.trainer.setup import (
     process0_says,
     resume,
     reward_functions,
+    rollout_layout,
     run_info,
+    sampling_devices,
     train_data,
     training_mesh,
     val_examples,
@@ -139,14 +143,23 @@ def _run(c) -> dict:
             "it, or use another workdir (or remove those checkpoints)"
         )
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
-    check_model_settings(c, models.load_config(source[0]))
+    # what would end the run later ends it here, before the model loads: settings the model
+    # or the devices cannot take, the rollout's layout, the rewards, the reward model's
+    # checkpoint, the training rows (files, columns, data.format)
+    model_config = models.load_config(source[0])
+    check_model_settings(c, model_config)
+    check_attention(c, mesh.devices.flat[0])
     check_decode_attention(c, mesh.devices.flat[0])  # the rollout's devices are of this platform
-    rewards = reward_functions(c)  # a reward that cannot load ends the run before the model does
+    rollout_layout(c, sampling_devices(c, mesh), model_config.text)
+    rewards = reward_functions(c)
+    if c.reward.model.path:
+        checkpoint_dir(c.reward.model.path, "reward.model.path")
+    rows = train_source(c)
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))
 
     model, tokenizer = load_model(c, source)
-    data, train_rows, skipped = train_data(c, tokenizer, model.config)
+    data, train_rows, skipped = train_data(c, tokenizer, model.config, rows)
     # the state, optimizer state and reference copy are created sharded; init runs on a copy
     # of the model, whose graph after init (LoRA adapters) is the sampler's
     offload = check_offload(c, mesh)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxvrl.config import ConfigError
 from jaxvrl.models import lora
 from jaxvrl.sampling.layout import rollout_dtype
 from jaxvrl.trainer import critic as critic_lib
@@ -109,15 +110,18 @@ def apply_lora(model, c) -> list[str]:
     lc = c.lora
     if lc.rank <= 0 or any(isinstance(n, lora.LoRALinear) for _, n in nnx.iter_graph(model)):
         return []
-    return lora.apply_lora(
-        model,
-        lc.rank,
-        lc.alpha,
-        lc.dropout,
-        tuple(lc.target_modules),
-        seed=c.seed,
-        quantize=lc.quantize,  # QLoRA: int8 | int4 | nf4
-    )
+    try:
+        return lora.apply_lora(
+            model,
+            lc.rank,
+            lc.alpha,
+            lc.dropout,
+            tuple(lc.target_modules),
+            seed=c.seed,
+            quantize=lc.quantize,  # QLoRA: int8 | int4 | nf4
+        )
+    except ValueError as e:  # target modules that name no projection of this model
+        raise ConfigError(f"config.{e}") from None
 
 
 def init_train_state(model, c):

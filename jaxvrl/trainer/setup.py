@@ -73,11 +73,12 @@ from jaxvrl.trainer.scoring import RewardScorer
 log = logging.getLogger("jaxvrl")
 
 
-def train_data(c, tokenizer, model_config=None):
+def train_data(c, tokenizer, model_config=None, source=None):
     """-> (iterator, rows, skip stats): a grain iterator of prompts_per_step encoded examples
     per next() (shuffled per epoch, sharded per process; its state goes into the checkpoint),
-    the number of rows in this process's shard, and the live counts of skipped bad rows."""
-    source = train_source(c)
+    the number of rows in this process's shard, and the live counts of skipped bad rows.
+    source: the rows, `train_source(c)` when None."""
+    source = train_source(c) if source is None else source
     ds, stats = make_dataset(
         source,
         tokenizer,
@@ -450,6 +451,23 @@ def make_samplers(graph, mcfg, tokenizer, c, mesh=None, model_dir=None):
     greedy = dataclasses.replace(cfg, temperature=0.0, entropies=False, routes=False)
     split = c.rollout.mesh.sequence if rmesh is not None else 1
     return Sampler(graph, cfg, rmesh, dtype, split), Sampler(graph, greedy, rmesh, dtype, split)
+
+
+# the training kernels (model.attention) that only one platform runs
+ATTENTION_PLATFORMS = {"splash": "tpu", "cudnn": "gpu"}
+
+
+def check_attention(c, device) -> None:
+    """A ConfigError where model.attention names a kernel that the run's devices (of
+    `device`'s platform) cannot run."""
+    name = c.model.attention
+    need = ATTENTION_PLATFORMS.get(name)
+    if need and device.platform != need:
+        raise ConfigError(
+            f"config.model.attention={name!r}: that kernel runs on {need.upper()}s, the run's "
+            f"devices are {device.platform}; set it to 'auto' (the platform's own), 'xla' "
+            "or 'flash'"
+        )
 
 
 def check_decode_attention(c, device) -> None:

@@ -236,6 +236,47 @@ def test_missing_or_bad_files(tmp_path):
             load_config(str(bad))
 
 
+def test_a_misspelt_key_in_a_config_file_is_refused(tmp_path):
+    """A preset's `c.actor.clip_ratio_hihg = 0.5` would be a new key that nothing reads; a new
+    option declared with setting(...) is welcome."""
+    (tmp_path / "typo.py").write_text(
+        "from configs import base\n\n\ndef get_config(arg=None):\n"
+        "    c = base.get_config(arg)\n    c.actor.clip_ratio_hihg = 0.5\n    return c\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"'actor\.clip_ratio_hihg' .*close names: actor\.clip_ratio_high"
+    ):
+        load_config(str(tmp_path / "typo.py"))
+
+
+BEFORE_THE_MODEL = [
+    ("model.attention=splash", r"model\.attention='splash': that kernel runs on TPUs"),
+    ("model.attention=cudnn", r"model\.attention='cudnn': that kernel runs on GPUs"),
+    ("rollout.mesh.tensor=3", r"config\.rollout\.mesh: .*'tensor': 3"),
+    ("data.train_files=/nonexistent/x.jsonl", r"train_files='/nonexistent/x\.jsonl'"),
+    ("reward.model.path=/nonexistent/rm", r"reward\.model\.path.*/nonexistent/rm"),
+    ("data.prompt_key=question", r"no column 'question' for config\.data\.prompt_key"),
+]
+
+
+@pytest.mark.parametrize("override,message", BEFORE_THE_MODEL, ids=[b[0] for b in BEFORE_THE_MODEL])
+def test_what_would_end_the_run_later_ends_it_before_the_model_loads(
+    override, message, tmp_path, monkeypatch
+):
+    import json
+
+    import jaxvrl.train as T
+
+    monkeypatch.setattr(T, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    more = [f"data.train_files={tmp_path / 'rows.jsonl'}"] if "prompt_key" in override else []
+    c = load_config(
+        os.path.join(ROOT, "configs/grpo.py"), [f"workdir={tmp_path / 'run'}", override, *more]
+    )
+    with pytest.raises(ConfigError, match=message):
+        T.run(c)
+
+
 def test_actor_options_live_only_under_actor():
     c = cfg_of("actor.use_kl_loss=true", "actor.kl_loss_coef=0.05")
     assert c.actor.use_kl_loss is True and c.actor.kl_loss_coef == 0.05
@@ -431,7 +472,14 @@ def test_a_setting_declared_in_one_place_reaches_the_step_with_its_rule(tmp_path
 # A user's mistakes: each refused at load, naming its key (the whole run's check is `validate`).
 BAD = [
     ("save_freq=-1", r"save_freq=-1 .*>= 0"),
-    ("seed=9223372036854775808", r"seed=9223372036854775808 .*in \[0, 9223372036854775808\)"),
+    ("seed=9223372036854775808", r"config\.seed: expected a 64-bit int"),
+    ("seed=-1", r"seed=-1 .*in \[0, 9223372036854775808\)"),
+    ("prompts_per_step=1e30", r"prompts_per_step: expected a 64-bit int"),
+    ("prompts_per_step=1e12", r"prompts_per_step=1000000000000 .*in \[1, 2147483647\]"),
+    ("load_checkpoint_path=abc", r"load_checkpoint_path='abc' .*<dir>/<step>"),
+    ("distributed.coordinator_address=abc", r"coordinator_address='abc' .*host:port"),
+    ("reward.weights=0,0", r"reward\.weights=\(0\.0, 0\.0\) .*a weight other than 0"),
+    ("lora.target_modules=''", r"lora\.target_modules=\(\) .*at least one value"),
     ("reward.early_steps=5", r"early_steps=5 .*exactly when reward\.early_weights are given"),
     ("data.format=rows.py:f", r"data\.format='rows\.py:f' .*null unless data\.train_files"),
     ("reward.weights=nan,1", r"reward\.weights=.*a number \(not NaN\) \(nan is not\)"),
@@ -453,7 +501,7 @@ BAD = [
     ("vgr.token_weight_clip=3,0.2", r"vgr\.token_weight_clip=\(3\.0, 0\.2\) .*low <= high"),
     ("filter.replay_buffer.capacity=0", r"replay_buffer\.capacity=0 .*>= 1"),
     ("actor.global_batch_size=3", r"actor\.global_batch_size=3 .*divisor of prompts_per_step"),
-    ("mesh.data=-1", r"mesh\.tensor=1 .*at most one of mesh\.data, mesh\.fsdp"),
+    ("mesh.data=-1", r"at most one of mesh\.data, .* \(-1: mesh\.data, mesh\.fsdp\)"),
     ("model.attention=fast", r"model\.attention='fast' .*auto, xla, flash, splash, cudnn"),
     ("lora.quantize=int8", r"lora\.quantize='int8' .*none unless lora\.rank > 0"),
     # settings that would train nothing
@@ -495,6 +543,14 @@ def test_rollout_devices_that_leave_no_device_to_train_name_that_key():
 def test_settings_that_would_do_nothing_or_something_else_are_refused():
     with pytest.raises(ConfigError, match=r"rollout\.partial=True .*remax"):
         cfg_of("rollout.partial=true", "algorithm.adv_estimator=remax")
+    with pytest.raises(ConfigError, match=r"max_staleness=0 .*>= 1 with rollout\.partial"):
+        cfg_of("rollout.partial=true", "rollout.max_staleness=0")
+    with pytest.raises(ConfigError, match=r"online_filtering=True .*num_generations=1"):
+        cfg_of("filter.online_filtering=true", "rollout.num_generations=1",
+               "algorithm.adv_estimator=remax")  # fmt: skip
+    path = os.path.join(ROOT, "configs/ppo.py")
+    with pytest.raises(ConfigError, match=r"critic\.warmup_steps=60 .*< total_steps"):
+        cfg_of("critic.warmup_steps=60", "total_steps=60", path=path)
     with pytest.raises(ConfigError, match=r"reward\.names=\('model', 'f'\) .*reward model's"):
         cfg_of("reward.model.path=rm", "reward.names=model,f")
     # where inf turns a cap or a bound off, it is a value
