@@ -156,7 +156,9 @@ def get_config(arg=None):
     c.model = ml_collections.ConfigDict()
     # HF checkpoint: a directory (local or gs://) or a Hub name org/name[@revision]; None = the
     # embedded tiny checkpoint of data.builtin_task
-    c.model.path = placeholder(str)
+    c.model.path = setting(
+        None, agree(lambda v, c: bool(v), "a path or a Hub name (null: the embedded one)"), type=str
+    )
     # a published config without weights (qwen2.5-vl-3b | 7b | 32b | 72b): shapes for
     # `python -m jaxvrl.aot` only; training needs model.path
     c.model.preset = setting(None, PRESET, type=str)
@@ -189,7 +191,11 @@ def get_config(arg=None):
     # comma-separated JSONL / JSON / parquet files or directories of them (local or gs://),
     # save_to_disk directories, or Hub datasets org/name[:config][@split]; None = the built-in
     # task
-    c.data.train_files = placeholder(str)
+    c.data.train_files = setting(
+        None,
+        agree(lambda v, c: bool(v), "files, folders or a Hub dataset (null: the built-in task)"),
+        type=str,
+    )
     # held-out files, same formats; None: the built-in task's test split (val_size prompts), or
     # no validation when train_files is set
     c.data.val_files = placeholder(str)

@@ -93,7 +93,7 @@ def test_grpo_trains_a_text_model_on_text_rows(llama, tmp_path):
     [
         ("configs/tprl.py", (), "tprl.enable_perception_filtering"),
         ("configs/vgr.py", (), "vgr.enable_token_weights"),
-        ("configs/grpo.py", ("data.train_files=",), "data.builtin_task"),
+        ("configs/grpo.py", ("data.train_files=null",), "data.builtin_task"),
     ],
 )
 def test_what_needs_an_image_is_refused_at_start(llama, tmp_path, config, extra, key):
