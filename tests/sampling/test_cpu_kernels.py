@@ -194,6 +194,13 @@ def test_categorical_pick_frequencies_are_the_softmax():
     np.testing.assert_allclose(counts, n * p / p.sum(), atol=1.01)
     with pytest.raises(ValueError, match="temperature"):
         cpu_kernels.categorical_pick(jnp.asarray(x), jnp.asarray(u), (), 0.0)
+    # a suppressed id far above the rest (exp of its gap overflows even a double): the
+    # log-prob is still log softmax(x / T) over every id
+    far = np.zeros((2, 64), np.float32)
+    far[:, 5] = 80.0
+    tok, lp = cpu_kernels.categorical_pick(jnp.asarray(far), jnp.asarray([0.1, 0.9]), (5,), 0.1)
+    assert 5 not in np.asarray(tok).tolist()
+    np.testing.assert_allclose(np.asarray(lp), [-800.0, -800.0], rtol=1e-6)
 
 
 @needs_kernel

@@ -321,7 +321,8 @@ void SampleRow(const float* x, int64_t v, float temp, float u, const int32_t* su
   const float shift = t.top / temp;  // = max of x / temp over the pickable ids
   const int64_t n_blocks = (v + kBlock - 1) / kBlock;
   std::vector<double> mass(n_blocks);  // per block, over the pickable ids
-  double total = 0.0, others = 0.0;    // others: the suppressed ids (normaliser only)
+  double total = 0.0;                  // over the pickable ids, relative to the shift
+  std::vector<double> others;          // the suppressed ids' x / temp (normaliser only)
   int64_t last = -1;                   // the last block with mass
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t b0 = b * kBlock, b1 = std::min(v, b0 + kBlock);
@@ -332,8 +333,8 @@ void SampleRow(const float* x, int64_t v, float temp, float u, const int32_t* su
       m = BlockExpSum(x + b0, temp, shift);
     } else {
       for (int64_t i = b0; i < b1; ++i) {
-        if (IsSuppressed(i, suppress, n_suppress))  // may exceed the shift: double exp
-          others += std::exp(static_cast<double>(x[i] / temp) - shift);
+        if (IsSuppressed(i, suppress, n_suppress))
+          others.push_back(static_cast<double>(x[i] / temp));
         else
           m += Exp1(x[i] / temp - shift);
       }
@@ -361,7 +362,13 @@ void SampleRow(const float* x, int64_t v, float temp, float u, const int32_t* su
     if (run > target) break;
   }
   *tok = static_cast<int32_t>(pick);
-  *lp = static_cast<float>(static_cast<double>(x[pick] / temp) - shift - std::log(total + others));
+  // log of the normaliser over every id: a suppressed id may lie far above the shift (exp
+  // would overflow even in double), so the sum is taken relative to the largest term
+  double top = shift;
+  for (double o : others) top = std::max(top, o);
+  double sum = total * std::exp(shift - top);
+  for (double o : others) sum += std::exp(o - top);
+  *lp = static_cast<float>(static_cast<double>(x[pick] / temp) - top - std::log(sum));
 }
 
 ffi::Error GreedyPick(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
