@@ -83,16 +83,23 @@ def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
     """Nucleus filtering: keep the smallest set of most probable tokens whose probability
     reaches top_p (always at least one; ties at the boundary are kept), others NEG_INF.
 
-    Exact: the threshold comes from the top 64 probabilities when they reach top_p in every
-    row, else from a 32-step bisection on the probabilities' bit patterns (no sort).
+    Exact: a row's threshold comes from its top 64 probabilities when they reach top_p, else
+    from a 32-step bisection on its probabilities' bit patterns (no sort; run only when some
+    row needs it). The choice is each row's own, so a row's kept set does not depend on the
+    other rows of the call (the two round differently at a mass within float32 rounding of
+    top_p).
     """
     if top_p >= 1.0:
         return logits
     probs = jax.nn.softmax(logits, axis=-1)
     vals = jax.lax.top_k(probs, min(_TOP_P_CANDIDATES, probs.shape[-1]))[0]  # sorted, desc
-    fits = jnp.all(jnp.sum(vals, axis=-1) >= top_p)
+    p = jnp.float32(top_p)
+    fits = jnp.sum(vals, axis=-1, keepdims=True) >= p  # [B, 1]
+    fast = _nucleus_threshold_fast(probs, vals, p)
     thr = jax.lax.cond(
-        fits, _nucleus_threshold_fast, _nucleus_threshold_bisect, probs, vals, jnp.float32(top_p)
+        jnp.all(fits),
+        lambda: fast,
+        lambda: jnp.where(fits, fast, _nucleus_threshold_bisect(probs, vals, p)),
     )
     return jnp.where(probs >= thr, logits, NEG_INF)
 

@@ -50,6 +50,23 @@ def test_top_p_matches_sorted_reference(top_p, peaked):
     assert np.all(kept.sum(-1) >= 1)
 
 
+def test_a_rows_top_p_set_does_not_depend_on_the_other_rows():
+    """top_p at a cumulative mass (and one float32 step either side) of peaked rows: each row
+    keeps the same tokens alone as beside a flat row, which takes the bisection path."""
+    rng = np.random.default_rng(0)
+    flat = np.zeros((1, 1000), np.float32)  # its top 64 hold 6.4%: bisection
+    differ = 0
+    for _ in range(30):
+        x = (rng.standard_normal((1, 1000)) * 4).astype(np.float32)
+        desc = np.sort(np.asarray(jax.nn.softmax(jnp.asarray(x), -1))[0])[::-1]
+        p = np.cumsum(desc.astype(np.float32))[int(rng.integers(0, 5))]
+        for q in (p, np.nextafter(p, np.float32(1)), np.nextafter(p, np.float32(0))):
+            alone = np.asarray(rules.top_p_filter(jnp.asarray(x), float(q)))[0] > CUT
+            both = np.asarray(rules.top_p_filter(jnp.asarray(np.concatenate([x, flat])), float(q)))
+            differ += int((alone != (both[0] > CUT)).any())
+    assert differ == 0
+
+
 def test_first_argmax_and_top_k_ties():
     x = jnp.array([[1.0, 3.0, 3.0, 0.0], [2.0, -1.0, 2.0, 2.0]])
     np.testing.assert_array_equal(rules.first_argmax(x), [1, 0])
