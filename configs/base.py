@@ -17,6 +17,7 @@ Each key is declared once: `c.key = setting(default, rules...)  # what it does`;
 A key without `setting` is checked by its type alone.
 """
 
+import math
 import os
 import re
 
@@ -598,7 +599,9 @@ def get_config(arg=None):
     c.filter.replay_buffer.capacity = setting(64, at_least(1))  # groups
     c.filter.replay_buffer.min_std = setting(1e-6, NON_NEGATIVE)  # informative: std >= min_std and
     # min_mean <= mean <= max_mean
-    c.filter.replay_buffer.min_mean = setting(float("-inf"), Range(finite=False))
+    c.filter.replay_buffer.min_mean = setting(
+        float("-inf"), Range(None, math.inf, hi_open=True, finite=False)
+    )
     # informative: mean <= max_mean
     c.filter.replay_buffer.max_mean = setting(
         float("inf"),

@@ -475,6 +475,7 @@ BAD = [
     ("seed=9223372036854775808", r"config\.seed: expected a 64-bit int"),
     ("seed=-1", r"seed=-1 .*in \[0, 9223372036854775808\)"),
     ("model.path=", r"model\.path='' .*null: the embedded one"),  # an unset $MODEL
+    ("filter.replay_buffer.min_mean=inf", r"min_mean=inf .*< inf"),  # nothing stored
     ("data.train_files=", r"train_files='' .*null: the built-in task"),
     ("prompts_per_step=1e30", r"prompts_per_step: expected a 64-bit int"),
     ("prompts_per_step=1e12", r"prompts_per_step=1000000000000 .*in \[1, 2147483647\]"),
