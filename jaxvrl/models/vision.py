@@ -270,8 +270,10 @@ class VisionTower(nnx.Module):
                     taken[deep.index(i)] = x
         out = self.merger(x)
         levels = None
-        if deep:
-            levels = jnp.stack([m(t) for m, t in zip(self.deepstack_merger_list, taken)])
+        if deep:  # in block order, as transformers collects them (a repeated block once),
+            # each through the merger at the block's first place in the list
+            first = [deep.index(b) for b in sorted(set(deep))]
+            levels = jnp.stack([self.deepstack_merger_list[k](taken[k]) for k in first])
         if rows:
             return out, levels
         return out[0], None if levels is None else levels[:, 0]

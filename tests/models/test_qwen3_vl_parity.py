@@ -125,10 +125,12 @@ def test_images_and_videos_in_a_left_padded_batch(tiny, mixed):
 
 
 def test_tied_embeddings_and_export(tmp_path, mixed):
-    """A tied head: logits, and the export transformers loads back to the same logits."""
+    """A tied head: logits, and the export transformers loads back to the same logits. The
+    DeepStack blocks listed out of order and one twice (1, 0, 1): transformers takes them in
+    block order, once each, through the merger at each block's first place in the list."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    hf = T.build(tmp_path / "tied", seed=5, tie=True, layers=2, deepstack=(1,), positions=16)
+    hf = T.build(tmp_path / "tied", seed=5, tie=True, layers=2, deepstack=(1, 0, 1), positions=16)
     model = M.load(tmp_path / "tied")
     assert model.config.tie_word_embeddings and not hasattr(model, "lm_head")
     m = dict(mixed)
