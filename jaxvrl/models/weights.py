@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -349,6 +350,20 @@ def _shard_files(path: str) -> dict[str, str]:
     return out
 
 
+def _stored_head_differs(files: dict, table) -> bool:
+    """Whether the checkpoint's files ({key: file}) store an output head that is not its
+    token embedding."""
+    head = next((k for k in files if (table.hf_to_path(k) or ("",))[0] == "lm_head.kernel"), None)
+    embed = next((k for k in files if k.endswith("embed_tokens.weight")), None)
+    if head is None or embed is None:
+        return False
+    tensors = []
+    for key in (head, embed):
+        with safe_open(files[key], "np") as f:
+            tensors.append(f.get_tensor(key))
+    return tensors[0].shape != tensors[1].shape or not np.array_equal(*tensors)
+
+
 def _dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
@@ -374,6 +389,16 @@ def load(
     path = os.fspath(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     table: KeyTable = family.keys
+    files = _shard_files(path)
+    if cfg.tie_word_embeddings and _stored_head_differs(files, table):
+        # transformers then keeps the stored head (it warns and does not tie): so do we
+        logging.getLogger("jaxvrl").warning(
+            "%s: config.json ties the output head to the embeddings, but the checkpoint stores "
+            "an lm_head.weight that differs from them; using the stored head, as transformers "
+            "does",
+            path,
+        )
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     abstract = nnx.eval_shape(
         lambda: build(
             cfg,
@@ -389,7 +414,6 @@ def load(
     loaded: dict[str, np.ndarray] = {}
     filled: dict[str, set] = {}  # stacked path -> layers filled
     unknown = []
-    files = _shard_files(path)
     by_file: dict[str, list[str]] = {}
     for key, file in files.items():
         by_file.setdefault(file, []).append(key)

@@ -109,6 +109,25 @@ def test_logits_and_config(checkpoints, case):
     assert_close(ours(model, ids, mask).logits, hf_logits(hf, ids, mask), mask)
 
 
+def test_a_tied_config_with_a_stored_head_of_its_own_keeps_that_head(checkpoints, tmp_path):
+    """config.json ties the head, yet the checkpoint stores an lm_head.weight unlike the
+    embeddings (a fine-tune exported untied, its config stale): transformers keeps the stored
+    head, and so does the loader."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    _, _, path = checkpoints(CASES[5])  # qwen2, untied
+    shutil.copytree(path, tmp_path / "stale")
+    d = json.loads((tmp_path / "stale" / "config.json").read_text())
+    (tmp_path / "stale" / "config.json").write_text(json.dumps({**d, "tie_word_embeddings": True}))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "stale").eval()
+    model = M.load(tmp_path / "stale")
+    assert hasattr(model, "lm_head") and not model.config.tie_word_embeddings
+    ids, mask = T.prompts(seed=1)
+    assert_close(ours(model, ids, mask).logits, hf_logits(hf, ids, mask), mask)
+
+
 @pytest.mark.parametrize(
     "case", [CASES[1], CASES[2], CASES[5], CASES[6], CASES[9]], ids=_IDS[1:3] + _IDS[5:7] + _IDS[9:]
 )
