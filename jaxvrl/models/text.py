@@ -290,11 +290,14 @@ def _sliding_window(d: dict, entry: TextFamily, source: str) -> int:
     null: none), or a one-line refusal naming the key that asks for one the family's entry
     does not read."""
     types = set(d.get("layer_types") or ())
-    if d.get("use_sliding_window"):
-        raise ConfigError(
-            f"{source}: use_sliding_window=true: sliding-window attention on some layers is "
-            "not supported"
-        )
+    if not types and d.get("use_sliding_window"):  # Qwen2/Qwen3: layers from max_window_layers
+        n, first = d.get("num_hidden_layers", 0), d.get("max_window_layers", 28)
+        types = {"sliding_attention" if i >= first else "full_attention" for i in range(n)}
+        if types == {"sliding_attention"} or len(types) > 1:
+            raise ConfigError(
+                f"{source}: use_sliding_window=true with max_window_layers={first} of {n} "
+                "layers: sliding-window attention on those layers is not supported"
+            )
     if types - {"full_attention", "sliding_attention"} or len(types) > 1:
         raise ConfigError(
             f"{source}: layer_types {sorted(types)}: mixed sliding-window and full attention "

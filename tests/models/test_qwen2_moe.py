@@ -171,7 +171,10 @@ def test_the_shared_expert_shards_like_the_dense_mlp():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"use_sliding_window": True}, "use_sliding_window=true: sliding-window"),
+        (
+            {"use_sliding_window": True, "max_window_layers": 0},
+            "use_sliding_window=true with max_window_layers=0 of 1 layers: sliding-window",
+        ),
         ({"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be"),
     ],
 )

@@ -293,7 +293,10 @@ def test_rope_index_and_generation_config(checkpoints):
     "change, message",
     [
         ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "not supported"),
-        ({"use_sliding_window": True}, "use_sliding_window=true: sliding-window"),
+        (
+            {"use_sliding_window": True, "max_window_layers": 0},
+            "use_sliding_window=true with max_window_layers=0 of 1 layers: sliding-window",
+        ),
         ({"layer_types": ["sliding_attention"]}, "layer_types .*: sliding-window"),
         (
             {"model_type": "mistral", "layer_types": ["sliding_attention", "full_attention"]},
@@ -307,6 +310,17 @@ def test_unsupported_configs_are_refused(change, message):
     d = {"model_type": "llama", "num_hidden_layers": 1} | change
     with pytest.raises(ConfigError, match=message):
         M.config_from_hf(d)
+
+
+def test_sliding_window_asked_for_on_no_layer_is_full_attention():
+    """Qwen2/Qwen3's use_sliding_window slides only the layers from max_window_layers on
+    (transformers' layer_types): where that is none, the model is full attention."""
+    for d in (
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+        {"use_sliding_window": True, "layer_types": ["full_attention"] * 2},
+    ):
+        cfg = M.config_from_hf({"model_type": "qwen2", "num_hidden_layers": 2} | d)
+        assert cfg.text.sliding_window == 0
 
 
 # name: (billions of parameters as the model cards round them, family, tied head)
