@@ -94,6 +94,7 @@ class CriticSettings:
 class LoraSettings:
     rank: int
     train_vision: bool
+    dropout: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,13 +286,16 @@ class StepConfig:
         log-probs (old = stop_gradient(logp), as TRL does), entropies and attention masses
         itself: the extra forward is needed only for what must be known before the loss (the
         KL in the reward, the critic's values), for token shaping that spans several
-        micro-batches or updates, or when asked for (old_logprobs="recompute")."""
+        micro-batches or updates or that LoRA dropout would reach (the loss pass drops adapter
+        inputs; the perturbed pass and the shaping's old policy do not), or when asked for
+        (old_logprobs="recompute")."""
         split = self.micro_batches > 1 or self.updates > 1 or self.actor.dynamic_batching
+        dropout = self.uses_lora and self.lora.dropout > 0
         return (
             self.algorithm.use_kl_in_reward
             or self.has_critic
             or self.actor.old_logprobs == "recompute"
-            or (self.shapes_tokens and split)
+            or (self.shapes_tokens and (split or dropout))
         )
 
     @property

@@ -294,6 +294,11 @@ def test_shaping_in_the_loss_pass_reads_this_policy_not_an_older_samplers(model)
         }
     )
     assert cfg.shaping_in_loss and cfg.sampler_old
+    # LoRA dropout reaches the loss pass, not the perturbed one: the shaping then reads a
+    # dropout-free old-policy pass (without dropout, the loss pass still serves)
+    lora = {"lora.rank": 4, "tprl.enable_perception_filtering": True}
+    assert step_config({**lora, "lora.dropout": 0.05}).old_pass
+    assert step_config({**lora, "lora.dropout": 0.0}).shaping_in_loss
     step = make_train_step(graphdef, tx, cfg)
     state = init_state(model, tx)
     got = []
