@@ -47,7 +47,7 @@ from jaxvrl.config import (
     parse_argv,
     validate,
 )
-from jaxvrl.data.from_config import checkpoint_dir, train_source
+from jaxvrl.data.from_config import check_val_files, checkpoint_dir, train_source
 from jaxvrl.data.rows import DataError
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names, show_logs
@@ -145,7 +145,7 @@ def _run(c) -> dict:
     source = model_source(c)  # a Hub name or gs:// directory fetched: before any loading
     # what would end the run later ends it here, before the model loads: settings the model
     # or the devices cannot take, the rollout's layout, the rewards, the reward model's
-    # checkpoint, the training rows (files, columns, data.format)
+    # checkpoint, the training and held-out files (columns, data.format)
     model_config = models.load_config(source[0])
     check_model_settings(c, model_config)
     check_attention(c, mesh.devices.flat[0])
@@ -155,6 +155,7 @@ def _run(c) -> dict:
     if c.reward.model.path:
         checkpoint_dir(c.reward.model.path, "reward.model.path")
     rows = train_source(c)
+    check_val_files(c)
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))
 

@@ -116,6 +116,17 @@ def train_source(c):
     return make("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
 
 
+def check_val_files(c) -> None:
+    """The files of `data.val_files` opened and checked as `train_source` checks its own (a
+    file that is not there or lacks a column is a ConfigError), before anything loads; their
+    rows are read later."""
+    if c.data.val_files:
+        try:
+            open_sources(data_paths(c.data.val_files), fmt=row_format(c))
+        except DataNotFound as e:
+            raise ConfigError(f"config.data.val_files={e.path!r}: {e.reason}") from None
+
+
 def model_dir(c) -> str:
     """The local directory of the checkpoint whose tokenizer and processor read the rows:
     `model.path` (a local directory; a Hub name or gs:// directory as the main job fetches

@@ -254,6 +254,7 @@ BEFORE_THE_MODEL = [
     ("model.attention=cudnn", r"model\.attention='cudnn': that kernel runs on GPUs"),
     ("rollout.mesh.tensor=3", r"config\.rollout\.mesh: .*'tensor': 3"),
     ("data.train_files=/nonexistent/x.jsonl", r"train_files='/nonexistent/x\.jsonl'"),
+    ("data.val_files=/nonexistent/v.jsonl", r"val_files='/nonexistent/v\.jsonl'"),
     ("reward.model.path=/nonexistent/rm", r"reward\.model\.path.*/nonexistent/rm"),
     ("data.prompt_key=question", r"no column 'question' for config\.data\.prompt_key"),
 ]
