@@ -47,7 +47,7 @@ from jaxvrl.config import (
     parse_argv,
     validate,
 )
-from jaxvrl.data.from_config import check_val_files, checkpoint_dir, train_source
+from jaxvrl.data.from_config import checkpoint_dir, train_source, val_sources
 from jaxvrl.data.rows import DataError
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names, show_logs
@@ -155,7 +155,7 @@ def _run(c) -> dict:
     if c.reward.model.path:
         checkpoint_dir(c.reward.model.path, "reward.model.path")
     rows = train_source(c)
-    check_val_files(c)
+    held_out = val_sources(c)
     if primary:
         write_run_info(logdir, run_info(c, commit=source[1]))
 
@@ -186,7 +186,7 @@ def _run(c) -> dict:
     phase = make_rollout_phase(
         c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh, fns=rewards
     )
-    examples = val_examples(c, tokenizer, model.config)
+    examples = val_examples(c, tokenizer, model.config, held_out)
     validate = make_validate(c, examples, greedy, model.config, tokenizer, rmesh, phase)
     ckpt = Checkpointer(os.path.join(c.workdir, "checkpoints"), c.max_to_keep)
     state = runtime.place_state(state, s.state_shardings)  # the restore target's shardings

@@ -13,7 +13,7 @@ from jaxvrl import models
 from jaxvrl.config import ConfigError
 from jaxvrl.data.columns import RowFormat
 from jaxvrl.data.rows import EncodeOptions
-from jaxvrl.data.sources import DataNotFound, open_sources
+from jaxvrl.data.sources import DataNotFound, open_source, open_sources
 from jaxvrl.data.tasks import TASKS, BuiltinTask
 
 
@@ -116,15 +116,16 @@ def train_source(c):
     return make("train", c.data.synthetic_train_size, c.seed, kinds=kinds)
 
 
-def check_val_files(c) -> None:
-    """The files of `data.val_files` opened and checked as `train_source` checks its own (a
-    file that is not there or lacks a column is a ConfigError), before anything loads; their
-    rows are read later."""
-    if c.data.val_files:
-        try:
-            open_sources(data_paths(c.data.val_files), fmt=row_format(c))
-        except DataNotFound as e:
-            raise ConfigError(f"config.data.val_files={e.path!r}: {e.reason}") from None
+def val_sources(c) -> list[tuple[str, object]]:
+    """[(path, source)] of `data.val_files` ([] without them), each opened and checked as
+    `train_source` checks its own (a file that is not there or lacks a column is a
+    ConfigError)."""
+    if not c.data.val_files:
+        return []
+    try:
+        return [(p, open_source(p, fmt=row_format(c))) for p in data_paths(c.data.val_files)]
+    except DataNotFound as e:
+        raise ConfigError(f"config.data.val_files={e.path!r}: {e.reason}") from None
 
 
 def model_dir(c) -> str:

@@ -28,15 +28,13 @@ from jaxvrl.config import (
 from jaxvrl.data.from_config import (
     builtin_task,
     checkpoint_dir,
-    data_paths,
     encode_options,
-    row_format,
     train_source,
+    val_sources,
 )
 from jaxvrl.data.loader import make_dataset
-from jaxvrl.data.pipeline import collate, encode_rows, read_rows
+from jaxvrl.data.pipeline import collate, encode_rows
 from jaxvrl.data.rows import checkpoint_json_key, load_tokenizer
-from jaxvrl.data.sources import DataNotFound
 from jaxvrl.models import load
 from jaxvrl.models.moe import sparse_layers
 from jaxvrl.parallel import runtime
@@ -92,16 +90,14 @@ def train_data(c, tokenizer, model_config=None, source=None):
     return iter(ds), -(-len(source) // jax.process_count()), stats
 
 
-def val_examples(c, tokenizer, model_config=None) -> list:
-    """Encoded held-out examples (val_files, or the built-in task's test split)."""
+def val_examples(c, tokenizer, model_config=None, sources=None) -> list:
+    """Encoded held-out examples (val_files, or the built-in task's test split). sources: the
+    val files as `val_sources(c)` opened them (opened here when None)."""
     opts = encode_options(c, model_config)
     if c.data.val_files:
         examples, stats = [], None
-        for path in data_paths(c.data.val_files):
-            try:
-                rows = read_rows(path, fmt=row_format(c))
-            except DataNotFound as e:
-                raise ConfigError(f"config.data.val_files={e.path!r}: {e.reason}") from None
+        for path, src in val_sources(c) if sources is None else sources:
+            rows = [src[i] for i in range(len(src))]
             ex, stats = encode_rows(rows, tokenizer, opts, source=path, stats=stats)
             examples += ex
     elif not c.data.train_files:
