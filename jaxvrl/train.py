@@ -150,7 +150,7 @@ def _run(c) -> dict:
     check_model_settings(c, model_config)
     check_attention(c, mesh.devices.flat[0])
     check_decode_attention(c, mesh.devices.flat[0])  # the rollout's devices are of this platform
-    rollout_layout(c, sampling_devices(c, mesh), model_config.text)
+    layout = rollout_layout(c, sampling_devices(c, mesh), model_config.text)
     rewards = reward_functions(c)
     if c.reward.model.path:
         checkpoint_dir(c.reward.model.path, "reward.model.path")
@@ -181,7 +181,9 @@ def _run(c) -> dict:
     )
     train_step, known_shapes = program.fn, set(program.shapes)
     programs_before = runtime.compiles(train_step)
-    sampler, greedy = make_samplers(s.model_graphdef, model.config, tokenizer, c, mesh, source[0])
+    sampler, greedy = make_samplers(
+        s.model_graphdef, model.config, tokenizer, c, mesh, source[0], layout
+    )
     rmesh = sampler.mesh  # the rollout's layout: the prompts go there
     phase = make_rollout_phase(
         c, sampler, greedy, tokenizer, model.config, step_cfg, rmesh, fns=rewards

@@ -432,15 +432,16 @@ def rollout_layout(c, mesh, text_cfg, processes: int | None = None) -> tuple:
     return rmesh, dtype  # the same devices' platform as `mesh`'s
 
 
-def make_samplers(graph, mcfg, tokenizer, c, mesh=None, model_dir=None):
+def make_samplers(graph, mcfg, tokenizer, c, mesh=None, model_dir=None, layout=None):
     """-> (sampler, greedy): the rollout sampler and the greedy one for validation, for the
     model graph `graph` (after init: with LoRA adapters) with config `mcfg` (model_dir: its
     checkpoint's directory, for generation_config.json's stop ids), in the rollout layout
     over the devices of the training mesh `mesh`, or the sampler's own with rollout.devices
-    (`rollout_layout`, `sampling_devices`; None: one device, the model's dtype)."""
+    (`rollout_layout`, `sampling_devices`; None: one device, the model's dtype). layout: that
+    (mesh, dtype) where the caller has it already."""
     rmesh, dtype = None, None
     if mesh is not None:
-        rmesh, dtype = rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
+        rmesh, dtype = layout or rollout_layout(c, sampling_devices(c, mesh), mcfg.text)
     check_decode_attention(c, jax.devices()[0] if rmesh is None else rmesh.devices.flat[0])
     shaping = step_config(c, mesh).sampler_shaping
     cfg = sampling_config(c, mcfg, tokenizer, entropies=shaping, mesh=rmesh, model_dir=model_dir)
