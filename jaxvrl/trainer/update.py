@@ -321,12 +321,9 @@ def _micro_aux(mb: RolloutBatch, rows: Rows, keys, cfg: StepConfig) -> MicroInpu
     m, mode = cfg.micro_batches, cfg.actor.loss_agg_mode
     mask, weights = mb.completion_mask, rows.token_weights
 
-    def shares(weights):
-        micro_w = None if weights is None else split_rows(weights, m)
-        parts = jax.vmap(lambda mk, w: _denominator(mode, mk, w))(split_rows(mask, m), micro_w)
-        return parts / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
-
-    share = shares(weights)
+    micro_w = None if weights is None else split_rows(weights, m)
+    parts = jax.vmap(lambda mk, w: _denominator(mode, mk, w))(split_rows(mask, m), micro_w)
+    share = parts / jnp.maximum(_denominator(mode, mask, weights), 1e-8)
     tokens = jax.vmap(jnp.sum)(split_rows(mask > 0, m)).astype(jnp.float32)
     token_share = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     vf_total = None
