@@ -88,7 +88,8 @@ class Range:
         if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
             return f"a number {self.text()}"
         if self.finite and math.isinf(value):
-            return f"a finite number {self.text()}".replace(" (not NaN)", "")
+            bounded = self.lo is not None or self.hi is not None
+            return f"a finite number {self.text()}" if bounded else "a finite number"
         low_ok = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
         high_ok = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
         return None if low_ok and high_ok else self.text()
