@@ -76,6 +76,16 @@ def ONE_REST(v, c):  # noqa: N802 -- a rule, named like the others
     return f"at most one of mesh.data, mesh.fsdp, mesh.tensor set to -1 (-1: mesh.{', mesh.'.join(rest)})"
 
 
+# Greedy sampling gives a prompt's completions alike, and so their rewards: a group's (or the
+# greedy baseline's) advantages would all be 0.
+def not_greedy(is_greedy, what):
+    return agree(
+        lambda v, c: not is_greedy(v) or c.algorithm.adv_estimator not in ("grpo", "rloo", "remax"),
+        f"{what} with algorithm.adv_estimator grpo, rloo or remax (greedy completions of a "
+        "prompt are alike, and so are their rewards: every advantage would be 0)",
+    )
+
+
 RECOMPUTED = agree(
     lambda v, c: c.actor.old_logprobs == "recompute",
     "null unless actor.old_logprobs=recompute (it weighs the recomputed old log-probs "
@@ -278,9 +288,10 @@ def get_config(arg=None):
         ),
     )
     c.rollout.max_new_tokens = setting(16, at_least(1))  # response_length / max_completion_length
-    c.rollout.temperature = setting(1.0, NON_NEGATIVE)  # sampling temperature; 0 = greedy
+    # sampling temperature; 0 = greedy
+    c.rollout.temperature = setting(1.0, NON_NEGATIVE, not_greedy(lambda v: v == 0, "> 0"))
     c.rollout.top_p = setting(1.0, FRACTION)  # nucleus sampling, in (0, 1]; 1 = off
-    c.rollout.top_k = setting(0, NON_NEGATIVE)  # 0 = off
+    c.rollout.top_k = setting(0, NON_NEGATIVE, not_greedy(lambda v: v == 1, "not 1"))  # 0 = off
     # The sampler's own layout over the same devices (docs/scaling.md#rollouts): the policy's
     # weights are resharded and cast once per rollout phase (LoRA merged). tensor=1, data=-1:
     # every device holds the whole model.
@@ -364,11 +375,28 @@ def get_config(arg=None):
     c.algorithm.norm_adv_by_std = True  # False = Dr.GRPO
     c.algorithm.gamma = setting(1.0, PROBABILITY)  # discount (gae, reinforce_plus_plus)
     c.algorithm.lam = setting(1.0, PROBABILITY)  # GAE lambda (gae only)
-    c.algorithm.use_kl_in_reward = False  # subtract kl_ctrl.kl_coef * KL from the reward
+    # subtract kl_ctrl.kl_coef * KL from the reward
+    c.algorithm.use_kl_in_reward = setting(
+        False,
+        agree(
+            lambda v, c: not v or c.algorithm.kl_ctrl.kl_coef > 0,
+            "false, or true with algorithm.kl_ctrl.kl_coef > 0 (0 subtracts nothing, and the "
+            "adaptive controller only scales it)",
+        ),
+    )
     # KL-in-reward estimator: kl | abs | mse | low_var_kl
     c.algorithm.kl_penalty = setting("kl", one_of(*KL_KINDS))
     c.algorithm.kl_ctrl = ml_collections.ConfigDict()
-    c.algorithm.kl_ctrl.type = setting("fixed", one_of(*KL_CONTROLLERS))  # fixed | adaptive
+    # fixed | adaptive
+    c.algorithm.kl_ctrl.type = setting(
+        "fixed",
+        one_of(*KL_CONTROLLERS),
+        agree(
+            lambda v, c: v == "fixed" or c.algorithm.use_kl_in_reward,
+            "fixed unless algorithm.use_kl_in_reward=true (the controller steers the KL "
+            "in the reward)",
+        ),
+    )
     # beta, the KL-in-reward weight (adaptive: its start)
     c.algorithm.kl_ctrl.kl_coef = setting(0.001, NON_NEGATIVE)
     # adaptive only: the KL beta steers towards
@@ -423,7 +451,15 @@ def get_config(arg=None):
             "default is 0.001)",
         ),
     )
-    c.actor.kl_loss_coef = setting(0.0, NON_NEGATIVE)  # KL loss weight (with use_kl_loss; 0 = off)
+    # KL loss weight (with use_kl_loss; 0 = off)
+    c.actor.kl_loss_coef = setting(
+        0.0,
+        NON_NEGATIVE,
+        agree(
+            lambda v, c: v == 0 or c.actor.use_kl_loss,
+            "0 unless actor.use_kl_loss=true (the KL loss is off)",
+        ),
+    )
     c.actor.kl_loss_type = setting("low_var_kl", one_of(*KL_KINDS))  # kl | abs | mse | low_var_kl
     c.actor.entropy_coef = setting(0.0, Range())  # entropy bonus
     c.actor.use_entropy_penalty = False  # VPPO: + coef * agg(-logp)
@@ -463,7 +499,15 @@ def get_config(arg=None):
         ),
     )
     # dynamic_batching budget
-    c.actor.max_token_len_per_device = setting(None, at_least(1), type=int)
+    c.actor.max_token_len_per_device = setting(
+        None,
+        at_least(1),
+        agree(
+            lambda v, c: v is None or c.actor.dynamic_batching,
+            "null unless actor.dynamic_batching=true (the budget forms its micro-batches)",
+        ),
+        type=int,
+    )
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
     # the critic's AdamW learning rate (constant, no weight decay)
@@ -624,7 +668,14 @@ def get_config(arg=None):
     # constant | cosine (after warmup, to lr * min_lr_ratio)
     c.optim.schedule = setting("constant", one_of(*SCHEDULES))
     # cosine only: the learning rate at the last step, over lr
-    c.optim.min_lr_ratio = setting(0.0, PROBABILITY)
+    c.optim.min_lr_ratio = setting(
+        0.0,
+        PROBABILITY,
+        agree(
+            lambda v, c: v == 0 or c.optim.schedule == "cosine",
+            "0 unless optim.schedule=cosine (a constant schedule does not decay)",
+        ),
+    )
     c.optim.warmup_steps = setting(0, NON_NEGATIVE)  # linear warm-up from 0 over this many steps
     # AdamW (beta1, beta2)
     c.optim.betas = setting((0.9, 0.999), Each(Range(0, 1, hi_open=True), length=2))
@@ -679,7 +730,10 @@ def get_config(arg=None):
     c.lora.dropout = setting(0.05, Range(0, 1, hi_open=True))
     # Linear names (last path part) or path regexes
     c.lora.target_modules = setting(("q_proj", "v_proj"), Each(NON_EMPTY, allow_empty=False))
-    c.lora.train_vision = False  # also adapt the vision tower
+    # also adapt the vision tower
+    c.lora.train_vision = setting(
+        False, agree(lambda v, c: not v or c.lora.rank > 0, "false unless lora.rank > 0")
+    )
     # QLoRA base weights: none | int8 | int4 | nf4 (needs qwix)
     c.lora.quantize = setting(
         "none",

@@ -512,6 +512,14 @@ BAD = [
     ("rollout.num_generations=1", r"num_generations=1 .*>= 2 with .*grpo or rloo"),
     ("vgr.token_weight_clip=0,0", r"token_weight_clip=\(0\.0, 0\.0\) .*upper bound above 0"),
     ("actor.use_kl_loss=true", r"use_kl_loss=True .*kl_loss_coef > 0"),
+    ("rollout.temperature=0", r"temperature=0\.0 .*> 0 with .*grpo, rloo or remax"),
+    ("rollout.top_k=1", r"top_k=1 .*not 1 with .*grpo, rloo or remax"),
+    # settings that would do nothing without the feature they tune
+    ("actor.kl_loss_coef=0.1", r"kl_loss_coef=0\.1 .*0 unless actor\.use_kl_loss=true"),
+    ("algorithm.kl_ctrl.type=adaptive", r"type='adaptive' .*fixed unless .*use_kl_in_reward"),
+    ("optim.min_lr_ratio=0.1", r"min_lr_ratio=0\.1 .*0 unless optim\.schedule=cosine"),
+    ("lora.train_vision=true", r"train_vision=True .*false unless lora\.rank > 0"),
+    ("actor.max_token_len_per_device=64", r"len_per_device=64 .*null unless .*dynamic_batching"),
 ]
 
 
@@ -545,6 +553,8 @@ def test_rollout_devices_that_leave_no_device_to_train_name_that_key():
 
 
 def test_settings_that_would_do_nothing_or_something_else_are_refused():
+    with pytest.raises(ConfigError, match=r"use_kl_in_reward=True .*kl_ctrl\.kl_coef > 0"):
+        cfg_of("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0")
     with pytest.raises(ConfigError, match=r"rollout\.partial=True .*remax"):
         cfg_of("rollout.partial=true", "algorithm.adv_estimator=remax")
     with pytest.raises(ConfigError, match=r"max_staleness=0 .*>= 1 with rollout\.partial"):
