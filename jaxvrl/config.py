@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 import ml_collections
@@ -542,6 +543,18 @@ def reward_names(funcs: Sequence[str], names: Sequence[str] = ()) -> tuple[str, 
     return out
 
 
+def _line_in(path: str, error: BaseException) -> str:
+    """', line N (its source)' of the last frame of `error`'s traceback in the file `path`, the
+    line that raised or called what raised; '' if none is."""
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__) if f.filename == os.path.abspath(path)
+    ]
+    if not frames:
+        return ""
+    line = (frames[-1].line or "").strip()
+    return f", line {frames[-1].lineno}" + (f" ({line})" if line else "")
+
+
 def _load_file(spec: str) -> ml_collections.ConfigDict:
     path, _, arg = spec.partition(":")
     if not os.path.isfile(path):
@@ -563,7 +576,8 @@ def _load_file(spec: str) -> ml_collections.ConfigDict:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 -- the user's file: one line, not a traceback
-        raise ConfigError(f"config file {path}: {type(e).__name__}: {e}") from e
+        where = _line_in(path, e)
+        raise ConfigError(f"config file {path}{where}: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
     return cfg

@@ -229,7 +229,16 @@ def test_missing_or_bad_files(tmp_path):
     for text, message in (
         ("def get_config():\n    return None\n", r"bad\.py: TypeError: get_config\(\) takes 0"),
         ("def get_config(arg=None)\n", r"bad\.py: SyntaxError"),
-        ("def get_config(arg=None):\n    return {}['x']\n", r"bad\.py: KeyError: 'x'"),
+        # the line of the file that raised, with its source
+        (
+            "def get_config(arg=None):\n    return {}['x']\n",
+            r"bad\.py, line 2 \(return \{\}\['x'\]\): KeyError",
+        ),
+        (
+            "from configs import base\n\n\ndef get_config(arg=None):\n"
+            "    c = base.get_config(arg)\n    c.rollout.temperature = 'hot'\n    return c\n",
+            r"bad\.py, line 6 \(c\.rollout\.temperature = 'hot'\): TypeError: .*'temperature'",
+        ),
     ):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message):
