@@ -91,9 +91,13 @@ def top_p_filter(logits: jax.Array, top_p: float) -> jax.Array:
     """
     if top_p >= 1.0:
         return logits
+    return nucleus_filter(logits, jnp.float32(top_p))
+
+
+def nucleus_filter(logits: jax.Array, p: jax.Array) -> jax.Array:
+    """`top_p_filter` at a traced mass p < 1 (float32[]): one program for every p."""
     probs = jax.nn.softmax(logits, axis=-1)
     vals = jax.lax.top_k(probs, min(_TOP_P_CANDIDATES, probs.shape[-1]))[0]  # sorted, desc
-    p = jnp.float32(top_p)
     fits = jnp.sum(vals, axis=-1, keepdims=True) >= p  # [B, 1]
     fast = _nucleus_threshold_fast(probs, vals, p)
     thr = jax.lax.cond(
