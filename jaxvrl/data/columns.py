@@ -5,7 +5,8 @@ name or a dotted path into nested objects (`meta.question`; a column literally n
 `meta.question` wins). An unset key reads the row format's own names, as the row format says:
 `problem` else `prompt`; `label_idx` else `answer` else `solution`; `images` else `image`;
 `videos` else `video`;
-`choices`. With no key and no hook set, rows pass through untouched.
+`choices`; a verl row that also holds those names is read as verl reads it (`verl_keys`).
+With no key, no hook and no such row, rows pass through untouched.
 
 A set key maps its column to the row format's name:
   prompt_key  -> `problem` (the prompt text)
@@ -30,7 +31,15 @@ import dataclasses
 from collections.abc import Iterable
 
 from jaxvrl.config import ConfigError
-from jaxvrl.data.rows import LABELS, NESTED_LABEL, SKIP, DataError, media_list, video_lists
+from jaxvrl.data.rows import (
+    LABELS,
+    NESTED_LABEL,
+    SKIP,
+    DataError,
+    media_list,
+    no_label,
+    video_lists,
+)
 from jaxvrl.plugins import LOAD_ERRORS, load_function
 
 MISSING = object()
@@ -51,6 +60,28 @@ def lookup(row: dict, key: str):
             return MISSING
         node = node[part]
     return node
+
+
+def verl_keys(row: dict) -> dict:
+    """The keys that read a row in verl's layout as verl does, where it also holds the row
+    format's own names that would win otherwise (a verl file that kept its source dataset's
+    `problem`, `answer` or `solution`): a `prompt` of chat messages is the prompt, and
+    `reward_model.ground_truth` the label (unless the row has a `label_idx`). Keys set in the
+    config come after these and decide."""
+    keys = {}
+    prompt = row.get("prompt")
+    chat = isinstance(prompt, list | tuple) and bool(prompt)
+    if chat and all(isinstance(m, dict) and "role" in m for m in prompt) and row.get("problem"):
+        keys["prompt_key"] = "prompt"
+    truth = lookup(row, ".".join(NESTED_LABEL))
+    if (
+        truth is not MISSING
+        and not no_label(truth)
+        and no_label(row.get("label_idx"))
+        and any(not no_label(row.get(k)) for k in LABELS)
+    ):
+        keys["answer_key"] = ".".join(NESTED_LABEL)
+    return keys
 
 
 def column_paths(row: dict, prefix: tuple = ()) -> Iterable[tuple[str, ...]]:
@@ -130,9 +161,10 @@ class RowMapper:
 
     def _keys(self, row: dict) -> dict:
         f = self.fmt
-        if not f.keys():
+        keys = {**verl_keys(row), **f.keys()}
+        if not keys:
             return row
-        value = {name: lookup(row, key) for name, key in f.keys().items()}
+        value = {name: lookup(row, key) for name, key in keys.items()}
         out = dict(row)
         for name in ("image_key", "video_key"):  # their payloads leave the row
             key = getattr(f, name)

@@ -165,6 +165,35 @@ def test_verl_messages_nested_label_and_a_format_prompt(tokenizer):
     assert pickle.loads(pickle.dumps(plain)) == plain
 
 
+def test_a_verl_row_that_kept_its_source_columns_is_read_as_verl_reads_it(tokenizer):
+    """A verl file made by `datasets.map` without removing the source's columns: its chat
+    `prompt` is the prompt and `reward_model.ground_truth` the label, as verl reads them, not
+    the kept `problem` and `answer` (a worked solution); set keys still decide."""
+    from jaxvrl.data.columns import RowFormat, RowMapper
+
+    row = {
+        "problem": "Find x.",
+        "answer": "Since 3x = 36, x is 12. #### 12",
+        "solution": "x = 12",
+        "prompt": [{"role": "user", "content": "Find x. Think first, then give \\boxed{x}."}],
+        "reward_model": {"style": "rule", "ground_truth": "12"},
+        "extra_info": {"index": 3},
+    }
+    ex, stats = _encode(RowMapper(RowFormat())(row), tokenizer, EncodeOptions())
+    assert stats.total == 0 and ex["answer"] == "12"
+    assert "Think first, then give \\boxed{x}." in ex["prompt_text"]
+    assert ex["extra_info"] == row["extra_info"]
+    # the row format's own names alone, or a label_idx: as before
+    plain = {k: row[k] for k in ("problem", "answer")}
+    assert RowMapper(RowFormat())(plain) == plain
+    choice = dict(row, label_idx=2)
+    assert RowMapper(RowFormat())(choice)["label_idx"] == 2
+    # keys set in the config decide
+    fmt = RowFormat(prompt_key="problem", answer_key="solution")
+    ex, _ = _encode(RowMapper(fmt)(row), tokenizer, EncodeOptions())
+    assert ex["answer"] == "x = 12" and "Think first" not in ex["prompt_text"]
+
+
 def test_a_missing_prompt_or_label_column_fails_at_open(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
