@@ -3,21 +3,31 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 
 
 def _import(target: str):
-    """The module of a file path (`path.py`) or of an importable name."""
+    """The module of a file path (`path.py`) or of an importable name. A file's module is in
+    `sys.modules` while it runs and after, under a name fixed by its path (as verl and EasyR1
+    load theirs): its dataclasses resolve their annotations, and its functions pickle by
+    reference (a process pool of its own, forked, finds them)."""
     if not target.endswith(".py"):
         return importlib.import_module(target)
-    spec = importlib.util.spec_from_file_location(
-        f"jaxvrl_user_{abs(hash(os.path.abspath(target)))}", target
-    )
+    path = os.path.abspath(target)
+    name = f"jaxvrl_user_{hashlib.sha1(path.encode()).hexdigest()[:16]}"
+    spec = importlib.util.spec_from_file_location(name, target)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module
 
 

@@ -391,6 +391,27 @@ def test_a_file_named_without_its_function_gives_compute_score_else_main(tmp_pat
     assert "has no function 'nope'" in error(f"{verl}:nope")
 
 
+def test_a_reward_file_with_dataclasses_and_a_process_pool_of_its_own(tmp_path):
+    """A reward file is a module in sys.modules while it runs, as verl and EasyR1 load theirs:
+    its dataclasses (postponed annotations) resolve, and the functions it hands to a process
+    pool of its own pickle by reference. Before, the first failed to load and the second
+    failed every call."""
+    path = tmp_path / "pooled.py"
+    path.write_text(
+        "from __future__ import annotations\n\nimport dataclasses\nimport multiprocessing\n"
+        "from concurrent.futures import ProcessPoolExecutor\n\n\n@dataclasses.dataclass\n"
+        "class Weights:\n    exact: float = 1.0\n\n\ndef _one(pair):\n"
+        "    return Weights().exact * float(pair[0].strip() == str(pair[1]))\n\n\n"
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
+        "    fork = multiprocessing.get_context('fork')\n"
+        "    with ProcessPoolExecutor(1, mp_context=fork) as pool:\n"
+        "        return list(pool.map(_one, zip(solution_strs, ground_truths)))\n"
+    )
+    values, _, fns = score([str(path)], tmp_path)
+    np.testing.assert_array_equal(values["pooled"], [1.0, 0.0])  # "4" right, "8" wrong
+    assert fns["pooled"].failures == 0
+
+
 def test_none_is_a_failure_but_in_the_trl_form(tmp_path):
     """TRL's functions return None for rows a reward does not apply to (0 here); in the other
     forms None is a function that fell through without its return: a counted failure, where
