@@ -586,7 +586,8 @@ def get_config(arg=None):
     # dict: {"format_weight": 0.5} goes to every function whose signature takes it,
     # {"<reward name>": {...}} to that one only
     c.reward.kwargs = setting("{}", REWARD_KWARGS)
-    # worker processes that score rows in parallel (0 = a thread of the trainer)
+    # worker processes that score in parallel: per-row functions' rows, and each batch
+    # function's one call on the whole batch (0 = a thread of the trainer)
     c.reward.num_workers = setting(0, NON_NEGATIVE)
     # seconds each reward call may take (a batch for TRL / EasyR1-batch functions, a row for
     # per-row ones); past it the rows score 0, counted in reward/<name>_timeouts, and the

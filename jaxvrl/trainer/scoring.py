@@ -133,12 +133,13 @@ class RewardScorer:
             state = dataclasses.replace(constants["trainer_state"], global_step=int(step))
             constants = {**constants, "trainer_state": state}
         calls = {}
-        chunks = max(self.num_workers, 1)
         for i, (name, fn) in enumerate(self.rewards.items()):
+            # a per-row function's rows spread over the workers; a batch function sees the
+            # whole batch in one call, as EasyR1 and TRL call it (it may compare rows)
             if fn.form.per_row:
                 parts = [np.array([j]) for j in range(len(inputs))]
             else:
-                parts = [p for p in np.array_split(np.arange(len(inputs)), chunks) if len(p)]
+                parts = [np.arange(len(inputs))]
             calls[name] = [
                 (self.pool.submit(i, [inputs[j] for j in p], constants), p) for p in parts
             ]

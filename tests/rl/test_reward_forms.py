@@ -324,6 +324,21 @@ def test_kwargs_by_name_and_the_trl_form_in_workers(module, tmp_path):
     assert fns["trl_fn"].failures == 0
 
 
+def test_a_batch_function_sees_the_whole_batch_with_several_workers(tmp_path):
+    """EasyR1 and TRL call a batch function once on the whole batch (a reward may compare a
+    group's rows); workers spread only per-row functions' rows. Before, each of 2 workers
+    called it on half the batch."""
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "def compute_score(reward_inputs):\n"
+        "    return [{'overall': float(len(reward_inputs))} for _ in reward_inputs]\n\n\n"
+        "def trl_probe(completions, **kwargs):\n    return [float(len(completions))] * len(completions)\n"
+    )
+    values, _, _ = score([str(path), f"{path}:trl_probe"], tmp_path, num_workers=2)
+    np.testing.assert_array_equal(values["probe"], [2.0, 2.0])
+    np.testing.assert_array_equal(values["trl_probe"], [2.0, 2.0])
+
+
 def test_a_failure_names_the_function_the_error_and_the_form(module, tmp_path, caplog):
     path = module("sequential")
     with caplog.at_level(logging.ERROR):
