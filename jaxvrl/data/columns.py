@@ -173,7 +173,9 @@ class RowMapper:
         if "prompt_key" in value:
             out["problem"] = None if value["prompt_key"] is MISSING else value["prompt_key"]
         if "answer_key" in value:
-            for k in LABELS:
+            # a set key alone decides; verl's label only takes `answer`'s place (a `solution`
+            # column stays for the rewards that read it)
+            for k in LABELS if f.answer_key else ("answer",):
                 out.pop(k, None)
             out["answer"] = None if value["answer_key"] is MISSING else value["answer_key"]
         if "image_key" in value:

@@ -180,7 +180,7 @@ def test_a_verl_row_that_kept_its_source_columns_is_read_as_verl_reads_it(tokeni
         "extra_info": {"index": 3},
     }
     ex, stats = _encode(RowMapper(RowFormat())(row), tokenizer, EncodeOptions())
-    assert stats.total == 0 and ex["answer"] == "12"
+    assert stats.total == 0 and ex["answer"] == "12" and ex["solution"] == "x = 12"
     assert "Think first, then give \\boxed{x}." in ex["prompt_text"]
     assert ex["extra_info"] == row["extra_info"]
     # the row format's own names alone, or a label_idx: as before
