@@ -222,8 +222,9 @@ class RunLogs:
     def sample_rows(self, rollout: Rollout, extras, tokenizer) -> list[dict]:
         """This process's first `samples` completions of the step, kept (in the batch) or
         filtered (`rollout.draw_samples`), as JSON-able dicts: prompt (as the model saw it:
-        `shown_prompt`), completion, kept, reward parts, total, advantage (a float or per
-        token; NaN for a filtered one), VGR token pieces `[(text, weight)]` and per-row
+        `shown_prompt`), completion, kept, reward parts, total, advantage (the row's, or
+        its mean over the completion's tokens for per-token advantages; NaN for a filtered
+        one), VGR token pieces `[(text, weight)]` and per-row
         attention metrics where the step has them. Every process computes its own;
         `markdown` writes them all (see `runtime.gather_json`)."""
         drawn = draw_samples(rollout, self.samples)
@@ -240,7 +241,9 @@ class RunLogs:
                 "kept": d.kept,
                 "parts": {k: float(v[j]) for k, v in g.parts.items()},
                 "total": float(g.totals[j]),
-                "adv": adv[i].tolist() if d.kept else np.full(adv.shape[1:], np.nan).tolist(),
+                "adv": float("nan")
+                if not d.kept
+                else (_token_mean(adv[i], g.mask[j]) if adv.ndim > 1 else float(adv[i])),
                 "att": {k: float(v[j]) for k, v in g.att.items()},
             }
             if weights is not None:
@@ -264,12 +267,7 @@ class RunLogs:
         keys = dict.fromkeys(k for r in rows for k in r["parts"])
         parts = {k: [r["parts"].get(k, float("nan")) for r in rows] for k in keys}
         totals = [r["total"] for r in rows]
-        adv = [r["adv"] for r in rows]
-        adv = (
-            np.asarray(adv)
-            if len({np.shape(a) for a in adv}) == 1
-            else [float(np.mean(a)) for a in adv]
-        )
+        adv = np.asarray([r["adv"] for r in rows], np.float64)
         kept = [r.get("kept", True) for r in rows]
         self.rollouts.append(
             rollout_section(step, prompts, texts, parts, totals, adv, self.samples, kept=kept)
@@ -392,6 +390,14 @@ class RunLogs:
             self._drawing.shutdown(wait=True)
         self.metrics.close()
         self.trackers.close()
+
+
+def _token_mean(adv, mask) -> float:
+    """A row's per-token advantages float[N] as one value: their mean over the completion's
+    tokens (GAE's and REINFORCE++'s differ token by token; an outcome advantage is constant
+    over them); a completion without tokens: its first column's."""
+    n = int(np.asarray(mask).sum())
+    return float(np.mean(adv[:n])) if n else float(adv[0])
 
 
 def _prompt(example: dict, tokenizer) -> str:

@@ -11,8 +11,9 @@ from jaxvrl.trainer.reporting import RunLogs
 from jaxvrl.trainer.rollout import draw_samples
 
 
-def _group(name: str, total: float):
+def _group(name: str, total: float, lengths=(2, 2)):
     return types.SimpleNamespace(
+        mask=[np.arange(3) < n for n in lengths],
         texts=[f"{name}.0", f"{name}.1"],
         parts={"accuracy": [total, total]},
         totals=[total, total],
@@ -57,3 +58,18 @@ def test_rollout_results_holds_log_samples_rows_past_eight(tmp_path):
     logs.close()
     text = (tmp_path / "rollout_results.md").read_text()
     assert sum(line.startswith("### Sample") for line in text.splitlines()) == 10
+
+
+def test_per_token_advantages_show_their_mean_over_the_completions_tokens(tmp_path):
+    """GAE's and REINFORCE++'s advantages differ token by token: a row's line shows their mean
+    over its completion's tokens (padding left out), not its first token's."""
+    group = _group("ppo", 0.0, lengths=(3, 1))
+    rollout = types.SimpleNamespace(groups=[group], real=[True], sampled=[group])
+    adv = np.array([[0.9, -0.3, -0.9], [-0.6, 5.0, 5.0]])  # row 1: one token, then padding
+    logs = RunLogs(str(tmp_path), 2, samples=2, backends=())
+    logs.markdown(1, [logs.sample_rows(rollout, types.SimpleNamespace(advantages=adv,
+                                                                      token_weights=None),
+                                       tokenizer=None)])  # fmt: skip
+    logs.close()
+    text = (tmp_path / "rollout_results.md").read_text()
+    assert "| advantage | -0.100 |" in text and "| advantage | -0.600 |" in text
