@@ -47,6 +47,7 @@ log = logging.getLogger("jaxvrl")
 RUN_INFO = "run.json"
 EMBEDDED = models.EMBEDDED
 DTYPES = ("float32", "bfloat16", "float16")
+HEAD = "lm_head.kernel"  # the output head's param (absent where tied)
 # Files copied from the base model beside the weights, by prefix (config.json is rewritten).
 _LICENSE_FILES = ("LICENSE", "NOTICE")
 
@@ -267,7 +268,9 @@ def _make(src: Source, arrays: dict, info: dict) -> np.ndarray:
                 f"the checkpoint holds LoRA adapters but {RUN_INFO} has no lora.alpha"
             )
         a, b = arrays[src.lora_a], arrays[src.lora_b]
-        w = _make(src.base, arrays, info)
+        # merged in float32 and cast once, to the export's dtype: a bfloat16 base would round
+        # away the adapters' smaller updates before a float32 export saw them
+        w = np.asarray(_make(src.base, arrays, info), np.float32)
         return np.asarray(lora.merged_kernel(w, a, b, float(alpha) / a.shape[-1]))
 
 
@@ -355,11 +358,15 @@ def _base_files(model_path: str, into: str, commit: str | None = None) -> str:
     return into
 
 
-def _hf_config(base_dir: str, dtype: str) -> dict:
+def _hf_config(base_dir: str, dtype: str, tied: bool = True) -> dict:
     """The base model's config.json with its dtype set to the export's (the layout it came in:
-    transformers 4.x and 5.x read their own)."""
+    transformers 4.x and 5.x read their own); tied=False: the head written untied."""
     with open(os.path.join(base_dir, "config.json")) as f:
         hf = json.load(f)
+    if not tied:
+        for d in (hf, hf.get("text_config")):
+            if isinstance(d, dict) and d.get("tie_word_embeddings"):
+                d["tie_word_embeddings"] = False
     for d in (hf, hf.get("text_config"), hf.get("vision_config")):
         for key in ("dtype", "torch_dtype"):
             if isinstance(d, dict) and key in d:
@@ -378,7 +385,8 @@ def _generation_config(cfg) -> dict:
 def _write_small_files(fs, root: str, base_dir: str, cfg, dtype: str) -> list[str]:
     from jaxvrl.models.weights import PROCESSOR_FILES
 
-    written = {"config.json": json.dumps(_hf_config(base_dir, dtype), indent=2)}
+    hf = _hf_config(base_dir, dtype, tied=cfg.tie_word_embeddings)
+    written = {"config.json": json.dumps(hf, indent=2)}
     if not os.path.exists(os.path.join(base_dir, "generation_config.json")):
         written["generation_config.json"] = json.dumps(_generation_config(cfg), indent=2)
     for name, text in written.items():
@@ -433,6 +441,10 @@ def export(
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = _base_files(model_path, tmp, info.get("model_commit"))
         cfg = load_config(base_dir)
+        if cfg.tie_word_embeddings and HEAD in sources:
+            # a base whose config ties the head but whose files store their own (the run
+            # trained that head, as transformers keeps it): exported untied
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
         table = family_of(cfg).keys
         scanned = any(weights.is_stacked(p) for p in sources)  # a run with model.scan_layers
         shapes = _model_shapes(cfg, scanned)

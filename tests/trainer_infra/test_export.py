@@ -9,6 +9,8 @@ import importlib.util
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -197,6 +199,64 @@ def test_qlora_checkpoint_exports_dequantized_merged_weights(tmp_path):
     assert exported.keys() == merged.keys()
     for k in merged:
         np.testing.assert_array_equal(exported[k], merged[k], err_msg=k)
+
+
+def _checkpoint(workdir, model, info: dict, cast=None) -> None:
+    """A run's workdir holding `model`'s params (cast by `cast`) at step 1 and run.json `info`."""
+    _, params = nnx.split(model, nnx.Param)
+    if cast is not None:
+        params = jax.tree.map(cast, params)
+    ck = Checkpointer(str(workdir / "checkpoints"))
+    ck.save(1, {"state": {"params": params}}, force=True)
+    ck.close()
+    E.write_run_info(str(workdir), info)
+
+
+def test_a_bfloat16_lora_run_exports_its_adapters_in_float32(tmp_path):
+    """Adapters of a bfloat16 run merged in float32 for a float32 export: updates below
+    bfloat16's resolution of the base kernel are kept. Before, the merge was rounded to the
+    base's bfloat16 first."""
+    model = q.load(EMBEDDED)
+    lora.apply_lora(model, 4, 8.0, 0.0, ("q_proj",))
+    rng = np.random.default_rng(0)
+    for m in lora.lora_modules(model):  # updates ~1e-4, below bfloat16's step at |W| ~ 0.05
+        m.lora_b[...] = rng.normal(0, 1e-4, m.lora_b.shape).astype(np.float32)
+    bf16 = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: bf16(x).astype(jnp.float32), state))
+    info = {"model_path": EMBEDDED, "param_dtype": "bfloat16", "lora": {"alpha": 8.0}}
+    _checkpoint(tmp_path / "run", model, info, cast=bf16)
+    E.export(str(tmp_path / "run"), str(tmp_path / "hf"), dtype="float32")
+    q.save(lora.merge_lora(model), tmp_path / "merged")  # float32 values of the run's bfloat16
+    exported, merged = _weights(tmp_path / "hf"), _weights(tmp_path / "merged")
+    for k in merged:
+        np.testing.assert_array_equal(exported[k], merged[k], err_msg=k)
+
+
+def test_a_base_that_ties_its_head_in_config_but_stores_one_exports_it_untied(tmp_path):
+    """config.json ties the head while the files store their own lm_head.weight: the loader
+    keeps the stored head (as transformers does), the run trains it, and the export writes it
+    with tie_word_embeddings false. Before, the export refused the checkpoint."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(EMBEDDED, base)
+    tensors = load_file(base / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    head = embed + np.random.default_rng(1).normal(0, 0.02, embed.shape).astype(embed.dtype)
+    save_file(dict(tensors, **{"lm_head.weight": head}), base / "model.safetensors")
+    model = q.load(base)
+    assert not model.config.tie_word_embeddings
+    _checkpoint(tmp_path / "run", model, {"model_path": str(base), "param_dtype": "float32"})
+    E.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    out = _weights(tmp_path / "hf")
+    np.testing.assert_array_equal(out["lm_head.weight"], head)
+    np.testing.assert_array_equal(out["model.embed_tokens.weight"], embed)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["tie_word_embeddings"] is False
+    assert hf.get("text_config", {}).get("tie_word_embeddings", False) is False
 
 
 def test_bfloat16_export_halves_the_size(runs, tmp_path):
