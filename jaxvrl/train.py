@@ -48,6 +48,7 @@ from jaxvrl.config import (
     validate,
 )
 from jaxvrl.data.from_config import checkpoint_dir, train_source, val_sources
+from jaxvrl.data.prompts import pool_token_ids
 from jaxvrl.data.rows import DataError
 from jaxvrl.export import write_run_info
 from jaxvrl.logging import backend_names, show_logs
@@ -223,7 +224,8 @@ def _run(c) -> dict:
     maps = None
     if c.logging.attention_samples:
         n = c.logging.attention_samples
-        maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg)
+        tokens = pool_token_ids(tokenizer, models.processor(model.config))
+        maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg, tokens)
     compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxvrl-diagnostics")
     flag = PreemptionFlag()
     shapes = set()  # the train step's batch shapes (each compiles a program)

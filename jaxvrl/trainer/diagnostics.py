@@ -28,8 +28,9 @@ import numpy as np
 from flax import nnx
 
 from jaxvrl import models, rl
+from jaxvrl.models.positions import attention_pools
 from jaxvrl.rl.attention import layer_indices
-from jaxvrl.trainer.passes import RolloutBatch, perturbed_vision
+from jaxvrl.trainer.passes import RolloutBatch, completion_hidden, perturbed_vision
 from jaxvrl.trainer.rollout import Rollout
 
 BANDS = ("all", "early", "middle", "late")  # rl.attention.LAYER_SETS: what MDI reads
@@ -68,6 +69,14 @@ def _pass(graphdef, params, batch: RolloutBatch, vision):
     return out.vision_mass, ent, logp
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _pool_pass(graphdef, params, batch: RolloutBatch):
+    """-> (A_V, A_X) float32[L, b, N]: each completion token's attention masses over the
+    batch's pools per layer, as the train step's passes compute them."""
+    _, out = completion_hidden(nnx.merge(graphdef, params), batch, pools=True)
+    return out.vision_mass, out.text_mass
+
+
 def _shapes(*trees) -> tuple:
     """What a compiled program is specific to: the trees' structure, shapes and dtypes."""
     leaves, tree = jax.tree.flatten(trees)
@@ -87,9 +96,12 @@ class AttentionMaps:
     top_p: float = 0.0
     # the pass compiled per input shapes (`prepare`): futures of jax's Compiled programs
     programs: dict = dataclasses.field(default_factory=dict, repr=False)
+    # the token ids `attention_pools` reads (`jaxvrl.data.prompts.pool_token_ids`), for the
+    # per-layer statistics of rows whose batch has no pools; None: those rows have none
+    pool_tokens: dict | None = None
 
     @classmethod
-    def build(cls, graphdef, mcfg, samples: int, step_cfg) -> AttentionMaps:
+    def build(cls, graphdef, mcfg, samples: int, step_cfg, pool_tokens=None) -> AttentionMaps:
         """From the train step's settings: the perturbed pass where the run has one."""
         perturbed = step_cfg.needs_perturbed
         perception = any(t.name == "perception_mask" for t in step_cfg.terms)
@@ -100,6 +112,7 @@ class AttentionMaps:
             samples,
             float(step_cfg.tprl.black_prob) if perturbed else 0.0,
             float(top_p),
+            pool_tokens=pool_tokens,
         )
 
     def __call__(self, params, rollout: Rollout, token_weights=None, rng=None) -> list[dict]:
@@ -134,8 +147,13 @@ class AttentionMaps:
         if token_weights is not None:  # a filtered sample (not in the batch) has none
             weights = [None if not d.kept else np.asarray(token_weights)[d.row] for d in drawn]
             values = {"VGR weight": weights, **values}
+        layers = self.layer_balance(params, rows, masses.shape[0])
         return [
-            dict(self._sample(rows, r, variants, values, frames_aug), kept=drawn[r].kept)
+            dict(
+                self._sample(rows, r, variants, values, frames_aug),
+                layers={k: v[:, r] for k, v in layers.items()},
+                kept=drawn[r].kept,
+            )
             for r in range(b)
             if self._has_vision(rows, r)
         ]
@@ -221,7 +239,6 @@ class AttentionMaps:
             "values": {
                 k: np.asarray(v[r], np.float64)[:n] for k, v in values.items() if v[r] is not None
             },
-            "layers": self.layer_balance(rows, r, variants["clean"]),
         }
 
     def frames(self, inputs, r: int) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
@@ -254,23 +271,31 @@ class AttentionMaps:
             start += gh * gw
         return out
 
-    def layer_balance(self, rows: RolloutBatch, r: int, masses) -> dict:
-        """Per layer, from the completion's summed key masses: MDI = (text mass / |X|) /
-        (vision mass / |V|) and AEI_vision = vision share of the two pools' mass / vision
-        share of their tokens (the pools of the batch, else vision tokens vs the prompt's
-        other valid tokens): float[L] each."""
-        ids = np.asarray(rows.input_ids[r])
-        if rows.pools is not None:
-            vision = np.asarray(rows.pools["vision"][r], bool)
-            text = np.asarray(rows.pools["text"][r], bool)
-        else:
-            prompt = np.zeros(ids.shape, bool)
-            prompt[: ids.shape[0] - rows.completion_length] = True
-            vision = np.isin(ids, self._vision_ids())
-            text = prompt & np.asarray(rows.attention_mask[r], bool) & ~vision
-        m = np.asarray(masses[:, r], np.float64)  # [L, S]
-        mv, mx = m[:, vision].sum(-1), m[:, text].sum(-1)
-        nv, nx = max(vision.sum(), 1), max(text.sum(), 1)
-        mdi = (mx / nx) / (mv / nv + 1e-6)
-        aei = (mv / np.maximum(mv + mx, 1e-12)) / (nv / (nv + nx))
-        return {"mdi": mdi, "aei_vision": aei}
+    def layer_balance(self, params, rows: RolloutBatch, layers: int) -> dict:
+        """Per layer, each row's sequence MDI and AEI of the vision pool, as the run's
+        attention statistics define them (`rl.attention_metrics` over that layer alone: each
+        completion token's masses renormalised over the prompt, averaged over the tokens;
+        the pools of the batch, else of `attention_pools`): float[L, b] each; NaN for a row
+        without a pool, or for every row where no pools can be made (no `pool_tokens`)."""
+        pools = rows.pools
+        if pools is None and self.pool_tokens is not None:
+            prompt = rows.input_ids.shape[1] - rows.completion_length
+            pools = attention_pools(rows.input_ids, rows.attention_mask, prompt, **self.pool_tokens)
+        b = rows.input_ids.shape[0]
+        if pools is None:
+            return {k: np.full((layers, b), np.nan) for k in ("mdi", "aei_vision")}
+        pools = {k: np.asarray(v) for k, v in pools.items()}
+        a_v, a_x = jax.device_get(_pool_pass(self.graphdef, params, rows.replace(pools=pools)))
+        n = a_v.shape[-1]
+        tile = lambda x: np.tile(np.asarray(x), (layers,) + (1,) * (np.ndim(x) - 1))  # noqa: E731
+        # each layer's rows as rows of one layer: [L, b, N] -> [1, L * b, N]
+        stats = rl.attention_metrics(
+            a_v.reshape(1, layers * b, n),
+            a_x.reshape(1, layers * b, n),
+            tile(pools["vision"].sum(-1)),
+            tile(pools["text"].sum(-1)),
+            tile(rows.completion_mask),
+        )
+        return {
+            k: np.asarray(stats[k], np.float64).reshape(layers, b) for k in ("mdi", "aei_vision")
+        }

@@ -205,3 +205,38 @@ def test_vgr_run_writes_heatmaps(tmp_path, monkeypatch):
             assert im.size[0] > 50 and im.size[1] > (30 if "_tokens" in rel else 50)
     assert (tmp_path / "attention" / "layers_over_steps.png").exists()
     assert '<span title="VGR weight' in (tmp_path / "token_weights.md").read_text()
+
+
+def test_per_layer_statistics_are_the_runs_statistics_one_layer_at_a_time(model):
+    """attention/layers.jsonl's per-layer MDI and AEI: each completion token's pool masses of
+    that layer (renormalised over the prompt, as the train step's passes compute them),
+    averaged over the completion (numpy); the pools of the batch, or made from the tokenizer's
+    ids where it has none. The embedded 4-layer model's last layer is MDI's late band. Before,
+    they were ratios of raw key masses over every non-vision prompt token."""
+    import jax
+    from flax import nnx
+
+    from jaxvrl import rl
+    from jaxvrl.trainer.passes import completion_hidden
+    from tests.helpers import make_batch
+    from tests.models import hf_tiny as T
+
+    batch = make_batch(model, host=True)
+    graphdef, params = nnx.split(model)
+    layers = model.config.text.num_hidden_layers
+    maps = AttentionMaps(graphdef, model.config, pool_tokens=T.POOL_IDS)
+    got = maps.layer_balance(params, batch, layers)
+    _, out = jax.jit(lambda m, b: completion_hidden(m, b, pools=True))(model, batch)
+    a_v, a_x = np.asarray(out.vision_mass, np.float64), np.asarray(out.text_mass, np.float64)
+    m = np.asarray(batch.completion_mask) > 0
+    nv, nx = (np.asarray(batch.pools[k]).sum(-1) for k in ("vision", "text"))
+    mean = lambda a: (a * m).sum(-1) / m.sum(-1)  # noqa: E731 -- over each row's completion
+    mdi = (mean(a_x) / nx) / (mean(a_v) / nv + 1e-6)
+    aei = (mean(a_v) / (mean(a_v) + mean(a_x))) / (nv / (nv + nx))
+    np.testing.assert_allclose(got["mdi"], mdi, rtol=1e-5)
+    np.testing.assert_allclose(got["aei_vision"], aei, rtol=1e-5)
+    late = rl.attention_metrics(out.vision_mass, out.text_mass, nv, nx, batch.completion_mask)
+    np.testing.assert_allclose(got["mdi"][-1], late["mdi_late"], rtol=1e-5)
+    # a batch without pools: made from the token ids, the same
+    made = maps.layer_balance(params, batch.replace(pools=None), layers)
+    np.testing.assert_allclose(made["mdi"], got["mdi"], rtol=1e-6)
