@@ -172,16 +172,21 @@ class AttentionMaps:
         return drawn, jax.tree.map(np.asarray, rows)
 
     def prepare(self, params, rollout: Rollout, executor) -> None:
-        """Compile the pass for `rollout`'s drawn rows on `executor` (a thread beside the
+        """Compile the passes for `rollout`'s drawn rows on `executor` (a thread beside the
         train step) from the params' shapes and shardings, so that the call after the step
-        finds it compiled: the compile overlaps the step instead of adding to the run's
+        finds them compiled: the compile overlaps the step instead of adding to the run's
         time. Programs compile at the caller's default matmul precision."""
         drawn = self._rows(rollout)
         if drawn is None:
             return
         rows = drawn[1]
-        vision = (rows.images, rows.videos)
-        key = _shapes(params, rows, vision)
+        self._submit(executor, _pass, params, rows, (rows.images, rows.videos))
+        pooled = self._pooled(rows)
+        if pooled is not None:
+            self._submit(executor, _pool_pass, params, pooled)
+
+    def _submit(self, executor, fn, params, *args) -> None:
+        key = (fn.__name__, _shapes(params, *args))
         if key in self.programs:
             return
         shapes = jax.tree.map(
@@ -191,17 +196,31 @@ class AttentionMaps:
 
         def compile_program():
             with jax.default_matmul_precision(precision):
-                return _pass.lower(self.graphdef, shapes, rows, vision).compile()
+                return fn.lower(self.graphdef, shapes, *args).compile()
 
         self.programs[key] = executor.submit(compile_program)
 
-    def _run(self, params, rows: RolloutBatch, vision):
-        """The pass with `vision` = (images, videos): the program `prepare` compiled for these
-        shapes, else jit's."""
-        program = self.programs.get(_shapes(params, rows, vision))
+    def _call(self, fn, params, *args):
+        """fn's program that `prepare` compiled for these shapes, else jit's, on the args."""
+        program = self.programs.get((fn.__name__, _shapes(params, *args)))
         if program is None:
-            return _pass(self.graphdef, params, rows, vision)
-        return program.result()(params, rows, vision)
+            return fn(self.graphdef, params, *args)
+        return program.result()(params, *args)
+
+    def _run(self, params, rows: RolloutBatch, vision):
+        """The pass with `vision` = (images, videos) in place of the rows'."""
+        return self._call(_pass, params, rows, vision)
+
+    def _pooled(self, rows: RolloutBatch) -> RolloutBatch | None:
+        """The rows with attention pools: the batch's, else made by `attention_pools` from
+        `pool_tokens`; None where neither is."""
+        if rows.pools is not None:
+            return rows
+        if self.pool_tokens is None:
+            return None
+        prompt = rows.input_ids.shape[1] - rows.completion_length
+        pools = attention_pools(rows.input_ids, rows.attention_mask, prompt, **self.pool_tokens)
+        return rows.replace(pools=pools)
 
     def _has_vision(self, rows: RolloutBatch, r: int) -> bool:
         ids = np.asarray(rows.input_ids[r])
@@ -277,15 +296,12 @@ class AttentionMaps:
         completion token's masses renormalised over the prompt, averaged over the tokens;
         the pools of the batch, else of `attention_pools`): float[L, b] each; NaN for a row
         without a pool, or for every row where no pools can be made (no `pool_tokens`)."""
-        pools = rows.pools
-        if pools is None and self.pool_tokens is not None:
-            prompt = rows.input_ids.shape[1] - rows.completion_length
-            pools = attention_pools(rows.input_ids, rows.attention_mask, prompt, **self.pool_tokens)
         b = rows.input_ids.shape[0]
-        if pools is None:
+        pooled = self._pooled(rows)
+        if pooled is None:
             return {k: np.full((layers, b), np.nan) for k in ("mdi", "aei_vision")}
-        pools = {k: np.asarray(v) for k, v in pools.items()}
-        a_v, a_x = jax.device_get(_pool_pass(self.graphdef, params, rows.replace(pools=pools)))
+        pools = {k: np.asarray(v) for k, v in pooled.pools.items()}
+        a_v, a_x = jax.device_get(self._call(_pool_pass, params, pooled))
         n = a_v.shape[-1]
         tile = lambda x: np.tile(np.asarray(x), (layers,) + (1,) * (np.ndim(x) - 1))  # noqa: E731
         # each layer's rows as rows of one layer: [L, b, N] -> [1, L * b, N]

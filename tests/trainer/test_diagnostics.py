@@ -160,8 +160,8 @@ def _tb_images(workdir) -> dict:
 
 
 def test_vgr_run_writes_heatmaps(tmp_path, monkeypatch):
-    """A 2-step VGR run draws both logged steps; the diagnostic pass runs the program compiled
-    beside the train step (`AttentionMaps.prepare`), whose outputs equal jit's."""
+    """A 2-step VGR run draws both logged steps; the diagnostic passes run the programs
+    compiled beside the train step (`AttentionMaps.prepare`), whose outputs equal jit's."""
     pytest.importorskip("matplotlib")
     from PIL import Image
 
@@ -173,8 +173,11 @@ def test_vgr_run_writes_heatmaps(tmp_path, monkeypatch):
 
     def checked(self, params, rows, images):
         got = original(self, params, rows, images)
-        program = self.programs.get(diagnostics._shapes(params, rows, images))
+        program = self.programs.get(("_pass", diagnostics._shapes(params, rows, images)))
         prepared.append(program is not None and program.done())
+        pooled = self._pooled(rows)  # the per-layer statistics' pass, compiled beside it too
+        pool_key = ("_pool_pass", diagnostics._shapes(params, pooled))
+        prepared.append(pool_key in self.programs)
         want = diagnostics._pass(self.graphdef, params, rows, images)
         for a, b in zip(got, want):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
