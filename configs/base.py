@@ -76,16 +76,6 @@ def ONE_REST(v, c):  # noqa: N802 -- a rule, named like the others
     return f"at most one of mesh.data, mesh.fsdp, mesh.tensor set to -1 (-1: mesh.{', mesh.'.join(rest)})"
 
 
-# Greedy sampling gives a prompt's completions alike, and so their rewards: a group's (or the
-# greedy baseline's) advantages would all be 0.
-def not_greedy(is_greedy, what):
-    return agree(
-        lambda v, c: not is_greedy(v) or c.algorithm.adv_estimator not in ("grpo", "rloo", "remax"),
-        f"{what} with algorithm.adv_estimator grpo, rloo or remax (greedy completions of a "
-        "prompt are alike, and so are their rewards: every advantage would be 0)",
-    )
-
-
 RECOMPUTED = agree(
     lambda v, c: c.actor.old_logprobs == "recompute",
     "null unless actor.old_logprobs=recompute (it weighs the recomputed old log-probs "
@@ -288,10 +278,11 @@ def get_config(arg=None):
         ),
     )
     c.rollout.max_new_tokens = setting(16, at_least(1))  # response_length / max_completion_length
-    # sampling temperature; 0 = greedy
-    c.rollout.temperature = setting(1.0, NON_NEGATIVE, not_greedy(lambda v: v == 0, "> 0"))
+    # sampling temperature; 0 = greedy (with grpo, rloo or remax every advantage is then 0:
+    # the run warns at start)
+    c.rollout.temperature = setting(1.0, NON_NEGATIVE)
     c.rollout.top_p = setting(1.0, FRACTION)  # nucleus sampling, in (0, 1]; 1 = off
-    c.rollout.top_k = setting(0, NON_NEGATIVE, not_greedy(lambda v: v == 1, "not 1"))  # 0 = off
+    c.rollout.top_k = setting(0, NON_NEGATIVE)  # 0 = off; 1 = greedy, as temperature 0
     # The sampler's own layout over the same devices (docs/scaling.md#rollouts): the policy's
     # weights are resharded and cast once per rollout phase (LoRA merged). tensor=1, data=-1:
     # every device holds the whole model.

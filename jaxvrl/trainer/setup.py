@@ -138,6 +138,23 @@ IMAGE_SETTINGS = (
 )
 
 
+def greedy_warning(c) -> str | None:
+    """What the run warns of at start when it samples greedily (rollout.temperature 0 or
+    top_k 1) with an advantage that compares a prompt's completions (grpo, rloo) or a
+    greedy baseline (remax): alike completions, alike rewards, every advantage 0. Not
+    refused: a deterministic rollout is how a run is checked against a reference."""
+    if c.algorithm.adv_estimator not in ("grpo", "rloo", "remax"):
+        return None
+    if c.rollout.temperature > 0 and c.rollout.top_k != 1:
+        return None
+    how = "rollout.temperature=0" if c.rollout.temperature == 0 else "rollout.top_k=1"
+    return (
+        f"{how} samples greedily: with algorithm.adv_estimator={c.algorithm.adv_estimator} "
+        "a prompt's completions are alike, and so are their rewards: every advantage is 0 "
+        "and the policy does not learn (sample with rollout.temperature > 0)"
+    )
+
+
 def check_model_settings(c, model_config) -> None:
     """A text-only model (no vision tower) refuses, at start, a built-in task whose rows hold
     images and the settings that read the image: the perceptual pass's filtering and

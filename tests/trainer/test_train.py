@@ -710,14 +710,14 @@ def test_a_dataset_read_by_its_own_column_names_trains(tmp_path):
 
 
 def test_dynamic_sampling_that_finds_no_group_saves_and_stops_with_one_line(tmp_path, capsys):
-    """DAPO's dynamic sampling without a batch limit, sampling as good as greedy (temperature
-    1e-5: every group's rewards equal): after a pass over the data the run saves and stops with one `error:` line, exit 2
+    """DAPO's dynamic sampling without a batch limit, greedy sampling (every group's rewards
+    equal): after a pass over the data the run saves and stops with one `error:` line, exit 2
     (a traceback before)."""
     from jaxvrl.train import main
 
     argv = ["--config", os.path.join(ROOT, "configs/dapo.py")]
     argv += [f"--config.{k}" for k in TINY + [f"workdir={tmp_path}", "total_steps=3",
-             "val_before_train=false", "rollout.temperature=1e-5",
+             "val_before_train=false", "rollout.temperature=0",
              "filter.max_num_gen_batches=0"]]  # fmt: skip
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:

@@ -521,8 +521,6 @@ BAD = [
     ("rollout.num_generations=1", r"num_generations=1 .*>= 2 with .*grpo or rloo"),
     ("vgr.token_weight_clip=0,0", r"token_weight_clip=\(0\.0, 0\.0\) .*upper bound above 0"),
     ("actor.use_kl_loss=true", r"use_kl_loss=True .*kl_loss_coef > 0"),
-    ("rollout.temperature=0", r"temperature=0\.0 .*> 0 with .*grpo, rloo or remax"),
-    ("rollout.top_k=1", r"top_k=1 .*not 1 with .*grpo, rloo or remax"),
     # settings that would do nothing without the feature they tune
     ("actor.kl_loss_coef=0.1", r"kl_loss_coef=0\.1 .*0 unless actor\.use_kl_loss=true"),
     ("algorithm.kl_ctrl.type=adaptive", r"type='adaptive' .*fixed unless .*use_kl_in_reward"),
@@ -559,6 +557,23 @@ def test_rollout_devices_that_leave_no_device_to_train_name_that_key():
 
     with pytest.raises(ConfigError, match=r"^config\.rollout\.devices=1: .* of the 1 devices$"):
         training_mesh(cfg_of("rollout.devices=1"))  # the one CPU device of the tests
+
+
+def test_greedy_sampling_with_a_group_advantage_is_warned_of_not_refused():
+    """Greedy completions of a prompt are alike: grpo's, rloo's and remax's advantages are all
+    0. A deterministic rollout is how runs are checked against references, so it is a warning
+    at start, naming the setting."""
+    from jaxvrl.trainer.setup import greedy_warning
+
+    assert greedy_warning(cfg_of()) is None
+    assert "rollout.temperature=0 samples greedily" in greedy_warning(
+        cfg_of("rollout.temperature=0")
+    )
+    remax = cfg_of("rollout.top_k=1", "algorithm.adv_estimator=remax")
+    assert "rollout.top_k=1 " in greedy_warning(remax) and "every advantage is 0" in greedy_warning(
+        remax
+    )
+    assert greedy_warning(cfg_of("rollout.temperature=0", "algorithm.adv_estimator=gae")) is None
 
 
 def test_settings_that_would_do_nothing_or_something_else_are_refused():
