@@ -366,28 +366,11 @@ def get_config(arg=None):
     c.algorithm.norm_adv_by_std = True  # False = Dr.GRPO
     c.algorithm.gamma = setting(1.0, PROBABILITY)  # discount (gae, reinforce_plus_plus)
     c.algorithm.lam = setting(1.0, PROBABILITY)  # GAE lambda (gae only)
-    # subtract kl_ctrl.kl_coef * KL from the reward
-    c.algorithm.use_kl_in_reward = setting(
-        False,
-        agree(
-            lambda v, c: not v or c.algorithm.kl_ctrl.kl_coef > 0,
-            "false, or true with algorithm.kl_ctrl.kl_coef > 0 (0 subtracts nothing, and the "
-            "adaptive controller only scales it)",
-        ),
-    )
+    c.algorithm.use_kl_in_reward = False  # subtract kl_ctrl.kl_coef * KL from the reward
     # KL-in-reward estimator: kl | abs | mse | low_var_kl
     c.algorithm.kl_penalty = setting("kl", one_of(*KL_KINDS))
     c.algorithm.kl_ctrl = ml_collections.ConfigDict()
-    # fixed | adaptive
-    c.algorithm.kl_ctrl.type = setting(
-        "fixed",
-        one_of(*KL_CONTROLLERS),
-        agree(
-            lambda v, c: v == "fixed" or c.algorithm.use_kl_in_reward,
-            "fixed unless algorithm.use_kl_in_reward=true (the controller steers the KL "
-            "in the reward)",
-        ),
-    )
+    c.algorithm.kl_ctrl.type = setting("fixed", one_of(*KL_CONTROLLERS))  # fixed | adaptive
     # beta, the KL-in-reward weight (adaptive: its start)
     c.algorithm.kl_ctrl.kl_coef = setting(0.001, NON_NEGATIVE)
     # adaptive only: the KL beta steers towards
@@ -442,15 +425,7 @@ def get_config(arg=None):
             "default is 0.001)",
         ),
     )
-    # KL loss weight (with use_kl_loss; 0 = off)
-    c.actor.kl_loss_coef = setting(
-        0.0,
-        NON_NEGATIVE,
-        agree(
-            lambda v, c: v == 0 or c.actor.use_kl_loss,
-            "0 unless actor.use_kl_loss=true (the KL loss is off)",
-        ),
-    )
+    c.actor.kl_loss_coef = setting(0.0, NON_NEGATIVE)  # KL loss weight (with use_kl_loss; 0 = off)
     c.actor.kl_loss_type = setting("low_var_kl", one_of(*KL_KINDS))  # kl | abs | mse | low_var_kl
     c.actor.entropy_coef = setting(0.0, Range())  # entropy bonus
     c.actor.use_entropy_penalty = False  # VPPO: + coef * agg(-logp)
@@ -490,15 +465,7 @@ def get_config(arg=None):
         ),
     )
     # dynamic_batching budget
-    c.actor.max_token_len_per_device = setting(
-        None,
-        at_least(1),
-        agree(
-            lambda v, c: v is None or c.actor.dynamic_batching,
-            "null unless actor.dynamic_batching=true (the budget forms its micro-batches)",
-        ),
-        type=int,
-    )
+    c.actor.max_token_len_per_device = setting(None, at_least(1), type=int)
 
     c.critic = ml_collections.ConfigDict()  # value head, used by adv_estimator=gae only
     # the critic's AdamW learning rate (constant, no weight decay)
@@ -660,14 +627,7 @@ def get_config(arg=None):
     # constant | cosine (after warmup, to lr * min_lr_ratio)
     c.optim.schedule = setting("constant", one_of(*SCHEDULES))
     # cosine only: the learning rate at the last step, over lr
-    c.optim.min_lr_ratio = setting(
-        0.0,
-        PROBABILITY,
-        agree(
-            lambda v, c: v == 0 or c.optim.schedule == "cosine",
-            "0 unless optim.schedule=cosine (a constant schedule does not decay)",
-        ),
-    )
+    c.optim.min_lr_ratio = setting(0.0, PROBABILITY)
     c.optim.warmup_steps = setting(0, NON_NEGATIVE)  # linear warm-up from 0 over this many steps
     # AdamW (beta1, beta2)
     c.optim.betas = setting((0.9, 0.999), Each(Range(0, 1, hi_open=True), length=2))
@@ -722,10 +682,7 @@ def get_config(arg=None):
     c.lora.dropout = setting(0.05, Range(0, 1, hi_open=True))
     # Linear names (last path part) or path regexes
     c.lora.target_modules = setting(("q_proj", "v_proj"), Each(NON_EMPTY, allow_empty=False))
-    # also adapt the vision tower
-    c.lora.train_vision = setting(
-        False, agree(lambda v, c: not v or c.lora.rank > 0, "false unless lora.rank > 0")
-    )
+    c.lora.train_vision = False  # also adapt the vision tower
     # QLoRA base weights: none | int8 | int4 | nf4 (needs qwix)
     c.lora.quantize = setting(
         "none",

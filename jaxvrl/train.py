@@ -78,7 +78,7 @@ from jaxvrl.trainer.setup import (
     check_nonfinite,
     check_offload,
     check_rows,
-    greedy_warning,
+    inert_settings,
     load_model,
     load_start_params,
     make_rollout_phase,
@@ -150,8 +150,8 @@ def _run(c) -> dict:
     # checkpoint, the training and held-out files (columns, data.format)
     model_config = models.load_config(source[0])
     check_model_settings(c, model_config)
-    if (greedy := greedy_warning(c)) and primary:
-        log.warning(greedy)
+    for why in inert_settings(c) if primary else ():
+        log.warning(why)
     check_attention(c, mesh.devices.flat[0])
     check_decode_attention(c, mesh.devices.flat[0])  # the rollout's devices are of this platform
     layout = rollout_layout(c, sampling_devices(c, mesh), model_config.text)

@@ -138,21 +138,42 @@ IMAGE_SETTINGS = (
 )
 
 
-def greedy_warning(c) -> str | None:
-    """What the run warns of at start when it samples greedily (rollout.temperature 0 or
-    top_k 1) with an advantage that compares a prompt's completions (grpo, rloo) or a
-    greedy baseline (remax): alike completions, alike rewards, every advantage 0. Not
-    refused: a deterministic rollout is how a run is checked against a reference."""
-    if c.algorithm.adv_estimator not in ("grpo", "rloo", "remax"):
-        return None
-    if c.rollout.temperature > 0 and c.rollout.top_k != 1:
-        return None
-    how = "rollout.temperature=0" if c.rollout.temperature == 0 else "rollout.top_k=1"
-    return (
-        f"{how} samples greedily: with algorithm.adv_estimator={c.algorithm.adv_estimator} "
-        "a prompt's completions are alike, and so are their rewards: every advantage is 0 "
-        "and the policy does not learn (sample with rollout.temperature > 0)"
-    )
+def inert_settings(c) -> list[str]:
+    """What the run warns of at start (one line each, naming the keys): settings that do
+    nothing here, and greedy sampling (rollout.temperature 0 or top_k 1) with an advantage
+    that compares a prompt's completions (grpo, rloo) or a greedy baseline (remax): alike
+    completions, alike rewards, every advantage 0. Warned of, not refused: a deterministic
+    rollout is how runs are checked against references, and a sweep may switch a feature
+    off and leave its settings."""
+    out = []
+    if c.algorithm.adv_estimator in ("grpo", "rloo", "remax") and (
+        c.rollout.temperature == 0 or c.rollout.top_k == 1
+    ):
+        how = "rollout.temperature=0" if c.rollout.temperature == 0 else "rollout.top_k=1"
+        out.append(
+            f"{how} samples greedily: with algorithm.adv_estimator={c.algorithm.adv_estimator}"
+            " a prompt's completions are alike, and so are their rewards: every advantage is "
+            "0 and the policy does not learn (sample with rollout.temperature > 0)"
+        )
+    unused = (
+        (c.actor.kl_loss_coef > 0 and not c.actor.use_kl_loss,
+         f"actor.kl_loss_coef={c.actor.kl_loss_coef} does nothing without actor.use_kl_loss=true"),
+        (c.algorithm.use_kl_in_reward and c.algorithm.kl_ctrl.kl_coef == 0,
+         "algorithm.use_kl_in_reward=true with algorithm.kl_ctrl.kl_coef=0 subtracts nothing "
+         "(the adaptive controller only scales it)"),
+        (c.algorithm.kl_ctrl.type != "fixed" and not c.algorithm.use_kl_in_reward,
+         f"algorithm.kl_ctrl.type={c.algorithm.kl_ctrl.type} does nothing without "
+         "algorithm.use_kl_in_reward=true"),
+        (c.optim.min_lr_ratio > 0 and c.optim.schedule != "cosine",
+         f"optim.min_lr_ratio={c.optim.min_lr_ratio} does nothing with "
+         f"optim.schedule={c.optim.schedule} (cosine decays to it)"),
+        (c.lora.train_vision and not c.lora.rank,
+         "lora.train_vision=true does nothing without lora.rank > 0"),
+        (c.actor.max_token_len_per_device is not None and not c.actor.dynamic_batching,
+         f"actor.max_token_len_per_device={c.actor.max_token_len_per_device} does nothing "
+         "without actor.dynamic_batching=true"),
+    )  # fmt: skip
+    return out + [why for inert, why in unused if inert]
 
 
 def check_model_settings(c, model_config) -> None:
