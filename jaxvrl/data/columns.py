@@ -4,9 +4,8 @@
 name or a dotted path into nested objects (`meta.question`; a column literally named
 `meta.question` wins). An unset key reads the row format's own names, as the row format says:
 `problem` else `prompt`; `label_idx` else `answer` else `solution`; `images` else `image`;
-`videos` else `video`;
-`choices`; a verl row that also holds those names is read as verl reads it (`verl_keys`).
-With no key, no hook and no such row, rows pass through untouched.
+`videos` else `video`; `choices`; a verl row that also holds those names is read as verl
+reads it (`verl_keys`). With no key, no hook and no such row, rows pass through untouched.
 
 A set key maps its column to the row format's name:
   prompt_key  -> `problem` (the prompt text)
