@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from jaxvrl.config import ConfigError
+from jaxvrl.data.prompts import is_chat
 from jaxvrl.data.rows import (
     LABELS,
     NESTED_LABEL,
@@ -68,9 +69,7 @@ def verl_keys(row: dict) -> dict:
     `reward_model.ground_truth` the label (unless the row has a `label_idx`). Keys set in the
     config come after these and decide."""
     keys = {}
-    prompt = row.get("prompt")
-    chat = isinstance(prompt, list | tuple) and bool(prompt)
-    if chat and all(isinstance(m, dict) and "role" in m for m in prompt) and row.get("problem"):
+    if is_chat(row.get("prompt")) and row.get("problem"):
         keys["prompt_key"] = "prompt"
     truth = lookup(row, ".".join(NESTED_LABEL))
     if (

@@ -83,7 +83,7 @@ def chat_messages(prompt, system: str | None = None, format_prompt: str | None =
     user turn's text as `content`. Raises ValueError for a prompt of neither form."""
     if isinstance(prompt, str):
         msgs = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list | tuple) and prompt and all(_is_message(m) for m in prompt):
+    elif is_chat(prompt):
         msgs = [{"role": m["role"], "content": m["content"]} for m in prompt]
     else:
         raise ValueError("a prompt is a text or a list of {'role', 'content'} messages")
@@ -97,8 +97,15 @@ def chat_messages(prompt, system: str | None = None, format_prompt: str | None =
     return msgs
 
 
-def _is_message(m) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+def is_chat(prompt) -> bool:
+    """Whether a row's prompt is a list of {"role", "content"} messages (verl's and TRL's
+    conversational prompts)."""
+    return (
+        isinstance(prompt, list | tuple)
+        and bool(prompt)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                for m in prompt)
+    )  # fmt: skip
 
 
 # content part types that name an image or a video (OpenAI-style messages among them)

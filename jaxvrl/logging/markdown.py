@@ -60,12 +60,9 @@ def _num(v, digits: int) -> str:
 
 
 def _row_values(x, n: int) -> np.ndarray:
-    """A per-row value: float[B], or float[B, T] (first token: constant over t for outcome
-    advantages)."""
+    """A per-row value: float[B], or one value for all n rows."""
     a = np.asarray(x, np.float64)
-    if a.ndim == 0:
-        a = np.full(n, float(a))
-    return a[:, 0] if a.ndim == 2 else a
+    return np.full(n, float(a)) if a.ndim == 0 else a
 
 
 def rollout_section(
@@ -79,7 +76,7 @@ def rollout_section(
     kept: Sequence[bool] | None = None,
 ) -> str:
     """prompts / completions: one per row; rewards: {name: float[B]} (unweighted); totals:
-    float[B] (weighted sum); advantages: float[B] or float[B, T]; kept: per row whether it
+    float[B] (weighted sum); advantages: float[B] (one per row); kept: per row whether it
     is in the step's batch (False: "(filtered)"; None: all are)."""
     n = len(completions)
     totals = _row_values(totals, n)

@@ -300,7 +300,6 @@ class AttentionMaps:
         pooled = self._pooled(rows)
         if pooled is None:
             return {k: np.full((layers, b), np.nan) for k in ("mdi", "aei_vision")}
-        pools = {k: np.asarray(v) for k, v in pooled.pools.items()}
         a_v, a_x = jax.device_get(self._call(_pool_pass, params, pooled))
         n = a_v.shape[-1]
         tile = lambda x: np.tile(np.asarray(x), (layers,) + (1,) * (np.ndim(x) - 1))  # noqa: E731
@@ -308,8 +307,8 @@ class AttentionMaps:
         stats = rl.attention_metrics(
             a_v.reshape(1, layers * b, n),
             a_x.reshape(1, layers * b, n),
-            tile(pools["vision"].sum(-1)),
-            tile(pools["text"].sum(-1)),
+            tile(np.sum(pooled.pools["vision"], -1)),
+            tile(np.sum(pooled.pools["text"], -1)),
             tile(rows.completion_mask),
         )
         return {
