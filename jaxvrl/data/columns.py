@@ -106,10 +106,6 @@ class RowFormat:
         names = ("prompt_key", "answer_key", "image_key", "video_key", "choices_key")
         return {n: getattr(self, n) for n in names if getattr(self, n)}
 
-    @property
-    def identity(self) -> bool:
-        return not self.keys() and not self.format
-
 
 class RowMapper:
     """raw row -> a row of the format (its `_where` kept), for one RowFormat; the format hook

@@ -236,20 +236,20 @@ class ConcatSource:
 
 class FormattedSource:
     """A source whose rows come back in the row format (`RowMapper`); its keys are checked
-    against the source's columns (or, with a format hook, its output for the first row)."""
+    against the source's columns (or, with a format hook, its output for the first row),
+    which `columns` lists."""
 
     def __init__(self, source, fmt: RowFormat, name: str):
         self.source, self.mapper = source, RowMapper(fmt)
+        self.columns = source.columns
         if len(source) == 0:
             return
         if fmt.format:
             first = self.mapper(source[0])
             if SKIP in first:  # the hook fails on the first row: most likely on every row
                 raise DataError(f"{first.get('_where', name + ' row 0')}: {first[SKIP][1]}")
-            columns = column_paths({k: v for k, v in first.items() if k != "_where"})
-        else:
-            columns = source.columns
-        self.mapper.check(columns, name)
+            self.columns = list(column_paths({k: v for k, v in first.items() if k != "_where"}))
+        self.mapper.check(self.columns, name)
 
     def __len__(self) -> int:
         return len(self.source)
@@ -279,14 +279,10 @@ def _file_source(local: str, name: str):
 
 
 def _formatted(src, fmt: RowFormat | None, name: str):
-    """`src` read in the row format `fmt` (None: raw rows, unchecked)."""
-    if fmt is None:
-        return src
-    if not fmt.identity:
-        return FormattedSource(src, fmt, name)
-    if len(src):  # its own names: the prompt and label columns must be there
-        RowMapper(fmt).check(src.columns, name)
-    return src
+    """`src` read in the row format `fmt` (None: raw rows, unchecked). Without keys or a hook
+    the rows still pass the mapper: a verl row that kept its source's columns is read as verl
+    reads it (`columns.verl_keys`)."""
+    return src if fmt is None else FormattedSource(src, fmt, name)
 
 
 # the files a data folder is read from: .json files only where it holds neither of the

@@ -165,11 +165,16 @@ def test_verl_messages_nested_label_and_a_format_prompt(tokenizer):
     assert pickle.loads(pickle.dumps(plain)) == plain
 
 
-def test_a_verl_row_that_kept_its_source_columns_is_read_as_verl_reads_it(tokenizer):
+def test_a_verl_row_that_kept_its_source_columns_is_read_as_verl_reads_it(tokenizer, tmp_path):
     """A verl file made by `datasets.map` without removing the source's columns: its chat
     `prompt` is the prompt and `reward_model.ground_truth` the label, as verl reads them, not
-    the kept `problem` and `answer` (a worked solution); set keys still decide."""
+    the kept `problem` and `answer` (a worked solution); set keys still decide. Read from a
+    parquet file as a run opens it (no keys set)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from jaxvrl.data.columns import RowFormat, RowMapper
+    from jaxvrl.data.sources import open_source
 
     row = {
         "problem": "Find x.",
@@ -179,7 +184,9 @@ def test_a_verl_row_that_kept_its_source_columns_is_read_as_verl_reads_it(tokeni
         "reward_model": {"style": "rule", "ground_truth": "12"},
         "extra_info": {"index": 3},
     }
-    ex, stats = _encode(RowMapper(RowFormat())(row), tokenizer, EncodeOptions())
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "verl.parquet")
+    read = open_source(str(tmp_path / "verl.parquet"), fmt=RowFormat())[0]
+    ex, stats = _encode(read, tokenizer, EncodeOptions())
     assert stats.total == 0 and ex["answer"] == "12" and ex["solution"] == "x = 12"
     assert "Think first, then give \\boxed{x}." in ex["prompt_text"]
     assert ex["extra_info"] == row["extra_info"]
