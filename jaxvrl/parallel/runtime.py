@@ -98,11 +98,12 @@ def gather_json(obj) -> list:
     return [json.loads(bytes(r[: int(n)]).decode()) for r, n in zip(rows, sizes.reshape(-1))]
 
 
-def metrics_across_processes(m: dict, weight: float, sums=()) -> dict:
+def metrics_across_processes(m: dict, weight: float, sums=(), maxes=()) -> dict:
     """Every process's host-side metrics combined (a collective with several processes; the
-    same keys on every process): the keys in `sums` add up, the others are means weighted by
-    each process's `weight` (the number of items its values average), NaN values left out. A
-    key that is NaN everywhere is dropped. Values travel as float32 between processes."""
+    same keys on every process): the keys in `sums` add up, those in `maxes` take the
+    largest, the others are means weighted by each process's `weight` (the number of items
+    its values average), NaN values left out. A key that is NaN everywhere is dropped. Values
+    travel as float32 between processes."""
     keys = sorted(m)
     vals = np.asarray([float(m[k]) for k in keys] + [float(weight)], np.float64)
     if jax.process_count() > 1:
@@ -119,6 +120,8 @@ def metrics_across_processes(m: dict, weight: float, sums=()) -> dict:
             continue
         if k in sums:
             out[k] = float(np.sum(x[ok]))
+        elif k in maxes:
+            out[k] = float(np.max(x[ok]))
         else:
             out[k] = float(np.sum(x[ok] * w[ok]) / max(np.sum(w[ok]), 1e-12))
     return out

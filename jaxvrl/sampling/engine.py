@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxvrl.models import KVCache, PagedKVCache, continue_positions
+from jaxvrl.parallel.sharding import constrain
 from jaxvrl.sampling import steps
 from jaxvrl.sampling.layout import compute_params, for_decode
 from jaxvrl.sampling.steps import SampleOutput, SamplingConfig
@@ -48,7 +49,8 @@ class SlotsCarry:
     each work row's first token and its log-prob (`first_ent` its entropy, with
     cfg.entropies); `limits` int[W] or None; `groups` int32[W] each work row's group (-1:
     none) and `need` int32[], or None: the loop stops once `need` groups have ended whole
-    (`decode_slots`); `prompt_of` int32[W] the prompt each work row continues; `routes` the
+    (`decode_slots`); `prompt_of` int32[W] the prompt each work row continues; `order`
+    int32[W] the work rows in the order they take slots, or None: in index order; `routes` the
     prompts' recorded routes [R, P, L', k] or None (`SamplingConfig.routes`); `first_mass`
     (A_V, A_X) float32[R, L] of each prompt's last query with pools, else None; `loop` the
     decode loop's state where a call paused it (`decode_slots` with pause_at), else None.
@@ -66,6 +68,7 @@ class SlotsCarry:
     groups: jax.Array | None = None
     need: jax.Array | None = None
     prompt_of: jax.Array | None = None
+    order: jax.Array | None = None
     routes: jax.Array | None = None
     first_mass: tuple | None = None
     loop: dict | None = None
@@ -91,6 +94,22 @@ def _narrow_rows(slots: dict, work_rows: int, width: int) -> dict:
     return {k: v[order] for k, v in slots.items()}
 
 
+def _by_rows(out: SampleOutput) -> SampleOutput:
+    """The loop's outputs (written whole on every device, each slot to its row) split by
+    work row over the mesh's row axes, as the prompts are: on a pod each process reads its
+    own rows back (`runtime.host_local`)."""
+
+    def rows(x, at=0):
+        return None if x is None else constrain(x, (None,) * at + ("batch",))
+
+    per_row = ("tokens", "logprobs", "mask", "truncated", "entropies", "ended", "routes")
+    return out.replace(
+        **{k: rows(getattr(out, k)) for k in per_row},
+        vision_mass=rows(out.vision_mass, 1),
+        text_mass=rows(out.text_mass, 1),
+    )
+
+
 def _check(cfg: SamplingConfig):
     if cfg.slots < 1 or cfg.page_size < 1:
         raise ValueError(f"slots and page_size must be positive, got {cfg.slots}, {cfg.page_size}")
@@ -114,14 +133,16 @@ def prefill_slots(
     groups=None,
     need=None,
     prompt_of=None,
+    order=None,
 ) -> SlotsCarry:
     """Traceable: the R prompts' prefill (once each) into pages, and every work row's first
     token: the carry `decode_slots` starts from. groups int[W] (-1: a row of no group) and
     need int[]: stop once `need` of the groups have ended whole (all their rows), leaving the
     other rows where they are (partial rollouts; `SampleOutput.ended` tells which ended);
-    None: every row runs to its end. prompt_of int[W]: the prompt each work row samples, in
-    queue order (any number of rows per prompt, each with the key `steps.row_keys(rng, W,
-    1)` gives it); None: num_samples rows per prompt, prompt-major."""
+    None: every row runs to its end. prompt_of int[W]: the prompt each work row samples (any
+    number of rows per prompt, each with the key `steps.row_keys(rng, W, 1)` gives it);
+    None: num_samples rows per prompt, prompt-major. order int[W]: the work rows in the order
+    they take slots (a permutation; None: row 0 first), e.g. several processes' rows in turn."""
     _check(cfg)
     model = nnx.merge(graphdef, compute_params(graphdef, params))
     r, p_len = input_ids.shape
@@ -190,6 +211,7 @@ def prefill_slots(
         groups=None if groups is None else jnp.asarray(groups, jnp.int32),
         need=None if need is None else jnp.asarray(need, jnp.int32),
         prompt_of=prompt_of,
+        order=None if order is None else jnp.asarray(order, jnp.int32),
         routes=None if out.routes is None else steps.step_routes(model, out.routes, r),
         first_mass=None if pools is None else steps.last_query_masses(out),
     )
@@ -244,17 +266,21 @@ def decode_slots(
         grp = jnp.where(carry.groups < 0, w, jnp.minimum(carry.groups, w))
         per_group = jnp.zeros((w + 1,), jnp.int32).at[grp].add(1)
         grouped = per_group[:w] > 0  # the groups that have rows
+
+    def queued(i):  # the work row at queue place i (i < w)
+        return i if carry.order is None else carry.order[i]
+
     if carry.loop is None:
-        rows0 = slot_ids  # the first S work rows
+        rows0 = queued(slot_ids)  # the first S work rows
         state = dict(
             table=table(rows0),
             valid=valid(rows0),
             write=jnp.full((s,), pp * ps),
             row=rows0,  # the work row each slot runs (w: idle)
             t=jnp.zeros((s,), jnp.int32),  # its token index
-            next_tok=first_tok[:s],
-            next_lp=first_lp[:s],
-            queue=jnp.asarray(s, jnp.int32),  # the next waiting work row
+            next_tok=first_tok[rows0],
+            next_lp=first_lp[rows0],
+            queue=jnp.asarray(s, jnp.int32),  # the queue place of the next waiting row
             steps=jnp.zeros((), jnp.int32),
             # outputs, with a last row that idle slots write into
             tokens=jnp.full((w + 1, n), cfg.pad_token_id, jnp.int32),
@@ -271,7 +297,7 @@ def decode_slots(
             for name, first in zip(("vmass", "xmass"), carry.first_mass):
                 state[name] = state[name].at[:, :w, 0].set(first[prompt_of].T)
         if cfg.entropies:
-            state["next_ent"] = first_ent[:s]
+            state["next_ent"] = first_ent[rows0]
             state["entropies"] = jnp.zeros((w + 1, n), jnp.float32)
         if carry.routes is not None:  # each completion token's, as it is fed
             state["routes"] = jnp.zeros((w + 1, n, *carry.routes.shape[2:]), carry.routes.dtype)
@@ -333,7 +359,7 @@ def decode_slots(
         order = jnp.cumsum(ended) - 1
         take = st["queue"] + order
         refill = ended & (take < w)
-        row2 = jnp.where(ended, jnp.where(refill, take, w), row)
+        row2 = jnp.where(ended, jnp.where(refill, queued(jnp.minimum(take, w - 1)), w), row)
         new["queue"] = jnp.minimum(st["queue"] + jnp.sum(ended), w)
         new["row"] = row2
         new["t"] = jnp.where(ended, 0, t + 1)
@@ -369,7 +395,7 @@ def decode_slots(
         lambda st: jax.lax.fori_loop(0, k, lambda _, x: step(x), st),
         state,
     )
-    out = SampleOutput(
+    out = _by_rows(SampleOutput(
         tokens=st["tokens"][:w],
         logprobs=st["logprobs"][:w],
         mask=st["mask"][:w],
@@ -382,7 +408,7 @@ def decode_slots(
         routes=None
         if carry.routes is None
         else jnp.concatenate([carry.routes[prompt_of], st["routes"][:w]], axis=1),
-    )
+    ))  # fmt: skip
     c = st.pop("cache")
     loop = None
     if pause_at or carry.loop is not None:  # (a continued loop's state is donated: kept)

@@ -71,6 +71,7 @@ def sample(
     groups=None,
     need=None,
     prompt_of=None,
+    order=None,
 ) -> SampleOutput:
     """Traceable sampling core: `prefill`, then `decode` (jit it with `cfg`, `num_samples`,
     `prefill_once` static: `sample_program`; `Sampler` runs the two as programs of their
@@ -95,9 +96,9 @@ def sample(
 
     groups int[B] (each output row's group, -1: none) and need int[]: the call stops once
     `need` groups have ended whole, the other rows part-way (`SampleOutput.ended`; partial
-    rollouts continue them later). prompt_of int[B]: the prompt each output row samples, in
-    the order the rows start (any number per prompt; None: num_samples each, prompt-major).
-    These two: the slots engine only.
+    rollouts continue them later). prompt_of int[B]: the prompt each output row samples (any
+    number per prompt; None: num_samples each, prompt-major); order int[B]: the rows in the
+    order they start (None: row 0 first). These: the slots engine only.
     """
     carry = prefill(
         graphdef,
@@ -117,6 +118,7 @@ def sample(
         groups=groups,
         need=need,
         prompt_of=prompt_of,
+        order=order,
     )
     return decode(graphdef, params, carry, decode_weights, cfg=cfg, prefill_once=prefill_once)[0]
 
@@ -140,6 +142,7 @@ def prefill(
     groups=None,
     need=None,
     prompt_of=None,
+    order=None,
 ) -> Carry:
     """A rollout's first program (traceable; the arguments are `sample`'s): the vision tower
     and the prompts' prefill, as the carry `decode` starts from: the static sampler's
@@ -147,9 +150,9 @@ def prefill(
     args = (graphdef, params, input_ids, attention_mask, position_ids, deltas, rng)
     kw = dict(cfg=cfg, images=images, videos=videos, pools=pools, limits=limits)
     if uses_slots(cfg, prefill_once):
-        more = dict(groups=groups, need=need, prompt_of=prompt_of)
+        more = dict(groups=groups, need=need, prompt_of=prompt_of, order=order)
         return engine.prefill_slots(*args, num_samples=num_samples, **more, **kw)
-    if groups is not None or prompt_of is not None:
+    if groups is not None or prompt_of is not None or order is not None:
         raise ValueError("sampling: a call that stops by groups needs slots (SamplingConfig.slots)")
     return static.prefill(*args, num_samples=num_samples, prefill_once=prefill_once, **kw)
 

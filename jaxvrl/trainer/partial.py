@@ -29,6 +29,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxvrl.parallel import runtime
 from jaxvrl.sampling import SampleOutput
 from jaxvrl.trainer.groups import Group
 
@@ -128,10 +129,12 @@ def _stack_rows(rows: list[SampleOutput]) -> SampleOutput:
     return SampleOutput(**{k: cat(k) for k in fields})
 
 
-def call_width(prompts_per_step: int, oversample: float) -> int:
+def call_width(prompts_per_step: int, oversample: float, row_groups: int = 1) -> int:
     """Groups a partial rollout's sampler call holds: oversample x the step's prompts, at
-    least the step's."""
-    return max(prompts_per_step, math.ceil(oversample * prompts_per_step))
+    least the step's, rounded up to a multiple of the rollout mesh's `row_groups` on this
+    process (so that the call's prompts and rows split over them)."""
+    width = max(prompts_per_step, math.ceil(oversample * prompts_per_step))
+    return -(-width // row_groups) * row_groups
 
 
 @dataclasses.dataclass
@@ -151,6 +154,8 @@ class PartialRollouts:
     # (example, j) -> the most tokens row j of the example may have (at most max_new_tokens;
     # a benchmark's forced lengths), None: max_new_tokens for every row
     row_limit: Callable[[dict, int], int] | None = None
+    # the rollout mesh's row groups on this process (`call_width`)
+    row_groups: int = 1
     flights: list[Flight] = dataclasses.field(default_factory=list)
     # this step's counts, read and reset by `take_metrics`
     dropped: int = 0
@@ -158,7 +163,7 @@ class PartialRollouts:
     @property
     def width(self) -> int:
         """Groups a sampler call holds (width x G work rows): `call_width`."""
-        return call_width(self.prompts_per_step, self.oversample)
+        return call_width(self.prompts_per_step, self.oversample, self.row_groups)
 
     def drop_stale(self, step: int) -> int:
         """Drops the flights with a row more than max_staleness versions behind `step`;
@@ -185,7 +190,9 @@ class PartialRollouts:
         self.drop_stale(step)
         p = self.prompts_per_step
         need, infos = p - sum(f.complete for f in self.flights), []
-        while need > 0:  # a call whose rows all end completes all its groups: few calls
+        # a call whose rows all end completes all its groups: few calls; on a pod every
+        # process takes part in each call (one program) until each has its groups
+        while runtime.any_process(need > 0):
             k = jax.random.fold_in(key, len(infos))
             infos.append(
                 self._call(phase, params, examples, k, need, step if version is None else version)
@@ -254,6 +261,12 @@ class PartialRollouts:
         places = self.width
         while places < len(prompts):
             places *= 2
+        # on a pod: as many prompts on every process, and the groups that every process
+        # still needs (a process with its groups complete stops no call: its rows count
+        # in no group)
+        pod = runtime.gather_json([places, max(need, 0)])
+        places = max(x for x, _ in pod)
+        group_of = np.asarray([q[4] if need > 0 else -1 for q in queue], np.int32)
         prefixes += [prefixes[0]] * (places - len(prompts))
         prompts += [prompts[0]] * (places - len(prompts))
         out, info = self._sample(
@@ -264,8 +277,8 @@ class PartialRollouts:
             prefixes,
             prompt_of=np.asarray([q[2] for q in queue], np.int32),
             limits=np.asarray([q[3] for q in queue], np.int32),
-            groups=np.asarray([q[4] for q in queue], np.int32),
-            need=need,
+            groups=group_of,
+            need=sum(n for _, n in pod),
         )
         for b, (f, j, *_) in enumerate(order):
             f.extend(j, out, b, version)
@@ -302,11 +315,13 @@ class PartialRollouts:
     def take_metrics(self, trained: list, step: int) -> dict:
         """This step's partial-rollout metrics (then reset): rows carried into the next step,
         rows dropped as stale, and the staleness of the rows of the `trained` groups (the
-        batch's, after the filters; a group without versions was sampled at `step`)."""
+        batch's, after the filters; a group without versions was sampled at `step`); on a
+        pod, every process's (a collective)."""
         g = self.group_size
         stale = [
             np.zeros(g) if x.versions is None else staleness(x.versions, step) for x in trained
         ]
+        rows = sum(len(x) for x in stale)
         stale = np.concatenate(stale) if stale else np.zeros(1)
         m = {
             "rollout/carried_rows": float(sum((f.length > 0).sum() for f in self.flights)),
@@ -316,7 +331,10 @@ class PartialRollouts:
             "rollout/staleness_max": float(stale.max()),
         }
         self.dropped = 0
-        return m
+        counts = {"rollout/carried_rows", "rollout/carried_groups", "rollout/dropped_stale_rows"}
+        return runtime.metrics_across_processes(
+            m, weight=rows, sums=counts, maxes={"rollout/staleness_max"}
+        )
 
 
 def staleness(versions: np.ndarray, step: int) -> np.ndarray:

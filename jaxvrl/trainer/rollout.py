@@ -352,7 +352,10 @@ def sample_completions(
     process's rows (`runtime.host_local`; np.asarray fails on a pod). decode: where the
     phase keeps `params` in the sampler's layout and their decode weights (None: the
     sampler prepares its own each call). limits int[rows], groups int[rows], need and
-    prompt_of int[rows] (the sampler's: `sampling.sample`) are passed on, None: not given."""
+    prompt_of int[rows] (the sampler's: `sampling.sample`) are passed on, None: not given.
+    On a pod they are each process's own (groups and prompts numbered from 0 on each; need
+    counts the groups of every process), and the processes' rows take slots in turn
+    (`pod_rows`), so that no process's rows wait behind another's."""
     mesh = prompt_mesh(sampler, mesh)
     prefill_once = prefills_once(len(batch["input_ids"]), mesh)
     if not prefill_once:
@@ -360,10 +363,16 @@ def sample_completions(
         pools = batch["pools"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "deltas")}
     inputs.update(images=batch["images"], videos=batch.get("videos"), pools=pools)
+    mine = len(batch["input_ids"]) * (num_samples if prefill_once else 1)  # this process's
+    mine = mine if prompt_of is None else len(prompt_of)
     given = dict(limits=limits, groups=groups, prompt_of=prompt_of)
     stop = {k: v for k, v in given.items() if v is not None}
     if stop and not prefill_once:  # per output row: repeated with the prompts' rows
         raise ValueError("sample_completions: limits and groups need one prefill per prompt")
+    order = None
+    if stop and jax.process_count() > 1:
+        stop = pod_rows(stop, len(batch["input_ids"]), jax.process_count(), jax.process_index())
+        order = stop.pop("order", None)
     if mesh is None:
         inputs = jax.tree.map(jnp.asarray, inputs)
         stop = jax.tree.map(jnp.asarray, stop)
@@ -371,6 +380,8 @@ def sample_completions(
         inputs = runtime.place_batch(inputs, mesh)
         stop = runtime.place_batch(stop, mesh) if stop else stop
         key = runtime.replicate(key, mesh)
+    if order is not None:
+        stop["order"] = runtime.replicate(order, mesh)
     if need is not None:
         stop["need"] = np.int32(need) if mesh is None else runtime.replicate(np.int32(need), mesh)
     weights = None
@@ -396,7 +407,30 @@ def sample_completions(
         **stop,
     )
     out = runtime.host_local(out)
+    if len(out.tokens) != mine:  # a pod's process reads its own rows, never another's
+        raise ValueError(
+            f"sample_completions: {len(out.tokens)} rows came back to this process, not its "
+            f"{mine}: the sampler's outputs are not split by row over the rollout mesh"
+        )
     return (out, times) if timed else out
+
+
+def pod_rows(stop: dict, prompts: int, n: int, pid: int) -> dict:
+    """Process `pid`'s stop rule (`sample_completions`: limits, groups, prompt_of over its
+    rows, numbered from 0) as its part of the stop rule of `n` processes: its prompts and
+    groups numbered after the processes before it (every process holds as many prompts and
+    rows), and with groups the order the pod's rows take slots in (`order`: the processes'
+    k-th rows one after another)."""
+    rows = len(next(iter(stop.values())))
+    out = dict(stop)
+    if "prompt_of" in stop:
+        out["prompt_of"] = np.asarray(stop["prompt_of"], np.int32) + pid * prompts
+    if "groups" in stop:
+        groups = np.asarray(stop["groups"], np.int32)
+        out["groups"] = np.where(groups >= 0, groups + pid * rows, -1).astype(np.int32)
+        order = np.arange(n * rows, dtype=np.int32).reshape(n, rows).T.reshape(-1)
+        out["order"] = order
+    return out
 
 
 def sampler_info(sampler, out, times: dict, prefill_once: bool = True) -> dict:

@@ -369,7 +369,7 @@ def rollout_slots(c, text_cfg, mesh=None, processes: int | None = None, hbm=None
     ps = r.page_size
     own = -(-r.max_new_tokens // ps) * ps * position  # a slot's pages
     if r.partial:
-        width = call_width(c.prompts_per_step, r.oversample)
+        width = call_width(c.prompts_per_step, r.oversample, max(1, row_shards(mesh) // processes))
         length, prompts = c.data.max_prompt_length + r.max_new_tokens, width * g * processes
     else:
         length, prompts = c.data.max_prompt_length, c.prompts_per_step * processes
@@ -611,23 +611,21 @@ def make_rollout_phase(
         mesh=mesh,
         accuracy=by_spec.get("mc_idx", by_spec.get("accuracy")),
         reward_model=reward_model(c, names, mesh),
-        partial=partial_rollouts(c, layers if stats else 0, sampler.cfg.entropies),
+        partial=partial_rollouts(c, layers if stats else 0, sampler.cfg.entropies, sampler.mesh),
     )
 
 
-def partial_rollouts(c, layers: int, entropies: bool) -> PartialRollouts | None:
+def partial_rollouts(c, layers: int, entropies: bool, mesh=None) -> PartialRollouts | None:
     """The rows carried between steps with rollout.partial (None: off), keeping each token's
-    attention masses over `layers` text layers (0: none); refused in one line where a part of
-    the run cannot follow a row across steps."""
+    attention masses over `layers` text layers (0: none), sampled on the rollout mesh `mesh`
+    (None: one device); refused in one line where a part of the run cannot follow a row
+    across steps."""
     if not c.rollout.partial:
         return None
-    why = None
     if c.algorithm.adv_estimator == "remax":
-        why = "remax's greedy baseline"
-    elif jax.process_count() > 1:
-        why = "several processes"
-    if why:
-        raise ConfigError(f"config.rollout.partial: partial rollouts do not carry {why} yet")
+        raise ConfigError(
+            "config.rollout.partial: partial rollouts do not carry remax's greedy baseline yet"
+        )
     if c.rollout.devices and c.rollout.max_staleness < 2:
         log.warning(
             "rollout.partial with rollout.devices: a batch trains one update after its policy, "
@@ -643,6 +641,7 @@ def partial_rollouts(c, layers: int, entropies: bool) -> PartialRollouts | None:
         max_staleness=c.rollout.max_staleness,
         entropies=entropies,
         layers=layers,
+        row_groups=max(1, row_shards(mesh) // jax.process_count()),
     )
 
 

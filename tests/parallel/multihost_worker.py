@@ -43,7 +43,7 @@ def narrowing(model, graphdef, host, pid: int) -> list:
     """Both samplers on a rollout mesh over both processes (data 2 x tensor 4: a process's
     devices per row group), 4 prompts x 2 samples with rows of 1 to 6 tokens, whole and
     narrowed (8 rows halved to 2 as rows end): per engine, whether this process's rows are
-    the same, and the rows x steps each ran."""
+    the same, the rows x steps each ran and the rows that came back to this process."""
     import jax.numpy as jnp
 
     from jaxvrl.parallel import runtime as R
@@ -77,8 +77,52 @@ def narrowing(model, graphdef, host, pid: int) -> list:
             got[narrow] = (R.host_local(out.tokens), R.host_local(jnp.asarray(out.logprobs)))
             work = times.get("decode_work", 8 * int(jax.device_get(out.steps)))
         same = np.array_equal(got[0][0], got[3][0])
-        report.append([same, float(np.abs(got[0][1] - got[3][1]).max()), work])
+        mine = len(got[0][0])  # the rows that came back to this process: its own 4
+        report.append([same, float(np.abs(got[0][1] - got[3][1]).max()), work, mine])
     return report
+
+
+def partial_on_pod(model, graphdef, host, pid: int) -> dict:
+    """Partial rollouts over both processes (a rollout mesh of data 2 x tensor 4): 4 steps
+    of one group per process, 2 prompts started per call, the policy of step v the weights
+    scaled by 1 + 0.1 v; rows end at every 9th token id, so some outlive their step. Per
+    process: the groups each step trained, the largest difference between a token's sampler
+    log-prob and a teacher-forced pass of the version that sampled it (on this process's
+    first device), the rows that spanned two versions, each step's metrics and the rows this
+    process carried after it."""
+    from jaxvrl.parallel import runtime as R
+    from jaxvrl.parallel import sharding as S
+    from jaxvrl.sampling import rollout_mesh
+    from jaxvrl.trainer.partial import PartialRollouts
+    from tests.trainer.test_partial import G, N, example_stream, phase_of, teacher_forced
+
+    train = S.make_mesh(1, -1, 1)
+    phase = phase_of(model, graphdef, rollout_mesh(train, data=2, tensor=4), R.max_across_processes)
+    shardings = S.param_shardings(host, train)
+    versions = [jax.tree.map(lambda x, v=v: x * np.float32(1 + 0.1 * v), host) for v in range(4)]
+    partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5)
+    examples = example_stream(100 + pid)  # each process its own prompts
+    rows, trained, metrics, mixed = [], [], [], 0
+    for step in range(4):
+        key = jax.random.fold_in(jax.random.key(0), step)
+        ready = R.put_on_mesh(versions[step], shardings)
+        groups, _ = partial.generate(phase, ready, examples, key, step)
+        carried = int(sum((f.length > 0).sum() for f in partial.flights))
+        metrics.append(dict(partial.take_metrics(groups, step), carried_here=carried))
+        trained.append(len(groups))
+        for x in groups:
+            for j in range(G):
+                n = int(x.mask[j].sum())
+                v = x.versions[j, :n]
+                mixed += len(set(v.tolist())) > 1
+                rows.append((x.example, x.tokens[j, :n], v, x.logprobs[j, :n]))
+    err = 0.0
+    for ver in sorted({int(u) for *_, v, _ in rows for u in v}):
+        ref = teacher_forced(graphdef, versions[ver], [(ex, t) for ex, t, _, _ in rows])
+        for r, (_, toks, v, lp) in enumerate(rows):
+            at = v == ver
+            err = max(err, float(np.abs(lp[at] - ref[r, : len(toks)][at]).max(initial=0.0)))
+    return {"trained": trained, "err": err, "mixed": mixed, "metrics": metrics}
 
 
 def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
@@ -156,6 +200,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
             and sorted(d.process_index for d in roll) == [0] * (k // 2) + [1] * (k // 2)
         )
     narrowed = narrowing(model, graphdef, host, pid)
+    partial = partial_on_pod(model, graphdef, host, pid)
     after = gather(state.params)
     # every process writes its shards; then every process restores into the sharded target
     ckpt = Checkpointer(os.path.join(out_dir, "ckpt"), 2)
@@ -191,6 +236,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                 "pid": pid,
                 "copied": copied,
                 "narrowed": narrowed,
+                "partial": partial,
                 "losses": losses,
                 "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
                 "restored_sharding": same_sharding,

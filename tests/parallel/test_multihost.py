@@ -5,7 +5,10 @@ written by both processes and restored by both into the sharded state, each gett
 own data-iterator state and replay buffer bytes; the markdown samples hold both processes'
 rows; one-step-off's weight copy moves every weight exactly from the train step's devices to
 the sampler's on both hosts; both samplers narrowed over both processes sample their rows as
-they do whole; the processes agree on the shapes of the prompt batches they collate.
+they do whole, and each process reads back its own rows; the processes agree on the shapes of
+the prompt batches they collate; partial rollouts carry each process's rows through sampler
+calls over both, each token's log-prob that of its own prompt under the policy that sampled
+it, with the pod's counts logged.
 
 What a real pod adds and this cannot test: TPU/GPU interconnect collectives, the platform's
 auto-detected coordinator (TPU metadata, SLURM), a gs:// workdir shared by hosts, preemption.
@@ -100,11 +103,24 @@ def test_two_processes_match_one_device(tmp_path):
         assert r["sizes"] == {"width": 64, "images": 16, "videos": 0}
         assert r["copied"] == [True, True]  # one-step-off's weight copy across hosts
         # both samplers narrowed over the two processes (8 rows of 1 to 6 tokens, 6 steps:
-        # 48 rows x steps whole) sample each process's rows as they do whole
-        for same, diff, work in r["narrowed"]:
-            assert same and diff < 1e-5 and 21 <= work < 48, r["narrowed"]
+        # 48 rows x steps whole) sample each process's rows as they do whole, and each
+        # process reads back its own 4 rows (the slots engine's were every row, process 0's
+        # first, on both)
+        for same, diff, work, mine in r["narrowed"]:
+            assert same and diff < 1e-5 and 21 <= work < 48 and mine == 4, r["narrowed"]
         want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
         assert r["metrics"] == pytest.approx(want, rel=1e-6)
+    # partial rollouts over both processes: each trains its group every step, every token's
+    # log-prob is its own prompt's under the version that sampled it (1e-4: a carried row's
+    # prefill against one teacher-forced pass, test_partial.py), the metrics are the pod's
+    pods = [r["partial"] for r in results]
+    for p in pods:
+        assert p["trained"] == [1, 1, 1, 1] and p["err"] < 1e-4, p
+    here = np.asarray([[m.pop("carried_here") for m in p["metrics"]] for p in pods])
+    assert pods[0]["metrics"] == pods[1]["metrics"]
+    carried = [m["rollout/carried_rows"] for m in pods[0]["metrics"]]
+    assert carried == here.sum(0).tolist() and sum(carried) > 0, (carried, here)
+    assert sum(p["mixed"] for p in pods) > 0  # rows spanned two versions
     # the markdown samples hold both processes' rows, in turn (process 0 wrote them)
     md = (tmp_path / "logs" / "rollout_results.md").read_text()
     order = [md.index(f"answer of process {p}, sample {j}") for j in range(2) for p in range(2)]

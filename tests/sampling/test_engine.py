@@ -214,6 +214,28 @@ def test_a_call_stopped_by_its_groups_leaves_the_rest_part_way(model, groups, ne
     assert want.ended.all()
 
 
+def test_rows_take_slots_in_the_order_given(model):
+    """order: the work rows in the order they take slots (a pod's processes' rows in turn).
+    With 2 slots and the rows queued last-first, a call stopped at one whole group has
+    started rows at the front of that order only; every row's tokens are those its key draws
+    (the full run's), wherever it stands in the queue."""
+    ids, mask, vis = prompts("image", np.random.default_rng(15))
+    args, kw = inputs(model, ids, mask, **vis)
+    cfg = _cfg(model, slots=2, page_size=4)
+    want = _run(model, cfg, args, kw)
+    order = np.array([5, 3, 4, 1, 0, 2], np.int32)
+    groups = np.array([0, 0, 0, 1, 1, 1], np.int32)
+    got = _run(model, cfg, args, dict(kw, groups=groups, need=np.int32(1), order=order))
+    started = got.mask[order].sum(1) > 0  # in queue order
+    assert started[:2].all() and not started.all(), started
+    assert (np.diff(started.astype(int)) <= 0).all(), started  # a prefix of the queue
+    assert got.ended[groups == 1].all()  # the group queued first ended whole
+    for b in range(len(order)):
+        k = int(got.mask[b].sum())
+        np.testing.assert_array_equal(got.tokens[b, :k], want.tokens[b, :k])
+        np.testing.assert_allclose(got.logprobs[b, :k], want.logprobs[b, :k], atol=1e-5)
+
+
 def test_work_rows_may_take_their_prompts_in_any_order_and_number(model):
     """prompt_of: 5 work rows over 2 prompts, unevenly and out of order; greedy, each row is
     its prompt's greedy completion (the static sampler's, one row per prompt)."""

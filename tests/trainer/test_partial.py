@@ -2,7 +2,8 @@
 keep each token's sampler log-prob, equal to a teacher-forced pass of the policy version
 that sampled it; the staleness bound drops whole groups and counts their rows; the ratio's
 old log-probs are the sampler's. (A run resumed with rows in flight equals an uninterrupted
-one: tests/trainer/test_train.py.)
+one: tests/trainer/test_train.py; two processes carrying their own rows through calls over
+both: tests/parallel/test_multihost.py.)
 
 The policy of version v is the tiny model's weights scaled by (1 + 0.1 v), so that tokens
 of different versions have clearly different log-probs. Rows end when a token id is a
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
+from unittest import mock
 
 import jax
 import numpy as np
@@ -42,39 +44,49 @@ def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("partial_model")
     hf_tiny.build(path, seed=5)
     model = qwen2_5_vl.load(path)
-    cfg = generation_config(model.config, max_new_tokens=N, temperature=1.0)
-    cfg = dataclasses.replace(cfg, eos_token_ids=EOS, check_every=2, slots=2, page_size=4)
     graphdef, params = nnx.split(model)
     versions = [
         jax.tree.map(lambda x, v=v: x * (1 + 0.1 * v), params) for v in range(6)
     ]  # the policy after each step
+    return model, graphdef, versions, phase_of(model, graphdef)
 
-    def make_groups(params, examples, rows, out, step, att=None):  # what the filters get
-        return [
-            types.SimpleNamespace(example=ex, tokens=out.tokens[i * G : (i + 1) * G],
-                                  mask=out.mask[i * G : (i + 1) * G],
-                                  logprobs=out.logprobs[i * G : (i + 1) * G])
-            for i, ex in enumerate(examples)
-        ]  # fmt: skip
 
+def phase_of(model, graphdef, mesh=None, agree=None):
+    """What `PartialRollouts.generate` reads of a RolloutPhase: the collate, a slots sampler
+    (2 slots of 4-token pages; rows end at every 9th token id), on `mesh` (None: one
+    device); agree: the processes' shape agreement (`runtime.max_across_processes`)."""
+    cfg = generation_config(model.config, max_new_tokens=N, temperature=1.0)
+    cfg = dataclasses.replace(cfg, eos_token_ids=EOS, check_every=2, slots=2, page_size=4)
     tokenizer = types.SimpleNamespace(pad_token_id=0)
-    phase = types.SimpleNamespace(
+    more = {} if agree is None else {"agree": agree}
+    return types.SimpleNamespace(
         collate=functools.partial(
             collate,
             model_config=model.config,
             tokenizer=tokenizer,
             prompt_bucket=8,
             with_pools=False,
-        ),  # fmt: skip
-        sampler=Sampler(graphdef, cfg),
-        mesh=None,
+            **more,
+        ),
+        sampler=Sampler(graphdef, cfg, mesh),
+        mesh=mesh,
         decode=None,
-        make_groups=make_groups,
+        make_groups=sampled_groups,
     )
-    return model, graphdef, versions, phase
 
 
-def _examples(seed: int):
+def sampled_groups(params, examples, rows, out, step, att=None):
+    """`RolloutPhase.make_groups` as the filters get the groups, without rewards: each
+    example's G rows as sampled."""
+    return [
+        types.SimpleNamespace(example=ex, tokens=out.tokens[i * G : (i + 1) * G],
+                              mask=out.mask[i * G : (i + 1) * G],
+                              logprobs=out.logprobs[i * G : (i + 1) * G])
+        for i, ex in enumerate(examples)
+    ]  # fmt: skip
+
+
+def example_stream(seed: int):
     """An endless stream of one-example lists: text prompts and prompts with an image."""
     rng = np.random.default_rng(seed)
     while True:
@@ -92,7 +104,7 @@ def _steps(setup, steps: int, max_staleness: int, seed: int = 0):
     handed to the filters and the step's metrics."""
     _, _, versions, phase = setup
     partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=max_staleness)
-    examples, out = _examples(seed), []
+    examples, out = example_stream(seed), []
     for step in range(steps):
         key = jax.random.fold_in(jax.random.key(seed), step)
         groups, _ = partial.generate(phase, versions[step], examples, key, step)
@@ -100,7 +112,7 @@ def _steps(setup, steps: int, max_staleness: int, seed: int = 0):
     return out
 
 
-def _teacher_forced(graphdef, params, rows):
+def teacher_forced(graphdef, params, rows):
     """float32[R, 64]: each row's log-probs of its `tokens` after its example's prompt under
     `params`, at completion positions (rows: [(example, tokens)], one batch, right-padded to
     64 columns; the images packed in row order)."""
@@ -141,7 +153,7 @@ def test_carried_rows_keep_each_tokens_log_prob_under_the_version_that_sampled_i
     assert sum(m["rollout/carried_rows"] for _, m in runs) > 0
     # every token under its own version's policy: one teacher-forced batch per version
     for ver in sorted({int(u) for *_, v, _ in rows for u in v}):
-        ref = _teacher_forced(graphdef, versions[ver], [(ex, t) for ex, t, _, _ in rows])
+        ref = teacher_forced(graphdef, versions[ver], [(ex, t) for ex, t, _, _ in rows])
         for r, (_, toks, v, lp) in enumerate(rows):
             at = v == ver
             np.testing.assert_allclose(lp[at], ref[r, : len(toks)][at], atol=1e-4)
@@ -169,7 +181,7 @@ def test_a_stop_while_the_rewards_run_leaves_the_complete_groups_carried(setup):
         raise RewardsInterrupted("stop requested while the rewards ran")
 
     partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5)
-    examples = _examples(1)
+    examples = example_stream(1)
     with pytest.raises(RewardsInterrupted):
         partial.generate(types.SimpleNamespace(**dict(vars(phase), make_groups=stopped)),
                          versions[0], examples, jax.random.key(1), 0)  # fmt: skip
@@ -221,7 +233,7 @@ def test_carried_rows_keep_each_tokens_attention_masses(setup):
     looked.attention_metrics = lambda out, batch: {}
     partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5, layers=layers)
     versions_of = []
-    examples = _examples(0)
+    examples = example_stream(0)
     for step in range(4):
         key = jax.random.fold_in(jax.random.key(0), step)
         groups, _ = partial.generate(looked, versions[step], examples, key, step)
@@ -271,3 +283,24 @@ def test_the_staleness_metrics_are_the_trained_rows():
     both = [types.SimpleNamespace(versions=v) for v in (old, fresh, None)]
     m = partial.take_metrics(both, 10)
     assert m["rollout/staleness_max"] == 4 and m["rollout/staleness_mean"] == pytest.approx(4 / 3)
+
+
+def test_a_calls_groups_split_over_the_rollout_meshs_row_groups():
+    """A call's groups (oversample x P) are rounded up to a multiple of the rollout mesh's
+    row groups on each process, so that its prompts and rows split over them: 8 prompts x
+    1.5 on 8 data groups start 16 (12 ended the run at its first step with a traceback), on 4
+    row groups per process of 2 processes 12."""
+    from jaxvrl.trainer.setup import partial_rollouts
+
+    keys = (
+        "rollout.partial=true",
+        "rollout.slots=2",
+        "prompts_per_step=8",
+        "rollout.oversample=1.5",
+    )
+    c = tiny_config("configs/base.py", "/tmp/unused", *keys)
+    assert partial_rollouts(c, 0, False).width == 12
+    mesh = types.SimpleNamespace(shape={"data": 8, "fsdp": 1, "expert": 1})
+    assert partial_rollouts(c, 0, False, mesh).width == 16
+    with mock.patch.object(jax, "process_count", return_value=2):
+        assert partial_rollouts(c, 0, False, mesh).width == 12
