@@ -32,7 +32,7 @@ from jaxvrl import models
 from jaxvrl.config import ConfigError
 from jaxvrl.data.rows import load_tokenizer
 from jaxvrl.parallel import runtime
-from jaxvrl.parallel.sharding import param_shardings, row_shards
+from jaxvrl.parallel.sharding import constrain, param_shardings, row_shards
 from jaxvrl.rl.rewards import RewardTally
 
 NAME = "model"  # the reward's name: reward/model, the markdown logs, the filters
@@ -76,9 +76,11 @@ def padded(ids: list[list[int]], pad_id: int, rows: int, length: int):
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _scores(graphdef, params, input_ids, attention_mask, position_ids, pad: int):
-    """float32[B]: the classifier's only logit at each row's last token that is not `pad`."""
+    """float32[B]: the classifier's only logit at each row's last token that is not `pad`
+    (on a mesh split by row as the rows came: each process reads back its own)."""
     model = nnx.merge(graphdef, params)
-    return model.classify(input_ids, attention_mask, position_ids, pad_token_id=pad)[:, 0]
+    scores = model.classify(input_ids, attention_mask, position_ids, pad_token_id=pad)[:, 0]
+    return constrain(scores, ("batch",))
 
 
 @dataclasses.dataclass
