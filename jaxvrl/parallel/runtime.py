@@ -349,6 +349,17 @@ def place_batch(batch, mesh: Mesh):
     return jax.tree.map(one, batch, shardings)
 
 
+def process_rows(sharding, shape: tuple) -> list[int]:
+    """Each process's first row (by process index) in a global array of `shape` split by
+    rows on its leading axis with `sharding` (a `place_batch` sharding: each process's rows
+    are one run of the global rows, wherever the mesh puts its devices)."""
+    first = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        start = index[0].start or 0
+        first[device.process_index] = min(first.get(device.process_index, start), start)
+    return [first[p] for p in range(jax.process_count())]
+
+
 def host_local(tree):
     """Global arrays -> numpy holding this process's rows (the inverse of `place_batch`): on
     one host the whole array; on a pod the rows whose shards this process holds, in order

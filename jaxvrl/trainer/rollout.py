@@ -369,19 +369,26 @@ def sample_completions(
     stop = {k: v for k, v in given.items() if v is not None}
     if stop and not prefill_once:  # per output row: repeated with the prompts' rows
         raise ValueError("sample_completions: limits and groups need one prefill per prompt")
-    order = None
-    if stop and jax.process_count() > 1:
-        stop = pod_rows(stop, len(batch["input_ids"]), jax.process_count(), jax.process_index())
-        order = stop.pop("order", None)
     if mesh is None:
         inputs = jax.tree.map(jnp.asarray, inputs)
         stop = jax.tree.map(jnp.asarray, stop)
     else:
         inputs = runtime.place_batch(inputs, mesh)
+        if stop and jax.process_count() > 1:  # numbered over the pod's prompts and rows
+            ids = inputs["input_ids"]
+            w = len(next(iter(stop.values()))) * jax.process_count()
+            rows = runtime.batch_shardings({"x": np.zeros(w)}, mesh, rows=w)["x"]
+            stop = pod_rows(
+                stop,
+                runtime.process_rows(ids.sharding, ids.shape),
+                runtime.process_rows(rows, (w,)),
+                jax.process_index(),
+            )
+        order = stop.pop("order", None)
         stop = runtime.place_batch(stop, mesh) if stop else stop
+        if order is not None:
+            stop["order"] = runtime.replicate(order, mesh)
         key = runtime.replicate(key, mesh)
-    if order is not None:
-        stop["order"] = runtime.replicate(order, mesh)
     if need is not None:
         stop["need"] = np.int32(need) if mesh is None else runtime.replicate(np.int32(need), mesh)
     weights = None
@@ -415,21 +422,22 @@ def sample_completions(
     return (out, times) if timed else out
 
 
-def pod_rows(stop: dict, prompts: int, n: int, pid: int) -> dict:
+def pod_rows(stop: dict, prompt_starts: list, row_starts: list, pid: int) -> dict:
     """Process `pid`'s stop rule (`sample_completions`: limits, groups, prompt_of over its
-    rows, numbered from 0) as its part of the stop rule of `n` processes: its prompts and
-    groups numbered after the processes before it (every process holds as many prompts and
-    rows), and with groups the order the pod's rows take slots in (`order`: the processes'
-    k-th rows one after another)."""
+    rows, numbered from 0) as its part of the pod's, each process's prompts and rows a run of
+    the global ones starting at `prompt_starts[p]` and `row_starts[p]` (`runtime.
+    process_rows`): its prompts and groups numbered from there, and with groups the order the
+    pod's rows take slots in (`order`: the processes' k-th rows one after another, by
+    process index)."""
     rows = len(next(iter(stop.values())))
     out = dict(stop)
     if "prompt_of" in stop:
-        out["prompt_of"] = np.asarray(stop["prompt_of"], np.int32) + pid * prompts
+        out["prompt_of"] = np.asarray(stop["prompt_of"], np.int32) + prompt_starts[pid]
     if "groups" in stop:
         groups = np.asarray(stop["groups"], np.int32)
-        out["groups"] = np.where(groups >= 0, groups + pid * rows, -1).astype(np.int32)
-        order = np.arange(n * rows, dtype=np.int32).reshape(n, rows).T.reshape(-1)
-        out["order"] = order
+        out["groups"] = np.where(groups >= 0, groups + row_starts[pid], -1).astype(np.int32)
+        starts = np.asarray(row_starts, np.int32)
+        out["order"] = (np.arange(rows, dtype=np.int32)[:, None] + starts[None, :]).reshape(-1)
     return out
 
 

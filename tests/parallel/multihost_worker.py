@@ -83,21 +83,25 @@ def narrowing(model, graphdef, host, pid: int) -> list:
 
 
 def partial_on_pod(model, graphdef, host, pid: int) -> dict:
-    """Partial rollouts over both processes (a rollout mesh of data 2 x tensor 4): 4 steps
+    """Partial rollouts over both processes (a rollout mesh of data 2 x tensor 4 in reversed
+    device order: process 1's rows first in every global array of the sampler): 4 steps
     of one group per process, 2 prompts started per call, the policy of step v the weights
     scaled by 1 + 0.1 v; rows end at every 9th token id, so some outlive their step. Per
     process: the groups each step trained, the largest difference between a token's sampler
     log-prob and a teacher-forced pass of the version that sampled it (on this process's
     first device), the rows that spanned two versions, each step's metrics and the rows this
     process carried after it."""
+    from jax.sharding import Mesh
+
     from jaxvrl.parallel import runtime as R
     from jaxvrl.parallel import sharding as S
-    from jaxvrl.sampling import rollout_mesh
     from jaxvrl.trainer.partial import PartialRollouts
     from tests.trainer.test_partial import G, N, example_stream, phase_of, teacher_forced
 
     train = S.make_mesh(1, -1, 1)
-    phase = phase_of(model, graphdef, rollout_mesh(train, data=2, tensor=4), R.max_across_processes)
+    reversed_mesh = Mesh(np.array(jax.devices())[::-1].reshape(2, 1, 1, 1, 4), S.MESH_AXES)
+    assert reversed_mesh.devices.flat[0].process_index == 1
+    phase = phase_of(model, graphdef, reversed_mesh, R.max_across_processes)
     shardings = S.param_shardings(host, train)
     versions = [jax.tree.map(lambda x, v=v: x * np.float32(1 + 0.1 * v), host) for v in range(4)]
     partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5)
