@@ -331,8 +331,10 @@ def place_batch(batch, mesh: Mesh):
 
     Single host: `batch` holds all B rows. Multi-host: each process passes its own B / P rows
     (its data shard, `EpochIterator(shard_index=process_index, shard_count=process_count)`);
-    they become rows [i * B/P, (i+1) * B/P) of the global batch. Leaves without a row axis
-    (packed patches) must be equal on every process.
+    they become one run of the global batch's rows, where the mesh puts that process's
+    devices (process i's at [i * B/P, (i+1) * B/P) on meshes in process order;
+    `process_rows` tells). Leaves without a row axis (packed patches) must be equal on every
+    process.
     """
     local_rows = _rows(batch)
     shardings = batch_shardings(batch, mesh, rows=local_rows)
