@@ -332,8 +332,8 @@ def place_batch(batch, mesh: Mesh):
     Single host: `batch` holds all B rows. Multi-host: each process passes its own B / P rows
     (its data shard, `EpochIterator(shard_index=process_index, shard_count=process_count)`);
     they become one run of the global batch's rows, where the mesh puts that process's
-    devices (process i's at [i * B/P, (i+1) * B/P) on meshes in process order;
-    `process_rows` tells). Leaves without a row axis (packed patches) must be equal on every
+    devices (process i's at [i * B/P, (i+1) * B/P) on meshes in process order; `row_starts`
+    tells). Leaves without a row axis (packed patches) must be equal on every
     process.
     """
     local_rows = _rows(batch)
@@ -351,12 +351,14 @@ def place_batch(batch, mesh: Mesh):
     return jax.tree.map(one, batch, shardings)
 
 
-def process_rows(sharding, shape: tuple) -> list[int]:
-    """Each process's first row (by process index) in a global array of `shape` split by
-    rows on its leading axis with `sharding` (a `place_batch` sharding: each process's rows
-    are one run of the global rows, wherever the mesh puts its devices)."""
+def row_starts(mesh: Mesh, rows: int) -> list[int]:
+    """Each process's first row (by process index) in a global batch that `place_batch`
+    makes of `rows` rows from every process on `mesh`: each process's rows are one run of
+    the global rows, wherever the mesh puts its devices."""
+    total = rows * jax.process_count()
+    sharding = batch_shardings({"x": np.zeros(total)}, mesh, rows=total)["x"]
     first = {}
-    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+    for device, index in sharding.devices_indices_map((total,)).items():
         start = index[0].start or 0
         first[device.process_index] = min(first.get(device.process_index, start), start)
     return [first[p] for p in range(jax.process_count())]

@@ -365,10 +365,14 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None, shapes=None)
     serves. Every process calls it at the same point (the lengths are gathered)."""
     local = np.asarray(batch.attention_mask).sum(axis=1)
     comp = (np.asarray(batch.completion_mask) > 0).sum(axis=1)
-    if jax.process_count() > 1:  # every process cuts and plans from every row
+    starts = [0]
+    if jax.process_count() > 1:  # every process cuts and plans from every row, in the
+        # global batch's order (each process's rows where the mesh puts them)
         every = runtime.gather_json([local.tolist(), comp.tolist()])
-        lengths = np.concatenate([np.asarray(x[0], np.int64) for x in every])
-        comp = np.concatenate([np.asarray(x[1], np.int64) for x in every])
+        starts = runtime.row_starts(mesh, len(local))
+        at = np.argsort(starts, kind="stable")
+        lengths = np.concatenate([np.asarray(every[p][0], np.int64) for p in at])
+        comp = np.concatenate([np.asarray(every[p][1], np.int64) for p in at])
     else:
         lengths = local
     full = batch.completion_length
@@ -383,7 +387,7 @@ def fit_batch(batch: RolloutBatch, rng, cfg: StepConfig, mesh=None, shapes=None)
     if "pack_start" not in plan:  # padded rows: each split evenly over the sequence axis
         batch = pad_prompts(batch, sequence_shards(mesh))
     else:  # this process's share of the row-long arrays
-        first = jax.process_index() * len(local)
+        first = starts[jax.process_index()]
         for k in ("pack_start", "pack_order"):
             plan[k] = plan[k][first : first + len(local)]
     return batch.replace(**plan)

@@ -375,15 +375,9 @@ def sample_completions(
     else:
         inputs = runtime.place_batch(inputs, mesh)
         if stop and jax.process_count() > 1:  # numbered over the pod's prompts and rows
-            ids = inputs["input_ids"]
-            w = len(next(iter(stop.values()))) * jax.process_count()
-            rows = runtime.batch_shardings({"x": np.zeros(w)}, mesh, rows=w)["x"]
-            stop = pod_rows(
-                stop,
-                runtime.process_rows(ids.sharding, ids.shape),
-                runtime.process_rows(rows, (w,)),
-                jax.process_index(),
-            )
+            prompts = runtime.row_starts(mesh, len(batch["input_ids"]))
+            rows = runtime.row_starts(mesh, len(next(iter(stop.values()))))
+            stop = pod_rows(stop, prompts, rows, jax.process_index())
         order = stop.pop("order", None)
         stop = runtime.place_batch(stop, mesh) if stop else stop
         if order is not None:
@@ -425,8 +419,8 @@ def sample_completions(
 def pod_rows(stop: dict, prompt_starts: list, row_starts: list, pid: int) -> dict:
     """Process `pid`'s stop rule (`sample_completions`: limits, groups, prompt_of over its
     rows, numbered from 0) as its part of the pod's, each process's prompts and rows a run of
-    the global ones starting at `prompt_starts[p]` and `row_starts[p]` (`runtime.
-    process_rows`): its prompts and groups numbered from there, and with groups the order the
+    the global ones starting at `prompt_starts[p]` and `row_starts[p]` (`runtime.row_starts`):
+    its prompts and groups numbered from there, and with groups the order the
     pod's rows take slots in (`order`: the processes' k-th rows one after another, by
     process index)."""
     rows = len(next(iter(stop.values())))

@@ -129,6 +129,36 @@ def partial_on_pod(model, graphdef, host, pid: int) -> dict:
     return {"trained": trained, "err": err, "mixed": mixed, "metrics": metrics}
 
 
+def packing_plans(model, mesh, pid: int) -> list:
+    """A padding-free step's packing plan (`packing.fit_batch`) of 8 rows, 4 per process, on
+    the training mesh `mesh` and on it in reversed device order (process 1's rows first in
+    the global batch): per mesh, whether this process's share is its rows' part of the plan
+    of the 8 rows in the order that mesh lays them out."""
+    from jax.sharding import Mesh
+
+    from jaxvrl.trainer.packing import fit_batch, plan_batch
+    from tests.helpers import make_batch, step_config
+
+    cfg = step_config({"actor.padding_free": True})
+    batch = make_batch(model, 4, 4, pools=False, completion_seed=9, host=True)
+    lengths = np.asarray(batch.attention_mask).sum(1)
+    comp = (np.asarray(batch.completion_mask) > 0).sum(1)
+    grid = np.asarray(mesh.devices)
+    flipped = Mesh(grid.reshape(-1)[::-1].reshape(grid.shape), mesh.axis_names)
+    same = []
+    for m, first in ((mesh, 0), (flipped, 1)):  # the process whose rows come first
+        got = fit_batch(local_rows(batch, pid, 2), jax.random.key(3), cfg, m)
+        order = np.r_[4 * first : 4 * first + 4, 4 * (1 - first) : 4 * (1 - first) + 4]
+        ref = plan_batch(lengths[order], comp[order], got.input_ids.shape[1],
+                         jax.random.key(3), cfg, m)  # fmt: skip
+        at = slice(0, 4) if pid == first else slice(4, 8)
+        same.append(
+            all(np.array_equal(getattr(got, k), ref[k][at]) for k in ("pack_start", "pack_order"))
+            and got.pack_buffers == ref["pack_buffers"]
+        )
+    return same
+
+
 def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import ml_collections
@@ -204,6 +234,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
             and sorted(d.process_index for d in roll) == [0] * (k // 2) + [1] * (k // 2)
         )
     narrowed = narrowing(model, graphdef, host, pid)
+    plans = packing_plans(model, mesh, pid)
     partial = partial_on_pod(model, graphdef, host, pid)
     after = gather(state.params)
     # every process writes its shards; then every process restores into the sharded target
@@ -241,6 +272,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                 "copied": copied,
                 "narrowed": narrowed,
                 "partial": partial,
+                "plans": plans,
                 "losses": losses,
                 "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
                 "restored_sharding": same_sharding,

@@ -6,7 +6,8 @@ own data-iterator state and replay buffer bytes; the markdown samples hold both 
 rows; one-step-off's weight copy moves every weight exactly from the train step's devices to
 the sampler's on both hosts; both samplers narrowed over both processes sample their rows as
 they do whole, and each process reads back its own rows; the processes agree on the shapes of
-the prompt batches they collate; partial rollouts carry each process's rows through sampler
+the prompt batches they collate, and each process's share of a packing plan is its rows'
+wherever the mesh puts them; partial rollouts carry each process's rows through sampler
 calls over both, each token's log-prob that of its own prompt under the policy that sampled
 it, with the pod's counts logged.
 
@@ -108,6 +109,7 @@ def test_two_processes_match_one_device(tmp_path):
         # first, on both)
         for same, diff, work, mine in r["narrowed"]:
             assert same and diff < 1e-5 and 21 <= work < 48 and mine == 4, r["narrowed"]
+        assert r["plans"] == [True, True]  # packing plans in the mesh's row order
         want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
         assert r["metrics"] == pytest.approx(want, rel=1e-6)
     # partial rollouts over both processes: each trains its group every step, every token's
