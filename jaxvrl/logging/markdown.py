@@ -84,8 +84,14 @@ def rollout_section(
     parts = {k: _row_values(v, n) for k, v in rewards.items()}
     lines = [f"## Step {step}", ""]
     for i in range(min(limit, n)):
-        mark = "" if kept is None or kept[i] else " (filtered)"
-        lines += [f"### Sample {i}{mark}", "", "**Prompt:**", "", fenced(str(prompts[i])), ""]
+        lines += [
+            f"### Sample {i}{_mark(kept, i)}",
+            "",
+            "**Prompt:**",
+            "",
+            fenced(str(prompts[i])),
+            "",
+        ]
         lines += ["**Completion:**", "", fenced(str(completions[i])), ""]
         lines += ["| reward | value |", "|---|---|"]
         lines += [f"| {k} | {_num(v[i], 2)} |" for k, v in parts.items()]
@@ -94,9 +100,17 @@ def rollout_section(
     return "\n".join(lines)
 
 
-def rollout_table(prompts, completions, rewards: dict, totals, advantages, limit: int = 8):
+def _mark(kept: Sequence[bool] | None, i: int) -> str:
+    """Row i's mark: " (filtered)" where it is not in the step's batch."""
+    return "" if kept is None or kept[i] else " (filtered)"
+
+
+def rollout_table(
+    prompts, completions, rewards: dict, totals, advantages, limit: int = 8, kept=None
+):
     """rollout_section's samples as a table for the trackers: -> (columns, rows), the columns
-    prompt, completion, each reward, total, advantage."""
+    prompt, completion, each reward, total, advantage, and with `kept` (rollout_section's)
+    kept: whether the row is in the step's batch."""
     n = min(limit, len(completions))
     cols = {k: _row_values(v, len(completions)) for k, v in rewards.items()}
     cols["total"] = _row_values(totals, len(completions))
@@ -105,7 +119,11 @@ def rollout_table(prompts, completions, rewards: dict, totals, advantages, limit
         [str(prompts[i]), str(completions[i]), *(float(v[i]) for v in cols.values())]
         for i in range(n)
     ]
-    return ["prompt", "completion", *cols], rows
+    if kept is None:
+        return ["prompt", "completion", *cols], rows
+    return ["prompt", "completion", *cols, "kept"], [
+        r + [bool(kept[i])] for i, r in enumerate(rows)
+    ]
 
 
 def show_token(text: str) -> str:
@@ -159,11 +177,12 @@ def token_weight_section(step: int, token_texts, weights, limit: int = 4) -> str
     return "\n".join(lines)
 
 
-def attention_section(step: int, metrics: dict, limit: int = 8) -> str:
+def attention_section(step: int, metrics: dict, limit: int = 8, kept=None) -> str:
     """metrics: {name: float[B] per row, or a scalar}, e.g. rl.attention_metrics' mdi,
     mdi_early / middle / late, aei_vision, aei_text. Per-row values give one table row per
-    sample plus their mean (NaN = no statistic: a row without image); scalars give a
-    name | value table."""
+    sample (kept: rollout_section's; a row not in the step's batch marked "(filtered)") plus
+    their mean (NaN = no statistic: a row without image); scalars give a name | value
+    table."""
     names = [k for k in ATTENTION_ORDER if k in metrics]
     names += sorted(k for k in metrics if k not in ATTENTION_ORDER)
     arrays = {k: np.atleast_1d(np.asarray(metrics[k], np.float64)) for k in names}
@@ -178,7 +197,7 @@ def attention_section(step: int, metrics: dict, limit: int = 8) -> str:
     n = max(len(v) for v in arrays.values())
     for i in range(min(limit, n)):
         cells = [_num(arrays[k][i], 3) if i < len(arrays[k]) else "" for k in names]
-        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+        lines.append(f"| {i}{_mark(kept, i)} | " + " | ".join(cells) + " |")
     means = []
     for k in names:
         finite = arrays[k][np.isfinite(arrays[k])]

@@ -282,7 +282,7 @@ class RunLogs:
         self.rollouts.append(
             rollout_section(step, prompts, texts, parts, totals, adv, self.samples, kept=kept)
         )
-        columns, table = rollout_table(prompts, texts, parts, totals, adv, self.samples)
+        columns, table = rollout_table(prompts, texts, parts, totals, adv, self.samples, kept)
         with self._tracking:
             self.trackers.log_table(step, "rollouts", columns, table)
         if "pieces" in rows[0]:
@@ -290,7 +290,7 @@ class RunLogs:
             self.tokens.append(token_weight_section(step, pieces, None, limit=self.samples))
         att = {k: [r["att"][k] for r in rows] for k in rows[0]["att"]}
         if att:
-            self.attention.append(attention_section(step, att, limit=self.samples))
+            self.attention.append(attention_section(step, att, self.samples, kept))
 
     def attention_maps(self, step: int, samples: list[dict], tokenizer) -> None:
         """The diagnostic pass's samples (`trainer.diagnostics.AttentionMaps`) as pictures:

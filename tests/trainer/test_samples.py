@@ -1,5 +1,6 @@
 """A logged step's samples come from all its groups: those in the batch first, then those the
-filters dropped, marked "(filtered)" in rollout_results.md with no advantage."""
+filters dropped, marked "(filtered)" in rollout_results.md with no advantage, and in
+attention_diagnostics.md and the trackers' table (a `kept` column)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,21 @@ from jaxvrl.trainer.reporting import RunLogs
 from jaxvrl.trainer.rollout import draw_samples
 
 
-def _group(name: str, total: float, lengths=(2, 2)):
+def _group(name: str, total: float, lengths=(2, 2), att=None):
     return types.SimpleNamespace(
         mask=[np.arange(3) < n for n in lengths],
         texts=[f"{name}.0", f"{name}.1"],
         parts={"accuracy": [total, total]},
         totals=[total, total],
         example={"problem": f"question {name}"},
-        att={},
+        att={} if att is None else att,
     )
 
 
 def test_samples_are_drawn_from_kept_then_filtered_groups(tmp_path):
-    kept, dropped, late = _group("kept", 0.5), _group("dropped", 1.0), _group("late", 0.0)
-    padding = _group("padding", 0.0)
+    mdi = {"mdi": [0.25, 0.5]}
+    kept, dropped = _group("kept", 0.5, att=mdi), _group("dropped", 1.0, att=mdi)
+    late, padding = _group("late", 0.0, att=mdi), _group("padding", 0.0, att=mdi)
     rollout = types.SimpleNamespace(
         groups=[padding, kept], real=[False, True], sampled=[dropped, kept, late]
     )
@@ -37,6 +39,8 @@ def test_samples_are_drawn_from_kept_then_filtered_groups(tmp_path):
         ("late.0", -1, False),
     ]
     logs = RunLogs(str(tmp_path), 2, samples=3, backends=())
+    tables = []
+    logs.trackers.log_table = lambda step, name, columns, rows: tables.append((columns, rows))
     extras = types.SimpleNamespace(advantages=np.array([0, 0, 0.7, -0.7]), token_weights=None)
     logs.markdown(1, [logs.sample_rows(rollout, extras, tokenizer=None)])
     logs.close()
@@ -44,6 +48,13 @@ def test_samples_are_drawn_from_kept_then_filtered_groups(tmp_path):
     heads = [line for line in text.splitlines() if line.startswith("### Sample")]
     assert heads == ["### Sample 0", "### Sample 1", "### Sample 2 (filtered)"]
     assert "| advantage | 0.700 |" in text and "| advantage | n/a |" in text
+    # the attention table and the trackers' table mark the filtered row too
+    att = (tmp_path / "attention_diagnostics.md").read_text().splitlines()
+    assert [line.split(" |")[0] for line in att if line.startswith("| ")][1:4] == [
+        "| 0", "| 1", "| 2 (filtered)"
+    ], att  # fmt: skip
+    ((columns, rows),) = tables
+    assert columns[-1] == "kept" and [r[-1] for r in rows] == [True, True, False]
     # without the sampled groups (an older caller): the batch's real groups, as before
     rollout = types.SimpleNamespace(groups=[padding, kept], real=[False, True])
     assert [d.row for d in draw_samples(rollout, 8)] == [2, 3]
