@@ -437,18 +437,20 @@ def pod_rows(stop: dict, prompt_starts: list, row_starts: list, pid: int) -> dic
 
 def sampler_info(sampler, out, times: dict, prefill_once: bool = True) -> dict:
     """A sampler call's figures for the rollout's metrics: the tokens it generated and its
-    rows, the seconds of its two programs (`times`: prefill_s, decode_s), its decode steps and
-    the rows x steps they ran (every row, or the sampler's slots, fewer where its loop
-    narrowed: `decode_work` in times)."""
+    rows (`out`: this process's), the seconds of its two programs (`times`: prefill_s,
+    decode_s), its decode steps and the rows x steps they ran (every row, or the sampler's
+    slots, fewer where its loop narrowed: `decode_work` in times); on a pod, whose call runs
+    every process's rows in one program, this process's share of them."""
     lengths = np.asarray(out.mask).sum(1)
     steps = float(out.steps)
-    rows = sampler.decode_rows(len(lengths), prefill_once)
+    n = jax.process_count()
+    rows = sampler.decode_rows(len(lengths) * n, prefill_once)  # the pod's (slots: global)
     return dict(
         times,
         tokens=float(lengths.sum()),
         rows=len(lengths),
         decode_steps=steps,
-        decode_work=float(times.get("decode_work", rows * steps)),
+        decode_work=float(times.get("decode_work", rows * steps)) / n,
     )
 
 

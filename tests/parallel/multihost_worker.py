@@ -90,7 +90,8 @@ def partial_on_pod(model, graphdef, host, pid: int) -> dict:
     process: the groups each step trained, the largest difference between a token's sampler
     log-prob and a teacher-forced pass of the version that sampled it (on this process's
     first device), the rows that spanned two versions, each step's metrics and the rows this
-    process carried after it."""
+    process carried after it, and each step's decode work (this process's share of the slots
+    x steps) and decode steps."""
     from jax.sharding import Mesh
 
     from jaxvrl.parallel import runtime as R
@@ -106,11 +107,12 @@ def partial_on_pod(model, graphdef, host, pid: int) -> dict:
     versions = [jax.tree.map(lambda x, v=v: x * np.float32(1 + 0.1 * v), host) for v in range(4)]
     partial = PartialRollouts(1, G, N, oversample=2.0, max_staleness=5)
     examples = example_stream(100 + pid)  # each process its own prompts
-    rows, trained, metrics, mixed = [], [], [], 0
+    rows, trained, metrics, mixed, work = [], [], [], 0, []
     for step in range(4):
         key = jax.random.fold_in(jax.random.key(0), step)
         ready = R.put_on_mesh(versions[step], shardings)
-        groups, _ = partial.generate(phase, ready, examples, key, step)
+        groups, info = partial.generate(phase, ready, examples, key, step)
+        work.append([info["decode_work"], info["decode_steps"]])
         carried = int(sum((f.length > 0).sum() for f in partial.flights))
         metrics.append(dict(partial.take_metrics(groups, step), carried_here=carried))
         trained.append(len(groups))
@@ -126,7 +128,7 @@ def partial_on_pod(model, graphdef, host, pid: int) -> dict:
         for r, (_, toks, v, lp) in enumerate(rows):
             at = v == ver
             err = max(err, float(np.abs(lp[at] - ref[r, : len(toks)][at]).max(initial=0.0)))
-    return {"trained": trained, "err": err, "mixed": mixed, "metrics": metrics}
+    return {"trained": trained, "err": err, "mixed": mixed, "metrics": metrics, "work": work}
 
 
 def packing_plans(model, mesh, pid: int) -> list:

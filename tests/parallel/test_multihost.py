@@ -123,6 +123,9 @@ def test_two_processes_match_one_device(tmp_path):
     carried = [m["rollout/carried_rows"] for m in pods[0]["metrics"]]
     assert carried == here.sum(0).tolist() and sum(carried) > 0, (carried, here)
     assert sum(p["mixed"] for p in pods) > 0  # rows spanned two versions
+    # the processes' shares of the decode work add up to the pod's 2 slots x its steps
+    work = np.asarray([p["work"] for p in pods])  # [process, step, (work, steps)]
+    np.testing.assert_array_equal(work[:, :, 0].sum(0), 2 * work[0, :, 1])
     # the markdown samples hold both processes' rows, in turn (process 0 wrote them)
     md = (tmp_path / "logs" / "rollout_results.md").read_text()
     order = [md.index(f"answer of process {p}, sample {j}") for j in range(2) for p in range(2)]
