@@ -264,10 +264,14 @@ def _run(c) -> dict:
         }
         ckpt.save(n, items)
 
+    # SIGTERM abandons a step's running reward calls on one host; on a pod the signal
+    # reaches the hosts at different times, and a host that stopped alone would save alone
+    # (a collective the others never join): there the rewards finish and the step's end
+    # stops every host at once (`stop_requested_everywhere`)
+    rewards_stop = (lambda: flag.requested) if jax.process_count() == 1 else None
+
     def sample(step: int, params, key, version: int | None = None):
-        return phase.run(
-            params, step, key, data, train_rows, stop=lambda: flag.requested, version=version
-        )
+        return phase.run(params, step, key, data, train_rows, stop=rewards_stop, version=version)
 
     try:
         for step in range(start, 0 if c.val_only else c.total_steps):

@@ -99,13 +99,15 @@ def gather_json(obj) -> list:
 
 
 def metrics_across_processes(m: dict, weight: float, sums=(), maxes=()) -> dict:
-    """Every process's host-side metrics combined (a collective with several processes; the
-    same keys on every process): the keys in `sums` add up, those in `maxes` take the
-    largest, the others are means weighted by each process's `weight` (the number of items
-    its values average), NaN values left out. A key that is NaN everywhere is dropped. Values
-    travel as float32 between processes."""
+    """Every process's host-side metrics combined (a collective with several processes): the
+    keys in `sums` add up, those in `maxes` take the largest, the others are means weighted
+    by each process's `weight` (the number of items its values average), NaN values left
+    out. A key some process lacks (a sub-score only some rows returned) counts as NaN there;
+    a key that is NaN everywhere is dropped. Values travel as float32 between processes."""
     keys = sorted(m)
-    vals = np.asarray([float(m[k]) for k in keys] + [float(weight)], np.float64)
+    if jax.process_count() > 1:  # the same keys in the same order on every process
+        keys = sorted({k for names in gather_json(keys) for k in names})
+    vals = np.asarray([float(m.get(k, np.nan)) for k in keys] + [float(weight)], np.float64)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -120,15 +120,17 @@ def entropies(groups: list[Group]) -> np.ndarray:
     return np.concatenate([zeros(x) if x.entropies is None else x.entropies for x in groups])
 
 
-def routes(groups: list[Group], prompt_width: int) -> np.ndarray | None:
+def routes(groups: list[Group], prompt_width: int, like: tuple | None = None) -> np.ndarray | None:
     """The groups' routes [rows, prompt_width + N, L', k], each group's prompt part
     left-padded to `prompt_width` as the collated prompts are (zeros on padding, and for a
-    group without routes); None where no group has any."""
+    group without routes). Where no group has any: zeros with like = ((L', k), dtype), the
+    routes the sampler records (a batch of padding groups alone still carries them, as every
+    process's part of a step's batch must), else None."""
     known = [x.routes for x in groups if x.routes is not None]
-    if not known:
+    if not known and like is None:
         return None
     n = groups[0].tokens.shape[1]
-    per_token, dtype = known[0].shape[2:], known[0].dtype
+    per_token, dtype = (known[0].shape[2:], known[0].dtype) if known else like
     out = np.zeros((sum(len(x.tokens) for x in groups), prompt_width + n, *per_token), dtype)
     row = 0
     for x in groups:

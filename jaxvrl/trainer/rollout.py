@@ -496,6 +496,9 @@ class RolloutPhase:
     # a reward model (trainer/reward_model.py: RewardModel): (prompts, completions) -> its
     # scores, the reward `model` with its `weight` in the total; None: none
     reward_model: Callable | None = None
+    # ((L', k), dtype) of the routes the sampler records (None: none): a batch of padding
+    # groups alone carries zeros, so that every process's part of a step's batch has them
+    routes: tuple | None = None
     # the rewards' calls (trainer/scoring.py: RewardScorer; None: `rewards` in-process, no
     # timeout); stop() -> whether to abandon them (SIGTERM), set by `run`
     scorer: RewardScorer | None = None
@@ -722,7 +725,7 @@ class RolloutPhase:
             baseline=np.concatenate([x.baseline for x in groups]).astype(np.float32),
             old_logprobs=np.concatenate([x.logprobs for x in groups]),
             old_entropy=entropies(groups) if self.sampler.cfg.entropies else None,
-            routes=group_routes(groups, prompts["input_ids"].shape[1]),
+            routes=group_routes(groups, prompts["input_ids"].shape[1], self.routes),
             masses=group_masses(groups, self.sampled_masses) if self.sampled_masses else None,
         )
 

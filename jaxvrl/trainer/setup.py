@@ -36,7 +36,7 @@ from jaxvrl.data.loader import make_dataset
 from jaxvrl.data.pipeline import collate, encode_rows
 from jaxvrl.data.rows import checkpoint_json_key, load_tokenizer
 from jaxvrl.models import load
-from jaxvrl.models.moe import sparse_layers
+from jaxvrl.models.moe import route_dtype, sparse_layers
 from jaxvrl.parallel import runtime
 from jaxvrl.parallel.sharding import row_shards
 from jaxvrl.plugins import LOAD_ERRORS
@@ -291,6 +291,13 @@ def records_routes(c, mcfg) -> bool:
     return any(sparse_layers(mcfg.text)) and not c.rollout.partial
 
 
+def route_layout(text_cfg) -> tuple:
+    """((L', k), dtype): the shape per token and the dtype of a rollout's recorded routes
+    (`steps.step_routes`), L' sparse layers of top-k experts."""
+    shape = (sum(sparse_layers(text_cfg)), text_cfg.num_experts_per_tok)
+    return shape, np.dtype(route_dtype(text_cfg.num_experts))
+
+
 def stop_token_ids(mcfg, tokenizer=None, model_dir: str | None = None) -> tuple[int, ...]:
     """The ids a completion ends at, as transformers' generate and vLLM stop: config.json's
     eos_token_id and those of the checkpoint's generation_config.json (Qwen2.5's Instruct
@@ -342,7 +349,7 @@ def rollout_slots(c, text_cfg, mesh=None, processes: int | None = None, hbm=None
     (the static sampler, which reads its cache in place everywhere). Their count: a slot per
     row of the step (every process's prompts_per_step x num_generations), or as many as keep
     the decode weights and every page within rollout.memory_fraction of a device's memory
-    (hbm: its bytes; default what the device reports, none on the CPU), a multiple of the
+    (hbm: its bytes; default `pod_memory`, none on the CPU), a multiple of the
     rollout's row groups where that leaves any."""
     r = c.rollout
     if r.slots != "auto":
@@ -355,8 +362,7 @@ def rollout_slots(c, text_cfg, mesh=None, processes: int | None = None, hbm=None
     processes = jax.process_count() if processes is None else processes
     g = r.num_generations
     rows = c.prompts_per_step * g * processes
-    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-    hbm = device_memory(device) if hbm is None else hbm
+    hbm = pod_memory(mesh) if hbm is None else hbm
     if not hbm:
         return rows
     # a device holds the decode weights over its tensor group and every page (pages split by
@@ -388,6 +394,20 @@ def rollout_slots(c, text_cfg, mesh=None, processes: int | None = None, hbm=None
     slots = min(rows, fit)
     groups = row_shards(mesh)
     return slots // groups * groups if slots >= groups else slots
+
+
+def pod_memory(mesh=None) -> int | None:
+    """A rollout device's memory in bytes: one of this process's on `mesh` (None: this
+    process's first device; another process's device reports nothing), on a pod the least
+    any process's reports, so that every process compiles the same slots; None where a
+    device reports none (the CPU)."""
+    own = [] if mesh is None else mesh.devices.flat
+    own = [d for d in own if d.process_index == jax.process_index()] or jax.local_devices()
+    hbm = device_memory(own[0])
+    if jax.process_count() == 1:
+        return hbm
+    every = runtime.gather_json(hbm)
+    return None if None in every else min(every)
 
 
 def device_memory(device) -> int | None:
@@ -611,6 +631,7 @@ def make_rollout_phase(
         mesh=mesh,
         accuracy=by_spec.get("mc_idx", by_spec.get("accuracy")),
         reward_model=reward_model(c, names, mesh),
+        routes=route_layout(model_config.text) if sampler.cfg.routes else None,
         partial=partial_rollouts(c, layers if stats else 0, sampler.cfg.entropies, sampler.mesh),
     )
 

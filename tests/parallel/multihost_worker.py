@@ -161,6 +161,42 @@ def packing_plans(model, mesh, pid: int) -> list:
     return same
 
 
+def slots_on_pod(model, mesh, pid: int) -> list:
+    """rollout.slots=auto on a pod whose devices report memory (as TPUs do; a stub here: a
+    device of this process reports 1x or 2x a size where the slots do not fit every row, a
+    device of the other process reports nothing): -> [the slots each process resolves, those
+    of the smaller size given]. Every process must compile the same slots."""
+    from unittest import mock
+
+    from jaxvrl.config import ConfigError, load_config
+    from jaxvrl.trainer import setup
+    from tests.parallel.common import ROOT
+
+    overrides = ["rollout.partial=true", "rollout.slots=auto", "model.dtype=float32"]
+    c = load_config(os.path.join(ROOT, "configs", "base.py"), overrides)
+    text = model.config.text
+    rows = setup.rollout_slots(c, text, mesh, hbm=0)  # no memory figure: a slot per row
+    low, high = 0, 2**40  # bisect for a size where 1 <= slots < rows (the same on both)
+    while True:
+        size = (low + high) // 2
+        try:
+            slots = setup.rollout_slots(c, text, mesh, hbm=size)
+        except ConfigError:  # not one slot fits
+            low = size
+            continue
+        if slots < rows:
+            break
+        high = size
+
+    def reported(device):
+        mine = device.process_index == jax.process_index()
+        return size * (1 + pid) if mine else None
+
+    with mock.patch.object(setup, "device_memory", reported):
+        got = setup.rollout_slots(c, text, mesh)
+    return [got, setup.rollout_slots(c, text, mesh, hbm=size)]
+
+
 def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import ml_collections
@@ -237,6 +273,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
         )
     narrowed = narrowing(model, graphdef, host, pid)
     plans = packing_plans(model, mesh, pid)
+    slots = slots_on_pod(model, mesh, pid)
     partial = partial_on_pod(model, graphdef, host, pid)
     after = gather(state.params)
     # every process writes its shards; then every process restores into the sharded target
@@ -275,6 +312,7 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                 "narrowed": narrowed,
                 "partial": partial,
                 "plans": plans,
+                "slots": slots,
                 "losses": losses,
                 "restored_equal": all(np.array_equal(after[k], back[k]) for k in after),
                 "restored_sharding": same_sharding,
@@ -291,6 +329,11 @@ def main(pid: int, port: int, ckpt_dir: str, out_dir: str) -> None:
                     {"a": pid + 1.0, "n_failures": 1.0, "attn/x": [float("nan"), 2.0][pid]},
                     weight=pid + 1,
                     sums={"n_failures"},
+                ),
+                # a sub-score that only one process's rows returned, one key more there
+                "uneven": R.metrics_across_processes(
+                    {"a": pid + 1.0, f"only{pid}": 5.0 + pid, **({"b": 7.0} if pid else {})},
+                    weight=1,
                 ),
                 "rng_equal": bool(
                     np.array_equal(rng_back, jax.random.key_data(jax.random.key(9)))

@@ -110,8 +110,11 @@ def test_two_processes_match_one_device(tmp_path):
         for same, diff, work, mine in r["narrowed"]:
             assert same and diff < 1e-5 and 21 <= work < 48 and mine == 4, r["narrowed"]
         assert r["plans"] == [True, True]  # packing plans in the mesh's row order
+        # rollout.slots=auto: the least memory any process's devices report, on both
+        assert r["slots"] == results[0]["slots"] and r["slots"][0] == r["slots"][1], r["slots"]
         want = {"a": 5.0 / 3.0, "n_failures": 2.0, "attn/x": 2.0}  # float32 on the wire
         assert r["metrics"] == pytest.approx(want, rel=1e-6)
+        assert r["uneven"] == {"a": 1.5, "only0": 5.0, "only1": 6.0, "b": 7.0}
     # partial rollouts over both processes: each trains its group every step, every token's
     # log-prob is its own prompt's under the version that sampled it (1e-4: a carried row's
     # prefill against one teacher-forced pass, test_partial.py), the metrics are the pod's

@@ -169,3 +169,21 @@ def test_replay_is_refused_without_experts_or_with_partial_rollouts(tmp_path):
         check_model_settings(c, M.load_config(tmp_path / "moe"))
     set_values(c, {"rollout.partial": False})  # the slots engine records routes too
     check_model_settings(c, M.load_config(tmp_path / "moe"))
+
+
+def test_a_batch_of_padding_groups_alone_carries_the_routes_the_sampler_records(tiny):
+    """Every process's part of a step's batch must have the same structure: where the filters
+    kept no group on one process, its batch still carries routes (zeros) of the layout the
+    sampler records (`setup.route_layout`), not None beside the others' arrays."""
+    from jaxvrl.trainer.groups import Group, routes
+    from jaxvrl.trainer.setup import route_layout
+
+    model, _, _, static = tiny
+    like = route_layout(model.config.text)
+    recorded = np.asarray(static.routes)
+    assert like == (recorded.shape[2:], recorded.dtype), (like, recorded.shape)
+    example = {"prompt_ids": [1, 2, 3]}
+    padding = [Group.padding(example, G, OWN["max_new_tokens"]) for _ in range(2)]
+    got = routes(padding, 7, like)
+    assert got.shape == (2 * G, 7 + OWN["max_new_tokens"], *like[0]) and got.dtype == like[1]
+    assert not got.any() and routes(padding, 7) is None
