@@ -218,19 +218,29 @@ def _run(c) -> dict:
         config={k: get(c, k) for k in flat_keys(c)},
     )
 
-    metrics = {}
-    if c.val_only or (start == 0 and c.val_before_train):
-        metrics = validate(sampling_params(state))
-        if start == 0:
-            logs.scalars(0, metrics, progress=False)
-        print(f"step {start}: {_short(metrics)}", flush=True)
-    maps = None
-    if c.logging.attention_samples:
-        n = c.logging.attention_samples
-        tokens = pool_token_ids(tokenizer, models.processor(model.config))
-        maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg, tokens)
-    compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxvrl-diagnostics")
+    # SIGTERM sets the flag from here: a notice during the first validation stops the run
+    # before its first step (on a pod jax.distributed's own handler took it, and the run went
+    # on to be killed unsaved)
     flag = PreemptionFlag()
+    metrics, maps = {}, None
+    try:
+        if c.val_only or (start == 0 and c.val_before_train):
+            metrics = validate(sampling_params(state))
+            if start == 0:
+                logs.scalars(0, metrics, progress=False)
+            print(f"step {start}: {_short(metrics)}", flush=True)
+        if c.logging.attention_samples:
+            n = c.logging.attention_samples
+            tokens = pool_token_ids(tokenizer, models.processor(model.config))
+            maps = AttentionMaps.build(sampler.graphdef, model.config, n, step_cfg, tokens)
+        last = start if c.val_only else c.total_steps
+        if last > start and stop_requested_everywhere(flag):
+            print(f"stopping before step {start + 1} (SIGTERM)", flush=True)
+            last = start
+    except BaseException:
+        flag.restore()
+        raise
+    compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxvrl-diagnostics")
     shapes = set()  # the train step's batch shapes (each compiles a program)
 
     # one-step-off training: (the next step's rollout, its train key, its policy version),
@@ -274,7 +284,7 @@ def _run(c) -> dict:
         return phase.run(params, step, key, data, train_rows, stop=rewards_stop, version=version)
 
     try:
-        for step in range(start, 0 if c.val_only else c.total_steps):
+        for step in range(start, last):
             t0 = time.time()
             done = step + 1
             step_rng = rng

@@ -197,6 +197,33 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert 2 <= step < 500
 
 
+def test_sigterm_during_the_first_validation_stops_before_the_first_step(
+    tmp_path, monkeypatch, capsys
+):
+    """The flag is set from the first validation on (before, the signal killed the process;
+    on a pod jax.distributed's handler took it and the run trained on, to be killed
+    unsaved): the run stops before its first step, with the validation logged."""
+    from jaxvrl import train
+
+    real = train.make_validate
+
+    def signalled(*args, **kwargs):
+        validate = real(*args, **kwargs)
+
+        def first(params):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return validate(params)
+
+        return first
+
+    monkeypatch.setattr(train, "make_validate", signalled)
+    handler = signal.getsignal(signal.SIGTERM)
+    run(tiny_config("configs/grpo.py", tmp_path, "total_steps=3"))
+    assert "stopping before step 1 (SIGTERM)" in capsys.readouterr().out
+    assert [r["step"] for r in _rows(tmp_path)] == [0]
+    assert signal.getsignal(signal.SIGTERM) is handler  # the flag is gone again
+
+
 def test_config_overrides_and_errors(tmp_path):
     path, overrides = parse_argv(
         [
