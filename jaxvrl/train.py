@@ -368,7 +368,8 @@ def _run(c) -> dict:
                 time.time() - t_start > c.time_budget_s
             )
             failed = runtime.any_process(failing is not None)
-            stop = stop_requested_everywhere(flag) or over_budget or failed or interrupted
+            signalled = stop_requested_everywhere(flag)  # on any host
+            stop = signalled or over_budget or failed or interrupted
             if stop or done == c.total_steps or (c.save_freq and done % c.save_freq == 0):
                 save(done, rng, rewind)
             if failed:  # after the checkpoint: one `error:` line, exit 2
@@ -376,7 +377,7 @@ def _run(c) -> dict:
             if exhausted is not None:
                 raise exhausted
             if stop:
-                why = "SIGTERM" if flag.requested else "time budget"
+                why = "SIGTERM" if signalled or interrupted else "time budget"
                 print(f"stopping at step {done} ({why}); checkpoint saved", flush=True)
                 break
     finally:
