@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxvrl.parallel.sharding import ROW_AXES, make_mesh, param_shardings
+from jaxvrl.parallel.sharding import ROW_AXES, constrain, make_mesh, param_shardings
 
 log = logging.getLogger("jaxvrl")
 
@@ -398,13 +398,17 @@ def jit_train_step(step, mesh: Mesh, state_shardings, ref_shardings=None):
     """`step` (state, ref_params, batch, rng) -> (state, metrics, extras), not jitted (e.g.
     `trainer.step.build_train_step(...)`), jitted for `mesh`: the state donated, the state's
     shardings in and out, the batch's taken from its arrays (see `place_batch`), metrics
-    replicated (they are logged). The step is traced under the mesh (`use_abstract_mesh`),
-    which turns on the model's activation constraints (`sharding.constrain`).
+    replicated (they are logged), extras (per-row values) split by row as the batch is. The
+    step is traced under the mesh (`use_abstract_mesh`), which turns on the model's
+    activation constraints (`sharding.constrain`).
     """
 
     def on_mesh(state, ref_params, batch, rng):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return step(state, ref_params, batch, rng)
+            state, metrics, extras = step(state, ref_params, batch, rng)
+            # per-row extras split by row as the batch came: each process reads back its own
+            extras = jax.tree.map(lambda x: constrain(x, ("batch",)), extras)
+        return state, metrics, extras
 
     rep = replicated(mesh)
     return jax.jit(
