@@ -84,14 +84,8 @@ def rollout_section(
     parts = {k: _row_values(v, n) for k, v in rewards.items()}
     lines = [f"## Step {step}", ""]
     for i in range(min(limit, n)):
-        lines += [
-            f"### Sample {i}{_mark(kept, i)}",
-            "",
-            "**Prompt:**",
-            "",
-            fenced(str(prompts[i])),
-            "",
-        ]
+        head = f"### Sample {i}{_mark(kept, i)}"
+        lines += [head, "", "**Prompt:**", "", fenced(str(prompts[i])), ""]
         lines += ["**Completion:**", "", fenced(str(completions[i])), ""]
         lines += ["| reward | value |", "|---|---|"]
         lines += [f"| {k} | {_num(v[i], 2)} |" for k, v in parts.items()]
