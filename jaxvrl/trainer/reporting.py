@@ -141,33 +141,23 @@ def evaluate(
     return out | {f"val/reward/{key}": t / c for key, (t, c) in sub_sums.items() if c}
 
 
-# the train step's counts: its other scalars are means over its completion tokens
-STEP_COUNTS = frozenset({"updates", "nonfinite", "critic_nonfinite", "policy_updated"})
-
-
 def step_scalars(rollout: Rollout, step_metrics: dict, step_time_s: float) -> dict:
     """The scalars of one step: the rollout's, the train step's under `train/` (unless
     already grouped, e.g. rollout/logprob_abs_diff_mean) and the headline names (loss, kl,
-    entropy, perception_token_fraction, ...) at the top level (docs/algorithms.md#metrics).
-    A step whose batch holds padding groups alone (the filters kept no group on any process)
-    trains no token: it logs the step's counts, not its token means as 0."""
+    entropy, perception_token_fraction, ...) at the top level (docs/algorithms.md#metrics)."""
     m = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-    trained = rollout.metrics.get("rollout/filled_fraction", 1.0) > 0
-    if not trained:
-        m = {k: v for k, v in m.items() if k in STEP_COUNTS}
     out = dict(rollout.metrics)
     # names with a group of their own (rollout/logprob_abs_diff_mean) keep it
     out.update({(k if "/" in k else f"train/{k}"): v for k, v in m.items()})
-    if trained:
-        out.update(
-            loss=m["loss"],
-            kl=m.get("kl", 0.0),
-            entropy=m["entropy"],
-            perception_token_fraction=m.get("perception_token_fraction", 1.0),
-            scaling_factor_mean=m.get("scaling_factor_mean", 1.0),
-            sensitivity_score_mean=m.get("sensitivity_score_mean", 0.0),
-        )
-    out["step_time_s"] = step_time_s
+    out.update(
+        loss=m["loss"],
+        kl=m.get("kl", 0.0),
+        entropy=m["entropy"],
+        perception_token_fraction=m.get("perception_token_fraction", 1.0),
+        scaling_factor_mean=m.get("scaling_factor_mean", 1.0),
+        sensitivity_score_mean=m.get("sensitivity_score_mean", 0.0),
+        step_time_s=step_time_s,
+    )
     return out
 
 

@@ -84,20 +84,3 @@ def test_per_token_advantages_show_their_mean_over_the_completions_tokens(tmp_pa
     logs.close()
     text = (tmp_path / "rollout_results.md").read_text()
     assert "| advantage | -0.100 |" in text and "| advantage | -0.600 |" in text
-
-
-def test_a_step_that_trained_no_group_logs_its_counts_not_token_means_of_0():
-    """With every group filtered out (padding groups alone, on every process) the step's
-    token means read 0: they are left out, its counts and the rollout's scalars kept."""
-    from jaxvrl.trainer.reporting import step_scalars
-
-    step = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0,
-            "rollout/logprob_abs_diff_mean": 0.0, "updates": 0.0, "nonfinite": 0.0}  # fmt: skip
-    for filled in (0.0, 0.5):
-        rollout = types.SimpleNamespace(metrics={"rollout/filled_fraction": filled, "x": 1.0})
-        got = step_scalars(rollout, step, 2.0)
-        means = {"loss", "entropy", "kl", "train/entropy", "train/clip_frac", "train/grad_norm"}
-        means |= {"rollout/logprob_abs_diff_mean", "perception_token_fraction"}
-        assert means <= set(got) if filled else not means & set(got), sorted(got)
-        assert got["train/updates"] == got["train/nonfinite"] == 0 and got["x"] == 1.0
-        assert got["step_time_s"] == 2.0 and got["rollout/filled_fraction"] == filled
