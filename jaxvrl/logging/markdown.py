@@ -103,8 +103,8 @@ def rollout_table(
     prompts, completions, rewards: dict, totals, advantages, limit: int = 8, kept=None
 ):
     """rollout_section's samples as a table for the trackers: -> (columns, rows), the columns
-    prompt, completion, each reward, total, advantage, and with `kept` (rollout_section's)
-    kept: whether the row is in the step's batch."""
+    prompt, completion, each reward, total, advantage, and where a row of `kept`
+    (rollout_section's) is not in the step's batch, kept: whether each row is."""
     n = min(limit, len(completions))
     cols = {k: _row_values(v, len(completions)) for k, v in rewards.items()}
     cols["total"] = _row_values(totals, len(completions))
@@ -113,7 +113,7 @@ def rollout_table(
         [str(prompts[i]), str(completions[i]), *(float(v[i]) for v in cols.values())]
         for i in range(n)
     ]
-    if kept is None:
+    if kept is None or all(kept[:n]):
         return ["prompt", "completion", *cols], rows
     return ["prompt", "completion", *cols, "kept"], [
         r + [bool(kept[i])] for i, r in enumerate(rows)

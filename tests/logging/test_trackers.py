@@ -128,12 +128,11 @@ def test_mlflow_receives_the_scalars_config_and_samples_and_a_resume_continues_i
     tables = [a.path for a in mlflow_store.list_artifacts(run_id, "rollouts")]
     assert tables == ["rollouts/step_000001.json", "rollouts/step_000003.json"]
     table = json.load(open(mlflow_store.download_artifacts(run_id, "rollouts/step_000003.json")))
-    want = ["prompt", "completion", "accuracy", "format", "total", "advantage", "kept"]
-    assert table["columns"] == want
+    assert table["columns"] == ["prompt", "completion", "accuracy", "format", "total", "advantage"]
     assert table["data"][:3] == [
-        ["question 0", "answer 3.0.0", 1.0, 0.5, 1.5, 0.7, True],
-        ["question 0", "answer 3.0.1", 0.0, 0.5, 0.5, -0.7, True],
-        ["question 1", "answer 3.1.0", 1.0, 0.5, 1.5, 0.1, True],
+        ["question 0", "answer 3.0.0", 1.0, 0.5, 1.5, 0.7],
+        ["question 0", "answer 3.0.1", 0.0, 0.5, 0.5, -0.7],
+        ["question 1", "answer 3.1.0", 1.0, 0.5, 1.5, 0.1],
     ]
 
 
@@ -251,7 +250,7 @@ def test_wandb_receives_the_scalars_config_and_samples_and_a_resume_continues_it
     assert names == {"grpo-run"}
     assert {k: config[k] for k in CONFIG} == {**CONFIG, "optim.betas": [0.9, 0.999]}
     assert_received({s: row for s, row in received.items() if row}, workdir)
-    assert tables == [(1, 7, 3), (3, 7, 3), (3, 7, 3)]  # step 3 again after the resume
+    assert tables == [(1, 6, 3), (3, 6, 3), (3, 6, 3)]  # step 3 again after the resume
 
 
 def tensorboard_scalars(logdir) -> dict:
@@ -333,7 +332,7 @@ def test_a_failing_backend_warns_once_and_leaves_the_run_and_its_logs_intact(
     assert kinds == ["start", "config", "scalars", "table", "scalars", "scalars", "table", "close"]
     assert Recorder.calls[0] == ("start", None, "grpo-run")
     assert Recorder.calls[1] == ("config", CONFIG)
-    assert Recorder.calls[3] == ("table", 1, "rollouts", ["prompt", "completion", "accuracy", "format", "total", "advantage", "kept"], 3)  # fmt: skip
+    assert Recorder.calls[3] == ("table", 1, "rollouts", ["prompt", "completion", "accuracy", "format", "total", "advantage"], 3)  # fmt: skip
     scalars = {c[1]: c[2] for c in Recorder.calls if c[0] == "scalars"}
     assert_received(scalars, tmp_path)
     assert_received(tensorboard_scalars(tmp_path / "tb"), tmp_path)

@@ -1,6 +1,6 @@
 """A logged step's samples come from all its groups: those in the batch first, then those the
 filters dropped, marked "(filtered)" in rollout_results.md with no advantage, and in
-attention_diagnostics.md and the trackers' table (a `kept` column)."""
+attention_diagnostics.md and the trackers' table (a `kept` column where any was dropped)."""
 
 from __future__ import annotations
 
