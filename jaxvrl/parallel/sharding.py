@@ -257,6 +257,13 @@ def row_shards(mesh: Mesh | None) -> int:
     return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ROW_AXES)
 
 
+def process_row_shards(mesh: Mesh | None, processes: int | None = None) -> int:
+    """The row shards one process's rows split over: `row_shards` over the `processes`
+    (default: this run's), at least 1."""
+    processes = jax.process_count() if processes is None else processes
+    return max(1, row_shards(mesh) // processes)
+
+
 def sequence_shards(mesh: Mesh | None) -> int:
     """How many ways a row's tokens are split: the "length" rule's mesh axis (1 without a
     mesh)."""

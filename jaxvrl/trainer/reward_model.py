@@ -32,7 +32,7 @@ from jaxvrl import models
 from jaxvrl.config import ConfigError
 from jaxvrl.data.rows import load_tokenizer
 from jaxvrl.parallel import runtime
-from jaxvrl.parallel.sharding import constrain, param_shardings, row_shards
+from jaxvrl.parallel.sharding import constrain, param_shardings, process_row_shards
 from jaxvrl.rl.rewards import RewardTally
 
 NAME = "model"  # the reward's name: reward/model, the markdown logs, the filters
@@ -145,7 +145,7 @@ class RewardModel:
         # every process runs the same program: the longest row of them all
         n = max(runtime.gather_json(n))
         length = max(MIN_LENGTH, 2 ** math.ceil(math.log2(max(n, 1))))
-        shards = 1 if self.mesh is None else max(1, row_shards(self.mesh) // jax.process_count())
+        shards = process_row_shards(self.mesh)
         rows = max(1, -(-len(ids) // shards) * shards)
         pad = pad_id(self.tokenizer)
         input_ids, mask = padded(ids, pad, rows, length)

@@ -38,7 +38,7 @@ from jaxvrl.data.rows import checkpoint_json_key, load_tokenizer
 from jaxvrl.models import load
 from jaxvrl.models.moe import route_dtype, sparse_layers
 from jaxvrl.parallel import runtime
-from jaxvrl.parallel.sharding import row_shards
+from jaxvrl.parallel.sharding import process_row_shards, row_shards
 from jaxvrl.plugins import LOAD_ERRORS
 from jaxvrl.remote import is_remote
 from jaxvrl.rl.rewards import (
@@ -375,7 +375,7 @@ def rollout_slots(c, text_cfg, mesh=None, processes: int | None = None, hbm=None
     ps = r.page_size
     own = -(-r.max_new_tokens // ps) * ps * position  # a slot's pages
     if r.partial:
-        width = call_width(c.prompts_per_step, r.oversample, max(1, row_shards(mesh) // processes))
+        width = call_width(c.prompts_per_step, r.oversample, process_row_shards(mesh, processes))
         length, prompts = c.data.max_prompt_length + r.max_new_tokens, width * g * processes
     else:
         length, prompts = c.data.max_prompt_length, c.prompts_per_step * processes
@@ -662,7 +662,7 @@ def partial_rollouts(c, layers: int, entropies: bool, mesh=None) -> PartialRollo
         max_staleness=c.rollout.max_staleness,
         entropies=entropies,
         layers=layers,
-        row_groups=max(1, row_shards(mesh) // jax.process_count()),
+        row_groups=process_row_shards(mesh),
     )
 
 
